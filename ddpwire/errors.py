@@ -1,0 +1,127 @@
+"""The exceptions ddpwire raises.
+
+Every error derives from :class:`DdpwireError`, so a training loop can catch
+one base class. Errors raised while talking to peers carry the context a user
+needs to act on them: which worker, which step, and what differed.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "DdpwireError",
+    "ProtocolError",
+    "FrameTooLarge",
+    "UnexpectedMessage",
+    "GradientMismatch",
+    "NonFiniteGradient",
+    "PeerLost",
+    "WorkerLost",
+    "CoordinatorLost",
+    "JoinTimeout",
+]
+
+
+class DdpwireError(Exception):
+    """Base of every error ddpwire raises.
+
+    ``worker_id`` and ``step`` are ``None`` where they are not known (for
+    example a malformed frame decoded outside a session).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: Optional[int] = None,
+        step: Optional[int] = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.step = step
+        context = []
+        if worker_id is not None:
+            context.append(f"worker {worker_id}")
+        if step is not None:
+            context.append(f"step {step}")
+        if context:
+            message = f"{message} ({', '.join(context)})"
+        super().__init__(message)
+
+
+class ProtocolError(DdpwireError, ValueError):
+    """Bytes that do not form a valid message: truncation, unknown tag, bad UTF-8,
+    a count that overflows, bytes after the last field, an oversized frame."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame whose length prefix exceeds the configured limit (checked before
+    anything is allocated)."""
+
+    def __init__(self, length: int, limit: int, **context: Optional[int]) -> None:
+        self.length = length
+        self.limit = limit
+        super().__init__(f"frame too large: {length} bytes (limit {limit})", **context)
+
+
+class UnexpectedMessage(ProtocolError):
+    """A well-formed message of the wrong type at this point of the session."""
+
+    def __init__(self, expected: str, got: str, **context: Optional[int]) -> None:
+        self.expected = expected
+        self.got = got
+        super().__init__(f"expected {expected}, got {got}", **context)
+
+
+class GradientMismatch(ProtocolError):
+    """A gradient message whose step, block_idx, component, length or component
+    sizes differ from what the receiver expects."""
+
+    def __init__(self, field: str, expected: object, got: object, **context: Optional[int]) -> None:
+        self.field = field
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{field} mismatch: expected {expected}, got {got}", **context)
+
+
+class NonFiniteGradient(DdpwireError, ValueError):
+    """A NaN or +/-inf in a gradient. Training halts: nothing is broadcast.
+
+    ``input`` is the position of the offending buffer among the inputs (for the
+    coordinator, the worker_id) and ``index`` the element index inside it.
+    """
+
+    def __init__(
+        self,
+        input: int,
+        index: int,
+        value: float,
+        *,
+        worker_id: Optional[int] = None,
+        step: Optional[int] = None,
+    ) -> None:
+        self.input = input
+        self.index = index
+        self.value = value
+        where = f"input {input}" if worker_id is None else "gradient"
+        super().__init__(
+            f"non-finite gradient: {value!r} at element {index} of {where}",
+            worker_id=worker_id,
+            step=step,
+        )
+
+
+class PeerLost(DdpwireError, ConnectionError):
+    """The peer disconnected, or stayed silent past the timeout."""
+
+
+class WorkerLost(PeerLost):
+    """A worker disconnected or stayed silent past the timeout."""
+
+
+class CoordinatorLost(PeerLost):
+    """The coordinator disconnected or stayed silent past the timeout."""
+
+
+class JoinTimeout(DdpwireError, TimeoutError):
+    """Not every expected worker joined (or the coordinator never answered)
+    before the join deadline."""
