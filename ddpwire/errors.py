@@ -19,6 +19,7 @@ __all__ = [
     "WorkerLost",
     "CoordinatorLost",
     "JoinTimeout",
+    "ShutdownDuringReduce",
 ]
 
 
@@ -125,3 +126,7 @@ class CoordinatorLost(PeerLost):
 class JoinTimeout(DdpwireError, TimeoutError):
     """Not every expected worker joined (or the coordinator never answered)
     before the join deadline."""
+
+
+class ShutdownDuringReduce(DdpwireError):
+    """The coordinator sent Shutdown while this worker waited for an average."""

@@ -1,0 +1,439 @@
+/* net.c: see net.h. */
+#if !defined(_WIN32)
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+#if defined(__APPLE__) && !defined(_DARWIN_C_SOURCE)
+#define _DARWIN_C_SOURCE
+#endif
+#endif
+
+#include "net.h"
+#include "reduce.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "ddpwire receives float32 elements in place and needs a little-endian host"
+#endif
+
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0 /* macOS: CPython ignores SIGPIPE, so EPIPE comes back instead */
+#endif
+
+/* Largest slice reduced at once: small enough that the accumulator stays in
+ * cache across the n passes over it. */
+#define DDPW_REDUCE_SLICE ((size_t)64 * 1024)
+
+/* Wait until fd is ready for events; 1 ready, else a DDPW_NET_* code. */
+static int wait_fd(int fd, short events, int timeout_ms, int *err)
+{
+    struct pollfd p;
+    int rc;
+    p.fd = fd;
+    p.events = events;
+    p.revents = 0;
+    rc = poll(&p, 1, timeout_ms);
+    if (rc > 0)
+        return 1;
+    if (rc == 0)
+        return DDPW_NET_TIMEOUT;
+    if (errno == EINTR)
+        return DDPW_NET_EINTR;
+    *err = errno;
+    return DDPW_NET_ERRNO;
+}
+
+int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
+                       int timeout_ms, int *err)
+{
+    uint8_t *p = (uint8_t *)buf;
+    while (*done < len) {
+        ssize_t got = recv(fd, p + *done, len - *done, MSG_DONTWAIT);
+        if (got > 0) {
+            *done += (size_t)got;
+            continue;
+        }
+        if (got == 0)
+            return DDPW_NET_EOF;
+        if (errno == EINTR)
+            return DDPW_NET_EINTR;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            *err = errno;
+            return DDPW_NET_ERRNO;
+        }
+        {
+            int rc = wait_fd(fd, POLLIN, timeout_ms, err);
+            if (rc != 1)
+                return rc;
+        }
+    }
+    return DDPW_NET_OK;
+}
+
+/* Skip the first `skip` bytes of iov into a private copy (at most 8 entries). */
+static int iov_advance(const struct iovec *iov, int iovcnt, size_t skip,
+                       struct iovec *out)
+{
+    int k = 0, i;
+    for (i = 0; i < iovcnt; i++) {
+        size_t len = iov[i].iov_len;
+        if (skip >= len) {
+            skip -= len;
+            continue;
+        }
+        out[k].iov_base = (uint8_t *)iov[i].iov_base + skip;
+        out[k].iov_len = len - skip;
+        skip = 0;
+        k++;
+    }
+    return k;
+}
+
+static size_t iov_total(const struct iovec *iov, int iovcnt)
+{
+    size_t t = 0;
+    int i;
+    for (i = 0; i < iovcnt; i++)
+        t += iov[i].iov_len;
+    return t;
+}
+
+#define DDPW_MAX_IOV 8
+
+/* One non-blocking sendmsg of what is left: 1 progress or all sent,
+ * 0 would block, else a DDPW_NET_* code. */
+static int send_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
+                     size_t *done, int *err)
+{
+    struct iovec rest[DDPW_MAX_IOV];
+    struct msghdr msg;
+    ssize_t sent;
+    if (*done >= total)
+        return 1;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = rest;
+    msg.msg_iovlen = iov_advance(iov, iovcnt, *done, rest);
+    sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent >= 0) {
+        *done += (size_t)sent;
+        return 1;
+    }
+    if (errno == EINTR)
+        return DDPW_NET_EINTR;
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return 0;
+    if (errno == EPIPE || errno == ECONNRESET)
+        return DDPW_NET_EOF;
+    *err = errno;
+    return DDPW_NET_ERRNO;
+}
+
+int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
+                     int timeout_ms, int *err)
+{
+    size_t total;
+    if (iovcnt < 0 || iovcnt > DDPW_MAX_IOV)
+        return DDPW_NET_NOMEM;
+    total = iov_total(iov, iovcnt);
+    while (*done < total) {
+        int rc = send_some(fd, iov, iovcnt, total, done, err);
+        if (rc < 0)
+            return rc;
+        if (rc == 0) {
+            rc = wait_fd(fd, POLLOUT, timeout_ms, err);
+            if (rc != 1)
+                return rc;
+        }
+    }
+    return DDPW_NET_OK;
+}
+
+int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int iovcnt,
+                      size_t *done, int timeout_ms, size_t *failed, int *err)
+{
+    struct pollfd *pfd;
+    size_t *map;
+    size_t total, i;
+    int result = DDPW_NET_OK;
+    if (iovcnt < 0 || iovcnt > DDPW_MAX_IOV)
+        return DDPW_NET_NOMEM;
+    if (n == 0)
+        return DDPW_NET_OK;
+    if (n > SIZE_MAX / sizeof *pfd || n > SIZE_MAX / sizeof *map)
+        return DDPW_NET_NOMEM;
+    pfd = (struct pollfd *)malloc(n * sizeof *pfd);
+    map = (size_t *)malloc(n * sizeof *map);
+    if (pfd == NULL || map == NULL) {
+        free(pfd);
+        free(map);
+        return DDPW_NET_NOMEM;
+    }
+    total = iov_total(iov, iovcnt);
+    for (;;) {
+        nfds_t k = 0;
+        int rc;
+        for (i = 0; i < n; i++) {
+            if (done[i] >= total)
+                continue;
+            rc = send_some(fds[i], iov, iovcnt, total, &done[i], err);
+            if (rc < 0) {
+                *failed = i;
+                result = rc;
+                goto out;
+            }
+            if (done[i] < total) {
+                pfd[k].fd = fds[i];
+                pfd[k].events = POLLOUT;
+                pfd[k].revents = 0;
+                map[k] = i;
+                k++;
+            }
+        }
+        if (k == 0)
+            break;
+        rc = poll(pfd, k, timeout_ms);
+        if (rc == 0) {
+            *failed = map[0];
+            result = DDPW_NET_TIMEOUT;
+            break;
+        }
+        if (rc < 0) {
+            if (errno == EINTR) {
+                result = DDPW_NET_EINTR;
+            } else {
+                *err = errno;
+                *failed = map[0];
+                result = DDPW_NET_ERRNO;
+            }
+            break;
+        }
+    }
+out:
+    free(pfd);
+    free(map);
+    return result;
+}
+
+/* ---- streaming reduce ---- */
+
+int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
+                        size_t tail_len, size_t ring_bytes)
+{
+    size_t i;
+    memset(st, 0, sizeof *st);
+    if (n == 0 || grad_bytes % 4 != 0 || ring_bytes < 4)
+        return DDPW_NET_NOMEM;
+    ring_bytes -= ring_bytes % 4; /* element-aligned wrap points */
+    if (ring_bytes > grad_bytes && grad_bytes > 0)
+        ring_bytes = grad_bytes;
+    if (ring_bytes == 0)
+        ring_bytes = 4;
+    st->n = n;
+    st->grad_bytes = grad_bytes;
+    st->tail_len = tail_len;
+    st->ring_bytes = ring_bytes;
+    st->recv = (size_t *)calloc(n, sizeof *st->recv);
+    st->rings = (uint8_t **)calloc(n, sizeof *st->rings);
+    st->bad_index = (int64_t *)malloc(n * sizeof *st->bad_index);
+    st->bad_value = (float *)calloc(n, sizeof *st->bad_value);
+    if (st->recv == NULL || st->rings == NULL || st->bad_index == NULL || st->bad_value == NULL)
+        goto fail;
+    for (i = 0; i < n; i++) {
+        st->bad_index[i] = -1;
+        if (i > 0) {
+            st->rings[i] = (uint8_t *)malloc(ring_bytes);
+            if (st->rings[i] == NULL)
+                goto fail;
+        }
+    }
+    return DDPW_NET_OK;
+fail:
+    ddpw_net_reduce_free(st);
+    return DDPW_NET_NOMEM;
+}
+
+void ddpw_net_reduce_free(ddpw_net_reduce_state *st)
+{
+    size_t i;
+    if (st->rings != NULL)
+        for (i = 0; i < st->n; i++)
+            free(st->rings[i]);
+    free(st->rings);
+    free(st->recv);
+    free(st->bad_index);
+    free(st->bad_value);
+    memset(st, 0, sizeof *st);
+}
+
+static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+/* Where the next bytes of socket i go, and how many fit: 0 when its window
+ * is full (it must wait for the others) or its stream is complete. */
+static size_t recv_window(const ddpw_net_reduce_state *st, size_t i, float *out,
+                          uint8_t *tails, uint8_t **dst)
+{
+    size_t pos = st->recv[i];
+    if (pos < st->grad_bytes) {
+        size_t limit;
+        if (i == 0) {
+            *dst = (uint8_t *)out + pos;
+            return st->grad_bytes - pos;
+        }
+        /* the ring holds stream bytes [reduced, reduced + ring_bytes) */
+        limit = min_sz(st->grad_bytes, st->reduced + st->ring_bytes);
+        if (pos >= limit)
+            return 0;
+        *dst = st->rings[i] + pos % st->ring_bytes;
+        return min_sz(limit - pos, st->ring_bytes - pos % st->ring_bytes);
+    }
+    pos -= st->grad_bytes;
+    if (pos >= st->tail_len)
+        return 0;
+    *dst = tails + i * st->tail_len + pos;
+    return st->tail_len - pos;
+}
+
+static void note_bad(ddpw_net_reduce_state *st, size_t i, size_t elem,
+                     const float *src, int64_t found)
+{
+    if (found >= 0 && st->bad_index[i] < 0) {
+        st->bad_index[i] = (int64_t)elem + found;
+        st->bad_value[i] = src[found];
+    }
+}
+
+/* Reduce stream bytes [from, to) of every socket into out. */
+static void reduce_range(ddpw_net_reduce_state *st, float *out, size_t from, size_t to)
+{
+    const float divisor = (float)st->n;
+    while (from < to) {
+        size_t off = from % st->ring_bytes;
+        size_t len = min_sz(min_sz(to - from, DDPW_REDUCE_SLICE), st->ring_bytes - off);
+        size_t elem = from / 4, count = len / 4, i;
+        float *acc = out + elem;
+        if (!st->nonfinite) {
+            /* socket 0's elements were received into out: check them before
+             * anything is added to them */
+            note_bad(st, 0, elem, acc, ddp_first_non_finite(acc, count));
+            for (i = 1; i < st->n; i++) {
+                const float *src = (const float *)(st->rings[i] + off);
+                note_bad(st, i, elem, src, ddp_accumulate(acc, src, count));
+            }
+            for (i = 0; i < st->n; i++)
+                if (st->bad_index[i] >= 0)
+                    st->nonfinite = 1;
+            if (!st->nonfinite)
+                ddp_scale(acc, divisor, count);
+        } else {
+            /* halted: keep draining, and find each socket's first bad element */
+            for (i = 0; i < st->n; i++) {
+                const float *src = i == 0 ? acc : (const float *)(st->rings[i] + off);
+                if (st->bad_index[i] < 0)
+                    note_bad(st, i, elem, src, ddp_first_non_finite(src, count));
+            }
+        }
+        from += len;
+    }
+}
+
+int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+                          uint8_t *tails, int timeout_ms, size_t *failed, int *err)
+{
+    const size_t n = st->n, stream_len = st->grad_bytes + st->tail_len;
+    struct pollfd *pfd;
+    size_t *map;
+    int result = DDPW_NET_OK;
+    if (n > SIZE_MAX / sizeof *pfd || n > SIZE_MAX / sizeof *map)
+        return DDPW_NET_NOMEM;
+    pfd = (struct pollfd *)malloc(n * sizeof *pfd);
+    map = (size_t *)malloc(n * sizeof *map);
+    if (pfd == NULL || map == NULL) {
+        free(pfd);
+        free(map);
+        return DDPW_NET_NOMEM;
+    }
+    for (;;) {
+        size_t i, frontier = st->grad_bytes;
+        nfds_t k = 0;
+        int rc, complete = 1;
+        /* take what every socket has ready, without blocking */
+        for (i = 0; i < n; i++) {
+            for (;;) {
+                uint8_t *dst = NULL;
+                size_t room = recv_window(st, i, out, tails, &dst);
+                ssize_t got;
+                if (room == 0)
+                    break;
+                got = recv(fds[i], dst, room, MSG_DONTWAIT);
+                if (got > 0) {
+                    st->recv[i] += (size_t)got;
+                    continue;
+                }
+                if (got == 0) {
+                    *failed = i;
+                    result = DDPW_NET_EOF;
+                    goto out;
+                }
+                if (errno == EINTR) {
+                    result = DDPW_NET_EINTR;
+                    goto out;
+                }
+                if (errno == EAGAIN || errno == EWOULDBLOCK)
+                    break;
+                *err = errno;
+                *failed = i;
+                result = DDPW_NET_ERRNO;
+                goto out;
+            }
+            frontier = min_sz(frontier, st->recv[i] - st->recv[i] % 4);
+        }
+        if (frontier > st->reduced) {
+            reduce_range(st, out, st->reduced, frontier);
+            st->reduced = frontier;
+        }
+        /* wait for the sockets that still owe bytes and have room for them */
+        for (i = 0; i < n; i++) {
+            uint8_t *dst = NULL;
+            if (st->recv[i] < stream_len)
+                complete = 0;
+            if (recv_window(st, i, out, tails, &dst) == 0)
+                continue;
+            pfd[k].fd = fds[i];
+            pfd[k].events = POLLIN;
+            pfd[k].revents = 0;
+            map[k] = i;
+            k++;
+        }
+        if (complete && st->reduced == st->grad_bytes)
+            break;
+        if (k == 0)
+            continue; /* windows reopened by the reduction above */
+        rc = poll(pfd, k, timeout_ms);
+        if (rc == 0) {
+            *failed = map[0];
+            result = DDPW_NET_TIMEOUT;
+            goto out;
+        }
+        if (rc < 0) {
+            if (errno == EINTR) {
+                result = DDPW_NET_EINTR;
+            } else {
+                *err = errno;
+                *failed = map[0];
+                result = DDPW_NET_ERRNO;
+            }
+            goto out;
+        }
+    }
+    if (st->nonfinite)
+        result = DDPW_NET_NONFINITE;
+out:
+    free(pfd);
+    free(map);
+    return result;
+}

@@ -1,0 +1,81 @@
+/* net.h: blocking-with-timeout socket I/O for ddpwire, callable without the GIL.
+ *
+ * Every call takes an inactivity timeout in milliseconds: it fails with
+ * DDPW_NET_TIMEOUT only when no byte moved for that long, so a slow but live
+ * peer streaming a large gradient is never cut off, while a silent one is.
+ * Sockets are expected in non-blocking mode; waiting is done with poll().
+ *
+ * EINTR is not retried here: the call returns DDPW_NET_EINTR with its progress
+ * saved in the caller's cursor, so the Python glue can run signal handlers
+ * (Ctrl-C) with the GIL held and then call again to resume.
+ */
+#ifndef DDPW_NET_H
+#define DDPW_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+enum {
+    DDPW_NET_OK = 0,
+    DDPW_NET_TIMEOUT = -1,  /* no progress within the timeout */
+    DDPW_NET_EOF = -2,      /* the peer closed the connection */
+    DDPW_NET_EINTR = -3,    /* interrupted by a signal; call again to resume */
+    DDPW_NET_ERRNO = -4,    /* a system error; see the errno out-parameter */
+    DDPW_NET_NOMEM = -5,
+    DDPW_NET_NONFINITE = -6 /* ddpw_net_reduce_stream: data received, non-finite found */
+};
+
+/* Receive exactly len bytes into buf, resuming from *done.
+ * On return *done holds the bytes received so far (also on error). */
+int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
+                       int timeout_ms, int *err);
+
+/* Send the concatenation of iov[0..iovcnt) with scatter-gather writes,
+ * resuming from byte offset *done of that concatenation. */
+int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
+                     int timeout_ms, int *err);
+
+/* Send the same iovec list to n sockets at once, each polled for writability
+ * so a slow reader does not hold the others back. done[i] is the per-socket
+ * cursor; on failure *failed is the index of the socket that failed. */
+int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int iovcnt,
+                      size_t *done, int timeout_ms, size_t *failed, int *err);
+
+/* Streaming average of one gradient vector arriving on n sockets.
+ *
+ * Each socket i carries grad_bytes bytes of little-endian float32 elements
+ * followed by tail_len bytes (the fields after the gradients), which land in
+ * tails + i * tail_len. Socket 0's elements are received straight into out;
+ * the others go through a per-socket ring of ring_bytes, and every element
+ * range that all sockets have delivered is reduced at once: out += src in
+ * socket order, then out /= n. The result is therefore bit-identical to
+ * summing whole vectors in socket order and dividing by n, whatever the
+ * arrival pattern, with memory of one vector plus n small rings.
+ *
+ * A non-finite value does not stop the receive (the streams are drained, so
+ * the sessions stay in step); reduction stops, and bad_index[i] receives the
+ * first non-finite element index of socket i, or -1, for every socket, and
+ * bad_value[i] the value found there.
+ * The function then returns DDPW_NET_NONFINITE.
+ *
+ * On a failure *failed is the socket index; progress is kept in state so an
+ * EINTR return can be resumed by calling again with the same state. */
+typedef struct ddpw_net_reduce_state {
+    size_t n;
+    size_t grad_bytes, tail_len, ring_bytes;
+    size_t *recv;        /* per socket: bytes of the stream received */
+    size_t reduced;      /* bytes of every stream reduced into out */
+    uint8_t **rings;     /* per socket (index 0 unused) */
+    int64_t *bad_index;  /* per socket */
+    float *bad_value;    /* per socket: the value at bad_index */
+    int nonfinite;
+} ddpw_net_reduce_state;
+
+int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
+                        size_t tail_len, size_t ring_bytes);
+void ddpw_net_reduce_free(ddpw_net_reduce_state *st);
+int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+                          uint8_t *tails, int timeout_ms, size_t *failed, int *err);
+
+#endif

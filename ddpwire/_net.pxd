@@ -1,0 +1,42 @@
+# Declarations mirroring csrc/net.h.
+from libc.stdint cimport uint8_t, int64_t
+
+cdef extern from "<sys/uio.h>":
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+
+cdef extern from "net.h" nogil:
+    enum:
+        DDPW_NET_OK
+        DDPW_NET_TIMEOUT
+        DDPW_NET_EOF
+        DDPW_NET_EINTR
+        DDPW_NET_ERRNO
+        DDPW_NET_NOMEM
+        DDPW_NET_NONFINITE
+
+    int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
+                           int timeout_ms, int *err)
+    int ddpw_net_send_iov(int fd, const iovec *iov, int iovcnt, size_t *done,
+                         int timeout_ms, int *err)
+    int ddpw_net_send_many(const int *fds, size_t n, const iovec *iov, int iovcnt,
+                          size_t *done, int timeout_ms, size_t *failed, int *err)
+
+    ctypedef struct ddpw_net_reduce_state:
+        size_t n
+        size_t grad_bytes
+        size_t tail_len
+        size_t ring_bytes
+        size_t *recv
+        size_t reduced
+        uint8_t **rings
+        int64_t *bad_index
+        float *bad_value
+        int nonfinite
+
+    int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
+                            size_t tail_len, size_t ring_bytes)
+    void ddpw_net_reduce_free(ddpw_net_reduce_state *st)
+    int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+                              uint8_t *tails, int timeout_ms, size_t *failed, int *err)

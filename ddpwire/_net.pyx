@@ -1,0 +1,360 @@
+# cython: language_level=3
+"""GIL-free socket I/O: scatter-gather sends, receives straight into the
+caller's buffers, and the coordinator's streaming reduce over many sockets.
+
+Every call here takes an inactivity timeout: it fails only when no byte moved
+for that long. A signal (Ctrl-C) interrupts a blocked call: the C side
+returns, the handlers run with the GIL held, and the call resumes where it
+stopped unless a handler raised.
+"""
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
+from libc.stdint cimport uint8_t, int64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport strcmp
+from libc.errno cimport errno
+import os
+import socket as _socket
+
+from .errors import PeerLost, DdpwireError
+
+cdef extern from "Python.h":
+    int PyErr_CheckSignals() except -1
+
+cdef enum:
+    MAX_PARTS = 8
+
+
+cdef int timeout_ms(object timeout) except? -2:
+    """Seconds (float) to poll()'s milliseconds; None is not accepted: every
+    blocking call in ddpwire has a deadline."""
+    if timeout is None:
+        raise ValueError("timeout must be a number of seconds, not None")
+    t = float(timeout)
+    if t < 0:
+        raise ValueError(f"timeout must be >= 0, got {timeout!r}")
+    if t * 1000.0 > 2147483647:
+        return 2147483647
+    return <int>(t * 1000.0 + 0.5)
+
+
+cdef class _Buffer:
+    """A held buffer-protocol view, released with the object."""
+    cdef Py_buffer view
+    cdef bint held
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+
+cdef _Buffer get_float32(object obj, str name, bint writable):
+    """Hold obj's buffer after checking it is C-contiguous float32; name is the
+    argument reported in the TypeError."""
+    cdef _Buffer b = _Buffer()
+    cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+    if writable:
+        flags |= PyBUF_WRITABLE
+    try:
+        PyObject_GetBuffer(obj, &b.view, flags)
+    except (TypeError, BufferError) as exc:
+        need = "a writable C-contiguous float32 buffer" if writable else "a C-contiguous float32 buffer"
+        raise TypeError(f"{name}: expected {need} (numpy float32 array, torch CPU tensor .numpy(), "
+                        f"memoryview or array.array('f')), got {type(obj).__name__} ({exc})") from None
+    b.held = True
+    fmt = b.view.format
+    if b.view.itemsize != 4 or fmt is NULL or not (
+            strcmp(fmt, b"f") == 0 or strcmp(fmt, b"<f") == 0 or strcmp(fmt, b"=f") == 0):
+        got = (<bytes>fmt).decode("ascii", "replace") if fmt is not NULL else "bytes"
+        raise TypeError(f"{name}: expected float32 elements, got format {got!r} "
+                        f"with itemsize {b.view.itemsize}")
+    return b
+
+
+cdef _Buffer get_bytes(object obj, str name):
+    cdef _Buffer b = _Buffer()
+    try:
+        PyObject_GetBuffer(obj, &b.view, PyBUF_ANY_CONTIGUOUS)
+    except (TypeError, BufferError):
+        raise TypeError(f"{name}: expected a contiguous bytes-like object, got {type(obj).__name__}") from None
+    b.held = True
+    return b
+
+
+cdef class Connection:
+    """One TCP connection to a peer, with the peer's identity for error messages.
+
+    ``lost`` is the PeerLost subclass raised when the peer disconnects or stays
+    silent (WorkerLost on the coordinator's side, CoordinatorLost on a worker's).
+    """
+    cdef readonly object sock
+    cdef readonly int fd
+    cdef public object peer_id
+    cdef public object lost
+    cdef public str peer_name
+
+    def __init__(self, sock, *, peer_id=None, lost=PeerLost, peer_name="peer"):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer_id = peer_id
+        self.lost = lost
+        self.peer_name = peer_name
+        # Small frames (shard assignments, heads) must not wait for Nagle.
+        sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+
+    def fileno(self):
+        return self.fd
+
+    def close(self):
+        if self.fd >= 0:
+            self.fd = -1
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    cdef fail(self, int rc, int err, object step, str what, int ms):
+        if rc == DDPW_NET_TIMEOUT:
+            raise self.lost(f"{self.peer_name} silent for {ms / 1000.0:g} s while {what}",
+                            worker_id=self.peer_id, step=step)
+        if rc == DDPW_NET_EOF:
+            raise self.lost(f"{self.peer_name} disconnected while {what}",
+                            worker_id=self.peer_id, step=step)
+        if rc == DDPW_NET_NOMEM:
+            raise MemoryError(what)
+        raise self.lost(f"{self.peer_name} connection failed while {what}: {os.strerror(err)}",
+                        worker_id=self.peer_id, step=step)
+
+    cdef check_open(self):
+        if self.fd < 0:
+            raise self.lost(f"{self.peer_name} connection is closed", worker_id=self.peer_id)
+
+    def recv_into(self, buf, timeout, *, step=None, str what="receiving"):
+        """Fill the whole writable buffer ``buf`` from the socket (GIL released)."""
+        cdef _Buffer b = get_bytes(buf, "buf")
+        cdef size_t done = 0
+        cdef int err = 0, rc, ms = timeout_ms(timeout)
+        if b.view.readonly:
+            raise TypeError("buf: expected a writable buffer")
+        self.check_open()
+        while True:
+            with nogil:
+                rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc != DDPW_NET_OK:
+                self.fail(rc, err, step, f"{what} ({done} of {b.view.len} bytes)", ms)
+            return
+
+    def recv_exact(self, Py_ssize_t n, timeout, *, step=None, str what="receiving"):
+        """Receive exactly n bytes and return them."""
+        out = bytearray(n)
+        self.recv_into(out, timeout, step=step, what=what)
+        return bytes(out)
+
+    def send_parts(self, parts, timeout, *, step=None, str what="sending"):
+        """Send the concatenation of ``parts`` (bytes-like objects, at most 8)
+        with scatter-gather writes: no part is copied (GIL released)."""
+        cdef iovec iov[MAX_PARTS]
+        cdef int k = 0, err = 0, rc, ms = timeout_ms(timeout)
+        cdef size_t done = 0
+        cdef list held = []
+        cdef _Buffer b
+        for part in parts:
+            if part is None:
+                continue
+            if k == MAX_PARTS:
+                raise ValueError(f"at most {MAX_PARTS} parts per send")
+            b = get_bytes(part, "part")
+            held.append(b)
+            iov[k].iov_base = b.view.buf
+            iov[k].iov_len = <size_t>b.view.len
+            k += 1
+        self.check_open()
+        while True:
+            with nogil:
+                rc = ddpw_net_send_iov(self.fd, iov, k, &done, ms, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc != DDPW_NET_OK:
+                self.fail(rc, err, step, what, ms)
+            return
+
+
+def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting"):
+    """Send the same parts to every connection at once (GIL released): each
+    socket is written as soon as it can take bytes, so one slow reader does
+    not serialise the broadcast."""
+    cdef iovec iov[MAX_PARTS]
+    cdef int k = 0, err = 0, rc, ms = timeout_ms(timeout)
+    cdef size_t n = len(conns), failed = 0, i
+    cdef list held = []
+    cdef _Buffer b
+    cdef Connection c
+    cdef int *fds = NULL
+    cdef size_t *done = NULL
+    for part in parts:
+        if part is None:
+            continue
+        if k == MAX_PARTS:
+            raise ValueError(f"at most {MAX_PARTS} parts per send")
+        b = get_bytes(part, "part")
+        held.append(b)
+        iov[k].iov_base = b.view.buf
+        iov[k].iov_len = <size_t>b.view.len
+        k += 1
+    if n == 0:
+        return
+    fds = <int *>malloc(n * sizeof(int))
+    done = <size_t *>malloc(n * sizeof(size_t))
+    try:
+        if fds is NULL or done is NULL:
+            raise MemoryError()
+        for i in range(n):
+            c = conns[i]
+            c.check_open()
+            fds[i] = c.fd
+            done[i] = 0
+        while True:
+            with nogil:
+                rc = ddpw_net_send_many(fds, n, iov, k, done, ms, &failed, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc != DDPW_NET_OK:
+                (<Connection>conns[failed]).fail(rc, err, step, what, ms)
+            return
+    finally:
+        free(fds)
+        free(done)
+
+
+def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_bytes=1 << 20,
+                  step=None, str what="receiving gradients"):
+    """Receive one float32 vector of len(out) elements from every connection,
+    followed by ``tail_len`` bytes each, and average them into ``out`` as the
+    bytes arrive: the sum in connection order, then a division by the count.
+
+    Returns ``(tails, bad)``: the tail bytes of each connection, and None or,
+    per connection, ``(index, value)`` of its first non-finite element (index
+    -1 if it had none).
+    When bad is not None, ``out`` holds no meaningful result.
+    """
+    cdef _Buffer o = get_float32(out, "out", True)
+    cdef size_t n = len(conns), failed = 0, i
+    cdef int err = 0, rc, ms = timeout_ms(timeout)
+    cdef ddpw_net_reduce_state st
+    cdef int *fds = NULL
+    cdef bytearray tails = bytearray(n * tail_len)
+    cdef uint8_t *tails_p = <uint8_t *>(<char *>tails) if n * tail_len > 0 else NULL
+    cdef float *out_p = <float *>o.view.buf
+    if n == 0:
+        raise ValueError("conns: at least one connection is needed")
+    rc = ddpw_net_reduce_init(&st, n, <size_t>o.view.len, tail_len, ring_bytes)
+    if rc != DDPW_NET_OK:
+        raise MemoryError("reduce_stream: could not allocate receive rings")
+    fds = <int *>malloc(n * sizeof(int))
+    try:
+        if fds is NULL:
+            raise MemoryError()
+        for i in range(n):
+            (<Connection>conns[i]).check_open()
+            fds[i] = (<Connection>conns[i]).fd
+        while True:
+            with nogil:
+                rc = ddpw_net_reduce_stream(&st, fds, out_p, tails_p, ms, &failed, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            break
+        if rc != DDPW_NET_OK and rc != DDPW_NET_NONFINITE:
+            (<Connection>conns[failed]).fail(
+                rc, err, step, f"{what} ({st.recv[failed]} of {st.grad_bytes + st.tail_len} bytes)", ms)
+        bad = ([(st.bad_index[i], st.bad_value[i]) for i in range(n)]
+               if rc == DDPW_NET_NONFINITE else None)
+        return [bytes(tails[i * tail_len:(i + 1) * tail_len]) for i in range(n)], bad
+    finally:
+        free(fds)
+        ddpw_net_reduce_free(&st)
+
+
+# ---- frames over a connection ----
+
+cdef class FrameHead:
+    """What precedes the gradient elements of a frame being received: the
+    elements themselves are still in the socket, to be received straight into
+    their final buffer."""
+    cdef readonly int tag
+    cdef readonly str message_type
+    cdef readonly unsigned long long step
+    cdef readonly unsigned int worker_id
+    cdef readonly unsigned int block_idx
+    cdef readonly unsigned int num_blocks
+    cdef readonly int component
+    cdef readonly object component_sizes
+    cdef readonly unsigned long long gradient_count
+    cdef readonly size_t tail_len
+    cdef readonly size_t trailing_len
+
+    def __repr__(self):
+        return (f"FrameHead({self.message_type}, step={self.step}, "
+                f"gradient_count={self.gradient_count})")
+
+
+cdef object read_frame_head(Connection conn, object timeout, size_t max_frame,
+                            int flags, object step, str what):
+    """Receive a frame up to its gradient elements. Returns a FrameHead for a
+    gradient message, or the whole decoded message for any other."""
+    cdef uint8_t prefix[4]
+    cdef uint32_t payload_len
+    cdef ddpw_error err
+    cdef ddpw_head head
+    cdef ddpw_status st
+    cdef bytearray buf
+    cdef size_t have = 0
+    cdef FrameHead fh
+    conn.recv_into(<uint8_t[:4]>prefix, timeout, step=step, what=what)
+    payload_len = ddpw_read_prefix(prefix)
+    if ddpw_check_frame_len(payload_len, max_frame, &err) != DDPW_OK:
+        raise_wire_error(&err, conn.peer_id, step)
+    buf = bytearray(min(<size_t>payload_len, <size_t>HEAD_READ_MAX))
+    need = 1
+    while True:
+        if need > len(buf):
+            # only component_sizes can make a head this long; it is bounded by
+            # the payload length checked above
+            buf.extend(bytes(min(<size_t>payload_len, <size_t>need) - len(buf)))
+        if need > have:
+            view = memoryview(buf)[have:need]
+            conn.recv_into(view, timeout, step=step, what=what)
+            have = need
+        st = ddpw_decode_head(<const uint8_t *><char *>buf, have, payload_len, flags, &head, &err)
+        if st == DDPW_NEED_MORE:
+            need = head.need
+            continue
+        if st != DDPW_OK:
+            raise_wire_error(&err, conn.peer_id, step)
+        break
+    if not head.has_gradients:
+        if payload_len > have:
+            buf.extend(bytes(payload_len - have))
+            conn.recv_into(memoryview(buf)[have:], timeout, step=step, what=what)
+        return decode_payload(bytes(buf), allow_trailing=bool(flags & DDPW_ALLOW_TRAILING))
+    fh = FrameHead()
+    fh.tag = head.tag
+    fh.message_type = ddpw_message_type(head.tag).decode("ascii")
+    fh.step = head.step
+    fh.worker_id = head.worker_id
+    fh.block_idx = head.block_idx
+    fh.num_blocks = head.num_blocks
+    fh.component = head.component
+    sizes = array.array("I", bytes(head.component_count * 4))
+    if head.component_count:
+        ddpw_load_u32s(head.component_sizes, head.component_count,
+                       <uint32_t *><char *>memoryview(sizes).cast("B"))
+    fh.component_sizes = sizes.tolist()
+    fh.gradient_count = head.gradient_count
+    fh.tail_len = head.tail_len
+    fh.trailing_len = head.trailing_len
+    return fh

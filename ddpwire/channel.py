@@ -1,0 +1,126 @@
+"""One side of a ddpwire connection, message by message.
+
+A :class:`Channel` wraps the compiled :class:`~ddpwire._net.Connection` with
+what both roles need: a send lock (a background heartbeat must never land in
+the middle of a frame), heartbeat frames skipped on receive, and gradient
+frames received in two halves so their elements go straight into the
+caller's buffer.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any, Optional, Sequence, Tuple, Type
+
+import numpy as np
+
+from . import _net
+from ._wire import encode_frame_parts
+from .errors import GradientMismatch, PeerLost, UnexpectedMessage
+from .messages import Heartbeat
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME = 100_000_000
+
+
+class Channel:
+    """Messages to and from one peer over a connected TCP socket."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        timeout: float,
+        peer_name: str,
+        lost: Type[PeerLost],
+        peer_id: Optional[int] = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        heartbeat_timeout: Optional[float] = None,
+    ) -> None:
+        self.conn = _net.Connection(sock, peer_id=peer_id, lost=lost, peer_name=peer_name)
+        self.timeout = timeout
+        self.max_frame = max_frame
+        # With heartbeats on, a live peer is never silent for long, so silence
+        # is detected sooner than the (long) compute timeout.
+        self.heartbeat_timeout = heartbeat_timeout
+        self.send_lock = threading.Lock()
+        self.last_heard = time.monotonic()
+
+    @property
+    def peer_id(self) -> Optional[int]:
+        return self.conn.peer_id
+
+    @peer_id.setter
+    def peer_id(self, value: Optional[int]) -> None:
+        self.conn.peer_id = value
+
+    @property
+    def read_timeout(self) -> float:
+        return self.heartbeat_timeout if self.heartbeat_timeout is not None else self.timeout
+
+    def send(self, msg: Any, *, step: Optional[int] = None) -> None:
+        """Encode and send one message; a gradient buffer is written from where
+        it lies (scatter-gather), never copied into the frame."""
+        parts = encode_frame_parts(msg)
+        with self.send_lock:
+            self.conn.send_parts(parts, self.timeout, step=step,
+                                 what=f"sending {type(msg).__name__}")
+
+    def try_send_heartbeat(self, node_id: str) -> None:
+        """Send a Heartbeat unless a frame is being sent (bytes are flowing then)."""
+        if not self.send_lock.acquire(blocking=False):
+            return
+        try:
+            msg = Heartbeat(node_id=node_id, timestamp_ms=int(time.time() * 1000))
+            self.conn.send_parts(encode_frame_parts(msg), self.read_timeout, what="sending Heartbeat")
+        finally:
+            self.send_lock.release()
+
+    def read_head(self, *, step: Optional[int] = None, what: str = "receiving") -> Any:
+        """The next frame other than a Heartbeat: a whole message, or the
+        FrameHead of a gradient message whose elements are still to come."""
+        while True:
+            obj = _net.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+                                       step=step, what=what)
+            self.last_heard = time.monotonic()
+            if isinstance(obj, Heartbeat):
+                continue
+            return obj
+
+    def expect(self, expected: Sequence[type], *, step: Optional[int] = None) -> Any:
+        """The next whole message, which must be one of ``expected``."""
+        names = " or ".join(t.__name__ for t in expected)
+        obj = self.read_head(step=step, what=f"waiting for {names}")
+        if isinstance(obj, tuple(expected)):
+            return obj
+        raise UnexpectedMessage(names, message_name(obj), worker_id=self.peer_id, step=step)
+
+    def recv_gradients(self, head: "_net.FrameHead", out: Optional[np.ndarray], *,
+                       step: Optional[int] = None) -> Tuple[np.ndarray, Any]:
+        """Receive the elements announced by ``head`` into ``out`` (allocated
+        when None) and then the fields after them. Returns (gradients, tail)."""
+        count = head.gradient_count
+        if out is None:
+            out = np.empty(count, dtype=np.float32)
+        elif len(out) != count:
+            # The elements are still in the socket: the stream is out of step now.
+            self.close()
+            raise GradientMismatch("gradients length", len(out), count,
+                                   worker_id=self.peer_id, step=step)
+        self.conn.recv_into(out, self.read_timeout, step=step,
+                            what=f"receiving {head.message_type}.gradients")
+        tail = _net.read_tail(self.conn, head, self.read_timeout, step=step)
+        return out, tail
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def message_name(obj: Any) -> str:
+    """The protocol name of a received message or frame head."""
+    if isinstance(obj, _net.FrameHead):
+        return obj.message_type
+    return type(obj).__name__

@@ -1,0 +1,50 @@
+"""What a coordinator's collect step returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+import numpy as np
+
+__all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult"]
+
+
+@dataclass
+class ReduceResult:
+    """The average of one flat step.
+
+    ``avg_gradients`` is the element-wise float32 sum in worker order divided
+    by the number of workers; ``global_loss`` is sum(loss_i * total_i) /
+    sum(total_i) in float32 (0.0 when no samples were counted);
+    ``reduce_time`` is the seconds from the start of the collect to the
+    finished average.
+    """
+
+    step: int
+    avg_gradients: np.ndarray
+    global_loss: float
+    total_correct: int
+    total_samples: int
+    reduce_time: float
+    worker_losses: List[float] = field(default_factory=list)
+
+
+@dataclass
+class BlockReduceResult:
+    """The average of one transformer block's gradient (v2 per-block mode)."""
+
+    step: int
+    block_idx: int
+    avg_gradients: np.ndarray
+    component_sizes: List[int]
+    reduce_time: float
+
+
+@dataclass
+class NonBlockReduceResult:
+    """The average of one non-block component (0 lm_head, 1 final_norm, 2 embedding)."""
+
+    step: int
+    component: int
+    avg_gradients: np.ndarray
+    reduce_time: float

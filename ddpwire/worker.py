@@ -1,0 +1,251 @@
+"""The worker's side of the session: join, take shards, send gradients,
+receive their average.
+
+Method names follow the reference worker client, so code written against one
+reads like the other. One thread may send while another receives (the
+per-block mode overlaps them); two threads must not both send or both receive.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Deque, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _net
+from .channel import DEFAULT_MAX_FRAME, Channel, message_name
+from .errors import (
+    CoordinatorLost,
+    DdpwireError,
+    GradientMismatch,
+    JoinTimeout,
+    ShutdownDuringReduce,
+    UnexpectedMessage,
+)
+from .messages import (
+    AveragedBlockGradient,
+    AveragedGradient,
+    AveragedNonBlockGradient,
+    BlockGradientPayload,
+    GradientPayload,
+    JoinAccepted,
+    JoinRequest,
+    NonBlockGradientPayload,
+    ShardAssignment,
+    Shutdown,
+)
+
+__all__ = ["Worker"]
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
+              errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
+
+
+def _dial(addr: Tuple[str, int], deadline: float) -> socket.socket:
+    """Connect, retrying while the coordinator is not up yet, until the deadline."""
+    host, port = addr
+    delay = 0.05
+    last: Optional[BaseException] = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            why = f": {last.strerror or last}" if isinstance(last, OSError) else ""
+            raise JoinTimeout(f"could not reach the coordinator at {host}:{port}{why}")
+        try:
+            return socket.create_connection((host, port), timeout=min(remaining, 5.0))
+        except socket.gaierror as exc:
+            raise OSError(errno.EINVAL, f"bad coordinator address {host}:{port}: {exc.strerror}") from None
+        except socket.timeout as exc:
+            last = exc
+        except OSError as exc:
+            if exc.errno not in _RETRYABLE:
+                raise
+            last = exc
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 1.0)
+
+
+class Worker:
+    """A connected, joined worker. Create it with :meth:`connect`."""
+
+    def __init__(self, channel: Channel, worker_id: int, total_workers: int, node_id: str,
+                 heartbeat: Optional[float]) -> None:
+        self._chan = channel
+        self._worker_id = worker_id
+        self._total_workers = total_workers
+        self.node_id = node_id
+        # (type, step, block_idx or component) of each reply still owed, so a
+        # reply for something else is caught instead of applied.
+        self._owed: Deque[Tuple[type, int, Optional[int]]] = collections.deque()
+        self._stop = threading.Event()
+        self._heartbeat_thread: Optional[threading.Thread] = None
+        if heartbeat:
+            self._heartbeat_thread = threading.Thread(
+                target=self._send_heartbeats, args=(heartbeat,),
+                name="ddpwire-worker-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
+
+    @classmethod
+    def connect(
+        cls,
+        addr: Tuple[str, int],
+        gpu_count: int = 0,
+        backend: str = "cpu",
+        node_id: Optional[str] = None,
+        timeout: float = 120.0,
+        *,
+        connect_timeout: Optional[float] = None,
+        heartbeat: Optional[float] = None,
+        heartbeat_timeout: Optional[float] = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> "Worker":
+        """Connect to the coordinator at ``addr`` and join.
+
+        Connecting is retried until ``connect_timeout`` (default ``timeout``)
+        so workers may start before the coordinator. ``timeout`` then bounds
+        every wait on the coordinator: silence that long raises
+        :class:`~ddpwire.CoordinatorLost`. ``heartbeat`` (seconds) turns on
+        Heartbeat frames both ways (a ddpwire coordinator only; the reference
+        coordinator rejects them).
+        """
+        if node_id is None:
+            node_id = f"{socket.gethostname()}-{os.getpid()}"
+        deadline = time.monotonic() + (timeout if connect_timeout is None else connect_timeout)
+        sock = _dial(addr, deadline)
+        hb_timeout = heartbeat_timeout if heartbeat_timeout is not None else (
+            3.0 * heartbeat if heartbeat else None)
+        chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
+                       lost=CoordinatorLost, max_frame=max_frame)
+        try:
+            chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend))
+            accepted = chan.expect([JoinAccepted])
+        except BaseException:
+            chan.close()
+            raise
+        chan.heartbeat_timeout = hb_timeout
+        log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
+                 accepted.worker_id, accepted.total_workers)
+        return cls(chan, accepted.worker_id, accepted.total_workers, node_id, heartbeat)
+
+    @property
+    def worker_id(self) -> int:
+        """This worker's id: its order of joining, from 0."""
+        return self._worker_id
+
+    @property
+    def total_workers(self) -> int:
+        """The number of workers in the session."""
+        return self._total_workers
+
+    def _send_heartbeats(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._chan.try_send_heartbeat(self.node_id)
+            except (DdpwireError, OSError) as exc:
+                log.debug("heartbeat failed: %s", exc)
+                return
+
+    # ---- flat steps ----
+
+    def receive_shard(self) -> Optional[ShardAssignment]:
+        """The next ShardAssignment, or None when the coordinator shuts training down."""
+        msg = self._chan.expect([ShardAssignment, Shutdown])
+        if isinstance(msg, Shutdown):
+            log.info("worker %d: shutdown from the coordinator", self._worker_id)
+            return None
+        return msg
+
+    def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
+        """Send this step's gradients (any C-contiguous float32 buffer, sent
+        from where it lies) with the shard's mean loss and counts."""
+        msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
+                              loss=loss, correct=correct, total=total)
+        self._owed.append((AveragedGradient, step, None))
+        self._chan.send(msg, step=step)
+
+    def receive_averaged(self, out: Optional[np.ndarray] = None) -> AveragedGradient:
+        """The averaged gradients; with ``out`` (float32, the gradient length)
+        the elements are received straight into it, allocating nothing."""
+        return self._receive(AveragedGradient, out, "AllReduce")
+
+    # ---- per-block steps (v2) ----
+
+    def send_block_gradient(self, step: int, block_idx: int, num_blocks: int, gradients: Any,
+                            component_sizes: Sequence[int]) -> None:
+        """Send one block's gradient: its components concatenated, with their sizes."""
+        msg = BlockGradientPayload(step=step, worker_id=self._worker_id, block_idx=block_idx,
+                                   num_blocks=num_blocks, component_sizes=component_sizes,
+                                   gradients=gradients)
+        self._owed.append((AveragedBlockGradient, step, block_idx))
+        self._chan.send(msg, step=step)
+
+    def receive_averaged_block(self, out: Optional[np.ndarray] = None) -> AveragedBlockGradient:
+        """The next averaged block gradient (into ``out`` when given)."""
+        return self._receive(AveragedBlockGradient, out, "block AllReduce")
+
+    def send_non_block_gradient(self, step: int, component: int, gradients: Any) -> None:
+        """Send a non-block component's gradient (0 lm_head, 1 final_norm, 2 embedding)."""
+        msg = NonBlockGradientPayload(step=step, worker_id=self._worker_id, component=component,
+                                      gradients=gradients)
+        self._owed.append((AveragedNonBlockGradient, step, component))
+        self._chan.send(msg, step=step)
+
+    def receive_averaged_non_block(self, out: Optional[np.ndarray] = None) -> AveragedNonBlockGradient:
+        """The next averaged non-block gradient (into ``out`` when given)."""
+        return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
+
+    def _receive(self, expected: type, out: Optional[np.ndarray], what: str) -> Any:
+        owed = self._owed[0] if self._owed else None
+        step = owed[1] if owed else None
+        head = self._chan.read_head(step=step, what=f"waiting for {expected.__name__}")
+        if isinstance(head, Shutdown):
+            raise ShutdownDuringReduce(f"coordinator shut down during {what}",
+                                       worker_id=self._worker_id, step=step)
+        if not isinstance(head, _net.FrameHead) or head.tag != expected.TAG:
+            raise UnexpectedMessage(expected.__name__, message_name(head),
+                                    worker_id=self._worker_id, step=step)
+        if owed is not None:
+            self._owed.popleft()
+            self._check_owed(owed, expected, head)
+        gradients, tail = self._chan.recv_gradients(head, out, step=head.step)
+        if expected is AveragedGradient:
+            return AveragedGradient(step=head.step, gradients=gradients, global_loss=tail[3])
+        if expected is AveragedBlockGradient:
+            return AveragedBlockGradient(step=head.step, block_idx=head.block_idx,
+                                         component_sizes=head.component_sizes, gradients=gradients)
+        return AveragedNonBlockGradient(step=head.step, component=head.component,
+                                        gradients=gradients)
+
+    def _check_owed(self, owed: Tuple[type, int, Optional[int]], expected: type,
+                    head: "_net.FrameHead") -> None:
+        kind, step, key = owed
+        ctx = dict(worker_id=self._worker_id, step=step)
+        if kind is not expected:
+            raise UnexpectedMessage(kind.__name__, expected.__name__, **ctx)
+        if head.step != step:
+            raise GradientMismatch("step", step, head.step, **ctx)
+        if kind is AveragedBlockGradient and head.block_idx != key:
+            raise GradientMismatch("block_idx", key, head.block_idx, **ctx)
+        if kind is AveragedNonBlockGradient and head.component != key:
+            raise GradientMismatch("component", key, head.component, **ctx)
+
+    # ---- lifecycle ----
+
+    def close(self) -> None:
+        """Close the connection (the coordinator sees the worker leave)."""
+        self._stop.set()
+        self._chan.close()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

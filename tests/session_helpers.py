@@ -1,0 +1,73 @@
+"""Helpers for session tests: workers in threads, raw peers, exact float32 means."""
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any, Callable, List
+
+import numpy as np
+
+import ddpwire
+from ddpwire import encode_frame
+
+
+class Thread(threading.Thread):
+    """A thread that keeps its target's result or exception for join_result()."""
+
+    def __init__(self, target: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self._target_fn = target
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._target_fn()
+        except BaseException as exc:  # handed to the test thread
+            self.error = exc
+
+    def join_result(self, timeout: float = 30.0) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), "worker thread did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def spawn(target: Callable[[], Any]) -> Thread:
+    t = Thread(target)
+    t.start()
+    return t
+
+
+def exact_mean(vectors: List[np.ndarray]) -> np.ndarray:
+    """The reference arithmetic: float32 sum in worker order, then / n."""
+    acc = vectors[0].astype(np.float32).copy()
+    for v in vectors[1:]:
+        acc = (acc + v).astype(np.float32)
+    return (acc / np.float32(len(vectors))).astype(np.float32)
+
+
+def raw_join(addr, node_id: str = "raw", timeout: float = 10.0) -> socket.socket:
+    """A bare socket that joins like a worker and reads its JoinAccepted."""
+    sock = socket.create_connection(addr, timeout=timeout)
+    sock.sendall(encode_frame(ddpwire.JoinRequest(node_id=node_id, gpu_count=0, backend="cpu")))
+    recv_frame(sock)
+    return sock
+
+
+def recv_frame(sock: socket.socket) -> Any:
+    """Read one whole frame from a bare socket and decode it."""
+    head = recv_exact(sock, 4)
+    length = int.from_bytes(head, "big")
+    return ddpwire.decode_frame(head + recv_exact(sock, length))
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed")
+        buf += chunk
+    return bytes(buf)
