@@ -14,6 +14,7 @@ from libc.math cimport isfinite
 from libc.stdint cimport int64_t, uintptr_t
 
 import sys
+from numbers import Real
 
 import numpy
 
@@ -171,10 +172,9 @@ def scale(buf, divisor):
     cdef Py_buffer view
     cdef double wide
     cdef float d
-    try:
-        wide = float(divisor)
-    except (TypeError, ValueError):
-        raise TypeError(f"divisor must be a real number, not {type(divisor).__name__}") from None
+    if not isinstance(divisor, Real):
+        raise TypeError(f"divisor must be a real number, not {type(divisor).__name__}")
+    wide = float(divisor)
     # range check first: converting an out-of-range double to float is undefined
     if not isfinite(wide) or wide > FLT_MAX or wide < -FLT_MAX or <float>wide == 0.0:
         raise ValueError(f"divisor must be finite and non-zero in float32, got {divisor!r}")
