@@ -13,6 +13,7 @@ from setuptools import Extension, setup
 # unit name -> C sources it links (besides its .pyx)
 UNITS = {
     "_wire": ["csrc/wire.c"],
+    "_reduce": ["csrc/reduce.c"],
 }
 
 extra_compile_args = []

@@ -16,5 +16,6 @@ from .errors import (
     UnexpectedMessage,
     WorkerLost,
 )
+from . import reduce
 
 __version__ = "0.1.0"
