@@ -19,6 +19,7 @@ __all__ = [
     "WorkerLost",
     "CoordinatorLost",
     "JoinTimeout",
+    "DeviceUnavailable",
 ]
 
 
@@ -125,3 +126,8 @@ class CoordinatorLost(PeerLost):
 class JoinTimeout(DdpwireError, TimeoutError):
     """Not every expected worker joined (or the coordinator never answered)
     before the join deadline."""
+
+
+class DeviceUnavailable(DdpwireError, RuntimeError):
+    """A device was asked for (argument or ``DDPWIRE_DEVICE``) that this machine
+    cannot provide, such as ``cuda:1`` on a box with one GPU."""
