@@ -7,7 +7,8 @@ averaged exactly as the coordinator does (float32 sum in worker-id order, then
 division by n; global_loss = sum(loss_i*total_i)/sum(total_i)) once all n have
 arrived. Sends never wait for other workers (as a TCP send would not); receives
 wait for their round, so one thread may send while another receives. Every
-send and receive is logged in ``events`` with a ``time.perf_counter`` stamp.
+send and receive is logged in ``events`` as ``(time.perf_counter(), worker_id,
+kind, (step, block_idx or component))``.
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ class FakeWorker:
         return shard
 
     def _send(self, message: Dict[str, Any]) -> None:
-        self.cluster.log(self.worker_id, "send_" + message["kind"], message["idx"])
+        self.cluster.log(self.worker_id, "send_" + message["kind"], (message["step"], message["idx"]))
         k, self._sent = self._sent, self._sent + 1
         self.cluster.contribute(self.worker_id, k, message)
 
@@ -151,7 +152,7 @@ class FakeWorker:
         result = self.cluster.collect(k)
         if result["kind"] != kind:
             raise UnexpectedMessage(kind, result["kind"], worker_id=self.worker_id)
-        self.cluster.log(self.worker_id, "receive_" + kind, result["idx"])
+        self.cluster.log(self.worker_id, "receive_" + kind, (result["step"], result["idx"]))
         return result
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:

@@ -100,11 +100,13 @@ def evaluate(
 class StepTimings:
     """Where a step's time went (CPU-side ``time.perf_counter`` clock, seconds).
 
-    ``first_send_lead_s`` is how long before the end of backward the first block
-    was sent (per-block mode only; positive means communication overlapped
-    backward). ``exposed_comm_s`` is communication the step waited for after
-    backward; ``hidden_comm_s`` is the rest of the span from first send to last
-    average received, i.e. communication hidden behind backward.
+    ``exposed_comm_s`` is communication the step waited for after backward
+    (flat mode: the whole send and receive). Per-block mode only:
+    ``first_send_lead_s`` is how long before the end of backward the first
+    block was sent (positive means communication overlapped backward),
+    ``hidden_comm_s`` the part of the span from first send to last average
+    received that ran during backward, and ``averages_in_backward`` how many
+    block averages had already arrived when backward ended.
     """
 
     forward_s: float = 0.0
@@ -116,6 +118,7 @@ class StepTimings:
     first_send_lead_s: Optional[float] = None
     backward_end: float = 0.0
     first_send_start: Optional[float] = None
+    averages_in_backward: int = 0
 
 
 @dataclass
@@ -206,7 +209,7 @@ class DataParallelTrainer:
         return hook
 
     def close(self) -> None:
-        """Remove the gradient hooks (per-block mode); the trainer is unusable afterwards."""
+        """Remove the gradient hooks; later per-block steps still work but send every block after backward."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -257,7 +260,7 @@ class DataParallelTrainer:
         loss.backward()
         timings.backward_end = time.perf_counter()
         timings.forward_s, timings.backward_s = t1 - t0, timings.backward_end - t1
-        return float(loss), correct, total
+        return loss.item(), correct, total
 
     def _flat_step(self, step: int, index: torch.Tensor) -> StepResult:
         timings = StepTimings()
@@ -293,6 +296,7 @@ class DataParallelTrainer:
                 view = self.buffer.segment_view(block_segment(i))
                 avg = self.worker.receive_averaged_block(out=view)
                 self._check_received(step, avg.step, "block_idx", i, avg.block_idx, view, avg.gradients)
+                done["block_ends"].append(time.perf_counter())
                 if list(avg.component_sizes) != self._block_sizes[i]:
                     raise GradientMismatch(
                         "component_sizes", self._block_sizes[i], list(avg.component_sizes),
@@ -327,7 +331,7 @@ class DataParallelTrainer:
         self._step = step
         self._remaining = list(self._block_param_count)
         self._next_block = self.num_blocks - 1
-        done: Dict[str, Any] = {}
+        done: Dict[str, Any] = {"block_ends": []}
         receiver = threading.Thread(
             target=self._receive_all, args=(step, done), name=f"ddpwire-recv-{self.worker.worker_id}", daemon=True
         )
@@ -349,6 +353,7 @@ class DataParallelTrainer:
         if "error" in done:
             raise done["error"]
         timings.exposed_comm_s = max(0.0, done["end"] - timings.backward_end)
+        timings.averages_in_backward = sum(1 for t in done["block_ends"] if t < timings.backward_end)
         if timings.first_send_start is not None:
             timings.first_send_lead_s = timings.backward_end - timings.first_send_start
             timings.hidden_comm_s = max(0.0, done["end"] - timings.first_send_start - timings.exposed_comm_s)
