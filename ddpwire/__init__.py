@@ -7,6 +7,7 @@ coordinator and its workers.
 from .errors import (
     CoordinatorLost,
     DdpwireError,
+    DeviceUnavailable,
     FrameTooLarge,
     GradientMismatch,
     JoinTimeout,

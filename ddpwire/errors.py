@@ -20,6 +20,7 @@ __all__ = [
     "CoordinatorLost",
     "JoinTimeout",
     "ShutdownDuringReduce",
+    "DeviceUnavailable",
 ]
 
 
@@ -143,3 +144,8 @@ class JoinTimeout(DdpwireError, TimeoutError):
 
 class ShutdownDuringReduce(DdpwireError):
     """The coordinator sent Shutdown while this worker waited for an average."""
+
+
+class DeviceUnavailable(DdpwireError, RuntimeError):
+    """A device was asked for (argument or ``DDPWIRE_DEVICE``) that this machine
+    cannot provide, such as ``cuda:1`` on a box with one GPU."""
