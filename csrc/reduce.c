@@ -7,8 +7,8 @@
  * the path is picked at run time from cpuid. The portable path is all a
  * non-x86 or non-GNU compiler sees.
  *
- * Work goes in blocks of DDP_BLOCK elements. Inside a block the inputs are
- * summed in groups of up to DDP_GROUP: a group's inputs stream through one
+ * Work goes in blocks of DDPW_BLOCK elements. Inside a block the inputs are
+ * summed in groups of up to DDPW_GROUP: a group's inputs stream through one
  * loop together and the block of out stays in L1 between groups, so memory
  * sees each input read once and out written once. A block whose inputs hold
  * a non-finite value is rescanned (still in cache) to find the first one.
@@ -22,32 +22,32 @@
 #include <string.h>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && \
-    !defined(DDP_REDUCE_PORTABLE_ONLY)
-#define DDP_X86 1
+    !defined(DDPW_REDUCE_PORTABLE_ONLY)
+#define DDPW_X86 1
 #endif
 
-#if (defined(__unix__) || defined(__APPLE__)) && !defined(DDP_REDUCE_NO_THREADS)
-#define DDP_THREADS 1
+#if (defined(__unix__) || defined(__APPLE__)) && !defined(DDPW_REDUCE_NO_THREADS)
+#define DDPW_THREADS 1
 #include <pthread.h>
 #include <unistd.h>
 #endif
 
 #if defined(__GNUC__)
-#define DDP_INLINE static inline __attribute__((always_inline))
+#define DDPW_INLINE static inline __attribute__((always_inline))
 #else
-#define DDP_INLINE static inline
+#define DDPW_INLINE static inline
 #endif
 
 /* 16 KiB of out per block: it and a group's input blocks fit in L1/L2. */
-#define DDP_BLOCK ((size_t)4096)
+#define DDPW_BLOCK ((size_t)4096)
 /* Inputs summed per loop: enough streams to keep memory busy, few enough
  * for the registers; 4 measured as fast as 8 and halves the code. */
-#define DDP_GROUP 4
+#define DDPW_GROUP 4
 
 /* The sign bit of the result is set exactly when x is a NaN or +/-inf (its
  * exponent is all ones): the add carries into bit 31 only from 0xff. An
  * integer test, so OR-ing it over a block vectorises and never traps. */
-DDP_INLINE uint32_t nonfinite_bit(float x)
+DDPW_INLINE uint32_t nonfinite_bit(float x)
 {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
@@ -56,7 +56,7 @@ DDP_INLINE uint32_t nonfinite_bit(float x)
 
 /* ---- loop bodies ---- */
 
-DDP_INLINE uint32_t body_check(const float *restrict s, size_t n)
+DDPW_INLINE uint32_t body_check(const float *restrict s, size_t n)
 {
     uint32_t f = 0;
     size_t i;
@@ -71,10 +71,10 @@ DDP_INLINE uint32_t body_check(const float *restrict s, size_t n)
  * then out = s, or s / d when dv. Returns nonzero when an x holds a
  * non-finite value (out is not checked). c, cont and dv are constants in
  * every caller, so the j loops unroll and the i loop vectorises. */
-DDP_INLINE uint32_t body_group(float *restrict out, const float *const *x, size_t c, int cont,
+DDPW_INLINE uint32_t body_group(float *restrict out, const float *const *x, size_t c, int cont,
                                int dv, float d, size_t n)
 {
-    const float *p[DDP_GROUP];
+    const float *p[DDPW_GROUP];
     uint32_t f = 0;
     size_t i, j;
     for (j = 0; j < c; j++)
@@ -90,7 +90,7 @@ DDP_INLINE uint32_t body_group(float *restrict out, const float *const *x, size_
     return f >> 31;
 }
 
-DDP_INLINE void body_scale(float *restrict b, float d, size_t n)
+DDPW_INLINE void body_scale(float *restrict b, float d, size_t n)
 {
     size_t i;
     for (i = 0; i < n; i++)
@@ -103,11 +103,11 @@ typedef uint32_t (*group_fn)(float *, const float *const *, float, size_t);
 
 typedef struct kernels {
     uint32_t (*check)(const float *, size_t);
-    group_fn group[2][2][DDP_GROUP]; /* [cont][dv][c - 1] */
+    group_fn group[2][2][DDPW_GROUP]; /* [cont][dv][c - 1] */
     void (*scale)(float *, float, size_t);
 } kernels;
 
-#define DDP_GROUP_FN(sfx, ATTR, c, cont, dv)                                              \
+#define DDPW_GROUP_FN(sfx, ATTR, c, cont, dv)                                              \
     ATTR static uint32_t group_##sfx##_##c##_##cont##dv(float *restrict o,                \
                                                         const float *const *x, float d,   \
                                                         size_t n)                         \
@@ -115,20 +115,20 @@ typedef struct kernels {
         return body_group(o, x, c, cont, dv, d, n);                                       \
     }
 
-#define DDP_GROUP_FNS(sfx, ATTR, cont, dv)                                                \
-    DDP_GROUP_FN(sfx, ATTR, 1, cont, dv)                                                  \
-    DDP_GROUP_FN(sfx, ATTR, 2, cont, dv)                                                  \
-    DDP_GROUP_FN(sfx, ATTR, 3, cont, dv)                                                  \
-    DDP_GROUP_FN(sfx, ATTR, 4, cont, dv)
+#define DDPW_GROUP_FNS(sfx, ATTR, cont, dv)                                                \
+    DDPW_GROUP_FN(sfx, ATTR, 1, cont, dv)                                                  \
+    DDPW_GROUP_FN(sfx, ATTR, 2, cont, dv)                                                  \
+    DDPW_GROUP_FN(sfx, ATTR, 3, cont, dv)                                                  \
+    DDPW_GROUP_FN(sfx, ATTR, 4, cont, dv)
 
-#define DDP_GROUP_ROW(sfx, cont, dv)                                                      \
+#define DDPW_GROUP_ROW(sfx, cont, dv)                                                      \
     {                                                                                     \
         group_##sfx##_1_##cont##dv, group_##sfx##_2_##cont##dv,                           \
             group_##sfx##_3_##cont##dv, group_##sfx##_4_##cont##dv                        \
     }
 
 /* Stamps out the bodies above as functions compiled for one target. */
-#define DDP_STAMP(sfx, ATTR)                                                              \
+#define DDPW_STAMP(sfx, ATTR)                                                              \
     ATTR static uint32_t check_##sfx(const float *restrict s, size_t n)                   \
     {                                                                                     \
         return body_check(s, n);                                                          \
@@ -137,26 +137,26 @@ typedef struct kernels {
     {                                                                                     \
         body_scale(b, d, n);                                                              \
     }                                                                                     \
-    DDP_GROUP_FNS(sfx, ATTR, 0, 0)                                                        \
-    DDP_GROUP_FNS(sfx, ATTR, 0, 1)                                                        \
-    DDP_GROUP_FNS(sfx, ATTR, 1, 0)                                                        \
-    DDP_GROUP_FNS(sfx, ATTR, 1, 1)                                                        \
+    DDPW_GROUP_FNS(sfx, ATTR, 0, 0)                                                        \
+    DDPW_GROUP_FNS(sfx, ATTR, 0, 1)                                                        \
+    DDPW_GROUP_FNS(sfx, ATTR, 1, 0)                                                        \
+    DDPW_GROUP_FNS(sfx, ATTR, 1, 1)                                                        \
     static const kernels kernels_##sfx = {                                                \
         check_##sfx,                                                                      \
-        {{DDP_GROUP_ROW(sfx, 0, 0), DDP_GROUP_ROW(sfx, 0, 1)},                            \
-         {DDP_GROUP_ROW(sfx, 1, 0), DDP_GROUP_ROW(sfx, 1, 1)}},                           \
+        {{DDPW_GROUP_ROW(sfx, 0, 0), DDPW_GROUP_ROW(sfx, 0, 1)},                            \
+         {DDPW_GROUP_ROW(sfx, 1, 0), DDPW_GROUP_ROW(sfx, 1, 1)}},                           \
         scale_##sfx}
 
-#define DDP_NO_ATTR
-DDP_STAMP(portable, DDP_NO_ATTR);
-#if defined(DDP_X86)
-DDP_STAMP(avx2, __attribute__((target("avx2"))));
-DDP_STAMP(avx512, __attribute__((target("avx512f"))));
+#define DDPW_NO_ATTR
+DDPW_STAMP(portable, DDPW_NO_ATTR);
+#if defined(DDPW_X86)
+DDPW_STAMP(avx2, __attribute__((target("avx2"))));
+DDPW_STAMP(avx512, __attribute__((target("avx512f"))));
 #endif
 
-static const kernels *const table[DDP_REDUCE_NPATHS] = {
+static const kernels *const table[DDPW_REDUCE_NPATHS] = {
     &kernels_portable,
-#if defined(DDP_X86)
+#if defined(DDPW_X86)
     &kernels_avx2,
     &kernels_avx512,
 #else
@@ -168,39 +168,39 @@ static const kernels *const table[DDP_REDUCE_NPATHS] = {
 /* ---- settings: path and threads ---- */
 
 #if defined(__GNUC__)
-#define DDP_LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
-#define DDP_STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+#define DDPW_LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define DDPW_STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 #else
-#define DDP_LOAD(p) (*(p))
-#define DDP_STORE(p, v) (*(p) = (v))
+#define DDPW_LOAD(p) (*(p))
+#define DDPW_STORE(p, v) (*(p) = (v))
 #endif
 
 /* -1 until first use, which picks the best path / the default count. */
 static int selected_path = -1;
 static int thread_limit = -1;
 
-unsigned ddp_reduce_paths(void)
+unsigned ddpw_reduce_paths(void)
 {
-    unsigned mask = 1u << DDP_REDUCE_PORTABLE;
-#if defined(DDP_X86)
+    unsigned mask = 1u << DDPW_REDUCE_PORTABLE;
+#if defined(DDPW_X86)
     __builtin_cpu_init();
     /* libgcc's answer includes the OS check (XGETBV) for the wider registers */
     if (__builtin_cpu_supports("avx2"))
-        mask |= 1u << DDP_REDUCE_AVX2;
+        mask |= 1u << DDPW_REDUCE_AVX2;
     if (__builtin_cpu_supports("avx512f"))
-        mask |= 1u << DDP_REDUCE_AVX512;
+        mask |= 1u << DDPW_REDUCE_AVX512;
 #endif
     return mask;
 }
 
-const char *ddp_reduce_path_name(int path)
+const char *ddpw_reduce_path_name(int path)
 {
     switch (path) {
-    case DDP_REDUCE_PORTABLE:
+    case DDPW_REDUCE_PORTABLE:
         return "portable";
-    case DDP_REDUCE_AVX2:
+    case DDPW_REDUCE_AVX2:
         return "avx2";
-    case DDP_REDUCE_AVX512:
+    case DDPW_REDUCE_AVX512:
         return "avx512";
     default:
         return NULL;
@@ -209,64 +209,64 @@ const char *ddp_reduce_path_name(int path)
 
 static int best_path(void)
 {
-    unsigned mask = ddp_reduce_paths();
+    unsigned mask = ddpw_reduce_paths();
     int p;
-    for (p = DDP_REDUCE_NPATHS - 1; p > 0; p--)
+    for (p = DDPW_REDUCE_NPATHS - 1; p > 0; p--)
         if (mask & (1u << p))
             return p;
-    return DDP_REDUCE_PORTABLE;
+    return DDPW_REDUCE_PORTABLE;
 }
 
-int ddp_reduce_set_path(int path)
+int ddpw_reduce_set_path(int path)
 {
-    if (path == DDP_REDUCE_AUTO) {
-        DDP_STORE(&selected_path, best_path());
+    if (path == DDPW_REDUCE_AUTO) {
+        DDPW_STORE(&selected_path, best_path());
         return 0;
     }
-    if (path < 0 || path >= DDP_REDUCE_NPATHS || !(ddp_reduce_paths() & (1u << path)))
+    if (path < 0 || path >= DDPW_REDUCE_NPATHS || !(ddpw_reduce_paths() & (1u << path)))
         return -1;
-    DDP_STORE(&selected_path, path);
+    DDPW_STORE(&selected_path, path);
     return 0;
 }
 
-int ddp_reduce_get_path(void)
+int ddpw_reduce_get_path(void)
 {
-    int p = DDP_LOAD(&selected_path);
+    int p = DDPW_LOAD(&selected_path);
     if (p < 0) {
         p = best_path(); /* racing first callers all store the same value */
-        DDP_STORE(&selected_path, p);
+        DDPW_STORE(&selected_path, p);
     }
     return p;
 }
 
 static int default_threads(void)
 {
-#if defined(DDP_THREADS) && defined(_SC_NPROCESSORS_ONLN)
+#if defined(DDPW_THREADS) && defined(_SC_NPROCESSORS_ONLN)
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    if (cpus > DDP_REDUCE_MAX_THREADS)
-        return DDP_REDUCE_MAX_THREADS;
+    if (cpus > DDPW_REDUCE_MAX_THREADS)
+        return DDPW_REDUCE_MAX_THREADS;
     if (cpus > 1)
         return (int)cpus;
 #endif
     return 1;
 }
 
-int ddp_reduce_set_threads(int threads)
+int ddpw_reduce_set_threads(int threads)
 {
     if (threads < 0)
         return -1;
-    if (threads > DDP_REDUCE_MAX_THREADS)
-        threads = DDP_REDUCE_MAX_THREADS;
-    DDP_STORE(&thread_limit, threads == 0 ? default_threads() : threads);
+    if (threads > DDPW_REDUCE_MAX_THREADS)
+        threads = DDPW_REDUCE_MAX_THREADS;
+    DDPW_STORE(&thread_limit, threads == 0 ? default_threads() : threads);
     return 0;
 }
 
-int ddp_reduce_get_threads(void)
+int ddpw_reduce_get_threads(void)
 {
-    int t = DDP_LOAD(&thread_limit);
+    int t = DDPW_LOAD(&thread_limit);
     if (t < 0) {
         t = default_threads();
-        DDP_STORE(&thread_limit, t);
+        DDPW_STORE(&thread_limit, t);
     }
     return t;
 }
@@ -329,12 +329,12 @@ static void run_mean(task *t)
     const size_t k = t->k;
     size_t at, m, j, c;
     for (at = t->from; at < t->to; at += m) {
-        const float *x[DDP_GROUP];
-        m = min_size(DDP_BLOCK, t->to - at);
+        const float *x[DDPW_GROUP];
+        m = min_size(DDPW_BLOCK, t->to - at);
         for (j = 0; j < k; j += c) {
             const int cont = j > 0;
             size_t g;
-            c = min_size(DDP_GROUP, k - j);
+            c = min_size(DDPW_GROUP, k - j);
             for (g = 0; g < c; g++)
                 x[g] = t->inputs[j + g] + at;
             if (K->group[cont][j + c == k][c - 1](t->out + at, x, t->d, m))
@@ -355,7 +355,7 @@ static void run_task(task *t)
     case OP_COPY:
         for (at = t->from; at < t->to; at += m) {
             const float *x = t->inputs[0] + at;
-            m = min_size(DDP_BLOCK, t->to - at);
+            m = min_size(DDPW_BLOCK, t->to - at);
             if (t->K->group[t->op == OP_ACCUMULATE][0][0](t->out + at, &x, 1.0f, m))
                 note(&t->fb, 0, x, at, m);
         }
@@ -368,7 +368,7 @@ static void run_task(task *t)
     }
 }
 
-#if defined(DDP_THREADS)
+#if defined(DDPW_THREADS)
 static void *thread_main(void *arg)
 {
     run_task((task *)arg);
@@ -383,15 +383,15 @@ static void *thread_main(void *arg)
 static first_bad run_split(task *t, size_t n)
 {
     first_bad fb;
-#if defined(DDP_THREADS)
-    task parts[DDP_REDUCE_MAX_THREADS];
-    pthread_t ids[DDP_REDUCE_MAX_THREADS];
-    int started[DDP_REDUCE_MAX_THREADS];
-    size_t nparts = (size_t)ddp_reduce_get_threads(), per, i;
-    if (nparts > n / DDP_REDUCE_MIN_SPLIT)
-        nparts = n / DDP_REDUCE_MIN_SPLIT;
+#if defined(DDPW_THREADS)
+    task parts[DDPW_REDUCE_MAX_THREADS];
+    pthread_t ids[DDPW_REDUCE_MAX_THREADS];
+    int started[DDPW_REDUCE_MAX_THREADS];
+    size_t nparts = (size_t)ddpw_reduce_get_threads(), per, i;
+    if (nparts > n / DDPW_REDUCE_MIN_SPLIT)
+        nparts = n / DDPW_REDUCE_MIN_SPLIT;
     if (nparts > 1) {
-        per = (n / nparts + DDP_BLOCK - 1) / DDP_BLOCK * DDP_BLOCK;
+        per = (n / nparts + DDPW_BLOCK - 1) / DDPW_BLOCK * DDPW_BLOCK;
         for (i = 0; i < nparts; i++) {
             parts[i] = *t;
             parts[i].from = min_size(i * per, n);
@@ -425,7 +425,7 @@ static first_bad run_split(task *t, size_t n)
 static task make_task(int op, float *out, const float *const *inputs, size_t k, float d)
 {
     task t;
-    t.K = table[ddp_reduce_get_path()];
+    t.K = table[ddpw_reduce_get_path()];
     t.op = op;
     t.out = out;
     t.inputs = inputs;
@@ -439,39 +439,39 @@ static task make_task(int op, float *out, const float *const *inputs, size_t k, 
 
 /* ---- public kernels ---- */
 
-int64_t ddp_first_non_finite(const float *buf, size_t n)
+int64_t ddpw_first_non_finite(const float *buf, size_t n)
 {
-    const kernels *K = table[ddp_reduce_get_path()];
+    const kernels *K = table[ddpw_reduce_get_path()];
     size_t at, m;
     for (at = 0; at < n; at += m) {
-        m = min_size(DDP_BLOCK, n - at);
+        m = min_size(DDPW_BLOCK, n - at);
         if (K->check(buf + at, m))
             return (int64_t)at + scan(buf + at, m);
     }
     return -1;
 }
 
-int64_t ddp_copy_checked(float *restrict dst, const float *restrict src, size_t n)
+int64_t ddpw_copy_checked(float *restrict dst, const float *restrict src, size_t n)
 {
     const float *x = src;
     task t = make_task(OP_COPY, dst, &x, 1, 1.0f);
     return run_split(&t, n).index;
 }
 
-int64_t ddp_accumulate(float *restrict acc, const float *restrict src, size_t n)
+int64_t ddpw_accumulate(float *restrict acc, const float *restrict src, size_t n)
 {
     const float *x = src;
     task t = make_task(OP_ACCUMULATE, acc, &x, 1, 1.0f);
     return run_split(&t, n).index;
 }
 
-void ddp_scale(float *buf, float divisor, size_t n)
+void ddpw_scale(float *buf, float divisor, size_t n)
 {
     task t = make_task(OP_SCALE, buf, NULL, 0, divisor);
     run_split(&t, n);
 }
 
-int64_t ddp_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
+int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
                  size_t *bad_input)
 {
     task t;

@@ -122,7 +122,7 @@ def mean(inputs, out=None):
             if _overlap(&outview, &views[j]):
                 raise ValueError(f"out overlaps inputs[{j}]")
         with nogil:
-            bad = ddp_mean(<float *>outview.buf, ptrs, <size_t>k, <size_t>n, &bad_input)
+            bad = ddpw_mean(<float *>outview.buf, ptrs, <size_t>k, <size_t>n, &bad_input)
         if bad >= 0:
             raise NonFiniteGradient(<Py_ssize_t>bad_input, bad, _value(&views[bad_input], bad))
     finally:
@@ -154,7 +154,7 @@ def accumulate(acc, src):
             if _overlap(&accview, &srcview):
                 raise ValueError("acc overlaps src")
             with nogil:
-                bad = ddp_accumulate(<float *>accview.buf, <const float *>srcview.buf,
+                bad = ddpw_accumulate(<float *>accview.buf, <const float *>srcview.buf,
                                      <size_t>(srcview.len // 4))
             if bad >= 0:
                 raise NonFiniteGradient(0, bad, _value(&srcview, bad))
@@ -182,7 +182,7 @@ def scale(buf, divisor):
     _acquire(buf, &view, True, "buf")
     try:
         with nogil:
-            ddp_scale(<float *>view.buf, d, <size_t>(view.len // 4))
+            ddpw_scale(<float *>view.buf, d, <size_t>(view.len // 4))
     finally:
         PyBuffer_Release(&view)
     return buf
@@ -195,7 +195,7 @@ def first_non_finite(buf):
     _acquire(buf, &view, False, "buf")
     try:
         with nogil:
-            bad = ddp_first_non_finite(<const float *>view.buf, <size_t>(view.len // 4))
+            bad = ddpw_first_non_finite(<const float *>view.buf, <size_t>(view.len // 4))
     finally:
         PyBuffer_Release(&view)
     return None if bad < 0 else bad
@@ -203,27 +203,27 @@ def first_non_finite(buf):
 
 def available_paths():
     """Names of the kernel paths this CPU runs, slowest first; all give the same bits."""
-    cdef unsigned mask = ddp_reduce_paths()
+    cdef unsigned mask = ddpw_reduce_paths()
     return [
-        ddp_reduce_path_name(p).decode("ascii")
-        for p in range(DDP_REDUCE_NPATHS)
+        ddpw_reduce_path_name(p).decode("ascii")
+        for p in range(DDPW_REDUCE_NPATHS)
         if mask & ((<unsigned>1) << p)
     ]
 
 
 def current_path():
     """Name of the kernel path in use."""
-    return ddp_reduce_path_name(ddp_reduce_get_path()).decode("ascii")
+    return ddpw_reduce_path_name(ddpw_reduce_get_path()).decode("ascii")
 
 
 def _set_path(str name):
     cdef int p
     if name == "auto":
-        ddp_reduce_set_path(DDP_REDUCE_AUTO)
+        ddpw_reduce_set_path(DDPW_REDUCE_AUTO)
         return
-    for p in range(DDP_REDUCE_NPATHS):
-        if ddp_reduce_path_name(p).decode("ascii") == name:
-            if ddp_reduce_set_path(p) != 0:
+    for p in range(DDPW_REDUCE_NPATHS):
+        if ddpw_reduce_path_name(p).decode("ascii") == name:
+            if ddpw_reduce_set_path(p) != 0:
                 raise ValueError(
                     f"path {name!r} is not available on this CPU; available: {available_paths()}"
                 )
@@ -233,10 +233,10 @@ def _set_path(str name):
 
 def current_threads():
     """Most threads one kernel call splits a large buffer over."""
-    return ddp_reduce_get_threads()
+    return ddpw_reduce_get_threads()
 
 
 def _set_threads(int threads):
     if threads < 0:
         raise ValueError(f"threads must be >= 0 (0 for the default), got {threads}")
-    ddp_reduce_set_threads(threads)
+    ddpw_reduce_set_threads(threads)

@@ -21,7 +21,7 @@ def run(args, cwd):
 
 @pytest.mark.parametrize(
     "defines",
-    [[], ["-DDDP_REDUCE_PORTABLE_ONLY"], ["-DDDP_REDUCE_NO_THREADS"]],
+    [[], ["-DDDPW_REDUCE_PORTABLE_ONLY"], ["-DDDPW_REDUCE_NO_THREADS"]],
     ids=["default", "portable-only", "no-threads"],
 )
 @pytest.mark.parametrize("opt", ["-O0", "-O3"])

@@ -62,7 +62,7 @@ static void check_mean(size_t k, size_t n)
             s = s + inputs[j][i];
         ref[i] = s / (float)k;
     }
-    CHECK(ddp_mean(out, inputs, k, n, &bad_input) == -1);
+    CHECK(ddpw_mean(out, inputs, k, n, &bad_input) == -1);
     CHECK(bad_input == 99);
     CHECK(same_bits(out, ref, n));
 
@@ -70,12 +70,12 @@ static void check_mean(size_t k, size_t n)
         /* input k-1 bad at 0, input 1 bad at the end: input 1 is first */
         ((float *)inputs[k - 1])[0] = NAN;
         ((float *)inputs[1])[n - 1] = -INFINITY;
-        CHECK(ddp_mean(out, inputs, k, n, &bad_input) == (int64_t)(k - 1 == 1 ? 0 : n - 1));
+        CHECK(ddpw_mean(out, inputs, k, n, &bad_input) == (int64_t)(k - 1 == 1 ? 0 : n - 1));
         CHECK(bad_input == 1);
-        CHECK(ddp_first_non_finite(inputs[1], n) == (int64_t)(k - 1 == 1 ? 0 : n - 1));
+        CHECK(ddpw_first_non_finite(inputs[1], n) == (int64_t)(k - 1 == 1 ? 0 : n - 1));
         /* the streaming form reports the same, and finishes the buffer */
-        CHECK(ddp_copy_checked(out, inputs[0], n) == -1);
-        CHECK(ddp_accumulate(out, inputs[1], n) == (int64_t)(k - 1 == 1 ? 0 : n - 1));
+        CHECK(ddpw_copy_checked(out, inputs[0], n) == -1);
+        CHECK(ddpw_accumulate(out, inputs[1], n) == (int64_t)(k - 1 == 1 ? 0 : n - 1));
         CHECK(isinf(out[n - 1]) || isnan(out[n - 1]));
     }
     for (j = 0; j < k; j++)
@@ -89,28 +89,28 @@ int main(void)
     static const size_t lengths[] = {0, 1, 7, 8, 9, 4095, 4096, 4097, 12289, (1u << 19) + 5};
     static const size_t ks[] = {1, 2, 3, 4, 5, 8, 9};
     static const int threads[] = {1, 2, 3};
-    unsigned paths = ddp_reduce_paths();
+    unsigned paths = ddpw_reduce_paths();
     int p, t;
     size_t li, ki;
-    CHECK(paths & (1u << DDP_REDUCE_PORTABLE));
-    CHECK(ddp_reduce_set_path(DDP_REDUCE_NPATHS) == -1);
-    CHECK(ddp_reduce_set_path(-7) == -1);
-    CHECK(ddp_reduce_path_name(DDP_REDUCE_NPATHS) == NULL);
-    CHECK(ddp_reduce_set_threads(-1) == -1);
-    CHECK(ddp_mean(NULL, NULL, 0, 0, NULL) == -1);
-    for (p = 0; p < DDP_REDUCE_NPATHS; p++) {
+    CHECK(paths & (1u << DDPW_REDUCE_PORTABLE));
+    CHECK(ddpw_reduce_set_path(DDPW_REDUCE_NPATHS) == -1);
+    CHECK(ddpw_reduce_set_path(-7) == -1);
+    CHECK(ddpw_reduce_path_name(DDPW_REDUCE_NPATHS) == NULL);
+    CHECK(ddpw_reduce_set_threads(-1) == -1);
+    CHECK(ddpw_mean(NULL, NULL, 0, 0, NULL) == -1);
+    for (p = 0; p < DDPW_REDUCE_NPATHS; p++) {
         if (!(paths & (1u << p))) {
-            CHECK(ddp_reduce_set_path(p) == -1);
+            CHECK(ddpw_reduce_set_path(p) == -1);
             continue;
         }
-        CHECK(ddp_reduce_set_path(p) == 0 && ddp_reduce_get_path() == p);
+        CHECK(ddpw_reduce_set_path(p) == 0 && ddpw_reduce_get_path() == p);
         for (t = 0; t < 3; t++) {
-            CHECK(ddp_reduce_set_threads(threads[t]) == 0);
+            CHECK(ddpw_reduce_set_threads(threads[t]) == 0);
             for (li = 0; li < sizeof lengths / sizeof *lengths; li++)
                 for (ki = 0; ki < sizeof ks / sizeof *ks; ki++)
                     check_mean(ks[ki], lengths[li]);
         }
-        printf("path %s ok\n", ddp_reduce_path_name(p));
+        printf("path %s ok\n", ddpw_reduce_path_name(p));
     }
     return failures != 0;
 }
