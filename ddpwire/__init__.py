@@ -16,5 +16,27 @@ from .errors import (
     UnexpectedMessage,
     WorkerLost,
 )
+from .messages import (
+    AveragedBlockGradient,
+    AveragedGradient,
+    AveragedNonBlockGradient,
+    BlockGradientPayload,
+    GradientPayload,
+    Heartbeat,
+    JoinAccepted,
+    JoinRequest,
+    Message,
+    NonBlockGradientPayload,
+    ShardAssignment,
+    Shutdown,
+)
+from ._wire import (
+    DEFAULT_MAX_FRAME,
+    FrameReader,
+    decode_frame,
+    decode_payload,
+    encode_frame,
+    encode_frame_parts,
+)
 
 __version__ = "0.1.0"
