@@ -607,8 +607,11 @@ cdef class FrameReader:
 
     @property
     def pending(self):
-        """Bytes received of a frame not yet complete (0 between frames)."""
-        return self._prefix_len + self._filled
+        """Bytes received of a frame not yet complete, length prefix included
+        (0 between frames)."""
+        if self._payload is None:
+            return self._prefix_len
+        return DDPW_PREFIX_LEN + self._filled
 
     cdef _fail(self, exc):
         self._failure = exc
