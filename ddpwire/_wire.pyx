@@ -484,12 +484,19 @@ def decode_frame(buffer, *, bint allow_trailing=False, max_frame=DEFAULT_MAX_FRA
     A length over ``max_frame`` raises FrameTooLarge; a buffer shorter or
     longer than the frame raises ProtocolError.
     """
-    cdef _Buffer buf = _input_buffer(buffer)
-    cdef const uint8_t *p = <const uint8_t *>buf.view.buf
-    cdef size_t n = <size_t>buf.view.len
+    cdef _Buffer buf
+    cdef const uint8_t *p
+    cdef size_t n
     cdef ddpw_error err
     cdef uint64_t length
     cdef uint64_t limit = _max_frame(max_frame)
+    if type(buffer) is bytes:  # immutable and contiguous: no buffer export needed
+        p = <const uint8_t *>PyBytes_AS_STRING(buffer)
+        n = <size_t>len(<bytes>buffer)
+    else:
+        buf = _input_buffer(buffer)
+        p = <const uint8_t *>buf.view.buf
+        n = <size_t>buf.view.len
     if n < DDPW_PREFIX_LEN:
         raise ProtocolError(f"truncated frame: length prefix {n} of 4 bytes")
     length = ddpw_read_prefix(p)
@@ -593,7 +600,7 @@ cdef class FrameReader:
     Any ProtocolError leaves the stream without a reliable frame boundary:
     the reader then refuses further input. ``pending`` counts the bytes of an
     unfinished frame; ``close()`` raises ProtocolError when the stream ended
-    inside a frame.
+    inside a frame. One reader serves one stream from one thread at a time.
     """
 
     def __init__(self, max_frame=DEFAULT_MAX_FRAME, *, bint allow_trailing=False):
@@ -650,7 +657,8 @@ cdef class FrameReader:
                 self._filled = 0
                 self._prefix_len = 0
             take = min(self._payload_len - self._filled, n - pos)
-            dst = <uint8_t *>PyByteArray_AS_STRING(self._payload) + self._filled
+            payload = self._payload  # keeps it alive while the GIL is released
+            dst = <uint8_t *>PyByteArray_AS_STRING(payload) + self._filled
             if take > NOGIL_BYTES:
                 with nogil:
                     memcpy(dst, src + pos, <size_t>take)
@@ -659,7 +667,6 @@ cdef class FrameReader:
             self._filled += take
             pos += take
             if self._filled == self._payload_len:
-                payload = self._payload
                 self._payload = None
                 self._filled = 0
                 p = <const uint8_t *>PyByteArray_AS_STRING(payload)
