@@ -285,12 +285,6 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
 
 # ---- frames over a connection ----
 
-cdef enum:
-    # A head longer than this is only possible with a huge component_sizes
-    # list; it is read in steps, each bounded by the checked payload length.
-    HEAD_FIRST_READ = 64
-
-
 cdef class FrameHead:
     """What precedes the gradient elements of a frame being received: the
     elements themselves are still in the socket, to be received straight into
@@ -334,7 +328,7 @@ def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
     payload_len = ddpw_read_prefix(prefix)
     if ddpw_check_frame_len(payload_len, max_frame, &err) != DDPW_OK:
         raise with_context(wire_error(&err), conn, step)
-    buf = bytearray(min(<size_t>payload_len, <size_t>HEAD_FIRST_READ))
+    buf = bytearray()
     while True:
         if need > <size_t>len(buf):
             buf.extend(bytes(need - len(buf)))
@@ -351,7 +345,7 @@ def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
         break
     if not head.has_gradients:
         if payload_len > have:
-            buf.extend(bytes(payload_len - have))
+            buf.extend(bytes(payload_len - len(buf)))
             conn.recv_into(memoryview(buf)[have:], timeout, step=step, what=what)
         try:
             return decode_payload(buf)

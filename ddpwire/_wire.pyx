@@ -178,7 +178,6 @@ cdef uint64_t _uint(object value, uint64_t limit, object owner, str field) excep
     try:
         out = value
     except OverflowError:  # negative, or over 2^64 - 1
-        out = limit
         type_name = _owner_name(owner)
         raise ValueError(f"{type_name}.{field} must be in 0..{limit}, got {value}") from None
     if out > limit:
@@ -266,7 +265,6 @@ cdef inline void _set_component_sizes(ddpw_message *out, object msg, list keep) 
 
 cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
     cdef object tag_obj = _TAGS.get(type(msg))
-    cdef object t = msg
     cdef uint8_t tag
     if tag_obj is None:
         for cls in type(msg).__mro__:  # a subclass of a message class
@@ -283,54 +281,54 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
         backend = msg.backend
         keep.append(node_id)
         keep.append(backend)
-        out.node_id = _utf8(node_id, t, "node_id")
-        out.gpu_count = <uint32_t>_uint(msg.gpu_count, 0xFFFFFFFF, t, "gpu_count")
-        out.backend = _utf8(backend, t, "backend")
+        out.node_id = _utf8(node_id, msg, "node_id")
+        out.gpu_count = <uint32_t>_uint(msg.gpu_count, 0xFFFFFFFF, msg, "gpu_count")
+        out.backend = _utf8(backend, msg, "backend")
     elif tag == DDPW_JOIN_ACCEPTED:
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, t, "worker_id")
-        out.total_workers = <uint32_t>_uint(msg.total_workers, 0xFFFFFFFF, t, "total_workers")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.total_workers = <uint32_t>_uint(msg.total_workers, 0xFFFFFFFF, msg, "total_workers")
     elif tag == DDPW_SHARD_ASSIGNMENT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, t, "step")
-        out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, t, "shard_start")
-        out.shard_end = _uint(msg.shard_end, 0xFFFFFFFFFFFFFFFF, t, "shard_end")
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
+        out.shard_end = _uint(msg.shard_end, 0xFFFFFFFFFFFFFFFF, msg, "shard_end")
     elif tag == DDPW_GRADIENT_PAYLOAD:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, t, "step")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, t, "worker_id")
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
         _set_gradients(out, msg, keep)
-        out.loss = _f32(msg.loss, t, "loss")
-        out.correct = _uint(msg.correct, 0xFFFFFFFFFFFFFFFF, t, "correct")
-        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, t, "total")
+        out.loss = _f32(msg.loss, msg, "loss")
+        out.correct = _uint(msg.correct, 0xFFFFFFFFFFFFFFFF, msg, "correct")
+        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, msg, "total")
     elif tag == DDPW_AVERAGED_GRADIENT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, t, "step")
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         _set_gradients(out, msg, keep)
-        out.global_loss = _f32(msg.global_loss, t, "global_loss")
+        out.global_loss = _f32(msg.global_loss, msg, "global_loss")
     elif tag == DDPW_HEARTBEAT:
         node_id = msg.node_id
         keep.append(node_id)
-        out.node_id = _utf8(node_id, t, "node_id")
-        out.timestamp_ms = _uint(msg.timestamp_ms, 0xFFFFFFFFFFFFFFFF, t, "timestamp_ms")
+        out.node_id = _utf8(node_id, msg, "node_id")
+        out.timestamp_ms = _uint(msg.timestamp_ms, 0xFFFFFFFFFFFFFFFF, msg, "timestamp_ms")
     elif tag == DDPW_SHUTDOWN:
         pass
     elif tag == DDPW_BLOCK_GRADIENT_PAYLOAD:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, t, "step")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, t, "worker_id")
-        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, t, "block_idx")
-        out.num_blocks = <uint32_t>_uint(msg.num_blocks, 0xFFFFFFFF, t, "num_blocks")
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, msg, "block_idx")
+        out.num_blocks = <uint32_t>_uint(msg.num_blocks, 0xFFFFFFFF, msg, "num_blocks")
         _set_component_sizes(out, msg, keep)
         _set_gradients(out, msg, keep)
     elif tag == DDPW_AVERAGED_BLOCK_GRADIENT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, t, "step")
-        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, t, "block_idx")
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, msg, "block_idx")
         _set_component_sizes(out, msg, keep)
         _set_gradients(out, msg, keep)
     elif tag == DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, t, "step")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, t, "worker_id")
-        out.component = <uint8_t>_uint(msg.component, 0xFF, t, "component")
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.component = <uint8_t>_uint(msg.component, 0xFF, msg, "component")
         _set_gradients(out, msg, keep)
     else:  # DDPW_AVERAGED_NON_BLOCK_GRADIENT
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, t, "step")
-        out.component = <uint8_t>_uint(msg.component, 0xFF, t, "component")
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.component = <uint8_t>_uint(msg.component, 0xFF, msg, "component")
         _set_gradients(out, msg, keep)
     return 0
 
@@ -484,12 +482,19 @@ def decode_frame(buffer, *, bint allow_trailing=False, max_frame=DEFAULT_MAX_FRA
     A length over ``max_frame`` raises FrameTooLarge; a buffer shorter or
     longer than the frame raises ProtocolError.
     """
-    cdef _Buffer buf = _input_buffer(buffer)
-    cdef const uint8_t *p = <const uint8_t *>buf.view.buf
-    cdef size_t n = <size_t>buf.view.len
+    cdef _Buffer buf
+    cdef const uint8_t *p
+    cdef size_t n
     cdef ddpw_error err
     cdef uint64_t length
     cdef uint64_t limit = _max_frame(max_frame)
+    if type(buffer) is bytes:  # immutable and contiguous: no buffer export needed
+        p = <const uint8_t *>PyBytes_AS_STRING(buffer)
+        n = <size_t>len(<bytes>buffer)
+    else:
+        buf = _input_buffer(buffer)
+        p = <const uint8_t *>buf.view.buf
+        n = <size_t>buf.view.len
     if n < DDPW_PREFIX_LEN:
         raise ProtocolError(f"truncated frame: length prefix {n} of 4 bytes")
     length = ddpw_read_prefix(p)
@@ -593,7 +598,7 @@ cdef class FrameReader:
     Any ProtocolError leaves the stream without a reliable frame boundary:
     the reader then refuses further input. ``pending`` counts the bytes of an
     unfinished frame; ``close()`` raises ProtocolError when the stream ended
-    inside a frame.
+    inside a frame. One reader serves one stream from one thread at a time.
     """
 
     def __init__(self, max_frame=DEFAULT_MAX_FRAME, *, bint allow_trailing=False):
@@ -607,8 +612,11 @@ cdef class FrameReader:
 
     @property
     def pending(self):
-        """Bytes received of a frame not yet complete (0 between frames)."""
-        return self._prefix_len + self._filled
+        """Bytes received of a frame not yet complete, length prefix included
+        (0 between frames)."""
+        if self._payload is None:
+            return self._prefix_len
+        return DDPW_PREFIX_LEN + self._filled
 
     cdef _fail(self, exc):
         self._failure = exc
@@ -647,7 +655,8 @@ cdef class FrameReader:
                 self._filled = 0
                 self._prefix_len = 0
             take = min(self._payload_len - self._filled, n - pos)
-            dst = <uint8_t *>PyByteArray_AS_STRING(self._payload) + self._filled
+            payload = self._payload  # keeps it alive while the GIL is released
+            dst = <uint8_t *>PyByteArray_AS_STRING(payload) + self._filled
             if take > NOGIL_BYTES:
                 with nogil:
                     memcpy(dst, src + pos, <size_t>take)
@@ -656,7 +665,6 @@ cdef class FrameReader:
             self._filled += take
             pos += take
             if self._filled == self._payload_len:
-                payload = self._payload
                 self._payload = None
                 self._filled = 0
                 p = <const uint8_t *>PyByteArray_AS_STRING(payload)
