@@ -64,7 +64,7 @@ class Channel:
     def send(self, msg: Any, *, step: Optional[int] = None) -> None:
         """Encode and send one message; a gradient buffer is written from where
         it lies (scatter-gather), never copied into the frame."""
-        parts = encode_frame_parts(msg)
+        parts = encode_frame_parts(msg, max_frame=self.max_frame)
         with self.send_lock:
             self.conn.send_parts(parts, self.timeout, step=step,
                                  what=f"sending {type(msg).__name__}")

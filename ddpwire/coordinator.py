@@ -337,7 +337,7 @@ class Coordinator:
 
     def _broadcast(self, msg: object, step: int) -> None:
         self._require_workers()
-        parts = encode_frame_parts(msg)
+        parts = encode_frame_parts(msg, max_frame=self.max_frame)
         # Hold every send lock: a heartbeat must not land inside the frame.
         for chan in self._channels:
             chan.send_lock.acquire()

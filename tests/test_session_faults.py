@@ -425,3 +425,27 @@ def test_ctrl_c_interrupts_a_blocked_receive(tmp_path):
         assert proc.stdout.readline().strip() == "interrupted"
     finally:
         proc.kill()
+
+
+def test_frames_over_the_reference_limit_need_max_frame_on_both_sides():
+    """Above 100 MB a frame is refused on send unless max_frame is raised, and
+    then it flows both ways."""
+    n = 100_000_000 // 4 + 16
+    grads = np.ones(n, np.float32)
+    with Coordinator(ADDR, expect_workers=1, timeout=60) as coord:
+        t = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", timeout=60))
+        coord.wait_for_workers()
+        w = t.join_result()
+        with pytest.raises(ddpwire.FrameTooLarge):
+            w.send_gradients(0, grads, 1.0, 1, 1)
+        w.close()
+    big = 2 * 4 * n
+    with Coordinator(ADDR, expect_workers=1, timeout=60, max_frame=big) as coord:
+        def body():
+            with Worker.connect(coord.local_addr, 0, "cpu", timeout=60, max_frame=big) as w:
+                w.send_gradients(0, grads, 1.0, 1, 1)
+                return w.receive_averaged().gradients
+        t = spawn(body)
+        coord.wait_for_workers()
+        coord.broadcast_averaged(0, coord.collect_and_reduce(0))
+        assert np.array_equal(t.join_result(), grads)

@@ -1,0 +1,141 @@
+"""The ddpwire command: demo, standalone coordinator, worker, torchrun launch, errors."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ddpwire.launch import Launch, from_environment, parse_addr
+from ddpwire.progress import ProgressBar
+from ddpwire.serve import StepReport
+
+PY = [sys.executable, "-m", "ddpwire"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, timeout=240, **kw):
+    return subprocess.run(PY + args, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_demo_trains_two_workers_to_identical_weights():
+    proc = run(["demo", "--workers", "2", "--steps", "6", "--samples", "128"])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "step 6/6" in out and "allreduce" in out and "loss" in out and "acc" in out
+    assert "held-out accuracy" in out and "samples/s" in out
+    assert "weights identical on all 2 workers" in out
+
+
+def test_standalone_coordinator_and_workers(tmp_path):
+    port = free_port()
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
+                                   "--steps", "3", "--samples", "64", "--timeout", "60"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reports = [tmp_path / f"w{i}.json" for i in range(2)]
+    workers = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--samples", "64",
+                                      "--report", str(r), "--timeout", "60"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for r in reports]
+    try:
+        for p in workers + [coord]:
+            p.wait(timeout=240)
+    finally:
+        for p in workers + [coord]:
+            p.kill()
+    assert coord.returncode == 0, coord.stderr.read()
+    assert all(p.returncode == 0 for p in workers)
+    results = [json.loads(r.read_text()) for r in reports]
+    assert sorted(r["worker_id"] for r in results) == [0, 1]
+    assert all(r["steps"] == 3 for r in results)
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+
+
+def test_torchrun_rank0_hosts_the_coordinator():
+    # `python -m torch.distributed.run` is what the torchrun script runs
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    env = dict(os.environ, DDPWIRE_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    proc = subprocess.run(torchrun + ["--standalone", "--nproc-per-node", "2", "-m", "ddpwire", "worker",
+                           "--steps", "3", "--samples", "64", "--timeout", "60", "--log-level", "WARNING"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2
+    assert sorted(r["worker_id"] for r in results) == [0, 1]
+    assert "rank0" in " ".join(r["node_id"] for r in results)
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+
+
+def test_refused_connection_is_one_clear_line():
+    proc = run(["worker", "--connect", f"127.0.0.1:{free_port()}", "--timeout", "0.5"])
+    assert proc.returncode == 1
+    assert "ddpwire: error: could not reach the coordinator" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_wrong_address_is_one_clear_line():
+    proc = run(["worker", "--connect", "no-such-host.invalid:29400", "--timeout", "5"])
+    assert proc.returncode == 1
+    assert "bad coordinator address no-such-host.invalid:29400" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_malformed_address_is_one_clear_line():
+    proc = run(["coordinator", "--bind", "localhost", "--workers", "1"])
+    assert proc.returncode == 1
+    assert "bad address 'localhost'" in proc.stderr
+
+
+def test_port_in_use_is_one_clear_line():
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        proc = run(["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "1"])
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in proc.stderr
+
+
+def test_coordinator_side_never_imports_torch():
+    code = ("import sys, ddpwire, ddpwire.cli, ddpwire.demo, ddpwire.serve; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_parse_addr():
+    assert parse_addr("10.0.0.2:29400") == ("10.0.0.2", 29400)
+    assert parse_addr("[::1]:80") == ("::1", 80)
+    for bad in ["host", "host:", ":80", "host:99999", "host:x"]:
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_addr(bad)
+
+
+def test_torchrun_environment():
+    env = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "4"}
+    launch = from_environment(None, env)
+    assert launch == Launch(("10.1.2.3", 29501), 0, 4) and launch.hosts_coordinator
+    other = from_environment(None, dict(env, RANK="2", DDPWIRE_PORT="31000"))
+    assert other.addr == ("10.1.2.3", 31000) and not other.hosts_coordinator
+    explicit = from_environment("h:1", env)
+    assert explicit.addr == ("h", 1) and not explicit.hosts_coordinator
+    with pytest.raises(ValueError, match="--connect"):
+        from_environment(None, {})
+
+
+def test_progress_bar_off_a_terminal_prints_a_tenth_of_the_steps():
+    stream = io.StringIO()
+    bar = ProgressBar(20, stream=stream)
+    for step in range(20):
+        bar.update(StepReport(step, 1.0 / (step + 1), 0.5, 32, 0.001, 0.01))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 10
+    assert lines[-1].startswith("step 20/20 [########################]")
+    assert "loss 0.0500" in lines[-1] and "acc  50.0%" in lines[-1] and "allreduce   1.00 ms" in lines[-1]
+    assert bar.throughput > 0
