@@ -34,26 +34,23 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+_PERIOD = 997
+
+
 def worker_gradients(rank: int, count: int) -> np.ndarray:
-    """A deterministic float32 vector per rank whose average is exact to check."""
-    grads = (np.arange(count, dtype=np.int64) % 997).astype(np.float32)
-    grads *= np.float32(0.5)
-    grads += np.float32(rank)
-    return grads
+    """A deterministic float32 vector per rank whose average is known exactly.
 
-
-def expected_average(n: int, count: int) -> np.ndarray:
-    # sum in rank order then divide, as the protocol defines it
-    total = np.zeros(count, dtype=np.float32)
-    for rank in range(n):
-        total += worker_gradients(rank, count)
-    return total / np.float32(n)
+    Element j is (j mod 997) / 2 + rank: multiples of 0.5 far below 2**24,
+    so every partial sum is exact in float32 whatever the summation order.
+    """
+    pattern = np.arange(_PERIOD, dtype=np.float32) * np.float32(0.5) + np.float32(rank)
+    return np.resize(pattern, count)
 
 
 def _check_average(avg: np.ndarray, n: int) -> bool:
-    # the values are multiples of 0.5 below 2**20: every sum is exact in float32
-    base = (np.arange(len(avg), dtype=np.int64) % 997).astype(np.float32) * np.float32(0.5)
-    return bool(np.allclose(avg, base + np.float32((n - 1) / 2), rtol=1e-6, atol=0))
+    # the mean of ranks 0..n-1 is (n - 1) / 2; only the final division can round
+    expected = np.arange(_PERIOD, dtype=np.float32) * np.float32(0.5) + np.float32((n - 1) / 2)
+    return bool(np.allclose(avg, np.resize(expected, len(avg)), rtol=1e-6, atol=0))
 
 
 def _serve(conn, setup: Callable[[], Any], step: Callable[[Any], None],
