@@ -66,8 +66,11 @@ def test_allreduce_step(benchmark, kind, n, size_mib):
     group = procs.ProcessGroup(kind, n, size, steps=WARMUP + rounds)
     try:
         benchmark.pedantic(group.step, rounds=rounds, warmup_rounds=WARMUP, iterations=1)
-    finally:
-        summary = group.stop()
+    except BaseException:
+        # the failing child's traceback is in this exception: do not bury it under the others'
+        group.kill()
+        raise
+    summary = group.stop()
     spans = procs.step_spans(group.step_stamps[WARMUP:])
     info = benchmark.extra_info
     info.update(kind=kind, workers=n, size_bytes=size, rounds=rounds, warmup=WARMUP,
