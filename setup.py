@@ -13,6 +13,9 @@ from setuptools import Extension, setup
 # unit name -> C sources it links (besides its .pyx)
 UNITS = {
     "_wire": ["csrc/wire.c"],
+    "_reduce": ["csrc/reduce.c"],
+    # the socket layer parses frame heads and reduces as bytes arrive
+    "_net": ["csrc/net.c", "csrc/wire.c", "csrc/reduce.c"],
 }
 
 extra_compile_args = []

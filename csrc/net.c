@@ -319,22 +319,22 @@ static void reduce_range(ddpw_net_reduce_state *st, float *out, size_t from, siz
         if (!st->nonfinite) {
             /* socket 0's elements were received into out: check them before
              * anything is added to them */
-            note_bad(st, 0, elem, acc, ddp_first_non_finite(acc, count));
+            note_bad(st, 0, elem, acc, ddpw_first_non_finite(acc, count));
             for (i = 1; i < st->n; i++) {
                 const float *src = (const float *)(st->rings[i] + off);
-                note_bad(st, i, elem, src, ddp_accumulate(acc, src, count));
+                note_bad(st, i, elem, src, ddpw_accumulate(acc, src, count));
             }
             for (i = 0; i < st->n; i++)
                 if (st->bad_index[i] >= 0)
                     st->nonfinite = 1;
             if (!st->nonfinite)
-                ddp_scale(acc, divisor, count);
+                ddpw_scale(acc, divisor, count);
         } else {
             /* halted: keep draining, and find each socket's first bad element */
             for (i = 0; i < st->n; i++) {
                 const float *src = i == 0 ? acc : (const float *)(st->rings[i] + off);
                 if (st->bad_index[i] < 0)
-                    note_bad(st, i, elem, src, ddp_first_non_finite(src, count));
+                    note_bad(st, i, elem, src, ddpw_first_non_finite(src, count));
             }
         }
         from += len;

@@ -7,14 +7,44 @@ coordinator and its workers.
 from .errors import (
     CoordinatorLost,
     DdpwireError,
+    DeviceUnavailable,
     FrameTooLarge,
     GradientMismatch,
     JoinTimeout,
     NonFiniteGradient,
     PeerLost,
     ProtocolError,
+    ShutdownDuringReduce,
     UnexpectedMessage,
     WorkerLost,
 )
+from .messages import (
+    AveragedBlockGradient,
+    AveragedGradient,
+    AveragedNonBlockGradient,
+    BlockGradientPayload,
+    GradientPayload,
+    Heartbeat,
+    JoinAccepted,
+    JoinRequest,
+    Message,
+    NonBlockGradientPayload,
+    ShardAssignment,
+    Shutdown,
+)
+from ._wire import (
+    DEFAULT_MAX_FRAME,
+    FrameReader,
+    decode_frame,
+    decode_payload,
+    encode_frame,
+    encode_frame_parts,
+)
+from . import reduce
+from .coordinator import Coordinator
+from .worker import Worker
+from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
+from .sessioninfo import WorkerInfo
+
 
 __version__ = "0.1.0"

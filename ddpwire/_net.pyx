@@ -8,14 +8,18 @@ returns, the handlers run with the GIL held, and the call resumes where it
 stopped unless a handler raised.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
-from libc.stdint cimport uint8_t, int64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport strcmp
 from libc.errno cimport errno
 import os
 import socket as _socket
 
-from .errors import PeerLost, DdpwireError
+from .errors import PeerLost, DdpwireError, ProtocolError
+from ._wire import decode_payload
+from ._wire cimport (ddpw_error, ddpw_head, ddpw_tail, ddpw_status, DDPW_OK, DDPW_NEED_MORE,
+                     ddpw_read_prefix, ddpw_check_frame_len, ddpw_decode_head, ddpw_decode_tail,
+                     ddpw_message_type, ddpw_load_u32s, ddpw_f32_to_f64, wire_error)
 
 cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
@@ -292,69 +296,98 @@ cdef class FrameHead:
     cdef readonly unsigned int block_idx
     cdef readonly unsigned int num_blocks
     cdef readonly int component
-    cdef readonly object component_sizes
+    cdef readonly list component_sizes
     cdef readonly unsigned long long gradient_count
     cdef readonly size_t tail_len
-    cdef readonly size_t trailing_len
 
     def __repr__(self):
         return (f"FrameHead({self.message_type}, step={self.step}, "
                 f"gradient_count={self.gradient_count})")
 
 
-cdef object read_frame_head(Connection conn, object timeout, size_t max_frame,
-                            int flags, object step, str what):
-    """Receive a frame up to its gradient elements. Returns a FrameHead for a
-    gradient message, or the whole decoded message for any other."""
+def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
+                    str what="receiving"):
+    """Receive one frame up to its gradient elements (bytes after the last
+    field are refused, as everywhere in a session).
+
+    Returns a FrameHead for a gradient message, whose elements and tail are
+    left in the socket, or the whole decoded message for any other.
+    """
     cdef uint8_t prefix[4]
     cdef uint32_t payload_len
     cdef ddpw_error err
     cdef ddpw_head head
     cdef ddpw_status st
     cdef bytearray buf
-    cdef size_t have = 0
+    cdef size_t have = 0, need = 1
+    cdef const uint8_t *p
     cdef FrameHead fh
+    cdef uint32_t size
+    cdef Py_ssize_t i
     conn.recv_into(<uint8_t[:4]>prefix, timeout, step=step, what=what)
     payload_len = ddpw_read_prefix(prefix)
     if ddpw_check_frame_len(payload_len, max_frame, &err) != DDPW_OK:
-        raise_wire_error(&err, conn.peer_id, step)
-    buf = bytearray(min(<size_t>payload_len, <size_t>HEAD_READ_MAX))
-    need = 1
+        raise with_context(wire_error(&err), conn, step)
+    buf = bytearray()
     while True:
-        if need > len(buf):
-            # only component_sizes can make a head this long; it is bounded by
-            # the payload length checked above
-            buf.extend(bytes(min(<size_t>payload_len, <size_t>need) - len(buf)))
+        if need > <size_t>len(buf):
+            buf.extend(bytes(need - len(buf)))
         if need > have:
-            view = memoryview(buf)[have:need]
-            conn.recv_into(view, timeout, step=step, what=what)
+            conn.recv_into(memoryview(buf)[have:need], timeout, step=step, what=what)
             have = need
-        st = ddpw_decode_head(<const uint8_t *><char *>buf, have, payload_len, flags, &head, &err)
+        p = <const uint8_t *><char *>buf
+        st = ddpw_decode_head(p, have, payload_len, 0, &head, &err)
         if st == DDPW_NEED_MORE:
             need = head.need
             continue
         if st != DDPW_OK:
-            raise_wire_error(&err, conn.peer_id, step)
+            raise with_context(wire_error(&err), conn, step)
         break
     if not head.has_gradients:
         if payload_len > have:
-            buf.extend(bytes(payload_len - have))
+            buf.extend(bytes(payload_len - len(buf)))
             conn.recv_into(memoryview(buf)[have:], timeout, step=step, what=what)
-        return decode_payload(bytes(buf), allow_trailing=bool(flags & DDPW_ALLOW_TRAILING))
+        try:
+            return decode_payload(buf)
+        except ProtocolError as exc:
+            raise with_context(exc, conn, step) from None
     fh = FrameHead()
     fh.tag = head.tag
-    fh.message_type = ddpw_message_type(head.tag).decode("ascii")
+    fh.message_type = (<bytes>ddpw_message_type(head.tag)).decode("ascii")
     fh.step = head.step
     fh.worker_id = head.worker_id
     fh.block_idx = head.block_idx
     fh.num_blocks = head.num_blocks
     fh.component = head.component
-    sizes = array.array("I", bytes(head.component_count * 4))
-    if head.component_count:
-        ddpw_load_u32s(head.component_sizes, head.component_count,
-                       <uint32_t *><char *>memoryview(sizes).cast("B"))
-    fh.component_sizes = sizes.tolist()
+    fh.component_sizes = []
+    for i in range(head.component_count):
+        ddpw_load_u32s(head.component_sizes + 4 * i, 1, &size)
+        fh.component_sizes.append(size)
     fh.gradient_count = head.gradient_count
     fh.tail_len = head.tail_len
-    fh.trailing_len = head.trailing_len
     return fh
+
+
+cdef object with_context(object exc, Connection conn, object step):
+    """The codec's error, naming the peer and step it came from."""
+    if isinstance(exc, DdpwireError):
+        exc.add_context(worker_id=conn.peer_id, step=step)
+    return exc
+
+
+def decode_tail(int tag, tail):
+    """(loss, correct, total, global_loss) from the bytes after a gradient
+    message's elements (fields the message lacks are 0)."""
+    cdef ddpw_tail t
+    cdef ddpw_error err
+    cdef const uint8_t[::1] view = tail
+    if ddpw_decode_tail(<uint8_t>tag, &view[0] if len(view) else NULL, len(view), &t, &err) != DDPW_OK:
+        raise wire_error(&err)
+    return (ddpw_f32_to_f64(t.loss), t.correct, t.total, ddpw_f32_to_f64(t.global_loss))
+
+
+def read_tail(Connection conn, FrameHead head, timeout, *, step=None):
+    """Receive and decode the fields after a frame's gradient elements."""
+    tail = conn.recv_exact(head.tail_len, timeout, step=step,
+                           what=f"receiving the end of {head.message_type}")
+    return decode_tail(head.tag, tail)

@@ -23,7 +23,7 @@ from .messages import Heartbeat
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_FRAME = 100_000_000
+from ._wire import DEFAULT_MAX_FRAME
 
 
 class Channel:

@@ -20,6 +20,7 @@ __all__ = [
     "CoordinatorLost",
     "JoinTimeout",
     "ShutdownDuringReduce",
+    "DeviceUnavailable",
 ]
 
 
@@ -37,16 +38,29 @@ class DdpwireError(Exception):
         worker_id: Optional[int] = None,
         step: Optional[int] = None,
     ) -> None:
+        super().__init__(message)
+        self.message = message
         self.worker_id = worker_id
         self.step = step
+
+    def add_context(
+        self, *, worker_id: Optional[int] = None, step: Optional[int] = None
+    ) -> "DdpwireError":
+        """Name the peer and the step where the code that raised did not know
+        them (a codec error found while receiving from a worker); returns self."""
+        if self.worker_id is None:
+            self.worker_id = worker_id
+        if self.step is None:
+            self.step = step
+        return self
+
+    def __str__(self) -> str:
         context = []
-        if worker_id is not None:
-            context.append(f"worker {worker_id}")
-        if step is not None:
-            context.append(f"step {step}")
-        if context:
-            message = f"{message} ({', '.join(context)})"
-        super().__init__(message)
+        if self.worker_id is not None:
+            context.append(f"worker {self.worker_id}")
+        if self.step is not None:
+            context.append(f"step {self.step}")
+        return f"{self.message} ({', '.join(context)})" if context else self.message
 
 
 class ProtocolError(DdpwireError, ValueError):
@@ -130,3 +144,8 @@ class JoinTimeout(DdpwireError, TimeoutError):
 
 class ShutdownDuringReduce(DdpwireError):
     """The coordinator sent Shutdown while this worker waited for an average."""
+
+
+class DeviceUnavailable(DdpwireError, RuntimeError):
+    """A device was asked for (argument or ``DDPWIRE_DEVICE``) that this machine
+    cannot provide, such as ``cuda:1`` on a box with one GPU."""

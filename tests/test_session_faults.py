@@ -55,7 +55,7 @@ def _wait_count(coord, k):
 def test_average_matches_reference_arithmetic(n):
     rng = np.random.default_rng(n)
     size = 300_001  # not a multiple of any ring or slice size
-    grads = [rng.standard_normal(size).astype(np.float32) * np.float32(10 ** rng.integers(-3, 3))
+    grads = [rng.standard_normal(size).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 3))
              for _ in range(n)]
     with Coordinator(ADDR, expect_workers=n, ring_bytes=64 * 1024) as coord:
         def body(w):
@@ -91,16 +91,25 @@ def test_uneven_shards():
     assert shards == [(0, 3), (3, 6), (6, 10)]
 
 
-def _one_bad_worker(send_bad, collect, expect_exc, n=2):
-    """Worker 0 behaves; worker 1 sends what send_bad(w) sends."""
+GOOD = {
+    "flat": lambda w: w.send_gradients(4, np.ones(8, np.float32), 1.0, 1, 1),
+    "block": lambda w: w.send_block_gradient(4, 2, 3, np.ones(3, np.float32), [1, 2]),
+    "non_block": lambda w: w.send_non_block_gradient(4, 1, np.ones(5, np.float32)),
+}
+COLLECT = {
+    "flat": lambda c: c.collect_and_reduce(4),
+    "block": lambda c: c.collect_and_reduce_block(4, 2),
+    "non_block": lambda c: c.collect_and_reduce_non_block(4, 1),
+}
+
+
+def _one_bad_worker(send_bad, kind, expect_exc, n=2):
+    """Worker 0 sends a good step-4 gradient of this kind; worker 1 sends what
+    send_bad(w) sends, and the coordinator collects that kind."""
+    collect = COLLECT[kind]
     with Coordinator(ADDR, expect_workers=n, timeout=5) as coord:
         def body(w):
-            if w.worker_id == 1:
-                send_bad(w)
-            else:
-                w.send_gradients(4, np.ones(8, np.float32), 1.0, 1, 1)
-                w.send_block_gradient(4, 2, 3, np.ones(3, np.float32), [1, 2])
-                w.send_non_block_gradient(4, 1, np.ones(5, np.float32))
+            (send_bad if w.worker_id == 1 else GOOD[kind])(w)
         threads = start_workers(coord, n, body)
         with pytest.raises(expect_exc) as info:
             collect(coord)
@@ -113,43 +122,43 @@ def _one_bad_worker(send_bad, collect, expect_exc, n=2):
 
 def test_step_mismatch():
     exc = _one_bad_worker(lambda w: w.send_gradients(5, np.ones(8, np.float32), 1.0, 1, 1),
-                          lambda c: c.collect_and_reduce(4), ddpwire.GradientMismatch)
+                          "flat", ddpwire.GradientMismatch)
     assert exc.field == "step" and (exc.expected, exc.got) == (4, 5)
 
 
 def test_wrong_message_type():
     exc = _one_bad_worker(lambda w: w.send_non_block_gradient(4, 0, np.ones(8, np.float32)),
-                          lambda c: c.collect_and_reduce(4), ddpwire.UnexpectedMessage)
+                          "flat", ddpwire.UnexpectedMessage)
     assert exc.expected == "GradientPayload" and exc.got == "NonBlockGradientPayload"
 
 
 def test_length_mismatch():
     exc = _one_bad_worker(lambda w: w.send_gradients(4, np.ones(9, np.float32), 1.0, 1, 1),
-                          lambda c: c.collect_and_reduce(4), ddpwire.GradientMismatch)
+                          "flat", ddpwire.GradientMismatch)
     assert (exc.expected, exc.got) == (8, 9)
 
 
 def test_component_sizes_mismatch():
     exc = _one_bad_worker(lambda w: w.send_block_gradient(4, 2, 3, np.ones(3, np.float32), [2, 1]),
-                          lambda c: c.collect_and_reduce_block(4, 2), ddpwire.GradientMismatch)
+                          "block", ddpwire.GradientMismatch)
     assert exc.field == "component_sizes"
 
 
 def test_component_sizes_not_adding_up():
     exc = _one_bad_worker(lambda w: w.send_block_gradient(4, 2, 3, np.ones(3, np.float32), [1, 1]),
-                          lambda c: c.collect_and_reduce_block(4, 2), ddpwire.GradientMismatch)
+                          "block", ddpwire.GradientMismatch)
     assert "component_sizes" in exc.field
 
 
 def test_block_idx_mismatch():
     exc = _one_bad_worker(lambda w: w.send_block_gradient(4, 1, 3, np.ones(3, np.float32), [1, 2]),
-                          lambda c: c.collect_and_reduce_block(4, 2), ddpwire.GradientMismatch)
+                          "block", ddpwire.GradientMismatch)
     assert exc.field == "block_idx"
 
 
 def test_component_mismatch():
     exc = _one_bad_worker(lambda w: w.send_non_block_gradient(4, 2, np.ones(5, np.float32)),
-                          lambda c: c.collect_and_reduce_non_block(4, 1), ddpwire.GradientMismatch)
+                          "non_block", ddpwire.GradientMismatch)
     assert exc.field == "component"
 
 
@@ -171,8 +180,9 @@ def test_worker_killed_mid_frame():
     with Coordinator(ADDR, expect_workers=2, timeout=10) as coord:
         good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
         _wait_count(coord, 1)
-        raw = raw_join(coord.local_addr)
+        raw = spawn(lambda: raw_join(coord.local_addr))
         coord.wait_for_workers()
+        raw = raw.join_result()
         w0 = good.join_result()
         w0.send_gradients(2, np.ones(100_000, np.float32), 1.0, 1, 1)
         frame = encode_frame(GradientPayload(step=2, worker_id=1, gradients=np.ones(100_000, np.float32),
@@ -190,8 +200,9 @@ def test_worker_that_never_sends():
     with Coordinator(ADDR, expect_workers=2, timeout=0.5) as coord:
         good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
         _wait_count(coord, 1)
-        raw = raw_join(coord.local_addr)
+        raw = spawn(lambda: raw_join(coord.local_addr))
         coord.wait_for_workers()
+        raw = raw.join_result()
         w0 = good.join_result()
         w0.send_gradients(0, np.ones(10, np.float32), 1.0, 1, 1)
         with pytest.raises(ddpwire.WorkerLost) as info:
@@ -208,8 +219,9 @@ def test_worker_silent_mid_stream():
     with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=4096) as coord:
         good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
         _wait_count(coord, 1)
-        raw = raw_join(coord.local_addr)
+        raw = spawn(lambda: raw_join(coord.local_addr))
         coord.wait_for_workers()
+        raw = raw.join_result()
         w0 = good.join_result()
         g = np.ones(50_000, np.float32)
         sender = spawn(lambda: w0.send_gradients(0, g, 1.0, 1, 1))
@@ -354,8 +366,9 @@ def test_heartbeats_detect_a_silent_worker_sooner_than_the_timeout():
     with Coordinator(ADDR, expect_workers=2, timeout=60, heartbeat=0.1, heartbeat_timeout=0.5) as coord:
         good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", heartbeat=0.1))
         _wait_count(coord, 1)
-        raw = raw_join(coord.local_addr)  # sends no heartbeats
+        raw = spawn(lambda: raw_join(coord.local_addr))  # sends no heartbeats
         coord.wait_for_workers()
+        raw = raw.join_result()
         w0 = good.join_result()
         time.sleep(0.8)  # worker 0 "computes" past the heartbeat timeout, heartbeating
         w0.send_gradients(0, np.ones(10, np.float32), 1.0, 1, 1)

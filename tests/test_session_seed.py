@@ -76,7 +76,6 @@ def test_two_worker_block_allreduce():
                     return client.worker_id, client.receive_averaged_block()
             return run
         t0 = spawn(worker(1.0))
-        coord.wait_for_workers()
         t1 = spawn(worker(3.0))
         coord.wait_for_workers()
         result = coord.collect_and_reduce_block(0, 0)
@@ -153,7 +152,7 @@ def test_coordinator_halts_on_nan():
     with Coordinator(ADDR, expect_workers=2) as coord:
         def worker(bad):
             def run():
-                with Worker.connect(coord.local_addr, 0, "cpu") as w:
+                with Worker.connect(coord.local_addr, 0, "cpu", node_id="bad" if bad else "good") as w:
                     g = np.ones(1000, np.float32)
                     if bad:
                         g[617] = np.nan
@@ -163,16 +162,15 @@ def test_coordinator_halts_on_nan():
                     except ddpwire.DdpwireError as exc:
                         return exc
             return run
-        t0 = spawn(worker(False))
+        threads = [spawn(worker(False)), spawn(worker(True))]
         coord.wait_for_workers()
-        t1 = spawn(worker(True))
-        coord.wait_for_workers()
+        bad_id = next(i.worker_id for i in coord.workers if i.node_id == "bad")
         with pytest.raises(ddpwire.NonFiniteGradient) as info:
             coord.collect_and_reduce(0)
-        assert info.value.worker_id == 1 and info.value.step == 0
+        assert info.value.worker_id == bad_id and info.value.step == 0
         assert info.value.index == 617
-        assert "worker 1" in str(info.value) and "step 0" in str(info.value)
+        assert f"worker {bad_id}" in str(info.value) and "step 0" in str(info.value)
         # nothing was broadcast: the workers see the coordinator leave
         coord.close()
-        for t in (t0, t1):
+        for t in threads:
             assert isinstance(t.join_result(), ddpwire.CoordinatorLost)

@@ -1,0 +1,486 @@
+/* reduce.c: see reduce.h.
+ *
+ * The kernels are plain C loops written so the compiler vectorises them
+ * (restrict pointers, one sum per element, vectors across elements only).
+ * One generic loop body is compiled several times, once per instruction-set
+ * path, by wrapping it in functions carrying GCC's target("...") attribute;
+ * the path is picked at run time from cpuid. The portable path is all a
+ * non-x86 or non-GNU compiler sees.
+ *
+ * Work goes in blocks of DDPW_BLOCK elements. Inside a block the inputs are
+ * summed in groups of up to DDPW_GROUP: a group's inputs stream through one
+ * loop together and the block of out stays in L1 between groups, so memory
+ * sees each input read once and out written once. A block whose inputs hold
+ * a non-finite value is rescanned (still in cache) to find the first one.
+ */
+#if !defined(_WIN32) && !defined(_POSIX_C_SOURCE)
+#define _POSIX_C_SOURCE 200809L /* sysconf, pthreads under -std=c99 */
+#endif
+
+#include "reduce.h"
+
+#include <string.h>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && \
+    !defined(DDPW_REDUCE_PORTABLE_ONLY)
+#define DDPW_X86 1
+#endif
+
+#if (defined(__unix__) || defined(__APPLE__)) && !defined(DDPW_REDUCE_NO_THREADS)
+#define DDPW_THREADS 1
+#include <pthread.h>
+#include <unistd.h>
+#endif
+
+#if defined(__GNUC__)
+#define DDPW_INLINE static inline __attribute__((always_inline))
+#else
+#define DDPW_INLINE static inline
+#endif
+
+/* 16 KiB of out per block: it and a group's input blocks fit in L1/L2. */
+#define DDPW_BLOCK ((size_t)4096)
+/* Inputs summed per loop: enough streams to keep memory busy, few enough
+ * for the registers; 4 measured as fast as 8 and halves the code. */
+#define DDPW_GROUP 4
+
+/* The sign bit of the result is set exactly when x is a NaN or +/-inf (its
+ * exponent is all ones): the add carries into bit 31 only from 0xff. An
+ * integer test, so OR-ing it over a block vectorises and never traps. */
+DDPW_INLINE uint32_t nonfinite_bit(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x7f800000u) + 0x00800000u;
+}
+
+/* ---- loop bodies ---- */
+
+DDPW_INLINE uint32_t body_check(const float *restrict s, size_t n)
+{
+    uint32_t f = 0;
+    size_t i;
+    for (i = 0; i < n; i++)
+        f |= nonfinite_bit(s[i]);
+    return f >> 31;
+}
+
+/* One group of c inputs x[0..c) into out, element by element:
+ *   cont == 0:  s = ((x0 + x1) + ...) + x[c-1]
+ *   cont == 1:  s = ((out + x0) + ...) + x[c-1]
+ * then out = s, or s / d when dv. Returns nonzero when an x holds a
+ * non-finite value (out is not checked). c, cont and dv are constants in
+ * every caller, so the j loops unroll and the i loop vectorises. */
+DDPW_INLINE uint32_t body_group(float *restrict out, const float *const *x, size_t c, int cont,
+                               int dv, float d, size_t n)
+{
+    const float *p[DDPW_GROUP];
+    uint32_t f = 0;
+    size_t i, j;
+    for (j = 0; j < c; j++)
+        p[j] = x[j];
+    for (i = 0; i < n; i++) {
+        float s = cont ? out[i] : p[0][i];
+        for (j = cont ? 0 : 1; j < c; j++)
+            s = s + p[j][i];
+        for (j = 0; j < c; j++)
+            f |= nonfinite_bit(p[j][i]);
+        out[i] = dv ? s / d : s;
+    }
+    return f >> 31;
+}
+
+DDPW_INLINE void body_scale(float *restrict b, float d, size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i++)
+        b[i] = b[i] / d;
+}
+
+/* ---- one table of block kernels per path ---- */
+
+typedef uint32_t (*group_fn)(float *, const float *const *, float, size_t);
+
+typedef struct kernels {
+    uint32_t (*check)(const float *, size_t);
+    group_fn group[2][2][DDPW_GROUP]; /* [cont][dv][c - 1] */
+    void (*scale)(float *, float, size_t);
+} kernels;
+
+#define DDPW_GROUP_FN(sfx, ATTR, c, cont, dv)                                              \
+    ATTR static uint32_t group_##sfx##_##c##_##cont##dv(float *restrict o,                \
+                                                        const float *const *x, float d,   \
+                                                        size_t n)                         \
+    {                                                                                     \
+        return body_group(o, x, c, cont, dv, d, n);                                       \
+    }
+
+#define DDPW_GROUP_FNS(sfx, ATTR, cont, dv)                                                \
+    DDPW_GROUP_FN(sfx, ATTR, 1, cont, dv)                                                  \
+    DDPW_GROUP_FN(sfx, ATTR, 2, cont, dv)                                                  \
+    DDPW_GROUP_FN(sfx, ATTR, 3, cont, dv)                                                  \
+    DDPW_GROUP_FN(sfx, ATTR, 4, cont, dv)
+
+#define DDPW_GROUP_ROW(sfx, cont, dv)                                                      \
+    {                                                                                     \
+        group_##sfx##_1_##cont##dv, group_##sfx##_2_##cont##dv,                           \
+            group_##sfx##_3_##cont##dv, group_##sfx##_4_##cont##dv                        \
+    }
+
+/* Stamps out the bodies above as functions compiled for one target. */
+#define DDPW_STAMP(sfx, ATTR)                                                              \
+    ATTR static uint32_t check_##sfx(const float *restrict s, size_t n)                   \
+    {                                                                                     \
+        return body_check(s, n);                                                          \
+    }                                                                                     \
+    ATTR static void scale_##sfx(float *restrict b, float d, size_t n)                    \
+    {                                                                                     \
+        body_scale(b, d, n);                                                              \
+    }                                                                                     \
+    DDPW_GROUP_FNS(sfx, ATTR, 0, 0)                                                        \
+    DDPW_GROUP_FNS(sfx, ATTR, 0, 1)                                                        \
+    DDPW_GROUP_FNS(sfx, ATTR, 1, 0)                                                        \
+    DDPW_GROUP_FNS(sfx, ATTR, 1, 1)                                                        \
+    static const kernels kernels_##sfx = {                                                \
+        check_##sfx,                                                                      \
+        {{DDPW_GROUP_ROW(sfx, 0, 0), DDPW_GROUP_ROW(sfx, 0, 1)},                            \
+         {DDPW_GROUP_ROW(sfx, 1, 0), DDPW_GROUP_ROW(sfx, 1, 1)}},                           \
+        scale_##sfx}
+
+#define DDPW_NO_ATTR
+DDPW_STAMP(portable, DDPW_NO_ATTR);
+#if defined(DDPW_X86)
+DDPW_STAMP(avx2, __attribute__((target("avx2"))));
+DDPW_STAMP(avx512, __attribute__((target("avx512f"))));
+#endif
+
+static const kernels *const table[DDPW_REDUCE_NPATHS] = {
+    &kernels_portable,
+#if defined(DDPW_X86)
+    &kernels_avx2,
+    &kernels_avx512,
+#else
+    NULL,
+    NULL,
+#endif
+};
+
+/* ---- settings: path and threads ---- */
+
+#if defined(__GNUC__)
+#define DDPW_LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define DDPW_STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+#else
+#define DDPW_LOAD(p) (*(p))
+#define DDPW_STORE(p, v) (*(p) = (v))
+#endif
+
+/* -1 until first use, which picks the best path / the default count. */
+static int selected_path = -1;
+static int thread_limit = -1;
+
+unsigned ddpw_reduce_paths(void)
+{
+    unsigned mask = 1u << DDPW_REDUCE_PORTABLE;
+#if defined(DDPW_X86)
+    __builtin_cpu_init();
+    /* libgcc's answer includes the OS check (XGETBV) for the wider registers */
+    if (__builtin_cpu_supports("avx2"))
+        mask |= 1u << DDPW_REDUCE_AVX2;
+    if (__builtin_cpu_supports("avx512f"))
+        mask |= 1u << DDPW_REDUCE_AVX512;
+#endif
+    return mask;
+}
+
+const char *ddpw_reduce_path_name(int path)
+{
+    switch (path) {
+    case DDPW_REDUCE_PORTABLE:
+        return "portable";
+    case DDPW_REDUCE_AVX2:
+        return "avx2";
+    case DDPW_REDUCE_AVX512:
+        return "avx512";
+    default:
+        return NULL;
+    }
+}
+
+static int best_path(void)
+{
+    unsigned mask = ddpw_reduce_paths();
+    int p;
+    for (p = DDPW_REDUCE_NPATHS - 1; p > 0; p--)
+        if (mask & (1u << p))
+            return p;
+    return DDPW_REDUCE_PORTABLE;
+}
+
+int ddpw_reduce_set_path(int path)
+{
+    if (path == DDPW_REDUCE_AUTO) {
+        DDPW_STORE(&selected_path, best_path());
+        return 0;
+    }
+    if (path < 0 || path >= DDPW_REDUCE_NPATHS || !(ddpw_reduce_paths() & (1u << path)))
+        return -1;
+    DDPW_STORE(&selected_path, path);
+    return 0;
+}
+
+int ddpw_reduce_get_path(void)
+{
+    int p = DDPW_LOAD(&selected_path);
+    if (p < 0) {
+        p = best_path(); /* racing first callers all store the same value */
+        DDPW_STORE(&selected_path, p);
+    }
+    return p;
+}
+
+static int default_threads(void)
+{
+#if defined(DDPW_THREADS) && defined(_SC_NPROCESSORS_ONLN)
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cpus > DDPW_REDUCE_MAX_THREADS)
+        return DDPW_REDUCE_MAX_THREADS;
+    if (cpus > 1)
+        return (int)cpus;
+#endif
+    return 1;
+}
+
+int ddpw_reduce_set_threads(int threads)
+{
+    if (threads < 0)
+        return -1;
+    if (threads > DDPW_REDUCE_MAX_THREADS)
+        threads = DDPW_REDUCE_MAX_THREADS;
+    DDPW_STORE(&thread_limit, threads == 0 ? default_threads() : threads);
+    return 0;
+}
+
+int ddpw_reduce_get_threads(void)
+{
+    int t = DDPW_LOAD(&thread_limit);
+    if (t < 0) {
+        t = default_threads();
+        DDPW_STORE(&thread_limit, t);
+    }
+    return t;
+}
+
+/* ---- drivers over one element range ---- */
+
+static size_t min_size(size_t a, size_t b)
+{
+    return a < b ? a : b;
+}
+
+/* First non-finite index of s[0..n), or -1; scalar, for flagged blocks only. */
+static int64_t scan(const float *s, size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (nonfinite_bit(s[i]) >> 31)
+            return (int64_t)i;
+    return -1;
+}
+
+/* The first non-finite so far, ordered by (input, index). Blocks go in
+ * index order, so an input's first hit is final; only a lower-numbered
+ * input can replace it. */
+typedef struct first_bad {
+    size_t input; /* k (no input) while none is found */
+    int64_t index;
+} first_bad;
+
+static void note(first_bad *fb, size_t input, const float *block, size_t at, size_t m)
+{
+    int64_t i;
+    if (input >= fb->input)
+        return;
+    i = scan(block, m);
+    if (i >= 0) {
+        fb->input = input;
+        fb->index = (int64_t)at + i;
+    }
+}
+
+enum { OP_MEAN, OP_ACCUMULATE, OP_COPY, OP_SCALE };
+
+/* One call's work on elements [from, to). For OP_ACCUMULATE and OP_SCALE,
+ * out is also the first operand; OP_COPY and OP_ACCUMULATE use inputs[0]. */
+typedef struct task {
+    const kernels *K;
+    int op;
+    float *out;
+    const float *const *inputs;
+    size_t k;
+    float d;
+    size_t from, to;
+    first_bad fb;
+} task;
+
+static void run_mean(task *t)
+{
+    const kernels *K = t->K;
+    const size_t k = t->k;
+    size_t at, m, j, c;
+    for (at = t->from; at < t->to; at += m) {
+        const float *x[DDPW_GROUP];
+        m = min_size(DDPW_BLOCK, t->to - at);
+        for (j = 0; j < k; j += c) {
+            const int cont = j > 0;
+            size_t g;
+            c = min_size(DDPW_GROUP, k - j);
+            for (g = 0; g < c; g++)
+                x[g] = t->inputs[j + g] + at;
+            if (K->group[cont][j + c == k][c - 1](t->out + at, x, t->d, m))
+                for (g = 0; g < c; g++)
+                    note(&t->fb, j + g, x[g], at, m);
+        }
+    }
+}
+
+static void run_task(task *t)
+{
+    size_t at, m;
+    switch (t->op) {
+    case OP_MEAN:
+        run_mean(t);
+        break;
+    case OP_ACCUMULATE:
+    case OP_COPY:
+        for (at = t->from; at < t->to; at += m) {
+            const float *x = t->inputs[0] + at;
+            m = min_size(DDPW_BLOCK, t->to - at);
+            if (t->K->group[t->op == OP_ACCUMULATE][0][0](t->out + at, &x, 1.0f, m))
+                note(&t->fb, 0, x, at, m);
+        }
+        break;
+    case OP_SCALE:
+        t->K->scale(t->out + t->from, t->d, t->to - t->from);
+        break;
+    default:
+        break;
+    }
+}
+
+#if defined(DDPW_THREADS)
+static void *thread_main(void *arg)
+{
+    run_task((task *)arg);
+    return NULL;
+}
+#endif
+
+/* Runs t over [0, n), split into contiguous block-aligned ranges when n is
+ * large and threads are allowed. Each element is computed by exactly the same
+ * instructions whichever range holds it, so the split cannot change a bit;
+ * the ranges' first non-finite values are merged by (input, index). */
+static first_bad run_split(task *t, size_t n)
+{
+    first_bad fb;
+#if defined(DDPW_THREADS)
+    task parts[DDPW_REDUCE_MAX_THREADS];
+    pthread_t ids[DDPW_REDUCE_MAX_THREADS];
+    int started[DDPW_REDUCE_MAX_THREADS];
+    size_t nparts = (size_t)ddpw_reduce_get_threads(), per, i;
+    if (nparts > n / DDPW_REDUCE_MIN_SPLIT)
+        nparts = n / DDPW_REDUCE_MIN_SPLIT;
+    if (nparts > 1) {
+        per = (n / nparts + DDPW_BLOCK - 1) / DDPW_BLOCK * DDPW_BLOCK;
+        for (i = 0; i < nparts; i++) {
+            parts[i] = *t;
+            parts[i].from = min_size(i * per, n);
+            parts[i].to = i + 1 == nparts ? n : min_size((i + 1) * per, n);
+            started[i] = 0;
+        }
+        /* part 0 runs here; a part whose thread cannot start runs here too */
+        for (i = 1; i < nparts; i++)
+            started[i] = pthread_create(&ids[i], NULL, thread_main, &parts[i]) == 0;
+        run_task(&parts[0]);
+        for (i = 1; i < nparts; i++) {
+            if (started[i])
+                pthread_join(ids[i], NULL);
+            else
+                run_task(&parts[i]);
+        }
+        fb = parts[0].fb;
+        for (i = 1; i < nparts; i++)
+            if (parts[i].fb.input < fb.input) /* equal input: the lower range wins */
+                fb = parts[i].fb;
+        return fb;
+    }
+#endif
+    t->from = 0;
+    t->to = n;
+    run_task(t);
+    fb = t->fb;
+    return fb;
+}
+
+static task make_task(int op, float *out, const float *const *inputs, size_t k, float d)
+{
+    task t;
+    t.K = table[ddpw_reduce_get_path()];
+    t.op = op;
+    t.out = out;
+    t.inputs = inputs;
+    t.k = k;
+    t.d = d;
+    t.from = t.to = 0;
+    t.fb.input = k;
+    t.fb.index = -1;
+    return t;
+}
+
+/* ---- public kernels ---- */
+
+int64_t ddpw_first_non_finite(const float *buf, size_t n)
+{
+    const kernels *K = table[ddpw_reduce_get_path()];
+    size_t at, m;
+    for (at = 0; at < n; at += m) {
+        m = min_size(DDPW_BLOCK, n - at);
+        if (K->check(buf + at, m))
+            return (int64_t)at + scan(buf + at, m);
+    }
+    return -1;
+}
+
+int64_t ddpw_copy_checked(float *restrict dst, const float *restrict src, size_t n)
+{
+    const float *x = src;
+    task t = make_task(OP_COPY, dst, &x, 1, 1.0f);
+    return run_split(&t, n).index;
+}
+
+int64_t ddpw_accumulate(float *restrict acc, const float *restrict src, size_t n)
+{
+    const float *x = src;
+    task t = make_task(OP_ACCUMULATE, acc, &x, 1, 1.0f);
+    return run_split(&t, n).index;
+}
+
+void ddpw_scale(float *buf, float divisor, size_t n)
+{
+    task t = make_task(OP_SCALE, buf, NULL, 0, divisor);
+    run_split(&t, n);
+}
+
+int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
+                 size_t *bad_input)
+{
+    task t;
+    first_bad fb;
+    if (k == 0)
+        return -1;
+    t = make_task(OP_MEAN, out, inputs, k, (float)k);
+    fb = run_split(&t, n);
+    if (fb.index >= 0 && bad_input != NULL)
+        *bad_input = fb.input;
+    return fb.index;
+}

@@ -1,0 +1,229 @@
+/*
+ * wire.h: the DDP wire protocol's frame header and the body layout of its
+ * eleven messages, in plain C99.
+ *
+ * Frame   = u32 BIG-endian payload length, then the payload.
+ * Payload = u8 tag, then the body; every body field is LITTLE-endian.
+ *
+ * Nothing here allocates. Decoders return pointers into the caller's buffer
+ * (strings, component sizes, gradient elements); encoders write into a
+ * caller buffer whose size they compute first. Every read is bounds-checked
+ * against both the payload length and the bytes received so far, and every
+ * length is checked for overflow before it is used.
+ */
+#ifndef DDPWIRE_WIRE_H
+#define DDPWIRE_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The reference implementation refuses payloads longer than this. */
+#define DDPW_DEFAULT_MAX_FRAME 100000000u
+/* Bytes in the big-endian length prefix. */
+#define DDPW_PREFIX_LEN 4u
+
+typedef enum ddpw_tag {
+    DDPW_JOIN_REQUEST = 0x01,
+    DDPW_JOIN_ACCEPTED = 0x02,
+    DDPW_SHARD_ASSIGNMENT = 0x03,
+    DDPW_GRADIENT_PAYLOAD = 0x04,
+    DDPW_AVERAGED_GRADIENT = 0x05,
+    DDPW_HEARTBEAT = 0x06,
+    DDPW_SHUTDOWN = 0x07,
+    DDPW_BLOCK_GRADIENT_PAYLOAD = 0x08,
+    DDPW_AVERAGED_BLOCK_GRADIENT = 0x09,
+    DDPW_NON_BLOCK_GRADIENT_PAYLOAD = 0x0A,
+    DDPW_AVERAGED_NON_BLOCK_GRADIENT = 0x0B
+} ddpw_tag;
+
+typedef enum ddpw_status {
+    DDPW_OK = 0,
+    /* Not an error: the bytes received so far end inside the head; read
+     * until `need` bytes of the payload are there, then call again. */
+    DDPW_NEED_MORE = 1,
+    DDPW_ERR_EMPTY = -1,         /* zero-length payload */
+    DDPW_ERR_UNKNOWN_TAG = -2,   /* error.tag holds it */
+    DDPW_ERR_TRUNCATED = -3,     /* field ends past the payload: have/need bytes */
+    DDPW_ERR_UTF8 = -4,          /* field invalid at byte `have` of `need` */
+    DDPW_ERR_OVERFLOW = -5,      /* element count `value` has no byte length in range */
+    DDPW_ERR_TRAILING = -6,      /* `have` payload bytes, the last field ends at `need` */
+    DDPW_ERR_TOO_LARGE = -7,     /* payload length `have` exceeds the limit `need` */
+    DDPW_ERR_VALUE = -8,         /* encoding: field `value` does not fit its wire type */
+    DDPW_ERR_BUFFER = -9         /* encoding: caller buffer of `have` bytes, `need` required */
+} ddpw_status;
+
+/* Set by every call that fails, so the caller can say which message, which
+ * field, and by how much. message_type and field are static strings (or NULL
+ * where not known: an empty payload, an unknown tag). */
+typedef struct ddpw_error {
+    ddpw_status status;
+    uint8_t tag;
+    const char *message_type;
+    const char *field;
+    uint64_t have;
+    uint64_t need;
+    uint64_t value;
+} ddpw_error;
+
+/* Explicit cursors. `len` is where the payload ends (reading past it is
+ * truncation); `avail` is how much of it has arrived (reading past that asks
+ * for more). A whole-buffer reader has avail == len. */
+typedef struct ddpw_reader {
+    const uint8_t *data;
+    size_t len;
+    size_t avail;
+    size_t pos;
+} ddpw_reader;
+
+/* A write that would pass `cap` writes nothing and sets `overflowed`, so a
+ * sequence of writes is checked once at its end. */
+typedef struct ddpw_writer {
+    uint8_t *data;
+    size_t cap;
+    size_t pos;
+    int overflowed;
+} ddpw_writer;
+
+/* A UTF-8 string field: `len` bytes at `data` (not NUL-terminated). */
+typedef struct ddpw_str {
+    const uint8_t *data;
+    size_t len;
+} ddpw_str;
+
+/* Every field of every message, flat; `tag` says which are meaningful.
+ *
+ * gradients / component_sizes hold `gradient_count` binary32 values and
+ * `component_count` u32 values. After decoding they point into the payload,
+ * in wire order (little-endian, possibly unaligned). For encoding they point
+ * to the caller's values in host order (float / uint32_t). On a little-endian
+ * host the two are the same bytes. */
+typedef struct ddpw_message {
+    uint8_t tag;
+    ddpw_str node_id;          /* JoinRequest, Heartbeat */
+    uint32_t gpu_count;        /* JoinRequest */
+    ddpw_str backend;          /* JoinRequest */
+    uint32_t worker_id;        /* JoinAccepted, GradientPayload, Block-/NonBlockGradientPayload */
+    uint32_t total_workers;    /* JoinAccepted */
+    uint64_t step;             /* ShardAssignment, every gradient message */
+    uint64_t shard_start;      /* ShardAssignment */
+    uint64_t shard_end;        /* ShardAssignment */
+    uint64_t timestamp_ms;     /* Heartbeat */
+    uint32_t block_idx;        /* BlockGradientPayload, AveragedBlockGradient */
+    uint32_t num_blocks;       /* BlockGradientPayload */
+    uint8_t component;         /* NonBlockGradientPayload, AveragedNonBlockGradient */
+    const void *component_sizes;
+    uint32_t component_count;
+    const void *gradients;
+    uint64_t gradient_count;
+    float loss;                /* GradientPayload */
+    uint64_t correct;          /* GradientPayload */
+    uint64_t total;            /* GradientPayload */
+    float global_loss;         /* AveragedGradient */
+} ddpw_message;
+
+/* What precedes the gradient elements of a payload, for a reader that
+ * receives the elements straight into their final buffer. */
+typedef struct ddpw_head {
+    uint8_t tag;
+    int has_gradients;         /* 0: not a gradient message, decode it whole */
+    uint64_t step;
+    uint32_t worker_id;
+    uint32_t block_idx;
+    uint32_t num_blocks;
+    uint8_t component;
+    const uint8_t *component_sizes;  /* component_count little-endian u32, inside p */
+    uint32_t component_count;
+    uint64_t gradient_count;
+    size_t gradient_offset;    /* payload offset of the first gradient byte */
+    size_t tail_len;           /* bytes after the gradients: 20, 4 or 0 */
+    size_t trailing_len;       /* bytes after the last field (only with DDPW_ALLOW_TRAILING) */
+    size_t need;               /* with DDPW_NEED_MORE: payload bytes needed to go on */
+} ddpw_head;
+
+/* The fields that follow the gradient elements. */
+typedef struct ddpw_tail {
+    float loss;                /* GradientPayload */
+    uint64_t correct;
+    uint64_t total;
+    float global_loss;         /* AveragedGradient */
+} ddpw_tail;
+
+/* Decoder flag: accept bytes after the last field, as the reference does. */
+#define DDPW_ALLOW_TRAILING 1
+
+/* Name of a message type ("GradientPayload"), or NULL for an unknown tag. */
+const char *ddpw_message_type(uint8_t tag);
+
+/* 1 for the six messages that carry an f32vec of gradients. */
+int ddpw_has_gradients(uint8_t tag);
+
+/* Bytes after the gradient elements for this tag: 20, 4 or 0. */
+size_t ddpw_tail_len(uint8_t tag);
+
+/* The big-endian length prefix at p[0..4). */
+uint32_t ddpw_read_prefix(const uint8_t *p);
+
+/* DDPW_OK when a frame announcing `payload_len` bytes may be read under
+ * `max_frame`; DDPW_ERR_EMPTY or DDPW_ERR_TOO_LARGE otherwise. */
+ddpw_status ddpw_check_frame_len(uint64_t payload_len, uint64_t max_frame, ddpw_error *err);
+
+/* Decode a whole payload (tag + body) of `len` bytes. Pointers in *msg point
+ * into p. Trailing bytes are an error unless flags has DDPW_ALLOW_TRAILING. */
+ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags,
+                                ddpw_message *msg, ddpw_error *err);
+
+/* Decode the part of a payload of `payload_len` bytes that precedes the
+ * gradient elements, from the first `avail` bytes received at p.
+ * DDPW_NEED_MORE: head->need payload bytes are needed before trying again.
+ * DDPW_OK with has_gradients == 0: a message without gradients (only the
+ * tag was read): decode it whole with ddpw_decode_payload.
+ * DDPW_OK with has_gradients == 1: every head field is set, and
+ * gradient_offset + 4 * gradient_count + tail_len (+ trailing_len) equals
+ * payload_len; anything else is an error, found before the elements arrive. */
+ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len, int flags,
+                             ddpw_head *head, ddpw_error *err);
+
+/* Decode the tail of a gradient message (`tag`) from `avail` bytes at p,
+ * which points just past the gradient elements. */
+ddpw_status ddpw_decode_tail(uint8_t tag, const uint8_t *p, size_t avail,
+                             ddpw_tail *tail, ddpw_error *err);
+
+/* Copy `count` little-endian u32 at src into host-order values at dst. */
+void ddpw_load_u32s(const uint8_t *src, size_t count, uint32_t *dst);
+
+/* Payload size of msg (tag included), without the prefix; DDPW_ERR_TOO_LARGE
+ * when it cannot be framed (over 2^32 - 1 bytes). */
+ddpw_status ddpw_payload_size(const ddpw_message *msg, uint64_t *size, ddpw_error *err);
+
+/* Bytes of the frame before the gradient elements: prefix + head fields.
+ * For a message without gradients this is the whole frame. */
+size_t ddpw_head_size(const ddpw_message *msg);
+
+/* Write the whole frame (prefix included) into out[0..cap). */
+ddpw_status ddpw_encode_frame(const ddpw_message *msg, uint8_t *out, size_t cap,
+                              size_t *written, ddpw_error *err);
+
+/* Write prefix + head fields into out[0..cap); the prefix counts the whole
+ * payload, gradients and tail included. */
+ddpw_status ddpw_encode_head(const ddpw_message *msg, uint8_t *out, size_t cap,
+                             size_t *written, ddpw_error *err);
+
+/* Write the fields after the gradients (ddpw_tail_len(msg->tag) bytes). */
+ddpw_status ddpw_encode_tail(const ddpw_message *msg, uint8_t *out, size_t cap,
+                             size_t *written, ddpw_error *err);
+
+/* Bit-exact conversions between binary32 and the double a host language
+ * holds: NaN sign and payload survive both ways (a plain cast may quiet a
+ * signalling NaN); other values widen exactly and narrow by rounding. */
+double ddpw_f32_to_f64(float f);
+float ddpw_f64_to_f32(double d);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DDPWIRE_WIRE_H */

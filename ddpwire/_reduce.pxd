@@ -1,0 +1,26 @@
+# C declarations of csrc/reduce.h, for `cimport` from any ddpwire .pyx.
+# Every function is safe to call without the GIL.
+from libc.stdint cimport int64_t
+
+
+cdef extern from "reduce.h" nogil:
+    enum:
+        DDPW_REDUCE_PORTABLE
+        DDPW_REDUCE_AVX2
+        DDPW_REDUCE_AVX512
+        DDPW_REDUCE_NPATHS
+        DDPW_REDUCE_AUTO
+        DDPW_REDUCE_MAX_THREADS
+
+    unsigned ddpw_reduce_paths()
+    const char *ddpw_reduce_path_name(int path)
+    int ddpw_reduce_set_path(int path)
+    int ddpw_reduce_get_path()
+    int ddpw_reduce_set_threads(int threads)
+    int ddpw_reduce_get_threads()
+
+    int64_t ddpw_first_non_finite(const float *buf, size_t n)
+    int64_t ddpw_copy_checked(float *dst, const float *src, size_t n)
+    int64_t ddpw_accumulate(float *acc, const float *src, size_t n)
+    void ddpw_scale(float *buf, float divisor, size_t n)
+    int64_t ddpw_mean(float *out, const float **inputs, size_t k, size_t n, size_t *bad_input)

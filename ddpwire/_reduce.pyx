@@ -1,0 +1,242 @@
+# cython: language_level=3
+"""Compiled glue for csrc/reduce.c: buffer checks in Python, arithmetic in C
+without the GIL. The public face is ddpwire.reduce."""
+from cpython.buffer cimport (
+    PyBUF_FORMAT,
+    PyBUF_STRIDES,
+    PyBuffer_IsContiguous,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.float cimport FLT_MAX
+from libc.math cimport isfinite
+from libc.stdint cimport int64_t, uintptr_t
+
+import sys
+from numbers import Real
+
+import numpy
+
+from ddpwire.errors import NonFiniteGradient
+
+# Formats meaning a native-order IEEE float32; the kernels read native order.
+_FLOAT32_FORMATS = {b"f", b"@f", b"=f", b"<f" if sys.byteorder == "little" else b">f"}
+if sys.byteorder == "big":
+    _FLOAT32_FORMATS.add(b"!f")
+
+
+cdef str _arg(str name, Py_ssize_t index):
+    return name if index < 0 else f"{name}[{index}]"
+
+
+cdef int _acquire(object obj, Py_buffer *view, bint writable, str name,
+                  Py_ssize_t index=-1) except -1:
+    """Fill view with obj's buffer, checked: float32, C-contiguous, and writable
+    when asked. On failure nothing is held and the error names the argument."""
+    cdef bytes fmt
+    try:
+        PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_STRIDES)
+    except (TypeError, BufferError):
+        raise TypeError(
+            f"{_arg(name, index)} must be a float32 buffer (numpy array, memoryview, "
+            f"array.array('f')), not {type(obj).__name__}"
+        ) from None
+    fmt = b"B" if view.format == NULL else <bytes>view.format
+    if view.itemsize != 4 or fmt not in _FLOAT32_FORMATS:
+        PyBuffer_Release(view)
+        raise TypeError(
+            f"{_arg(name, index)} must hold native float32 elements, "
+            f"got format {fmt.decode('ascii', 'replace')!r} of {view.itemsize} bytes"
+        )
+    if not PyBuffer_IsContiguous(view, b"C"):
+        PyBuffer_Release(view)
+        raise ValueError(f"{_arg(name, index)} must be C-contiguous")
+    if writable and view.readonly:
+        PyBuffer_Release(view)
+        raise ValueError(f"{_arg(name, index)} is read-only")
+    return 0
+
+
+cdef bint _overlap(const Py_buffer *a, const Py_buffer *b) noexcept:
+    cdef uintptr_t pa = <uintptr_t>a.buf, pb = <uintptr_t>b.buf
+    return a.len > 0 and b.len > 0 and pa < pb + <uintptr_t>b.len and pb < pa + <uintptr_t>a.len
+
+
+cdef object _value(const Py_buffer *view, int64_t index):
+    return (<const float *>view.buf)[index]
+
+
+def mean(inputs, out=None):
+    """Element-wise mean of equal-length float32 buffers, into out.
+
+    Computes ((inputs[0] + inputs[1]) + ...) / len(inputs) in float32, in
+    input order, with a true division: bit for bit what the reference
+    coordinator computes. out is allocated (1-D numpy float32) when None;
+    it must not overlap any input. Returns out.
+
+    Raises NonFiniteGradient (input, index, value) for the first NaN or inf
+    by input number then index; out is fully written even then. TypeError
+    for a non-buffer or non-float32 argument, ValueError for an empty
+    sequence, a non-contiguous or read-only buffer, or mismatched lengths.
+    """
+    cdef Py_ssize_t k, j, n, held = 0
+    cdef Py_buffer *views = NULL
+    cdef const float **ptrs = NULL
+    cdef Py_buffer outview
+    cdef bint have_out = False
+    cdef size_t bad_input = 0
+    cdef int64_t bad
+    try:
+        seq = tuple(inputs)
+    except TypeError:
+        raise TypeError(
+            f"inputs must be a sequence of float32 buffers, not {type(inputs).__name__}"
+        ) from None
+    k = len(seq)
+    if k == 0:
+        raise ValueError("inputs is empty: the mean of no buffers is undefined")
+    if <size_t>k > (<size_t>-1) // sizeof(Py_buffer):
+        raise MemoryError()
+    views = <Py_buffer *>PyMem_Malloc(k * sizeof(Py_buffer))
+    ptrs = <const float **>PyMem_Malloc(k * sizeof(float *))
+    try:
+        if views == NULL or ptrs == NULL:
+            raise MemoryError()
+        for j in range(k):
+            _acquire(seq[j], &views[j], False, "inputs", j)
+            held += 1
+            ptrs[j] = <const float *>views[j].buf
+            if views[j].len != views[0].len:
+                raise ValueError(
+                    f"inputs[{j}] has {views[j].len // 4} elements, inputs[0] has {views[0].len // 4}"
+                )
+        n = views[0].len // 4
+        if out is None:
+            out = numpy.empty(n, dtype=numpy.float32)
+        _acquire(out, &outview, True, "out")
+        have_out = True
+        if outview.len != views[0].len:
+            raise ValueError(f"out has {outview.len // 4} elements, inputs have {n}")
+        for j in range(k):
+            if _overlap(&outview, &views[j]):
+                raise ValueError(f"out overlaps inputs[{j}]")
+        with nogil:
+            bad = ddpw_mean(<float *>outview.buf, ptrs, <size_t>k, <size_t>n, &bad_input)
+        if bad >= 0:
+            raise NonFiniteGradient(<Py_ssize_t>bad_input, bad, _value(&views[bad_input], bad))
+    finally:
+        for j in range(held):
+            PyBuffer_Release(&views[j])
+        if have_out:
+            PyBuffer_Release(&outview)
+        PyMem_Free(views)
+        PyMem_Free(ptrs)
+    return out
+
+
+def accumulate(acc, src):
+    """acc += src element-wise in float32, in place; returns acc.
+
+    Raises NonFiniteGradient(0, index, value) for the first NaN or inf of
+    src (acc is not checked); acc is fully updated even then.
+    """
+    cdef Py_buffer accview, srcview
+    cdef int64_t bad
+    _acquire(src, &srcview, False, "src")
+    try:
+        _acquire(acc, &accview, True, "acc")
+        try:
+            if accview.len != srcview.len:
+                raise ValueError(
+                    f"acc has {accview.len // 4} elements, src has {srcview.len // 4}"
+                )
+            if _overlap(&accview, &srcview):
+                raise ValueError("acc overlaps src")
+            with nogil:
+                bad = ddpw_accumulate(<float *>accview.buf, <const float *>srcview.buf,
+                                     <size_t>(srcview.len // 4))
+            if bad >= 0:
+                raise NonFiniteGradient(0, bad, _value(&srcview, bad))
+        finally:
+            PyBuffer_Release(&accview)
+    finally:
+        PyBuffer_Release(&srcview)
+    return acc
+
+
+def scale(buf, divisor):
+    """buf /= divisor element-wise in float32, in place (a true division by
+    divisor rounded to float32); returns buf. Unchecked for non-finite
+    values. ValueError unless divisor is finite and non-zero in float32."""
+    cdef Py_buffer view
+    cdef double wide
+    cdef float d
+    if not isinstance(divisor, Real):
+        raise TypeError(f"divisor must be a real number, not {type(divisor).__name__}")
+    wide = float(divisor)
+    # range check first: converting an out-of-range double to float is undefined
+    if not isfinite(wide) or wide > FLT_MAX or wide < -FLT_MAX or <float>wide == 0.0:
+        raise ValueError(f"divisor must be finite and non-zero in float32, got {divisor!r}")
+    d = <float>wide
+    _acquire(buf, &view, True, "buf")
+    try:
+        with nogil:
+            ddpw_scale(<float *>view.buf, d, <size_t>(view.len // 4))
+    finally:
+        PyBuffer_Release(&view)
+    return buf
+
+
+def first_non_finite(buf):
+    """Index of the first NaN or +/-inf in buf, or None."""
+    cdef Py_buffer view
+    cdef int64_t bad
+    _acquire(buf, &view, False, "buf")
+    try:
+        with nogil:
+            bad = ddpw_first_non_finite(<const float *>view.buf, <size_t>(view.len // 4))
+    finally:
+        PyBuffer_Release(&view)
+    return None if bad < 0 else bad
+
+
+def available_paths():
+    """Names of the kernel paths this CPU runs, slowest first; all give the same bits."""
+    cdef unsigned mask = ddpw_reduce_paths()
+    return [
+        ddpw_reduce_path_name(p).decode("ascii")
+        for p in range(DDPW_REDUCE_NPATHS)
+        if mask & ((<unsigned>1) << p)
+    ]
+
+
+def current_path():
+    """Name of the kernel path in use."""
+    return ddpw_reduce_path_name(ddpw_reduce_get_path()).decode("ascii")
+
+
+def _set_path(str name):
+    cdef int p
+    if name == "auto":
+        ddpw_reduce_set_path(DDPW_REDUCE_AUTO)
+        return
+    for p in range(DDPW_REDUCE_NPATHS):
+        if ddpw_reduce_path_name(p).decode("ascii") == name:
+            if ddpw_reduce_set_path(p) != 0:
+                raise ValueError(
+                    f"path {name!r} is not available on this CPU; available: {available_paths()}"
+                )
+            return
+    raise ValueError(f"unknown path {name!r}; available: {available_paths()}")
+
+
+def current_threads():
+    """Most threads one kernel call splits a large buffer over."""
+    return ddpw_reduce_get_threads()
+
+
+def _set_threads(int threads):
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0 (0 for the default), got {threads}")
+    ddpw_reduce_set_threads(threads)

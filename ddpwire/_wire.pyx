@@ -1,0 +1,689 @@
+# cython: language_level=3
+"""Python face of the wire codec in csrc/wire.c.
+
+The byte layout lives in C; this module moves values between Python message
+objects (ddpwire.messages) and the C structs, turns C errors into
+ProtocolError text, and frames a byte stream (FrameReader).
+"""
+from cpython.buffer cimport (
+    PyBUF_C_CONTIGUOUS,
+    PyBUF_FORMAT,
+    PyBUF_SIMPLE,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.number cimport PyNumber_Index
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset, strcmp
+
+import sys
+
+import numpy as np
+
+from ddpwire.errors import FrameTooLarge, ProtocolError
+from ddpwire.messages import (
+    AveragedBlockGradient,
+    AveragedGradient,
+    AveragedNonBlockGradient,
+    BlockGradientPayload,
+    GradientPayload,
+    Heartbeat,
+    JoinAccepted,
+    JoinRequest,
+    NonBlockGradientPayload,
+    ShardAssignment,
+    Shutdown,
+)
+
+cdef extern from "Python.h":
+    ctypedef struct PyTypeObject
+    const char *PyUnicode_AsUTF8AndSize(object s, Py_ssize_t *size) except NULL
+    object PyType_GenericNew(PyTypeObject *cls, object args, object kwargs)
+
+cdef tuple _EMPTY = ()
+
+
+DEFAULT_MAX_FRAME = DDPW_DEFAULT_MAX_FRAME
+
+# Copies and UTF-8 checks above this size run without the GIL; below it,
+# releasing the GIL costs more than it lets others do.
+cdef enum:
+    NOGIL_BYTES = 65536
+
+cdef bint _LITTLE_HOST = sys.byteorder == "little"
+cdef object _frombuffer = np.frombuffer
+cdef object _F32 = np.dtype("<f4")
+cdef object _U32 = np.dtype("<u4")
+cdef object _NATIVE_U32 = np.dtype(np.uint32)
+cdef object _ndarray = np.ndarray
+
+cdef dict _TAGS = {
+    JoinRequest: DDPW_JOIN_REQUEST,
+    JoinAccepted: DDPW_JOIN_ACCEPTED,
+    ShardAssignment: DDPW_SHARD_ASSIGNMENT,
+    GradientPayload: DDPW_GRADIENT_PAYLOAD,
+    AveragedGradient: DDPW_AVERAGED_GRADIENT,
+    Heartbeat: DDPW_HEARTBEAT,
+    Shutdown: DDPW_SHUTDOWN,
+    BlockGradientPayload: DDPW_BLOCK_GRADIENT_PAYLOAD,
+    AveragedBlockGradient: DDPW_AVERAGED_BLOCK_GRADIENT,
+    NonBlockGradientPayload: DDPW_NON_BLOCK_GRADIENT_PAYLOAD,
+    AveragedNonBlockGradient: DDPW_AVERAGED_NON_BLOCK_GRADIENT,
+}
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+cdef str _name(const char *s):
+    return "?" if s == NULL else s.decode("ascii")
+
+
+cdef object wire_error(const ddpw_error *err):
+    cdef str where
+    cdef ddpw_status st = err.status
+    if st == DDPW_ERR_EMPTY:
+        return ProtocolError("empty payload")
+    if st == DDPW_ERR_UNKNOWN_TAG:
+        return ProtocolError(f"unknown message tag: 0x{err.tag:02x}")
+    if st == DDPW_ERR_TOO_LARGE:
+        return FrameTooLarge(err.have, err.need)
+    where = _name(err.message_type)
+    if err.field != NULL:
+        where = f"{where}.{_name(err.field)}"
+    if st == DDPW_ERR_TRUNCATED:
+        return ProtocolError(f"truncated {where}: {err.have} of {err.need} bytes")
+    if st == DDPW_ERR_UTF8:
+        return ProtocolError(
+            f"invalid UTF-8 in {where} at byte {err.have} of {err.need}")
+    if st == DDPW_ERR_OVERFLOW:
+        return ProtocolError(
+            f"count overflow in {where}: {err.value} elements have no byte length "
+            f"that fits 64 bits")
+    if st == DDPW_ERR_TRAILING:
+        return ProtocolError(
+            f"{err.have - err.need} bytes after the last field of {where}")
+    if st == DDPW_ERR_VALUE:
+        return ValueError(f"{where}: {err.have} bytes, over the wire limit of {err.need}")
+    if st == DDPW_ERR_BUFFER:
+        return ValueError(f"{where}: output buffer of {err.have} bytes, {err.need} needed")
+    return ProtocolError(f"wire codec error {<int>st} in {where}")
+
+
+# ---------------------------------------------------------------------------
+# Python values -> C
+# ---------------------------------------------------------------------------
+
+cdef class _Buffer:
+    """Holds a Py_buffer export for as long as C reads from it."""
+    cdef Py_buffer view
+    cdef bint held
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+
+cdef str _describe(object obj):
+    if isinstance(obj, _ndarray):
+        layout = "" if obj.flags.c_contiguous else ", not C-contiguous"
+        return f"numpy.ndarray of dtype {obj.dtype}{layout}"
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        return type(obj).__name__
+    layout = "" if view.c_contiguous else ", not C-contiguous"
+    return f"{type(obj).__name__} of format {view.format!r}{layout}"
+
+
+cdef bint _is_f32_format(const char *fmt):
+    if fmt == NULL:
+        return False
+    if strcmp(fmt, "f") == 0 or strcmp(fmt, "@f") == 0 or strcmp(fmt, "=f") == 0:
+        return True
+    return _LITTLE_HOST and strcmp(fmt, "<f") == 0
+
+
+cdef _Buffer _float32_buffer(object obj, object msg):
+    cdef _Buffer buf = _Buffer.__new__(_Buffer)
+    try:
+        PyObject_GetBuffer(obj, &buf.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        buf.held = True
+    except (TypeError, BufferError, ValueError):
+        pass
+    if not buf.held or buf.view.itemsize != 4 or not _is_f32_format(buf.view.format):
+        raise TypeError(
+            f"{type(msg).__name__}.gradients: expected a C-contiguous float32 buffer (numpy float32 array, "
+            f"tensor.numpy(), array.array('f') or memoryview of format 'f'), "
+            f"got {_describe(obj)}")
+    return buf
+
+
+cdef uint64_t _uint(object value, uint64_t limit, object owner, str field) except? 0xFFFFFFFFFFFFFFFF:
+    # owner: the message (or a name) that errors mention; its type name is
+    # looked up only on failure, so the common path stays cheap.
+    cdef uint64_t out
+    cdef str type_name
+    if type(value) is not int:
+        try:
+            value = PyNumber_Index(value)
+        except TypeError:
+            type_name = _owner_name(owner)
+            raise TypeError(
+                f"{type_name}.{field}: expected an int, got {type(value).__name__}") from None
+    try:
+        out = value
+    except OverflowError:  # negative, or over 2^64 - 1
+        type_name = _owner_name(owner)
+        raise ValueError(f"{type_name}.{field} must be in 0..{limit}, got {value}") from None
+    if out > limit:
+        type_name = _owner_name(owner)
+        raise ValueError(f"{type_name}.{field} must be in 0..{limit}, got {value}")
+    return out
+
+
+cdef str _owner_name(object owner):
+    return owner if isinstance(owner, str) else type(owner).__name__
+
+
+cdef float _f32(object value, object owner, str field) except? -1.0:
+    cdef double d
+    try:
+        d = value
+    except TypeError:
+        raise TypeError(
+            f"{_owner_name(owner)}.{field}: expected a float, got {type(value).__name__}") from None
+    return ddpw_f64_to_f32(d)
+
+
+cdef ddpw_str _utf8(object value, object owner, str field) except *:
+    cdef ddpw_str s
+    cdef Py_ssize_t n
+    if not isinstance(value, str):
+        raise TypeError(f"{_owner_name(owner)}.{field}: expected a str, got {type(value).__name__}")
+    try:
+        s.data = <const uint8_t *>PyUnicode_AsUTF8AndSize(value, &n)
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{_owner_name(owner)}.{field}: not encodable as UTF-8: {exc}") from None
+    s.len = <size_t>n
+    return s
+
+
+cdef object _u32_array(object value, str type_name, str field):
+    """component_sizes as a C-contiguous host-order uint32 array."""
+    cdef uint32_t[::1] out_view
+    cdef Py_ssize_t i, n
+    cdef uint64_t v
+    if isinstance(value, _ndarray):
+        arr = value.reshape(-1)
+        if arr.dtype == _NATIVE_U32:
+            return np.ascontiguousarray(arr)
+        if arr.size == 0:
+            return np.empty(0, dtype=_NATIVE_U32)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(
+                f"{type_name}.{field}: expected integers, got an array of dtype {arr.dtype}")
+        if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
+            raise ValueError(f"{type_name}.{field}: every size must be in 0..4294967295")
+        return arr.astype(_NATIVE_U32)
+    try:
+        n = len(value)
+    except TypeError:
+        raise TypeError(
+            f"{type_name}.{field}: expected a sequence of ints, got {type(value).__name__}") from None
+    out = np.empty(n, dtype=_NATIVE_U32)
+    out_view = out
+    for i in range(n):
+        v = _uint(value[i], 0xFFFFFFFF, type_name, f"{field}[{i}]")
+        out_view[i] = <uint32_t>v
+    return out
+
+
+cdef inline void _set_gradients(ddpw_message *out, object msg, list keep) except *:
+    cdef _Buffer buf = _float32_buffer(msg.gradients, msg)
+    keep.append(buf)
+    out.gradients = buf.view.buf
+    out.gradient_count = <uint64_t>(buf.view.len // 4)
+
+
+cdef inline void _set_component_sizes(ddpw_message *out, object msg, list keep) except *:
+    cdef str type_name = type(msg).__name__
+    sizes = _u32_array(msg.component_sizes, type_name, "component_sizes")
+    if sizes.shape[0] > 0xFFFFFFFF:
+        raise ValueError(f"{type_name}.component_sizes: more than 4294967295 entries")
+    cdef _Buffer buf = _Buffer.__new__(_Buffer)
+    PyObject_GetBuffer(sizes, &buf.view, PyBUF_C_CONTIGUOUS)
+    buf.held = True
+    keep.append(buf)
+    out.component_sizes = buf.view.buf
+    out.component_count = <uint32_t>sizes.shape[0]
+
+
+cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
+    cdef object tag_obj = _TAGS.get(type(msg))
+    cdef uint8_t tag
+    if tag_obj is None:
+        for cls in type(msg).__mro__:  # a subclass of a message class
+            tag_obj = _TAGS.get(cls)
+            if tag_obj is not None:
+                break
+        else:
+            raise TypeError(f"expected a ddpwire message, got {type(msg).__name__}")
+    memset(out, 0, sizeof(ddpw_message))
+    out.tag = <uint8_t>tag_obj
+    tag = out.tag
+    if tag == DDPW_JOIN_REQUEST:
+        node_id = msg.node_id
+        backend = msg.backend
+        keep.append(node_id)
+        keep.append(backend)
+        out.node_id = _utf8(node_id, msg, "node_id")
+        out.gpu_count = <uint32_t>_uint(msg.gpu_count, 0xFFFFFFFF, msg, "gpu_count")
+        out.backend = _utf8(backend, msg, "backend")
+    elif tag == DDPW_JOIN_ACCEPTED:
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.total_workers = <uint32_t>_uint(msg.total_workers, 0xFFFFFFFF, msg, "total_workers")
+    elif tag == DDPW_SHARD_ASSIGNMENT:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
+        out.shard_end = _uint(msg.shard_end, 0xFFFFFFFFFFFFFFFF, msg, "shard_end")
+    elif tag == DDPW_GRADIENT_PAYLOAD:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        _set_gradients(out, msg, keep)
+        out.loss = _f32(msg.loss, msg, "loss")
+        out.correct = _uint(msg.correct, 0xFFFFFFFFFFFFFFFF, msg, "correct")
+        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, msg, "total")
+    elif tag == DDPW_AVERAGED_GRADIENT:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        _set_gradients(out, msg, keep)
+        out.global_loss = _f32(msg.global_loss, msg, "global_loss")
+    elif tag == DDPW_HEARTBEAT:
+        node_id = msg.node_id
+        keep.append(node_id)
+        out.node_id = _utf8(node_id, msg, "node_id")
+        out.timestamp_ms = _uint(msg.timestamp_ms, 0xFFFFFFFFFFFFFFFF, msg, "timestamp_ms")
+    elif tag == DDPW_SHUTDOWN:
+        pass
+    elif tag == DDPW_BLOCK_GRADIENT_PAYLOAD:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, msg, "block_idx")
+        out.num_blocks = <uint32_t>_uint(msg.num_blocks, 0xFFFFFFFF, msg, "num_blocks")
+        _set_component_sizes(out, msg, keep)
+        _set_gradients(out, msg, keep)
+    elif tag == DDPW_AVERAGED_BLOCK_GRADIENT:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, msg, "block_idx")
+        _set_component_sizes(out, msg, keep)
+        _set_gradients(out, msg, keep)
+    elif tag == DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.component = <uint8_t>_uint(msg.component, 0xFF, msg, "component")
+        _set_gradients(out, msg, keep)
+    else:  # DDPW_AVERAGED_NON_BLOCK_GRADIENT
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.component = <uint8_t>_uint(msg.component, 0xFF, msg, "component")
+        _set_gradients(out, msg, keep)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# C -> Python values
+# ---------------------------------------------------------------------------
+
+cdef inline str _text(ddpw_str s):
+    return PyUnicode_DecodeUTF8(<const char *>s.data, <Py_ssize_t>s.len, NULL)
+
+
+cdef inline object _float(float f):
+    return ddpw_f32_to_f64(f)
+
+
+cdef inline object _gradients(const ddpw_message *m, object owner, const uint8_t *base):
+    cdef Py_ssize_t offset = <const uint8_t *>m.gradients - base
+    return _frombuffer(owner, _F32, <Py_ssize_t>m.gradient_count, offset)
+
+
+cdef inline object _component_sizes(const ddpw_message *m, object owner, const uint8_t *base):
+    cdef Py_ssize_t offset = <const uint8_t *>m.component_sizes - base
+    if m.component_count == 0:
+        return np.empty(0, dtype=_NATIVE_U32)
+    return _frombuffer(owner, _U32, <Py_ssize_t>m.component_count, offset)
+
+
+cdef inline object _new(object cls):
+    # Decoding skips the dataclass __init__ (which only stores the fields)
+    # and stores them itself: it halves the cost of a small message.
+    return PyType_GenericNew(<PyTypeObject *>cls, _EMPTY, None)
+
+
+cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *base):
+    cdef uint8_t tag = m.tag
+    cdef object o
+    if tag == DDPW_JOIN_REQUEST:
+        o = _new(JoinRequest)
+        o.node_id = _text(m.node_id)
+        o.gpu_count = m.gpu_count
+        o.backend = _text(m.backend)
+    elif tag == DDPW_JOIN_ACCEPTED:
+        o = _new(JoinAccepted)
+        o.worker_id = m.worker_id
+        o.total_workers = m.total_workers
+    elif tag == DDPW_SHARD_ASSIGNMENT:
+        o = _new(ShardAssignment)
+        o.step = m.step
+        o.shard_start = m.shard_start
+        o.shard_end = m.shard_end
+    elif tag == DDPW_GRADIENT_PAYLOAD:
+        o = _new(GradientPayload)
+        o.step = m.step
+        o.worker_id = m.worker_id
+        o.gradients = _gradients(m, owner, base)
+        o.loss = _float(m.loss)
+        o.correct = m.correct
+        o.total = m.total
+    elif tag == DDPW_AVERAGED_GRADIENT:
+        o = _new(AveragedGradient)
+        o.step = m.step
+        o.gradients = _gradients(m, owner, base)
+        o.global_loss = _float(m.global_loss)
+    elif tag == DDPW_HEARTBEAT:
+        o = _new(Heartbeat)
+        o.node_id = _text(m.node_id)
+        o.timestamp_ms = m.timestamp_ms
+    elif tag == DDPW_SHUTDOWN:
+        o = _new(Shutdown)
+    elif tag == DDPW_BLOCK_GRADIENT_PAYLOAD:
+        o = _new(BlockGradientPayload)
+        o.step = m.step
+        o.worker_id = m.worker_id
+        o.block_idx = m.block_idx
+        o.num_blocks = m.num_blocks
+        o.component_sizes = _component_sizes(m, owner, base)
+        o.gradients = _gradients(m, owner, base)
+    elif tag == DDPW_AVERAGED_BLOCK_GRADIENT:
+        o = _new(AveragedBlockGradient)
+        o.step = m.step
+        o.block_idx = m.block_idx
+        o.component_sizes = _component_sizes(m, owner, base)
+        o.gradients = _gradients(m, owner, base)
+    elif tag == DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
+        o = _new(NonBlockGradientPayload)
+        o.step = m.step
+        o.worker_id = m.worker_id
+        o.component = m.component
+        o.gradients = _gradients(m, owner, base)
+    elif tag == DDPW_AVERAGED_NON_BLOCK_GRADIENT:
+        o = _new(AveragedNonBlockGradient)
+        o.step = m.step
+        o.component = m.component
+        o.gradients = _gradients(m, owner, base)
+    else:
+        raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
+    return o
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+
+cdef _Buffer _input_buffer(object buffer):
+    cdef _Buffer buf = _Buffer.__new__(_Buffer)
+    try:
+        PyObject_GetBuffer(buffer, &buf.view, PyBUF_SIMPLE)
+    except (TypeError, BufferError) as exc:
+        raise TypeError(
+            f"expected a C-contiguous bytes-like object, got {type(buffer).__name__}: {exc}"
+        ) from None
+    buf.held = True
+    return buf
+
+
+cdef object _decode(object owner, const uint8_t *base, const uint8_t *p, size_t n, int flags):
+    cdef ddpw_message m
+    cdef ddpw_error err
+    cdef ddpw_status st
+    if n > NOGIL_BYTES:
+        with nogil:
+            st = ddpw_decode_payload(p, n, flags, &m, &err)
+    else:
+        st = ddpw_decode_payload(p, n, flags, &m, &err)
+    if st != DDPW_OK:
+        raise wire_error(&err)
+    return message_from_c(&m, owner, base)
+
+
+def decode_payload(buffer, *, bint allow_trailing=False):
+    """Decode one payload (tag byte + body, no length prefix) into a message.
+
+    Gradient and component-size arrays are views into ``buffer`` (no copy):
+    keep ``buffer`` unchanged while the message is in use.
+    Bytes after the last field raise ProtocolError unless ``allow_trailing``.
+    """
+    cdef int flags = DDPW_ALLOW_TRAILING if allow_trailing else 0
+    cdef const uint8_t *p
+    if type(buffer) is bytes:  # immutable and contiguous: no buffer export needed
+        p = <const uint8_t *>PyBytes_AS_STRING(buffer)
+        return _decode(buffer, p, p, <size_t>len(<bytes>buffer), flags)
+    cdef _Buffer buf = _input_buffer(buffer)
+    p = <const uint8_t *>buf.view.buf
+    return _decode(buffer, p, p, <size_t>buf.view.len, flags)
+
+
+def decode_frame(buffer, *, bint allow_trailing=False, max_frame=DEFAULT_MAX_FRAME):
+    """Decode exactly one frame (big-endian length prefix + payload).
+
+    A length over ``max_frame`` raises FrameTooLarge; a buffer shorter or
+    longer than the frame raises ProtocolError.
+    """
+    cdef _Buffer buf
+    cdef const uint8_t *p
+    cdef size_t n
+    cdef ddpw_error err
+    cdef uint64_t length
+    cdef uint64_t limit = _max_frame(max_frame)
+    if type(buffer) is bytes:  # immutable and contiguous: no buffer export needed
+        p = <const uint8_t *>PyBytes_AS_STRING(buffer)
+        n = <size_t>len(<bytes>buffer)
+    else:
+        buf = _input_buffer(buffer)
+        p = <const uint8_t *>buf.view.buf
+        n = <size_t>buf.view.len
+    if n < DDPW_PREFIX_LEN:
+        raise ProtocolError(f"truncated frame: length prefix {n} of 4 bytes")
+    length = ddpw_read_prefix(p)
+    if ddpw_check_frame_len(length, limit, &err) != DDPW_OK:
+        raise wire_error(&err)
+    if n - DDPW_PREFIX_LEN < length:
+        raise ProtocolError(f"truncated frame: payload {n - DDPW_PREFIX_LEN} of {length} bytes")
+    if n - DDPW_PREFIX_LEN > length:
+        raise ProtocolError(
+            f"{n - DDPW_PREFIX_LEN - length} bytes after the frame "
+            f"(decode_frame takes exactly one frame; use FrameReader for a stream)")
+    return _decode(buffer, p, p + DDPW_PREFIX_LEN, <size_t>length,
+                   DDPW_ALLOW_TRAILING if allow_trailing else 0)
+
+
+cdef uint64_t _max_frame(object max_frame) except 0:
+    if max_frame is DEFAULT_MAX_FRAME:
+        return DDPW_DEFAULT_MAX_FRAME
+    # No frame can announce more than 2^32 - 1 bytes, so larger limits clamp.
+    value = PyNumber_Index(max_frame)
+    if value < 1:
+        raise ValueError(f"max_frame must be at least 1 byte, got {value}")
+    return <uint64_t>min(value, 0xFFFFFFFF)
+
+
+cdef uint64_t _checked_size(const ddpw_message *m, object max_frame) except? 0:
+    cdef ddpw_error err
+    cdef uint64_t size
+    if ddpw_payload_size(m, &size, &err) != DDPW_OK:
+        raise wire_error(&err)
+    limit = _max_frame(max_frame)
+    if size > limit:
+        raise FrameTooLarge(size, limit)
+    return size
+
+
+def encode_frame(msg, *, max_frame=DEFAULT_MAX_FRAME):
+    """Encode a message into one frame: the big-endian length prefix and payload.
+
+    A payload over ``max_frame`` bytes raises FrameTooLarge (the reference
+    refuses frames over 100,000,000 bytes).
+    """
+    cdef ddpw_message m
+    cdef ddpw_error err
+    cdef ddpw_status st
+    cdef list keep = []
+    cdef size_t written
+    message_to_c(msg, &m, keep)
+    cdef size_t frame_len = <size_t>(DDPW_PREFIX_LEN + _checked_size(&m, max_frame))
+    out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>frame_len)
+    cdef uint8_t *dst = <uint8_t *>PyBytes_AS_STRING(out)
+    if frame_len > NOGIL_BYTES:
+        with nogil:
+            st = ddpw_encode_frame(&m, dst, frame_len, &written, &err)
+    else:
+        st = ddpw_encode_frame(&m, dst, frame_len, &written, &err)
+    if st != DDPW_OK:
+        raise wire_error(&err)
+    return out
+
+
+def encode_frame_parts(msg, *, max_frame=DEFAULT_MAX_FRAME):
+    """Encode a message as (head, gradients, tail) for a scatter-gather send.
+
+    head is the length prefix and every field before the gradient elements,
+    gradients a byte memoryview on the caller's own float32 buffer (no copy;
+    None for a message without gradients), tail the fields after them.
+    ``head + gradients + tail == encode_frame(msg)``.
+    """
+    cdef ddpw_message m
+    cdef ddpw_error err
+    cdef list keep = []
+    cdef size_t written
+    message_to_c(msg, &m, keep)
+    _checked_size(&m, max_frame)
+    cdef size_t head_len = ddpw_head_size(&m)
+    head = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>head_len)
+    if ddpw_encode_head(&m, <uint8_t *>PyBytes_AS_STRING(head), head_len, &written, &err) != DDPW_OK:
+        raise wire_error(&err)
+    if not ddpw_has_gradients(m.tag):
+        return head, None, b""
+    cdef size_t tail_len = ddpw_tail_len(m.tag)
+    tail = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>tail_len)
+    if ddpw_encode_tail(&m, <uint8_t *>PyBytes_AS_STRING(tail), tail_len, &written, &err) != DDPW_OK:
+        raise wire_error(&err)
+    gradients = memoryview(msg.gradients).cast("B")
+    if not _LITTLE_HOST:
+        # the wire is little-endian: only here does sending need a copy
+        gradients = memoryview(np.frombuffer(gradients, np.float32).astype(_F32).tobytes())
+    return head, gradients, tail
+
+
+cdef class FrameReader:
+    """Cut a byte stream into frames and decode each into a message.
+
+    ``feed`` accepts chunks of any size (down to one byte) and returns the
+    messages completed by that chunk. Each frame's payload gets its own
+    buffer, allocated only after its length prefix passed ``max_frame``, so
+    decoded gradient views stay valid after later feeds.
+
+    Any ProtocolError leaves the stream without a reliable frame boundary:
+    the reader then refuses further input. ``pending`` counts the bytes of an
+    unfinished frame; ``close()`` raises ProtocolError when the stream ended
+    inside a frame. One reader serves one stream from one thread at a time.
+    """
+
+    def __init__(self, max_frame=DEFAULT_MAX_FRAME, *, bint allow_trailing=False):
+        self.max_frame = _max_frame(max_frame)
+        self.allow_trailing = allow_trailing
+        self._prefix_len = 0
+        self._payload = None
+        self._payload_len = 0
+        self._filled = 0
+        self._failure = None
+
+    @property
+    def pending(self):
+        """Bytes received of a frame not yet complete, length prefix included
+        (0 between frames)."""
+        if self._payload is None:
+            return self._prefix_len
+        return DDPW_PREFIX_LEN + self._filled
+
+    cdef _fail(self, exc):
+        self._failure = exc
+        self._payload = None
+        self._payload_len = 0
+        self._filled = 0
+        self._prefix_len = 0
+        return exc
+
+    def feed(self, data):
+        """Take the next chunk of the stream; return the messages it completed."""
+        if self._failure is not None:
+            raise ProtocolError(f"FrameReader unusable after an earlier error: {self._failure}")
+        cdef _Buffer buf = _input_buffer(data)
+        cdef const uint8_t *src = <const uint8_t *>buf.view.buf
+        cdef Py_ssize_t n = buf.view.len
+        cdef Py_ssize_t pos = 0, take
+        cdef ddpw_error err
+        cdef uint32_t length
+        cdef uint8_t *dst
+        cdef const uint8_t *p
+        cdef list out = []
+        while pos < n:
+            if self._payload is None:
+                take = min(<Py_ssize_t>DDPW_PREFIX_LEN - self._prefix_len, n - pos)
+                memcpy(self._prefix + self._prefix_len, src + pos, <size_t>take)
+                self._prefix_len += take
+                pos += take
+                if self._prefix_len < <Py_ssize_t>DDPW_PREFIX_LEN:
+                    break
+                length = ddpw_read_prefix(self._prefix)
+                if ddpw_check_frame_len(length, self.max_frame, &err) != DDPW_OK:
+                    raise self._fail(wire_error(&err))
+                self._payload = PyByteArray_FromStringAndSize(NULL, <Py_ssize_t>length)
+                self._payload_len = length
+                self._filled = 0
+                self._prefix_len = 0
+            take = min(self._payload_len - self._filled, n - pos)
+            payload = self._payload  # keeps it alive while the GIL is released
+            dst = <uint8_t *>PyByteArray_AS_STRING(payload) + self._filled
+            if take > NOGIL_BYTES:
+                with nogil:
+                    memcpy(dst, src + pos, <size_t>take)
+            else:
+                memcpy(dst, src + pos, <size_t>take)
+            self._filled += take
+            pos += take
+            if self._filled == self._payload_len:
+                self._payload = None
+                self._filled = 0
+                p = <const uint8_t *>PyByteArray_AS_STRING(payload)
+                try:
+                    out.append(_decode(payload, p, p, <size_t>self._payload_len,
+                                       DDPW_ALLOW_TRAILING if self.allow_trailing else 0))
+                except ProtocolError as exc:
+                    raise self._fail(exc)
+        return out
+
+    def close(self):
+        """End of stream: raise ProtocolError if it ended inside a frame."""
+        if self._payload is not None:
+            have, need = self._filled, self._payload_len
+            self._fail(ProtocolError("stream closed"))
+            raise ProtocolError(
+                f"stream ended inside a frame: payload {have} of {need} bytes")
+        if self._prefix_len:
+            have = self._prefix_len
+            self._fail(ProtocolError("stream closed"))
+            raise ProtocolError(
+                f"stream ended inside a frame: length prefix {have} of 4 bytes")

@@ -1,0 +1,52 @@
+"""PyTorch side of ddpwire: device choice, the gradient buffer, demo models and data, the trainer.
+
+Needs the optional ``[torch]`` extra (torch and scikit-learn); the core
+``ddpwire`` package never imports this one.
+"""
+from .buffer import (
+    BLOCK_COMPONENTS,
+    NON_BLOCK_COMPONENTS,
+    Component,
+    GradientBuffer,
+    Segment,
+    block_segment,
+)
+from .data import ArrayDataset, ShardSampler, digits_split, token_sequences
+from .device import DEVICE_ENV, DeviceChoice, choose_device
+from .models import Block, DigitsMLP, RMSNorm, TinyTransformer
+from .trainer import (
+    BatchFn,
+    DataParallelTrainer,
+    StepResult,
+    StepTimings,
+    WorkerLike,
+    classification_batch,
+    evaluate,
+)
+
+__all__ = [
+    "BLOCK_COMPONENTS",
+    "NON_BLOCK_COMPONENTS",
+    "Component",
+    "GradientBuffer",
+    "Segment",
+    "block_segment",
+    "ArrayDataset",
+    "ShardSampler",
+    "digits_split",
+    "token_sequences",
+    "DEVICE_ENV",
+    "DeviceChoice",
+    "choose_device",
+    "Block",
+    "DigitsMLP",
+    "RMSNorm",
+    "TinyTransformer",
+    "BatchFn",
+    "DataParallelTrainer",
+    "StepResult",
+    "StepTimings",
+    "WorkerLike",
+    "classification_batch",
+    "evaluate",
+]

@@ -1,0 +1,361 @@
+"""Data-parallel training steps over a ddpwire Worker.
+
+A flat step: take the shard (``None`` means the coordinator shut down), run
+forward and backward on those rows (see :mod:`ddpwire.torch.data` for how a
+shard maps to rows), send the flat gradient with the shard's mean loss, correct
+and total counts, receive the average straight into the gradient buffer,
+scatter it into ``.grad`` and step the optimizer. Every worker applies the same
+averaged gradient to the same weights with the same deterministic optimizer,
+so the weights stay bit-identical across workers (on the same kind of device).
+
+A per-block step overlaps communication with backward: a post-accumulate-grad
+hook counts each block's parameters, and once a block's gradients are all
+accumulated the hook sends that block from the backward thread itself, while
+a background thread receives the averages as they come back. Sending from the
+hook keeps one sender thread and one receiver thread, as the Worker allows,
+and fixes the send order. Blocks are always sent in descending ``block_idx``
+order (backward order); a block whose hook cannot fire (an unused parameter,
+an empty shard) is sent, with zeros for the missing gradients, after backward
+returns, so every worker sends the same sequence. The non-block components
+(lm_head, final_norm, embedding, in code order) follow.
+Block messages carry no loss, so a per-block step reports no global loss.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import GradientMismatch
+from .buffer import NON_BLOCK_COMPONENTS, GradientBuffer, Segment, block_segment
+from .data import ArrayDataset, ShardSampler
+
+__all__ = [
+    "WorkerLike",
+    "BatchFn",
+    "classification_batch",
+    "StepTimings",
+    "StepResult",
+    "DataParallelTrainer",
+    "evaluate",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLike(Protocol):
+    """The part of :class:`ddpwire.Worker` the trainer uses."""
+
+    worker_id: int
+    total_workers: int
+
+    def receive_shard(self) -> Optional[Any]: ...
+    def send_gradients(self, step: int, gradients: np.ndarray, loss: float, correct: int, total: int) -> None: ...
+    def receive_averaged(self, out: Optional[np.ndarray] = None) -> Any: ...
+    def send_block_gradient(
+        self, step: int, block_idx: int, num_blocks: int, gradients: np.ndarray, component_sizes: Sequence[int]
+    ) -> None: ...
+    def receive_averaged_block(self, out: Optional[np.ndarray] = None) -> Any: ...
+    def send_non_block_gradient(self, step: int, component: int, gradients: np.ndarray) -> None: ...
+    def receive_averaged_non_block(self, out: Optional[np.ndarray] = None) -> Any: ...
+
+
+BatchFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], Tuple[torch.Tensor, int, int]]
+"""``(model, features, targets) -> (mean loss, correct, total)``."""
+
+
+def classification_batch(model: nn.Module, features: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
+    """Cross-entropy over the last logit dimension; fits both class labels and next-token targets."""
+    logits = model(features)
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1)
+    loss = F.cross_entropy(flat_logits, flat_targets)
+    correct = int((flat_logits.argmax(dim=-1) == flat_targets).sum())
+    return loss, correct, int(flat_targets.numel())
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, dataset: ArrayDataset, device: Optional[torch.device] = None, batch_fn: BatchFn = classification_batch
+) -> Tuple[float, float]:
+    """Mean loss and accuracy of ``model`` on ``dataset`` (one batch; the demo sets are small)."""
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        loss, correct, total = batch_fn(model, dataset.features.to(device), dataset.targets.to(device))
+    finally:
+        model.train(was_training)
+    return float(loss), correct / max(total, 1)
+
+
+@dataclass
+class StepTimings:
+    """Where a step's time went (CPU-side ``time.perf_counter`` clock, seconds).
+
+    ``exposed_comm_s`` is communication the step waited for after backward
+    (flat mode: the whole send and receive). Per-block mode only:
+    ``first_send_lead_s`` is how long before the end of backward the first
+    block was sent (positive means communication overlapped backward),
+    ``hidden_comm_s`` the part of the span from first send to last average
+    received that ran during backward, and ``averages_in_backward`` how many
+    block averages had already arrived when backward ended.
+    """
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    send_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    hidden_comm_s: float = 0.0
+    optimizer_s: float = 0.0
+    first_send_lead_s: Optional[float] = None
+    backward_end: float = 0.0
+    first_send_start: Optional[float] = None
+    averages_in_backward: int = 0
+
+
+@dataclass
+class StepResult:
+    """One finished step. ``global_loss`` is ``None`` in per-block mode (block messages carry no loss)."""
+
+    step: int
+    loss: float
+    global_loss: Optional[float]
+    correct: int
+    total: int
+    timings: StepTimings
+
+
+class DataParallelTrainer:
+    """Run the protocol's training steps for one worker.
+
+    ``model`` must already be on ``device`` (default: its first parameter's) and
+    built identically on every worker. ``samples_per_step`` must equal the
+    coordinator's ``total_samples`` (default: ``len(dataset)``). With
+    ``per_block=True`` the gradients go block by block; ``layout`` (default:
+    ``model.gradient_layout()``) must then consist of segments named
+    ``block.<i>`` for ``i`` in ``0..N-1`` and any of lm_head, final_norm,
+    embedding.
+    """
+
+    def __init__(
+        self,
+        worker: WorkerLike,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: ArrayDataset,
+        *,
+        device: Optional[torch.device] = None,
+        samples_per_step: Optional[int] = None,
+        seed: int = 0,
+        per_block: bool = False,
+        layout: Optional[Sequence[Segment]] = None,
+        batch_fn: BatchFn = classification_batch,
+    ) -> None:
+        self.worker = worker
+        self.model = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.sampler = ShardSampler(len(dataset), samples_per_step or len(dataset), seed)
+        self.batch_fn = batch_fn
+        self.per_block = per_block
+        if per_block and layout is None:
+            if not hasattr(model, "gradient_layout"):
+                raise ValueError("per_block=True needs a layout, or a model with gradient_layout()")
+            layout = model.gradient_layout()
+        self.buffer = GradientBuffer(model, self.device, layout=layout)
+        self._hooks: List[Any] = []
+        if per_block:
+            self._plan_blocks()
+
+    # ----- per-block setup -----
+
+    def _plan_blocks(self) -> None:
+        names = set(self.buffer.segment_names)
+        self.num_blocks = sum(1 for n in names if n.startswith("block."))
+        expected = {block_segment(i) for i in range(self.num_blocks)} | set(NON_BLOCK_COMPONENTS)
+        stray = names - expected
+        if stray:
+            raise ValueError(
+                f"per-block layout has segments {sorted(stray)}: expected block.0..block.{self.num_blocks - 1} "
+                f"and any of {', '.join(NON_BLOCK_COMPONENTS)}"
+            )
+        self._non_blocks = sorted((code, n) for n, code in NON_BLOCK_COMPONENTS.items() if n in names)
+        self._block_sizes = [self.buffer.component_sizes(block_segment(i)) for i in range(self.num_blocks)]
+        self._block_param_count = [len(self.buffer.segment_params(block_segment(i))) for i in range(self.num_blocks)]
+        self._lock = threading.Lock()
+        self._collecting = False
+        for i in range(self.num_blocks):
+            for p in self.buffer.segment_params(block_segment(i)):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(i)))
+
+    def _hook_for(self, block_idx: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            if not self._collecting:
+                return
+            with self._lock:
+                self._remaining[block_idx] -= 1
+                if self._remaining[block_idx] == 0:
+                    self._send_ready_blocks()
+
+        return hook
+
+    def close(self) -> None:
+        """Remove the gradient hooks; later per-block steps still work but send every block after backward."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # ----- steps -----
+
+    def train(self, max_steps: Optional[int] = None) -> List[StepResult]:
+        """Run steps until the coordinator shuts down (or ``max_steps``); return their results."""
+        results: List[StepResult] = []
+        while max_steps is None or len(results) < max_steps:
+            result = self.step()
+            if result is None:
+                break
+            results.append(result)
+        return results
+
+    def step(self) -> Optional[StepResult]:
+        """Run one step; ``None`` when the coordinator sent Shutdown instead of a shard."""
+        shard = self.worker.receive_shard()
+        if shard is None:
+            logger.info("worker %s: shutdown received", self.worker.worker_id)
+            return None
+        index = self.sampler.indices(shard.step, shard.shard_start, shard.shard_end)
+        self.model.train()
+        # set_to_none=False keeps each .grad allocated, so backward and scatter reuse it every step
+        self.model.zero_grad(set_to_none=False)
+        if self.per_block:
+            result = self._block_step(shard.step, index)
+        else:
+            result = self._flat_step(shard.step, index)
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        result.timings.optimizer_s = time.perf_counter() - t0
+        logger.debug(
+            "worker %s step %d: loss %.4f global %s", self.worker.worker_id, result.step, result.loss, result.global_loss
+        )
+        return result
+
+    def _forward_backward(self, index: torch.Tensor, timings: StepTimings) -> Tuple[float, int, int]:
+        if len(index) == 0:
+            # an empty shard (more workers than samples): nothing to learn from, zeros go out
+            timings.backward_end = time.perf_counter()
+            return 0.0, 0, 0
+        features, targets = self.dataset.rows(index)
+        t0 = time.perf_counter()
+        loss, correct, total = self.batch_fn(self.model, features.to(self.device), targets.to(self.device))
+        t1 = time.perf_counter()
+        loss.backward()
+        timings.backward_end = time.perf_counter()
+        timings.forward_s, timings.backward_s = t1 - t0, timings.backward_end - t1
+        return loss.item(), correct, total
+
+    def _flat_step(self, step: int, index: torch.Tensor) -> StepResult:
+        timings = StepTimings()
+        loss, correct, total = self._forward_backward(index, timings)
+        gradients = self.buffer.gather() if total else self.buffer.zero()
+        t0 = time.perf_counter()
+        self.worker.send_gradients(step, gradients, loss, correct, total)
+        t1 = time.perf_counter()
+        avg = self.worker.receive_averaged(out=self.buffer.array)
+        timings.send_s, timings.exposed_comm_s = t1 - t0, time.perf_counter() - t0
+        if avg.step != step:
+            raise GradientMismatch("step", step, avg.step, worker_id=self.worker.worker_id, step=step)
+        self.buffer.scatter(avg.gradients)
+        return StepResult(step, loss, float(avg.global_loss), correct, total, timings)
+
+    # ----- per-block step -----
+
+    def _send_ready_blocks(self) -> None:
+        """Send, in descending order, every block whose gradients are complete (caller holds the lock)."""
+        while self._next_block >= 0 and self._remaining[self._next_block] <= 0:
+            i = self._next_block
+            gradients = self.buffer.gather_segment(block_segment(i))
+            t0 = time.perf_counter()
+            if self._timings.first_send_start is None:
+                self._timings.first_send_start = t0
+            self.worker.send_block_gradient(self._step, i, self.num_blocks, gradients, self._block_sizes[i])
+            self._timings.send_s += time.perf_counter() - t0
+            self._next_block -= 1
+
+    def _receive_all(self, step: int, done: Dict[str, Any]) -> None:
+        try:
+            for i in reversed(range(self.num_blocks)):
+                view = self.buffer.segment_view(block_segment(i))
+                avg = self.worker.receive_averaged_block(out=view)
+                self._check_received(step, avg.step, "block_idx", i, avg.block_idx, view, avg.gradients)
+                done["block_ends"].append(time.perf_counter())
+                if list(avg.component_sizes) != self._block_sizes[i]:
+                    raise GradientMismatch(
+                        "component_sizes", self._block_sizes[i], list(avg.component_sizes),
+                        worker_id=self.worker.worker_id, step=step,
+                    )
+            for code, name in self._non_blocks:
+                view = self.buffer.segment_view(name)
+                avg = self.worker.receive_averaged_non_block(out=view)
+                self._check_received(step, avg.step, "component", code, avg.component, view, avg.gradients)
+        except BaseException as exc:  # handed to the training thread, which re-raises it
+            done["error"] = exc
+        finally:
+            done["end"] = time.perf_counter()
+
+    def _check_received(
+        self, step: int, got_step: int, field: str, expected: int, got: int, view: np.ndarray, gradients: Any
+    ) -> None:
+        context = {"worker_id": self.worker.worker_id, "step": step}
+        if got_step != step:
+            raise GradientMismatch("step", step, got_step, **context)
+        if got != expected:
+            raise GradientMismatch(field, expected, got, **context)
+        if gradients is not None:
+            src = GradientBuffer._as_float32(gradients)
+            if src.size != view.size:
+                raise GradientMismatch("gradients length", view.size, src.size, **context)
+            if src.ctypes.data != view.ctypes.data:
+                np.copyto(view, src)
+
+    def _block_step(self, step: int, index: torch.Tensor) -> StepResult:
+        self._timings = timings = StepTimings()
+        self._step = step
+        self._remaining = list(self._block_param_count)
+        self._next_block = self.num_blocks - 1
+        done: Dict[str, Any] = {"block_ends": []}
+        receiver = threading.Thread(
+            target=self._receive_all, args=(step, done), name=f"ddpwire-recv-{self.worker.worker_id}", daemon=True
+        )
+        receiver.start()
+        self._collecting = True
+        try:
+            loss, correct, total = self._forward_backward(index, timings)
+        finally:
+            self._collecting = False
+        with self._lock:
+            self._remaining = [0] * self.num_blocks  # blocks with an unused parameter go now, zeros filled in
+            self._send_ready_blocks()
+        for code, name in self._non_blocks:
+            gradients = self.buffer.gather_segment(name)
+            t0 = time.perf_counter()
+            self.worker.send_non_block_gradient(step, code, gradients)
+            timings.send_s += time.perf_counter() - t0
+        receiver.join()
+        if "error" in done:
+            raise done["error"]
+        timings.exposed_comm_s = max(0.0, done["end"] - timings.backward_end)
+        timings.averages_in_backward = sum(1 for t in done["block_ends"] if t < timings.backward_end)
+        if timings.first_send_start is not None:
+            timings.first_send_lead_s = timings.backward_end - timings.first_send_start
+            timings.hidden_comm_s = max(0.0, done["end"] - timings.first_send_start - timings.exposed_comm_s)
+        self.buffer.scatter()
+        return StepResult(step, loss, None, correct, total, timings)
