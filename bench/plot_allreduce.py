@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from typing import Dict, Tuple
@@ -42,8 +43,9 @@ def table(rows: dict) -> str:
     counts = sorted({n for kind, n, _ in rows if kind != "tcp"})
     out = ["| size | N | ddpwire ms/step | gloo ms/step | ddpwire / gloo "
            "| coordinator GiB/s (2·N·size / step) | loopback GiB/s | coordinator / loopback "
+           "| coordinator collect / broadcast ms "
            "| coordinator peak RSS MiB | 1.5·size + 100 MiB |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for size in sizes:
         tcp = rows.get(("tcp", 1, size))
         loopback = size / step_time(tcp) if tcp else None
@@ -57,6 +59,11 @@ def table(rows: dict) -> str:
             cells.append(f"{rate / GiB:.2f}" if rate else "–")
             cells.append(f"{loopback / GiB:.2f}" if loopback else "–")
             cells.append(f"{rate / loopback:.0%}" if rate and loopback else "–")
+            if dd and dd.get("coordinator_collect_times"):
+                cells.append(f"{statistics.median(dd['coordinator_collect_times']) * 1e3:.1f} / "
+                             f"{statistics.median(dd['coordinator_broadcast_times']) * 1e3:.1f}")
+            else:
+                cells.append("–")
             rss = dd.get("coordinator_peak_rss") if dd else None
             cells.append(f"{rss / MiB:.0f}" if rss else "–")
             cells.append(f"{(1.5 * size + 100 * MiB) / MiB:.0f}")

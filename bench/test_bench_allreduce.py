@@ -85,7 +85,10 @@ def test_allreduce_step(benchmark, kind, n, size_mib):
     coord = summary["coordinator"]
     if coord is not None:
         assert coord["average_ok"], "the coordinator's average is wrong"
-        coord_times = [(e - s) / 1e9 for s, e in coord["times"][WARMUP:]]
+        timed = coord["times"][WARMUP:]
         info.update(coordinator_peak_rss=coord["peak_rss"],
-                    coordinator_step_times=coord_times,
+                    coordinator_step_times=[(e - s) / 1e9 for s, _, e in timed],
+                    # collect_and_reduce, then broadcast_averaged: where the step goes
+                    coordinator_collect_times=[(c - s) / 1e9 for s, c, _ in timed],
+                    coordinator_broadcast_times=[(e - c) / 1e9 for _, c, e in timed],
                     coordinator_bytes_per_step=2 * n * size)
