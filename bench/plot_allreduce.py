@@ -117,6 +117,13 @@ def plot(rows: dict, png: str) -> None:
                 linestyle="-" if kind == "ddpwire" else "--",
                 marker="o" if kind == "ddpwire" else "s",
                 color=colours.get(n), label=f"{kind}, N = {n}")
+    # a size gloo reached but ddpwire did not is a failed run: say so on the plot
+    missing = sorted({size for kind, _, size in rows if kind == "gloo"}
+                     - {size for kind, _, size in rows if kind == "ddpwire"})
+    if missing:
+        names = ", ".join(f"{size // MiB} MiB" for size in missing)
+        ax.text(0.98, 0.02, f"no ddpwire figure at {names} (the run failed)",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("gradient size (MiB)")
