@@ -227,6 +227,7 @@ class Coordinator:
         """
         t0 = time.perf_counter()
         heads = self._collect_heads(GradientPayload, step)
+        t1 = time.perf_counter()
         self._check_lengths(heads, step, self._flat_len, "gradients length")
         avg, tails = self._reduce(heads, out, step)
         if self._flat_len is None:
@@ -242,7 +243,7 @@ class Coordinator:
         global_loss = float(weighted / np.float32(total_samples)) if total_samples else 0.0
         return ReduceResult(step=step, avg_gradients=avg, global_loss=global_loss,
                             total_correct=total_correct, total_samples=total_samples,
-                            reduce_time=time.perf_counter() - t0,
+                            reduce_time=time.perf_counter() - t1, wait_time=t1 - t0,
                             worker_losses=[float(x) for x in losses])
 
     def collect_and_reduce_block(self, step: int, block_idx: int,
@@ -251,6 +252,7 @@ class Coordinator:
         average them; the result carries worker 0's component sizes."""
         t0 = time.perf_counter()
         heads = self._collect_heads(BlockGradientPayload, step)
+        t1 = time.perf_counter()
         for wid, head in enumerate(heads):
             if head.block_idx != block_idx:
                 raise GradientMismatch("block_idx", block_idx, head.block_idx, worker_id=wid, step=step)
@@ -266,7 +268,7 @@ class Coordinator:
         self._block_len.setdefault(block_idx, len(avg))
         return BlockReduceResult(step=step, block_idx=block_idx, avg_gradients=avg,
                                  component_sizes=list(heads[0].component_sizes),
-                                 reduce_time=time.perf_counter() - t0)
+                                 reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
 
     def collect_and_reduce_non_block(self, step: int, component: int,
                                      out: Optional[np.ndarray] = None) -> NonBlockReduceResult:
@@ -274,6 +276,7 @@ class Coordinator:
         and average them (0 lm_head, 1 final_norm, 2 embedding)."""
         t0 = time.perf_counter()
         heads = self._collect_heads(NonBlockGradientPayload, step)
+        t1 = time.perf_counter()
         for wid, head in enumerate(heads):
             if head.component != component:
                 raise GradientMismatch("component", component, head.component, worker_id=wid, step=step)
@@ -282,7 +285,7 @@ class Coordinator:
         avg, _ = self._reduce(heads, out, step)
         self._non_block_len.setdefault(component, len(avg))
         return NonBlockReduceResult(step=step, component=component, avg_gradients=avg,
-                                    reduce_time=time.perf_counter() - t0)
+                                    reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
 
     def _require_workers(self) -> None:
         if len(self._channels) < self.expect_workers:

@@ -15,9 +15,10 @@ class ReduceResult:
 
     ``avg_gradients`` is the element-wise float32 sum in worker order divided
     by the number of workers; ``global_loss`` is sum(loss_i * total_i) /
-    sum(total_i) in float32 (0.0 when no samples were counted);
-    ``reduce_time`` is the seconds from the start of the collect to the
-    finished average.
+    sum(total_i) in float32 (0.0 when no samples were counted).
+    ``wait_time`` is the seconds spent waiting for every worker's frame to
+    start (their compute, seen from the coordinator) and ``reduce_time`` the
+    seconds from then to the finished average (the transfer and the sum).
     """
 
     step: int
@@ -26,18 +27,21 @@ class ReduceResult:
     total_correct: int
     total_samples: int
     reduce_time: float
+    wait_time: float = 0.0
     worker_losses: List[float] = field(default_factory=list)
 
 
 @dataclass
 class BlockReduceResult:
-    """The average of one transformer block's gradient (v2 per-block mode)."""
+    """The average of one transformer block's gradient (v2 per-block mode);
+    times as in :class:`ReduceResult`."""
 
     step: int
     block_idx: int
     avg_gradients: np.ndarray
     component_sizes: List[int]
     reduce_time: float
+    wait_time: float = 0.0
 
 
 @dataclass
@@ -48,3 +52,4 @@ class NonBlockReduceResult:
     component: int
     avg_gradients: np.ndarray
     reduce_time: float
+    wait_time: float = 0.0

@@ -203,9 +203,20 @@ class Worker:
         return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
 
     def _receive(self, expected: type, out: Optional[np.ndarray], what: str) -> Any:
+        # The per-block receiver starts waiting before the first send, so the
+        # queue may still be empty here: peek only to name the step in errors,
+        # and take the owed entry once the head is in (a send queues its entry
+        # before its bytes go out, so any reply finds it).
+        step = self._owed[0][1] if self._owed else None
+        try:
+            head = self._chan.read_head(step=step, what=f"waiting for {expected.__name__}")
+        except DdpwireError as exc:
+            if self._owed:
+                exc.add_context(step=self._owed[0][1])
+            raise
         owed = self._owed[0] if self._owed else None
-        step = owed[1] if owed else None
-        head = self._chan.read_head(step=step, what=f"waiting for {expected.__name__}")
+        if owed is not None:
+            step = owed[1]
         if isinstance(head, Shutdown):
             raise ShutdownDuringReduce(f"coordinator shut down during {what}",
                                        worker_id=self._worker_id, step=step)

@@ -1,0 +1,156 @@
+"""The ``ddpwire`` command: ``coordinator``, ``worker`` and ``demo``.
+
+``ddpwire coordinator`` needs no torch; ``ddpwire worker`` and the demo's
+workers need the ``[torch]`` extra.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from typing import List, Optional
+
+from .coordinator import Coordinator
+from .errors import DdpwireError
+from .launch import from_environment, parse_addr
+from .progress import ProgressBar
+from .serve import serve
+
+__all__ = ["main"]
+
+log = logging.getLogger("ddpwire")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a peer may stay silent before it counts as lost (default 120)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def _training(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument("--samples", type=int, default=256,
+                   help="samples per step, split between the workers (default 256)")
+    p.add_argument("--per-block", action="store_true",
+                   help="average block by block while backward runs (transformer model)")
+    p.add_argument("--blocks", type=int, default=4,
+                   help="transformer blocks (per-block mode; default 4)")
+
+
+def _worker_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=["mlp", "transformer"], default=None,
+                   help="demo model: mlp on digits (default) or transformer (default with --per-block)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--device", default=None,
+                   help="cuda, cuda:N, mps or cpu (default: CUDA, else MPS, else CPU; env DDPWIRE_DEVICE)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddpwire", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run a standalone coordinator (no torch needed)")
+    c.add_argument("--bind", default="0.0.0.0:29400", help="HOST:PORT to listen on (default 0.0.0.0:29400)")
+    c.add_argument("--workers", type=int, required=True, help="number of workers to wait for")
+    c.add_argument("--join-timeout", type=float, default=600.0,
+                   help="seconds to wait for every worker to join (default 600)")
+    _training(c)
+    _common(c)
+
+    w = sub.add_parser("worker", help="join a coordinator and train the demo model")
+    w.add_argument("--connect", default=None,
+                   help="coordinator HOST:PORT (default under torchrun: MASTER_ADDR, MASTER_PORT+1)")
+    w.add_argument("--node-id", default=None, help="name reported to the coordinator")
+    w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
+    _worker_model(w)
+    _training(w)
+    _common(w)
+
+    d = sub.add_parser("demo", help="coordinator and N local worker processes training a real model")
+    d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    _worker_model(d)
+    _training(d)
+    _common(d)
+    return parser
+
+
+def run_coordinator(args: argparse.Namespace, bind=None) -> List:
+    host, port = bind or parse_addr(args.bind)
+    with Coordinator((host, port), expect_workers=args.workers, timeout=args.timeout,
+                     join_timeout=getattr(args, "join_timeout", 600.0)) as coord:
+        h, p = coord.local_addr
+        log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
+        coord.wait_for_workers()
+        bar = ProgressBar(args.steps)
+        serve(coord, steps=args.steps, total_samples=args.samples, per_block=args.per_block,
+              num_blocks=args.blocks, on_step=bar.update)
+        log.info("done: %d steps, %.0f samples/s", args.steps, bar.throughput)
+        return []
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from .torch.job import train_worker  # torch only here
+
+    launch = from_environment(args.connect)
+    hosted: Optional[threading.Thread] = None
+    failure: List[BaseException] = []
+    if launch.hosts_coordinator:
+        # torchrun's rank 0 also runs the coordinator, on every interface
+        coord_args = argparse.Namespace(**vars(args), workers=launch.world_size)
+
+        def host() -> None:
+            try:
+                run_coordinator(coord_args, bind=("", launch.addr[1]))
+            except BaseException as exc:  # reported by the main thread
+                failure.append(exc)
+        hosted = threading.Thread(target=host, name="ddpwire-coordinator", daemon=True)
+        hosted.start()
+    node_id = args.node_id
+    if node_id is None and launch.rank is not None:
+        import socket
+        node_id = f"{socket.gethostname()}-rank{launch.rank}"
+    report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
+                          blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
+                          device=args.device, node_id=node_id, timeout=args.timeout,
+                          seed=args.seed)
+    if hosted is not None:
+        hosted.join(args.timeout)
+        if failure:
+            raise failure[0]
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report.to_dict(), f)
+    else:
+        print(json.dumps(report.to_dict()))
+    return 0
+
+
+def _model(args: argparse.Namespace) -> str:
+    return args.model or ("transformer" if args.per_block else "mlp")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``ddpwire`` console script and ``python -m ddpwire``."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s", datefmt="%H:%M:%S")
+    if args.per_block and getattr(args, "model", None) == "mlp":
+        print("ddpwire: error: --per-block needs the transformer model", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "coordinator":
+            run_coordinator(args)
+            return 0
+        if args.command == "worker":
+            return run_worker(args)
+        from .demo import run_demo
+        return run_demo(args, model=_model(args))
+    except (DdpwireError, OSError, ValueError) as exc:
+        print(f"ddpwire: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ddpwire: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,84 @@
+"""The coordinator's side of a whole training run, step after step.
+
+Needs no torch: a standalone coordinator runs this loop over any model's
+gradients, flat or block by block.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from .coordinator import Coordinator
+
+__all__ = ["StepReport", "serve"]
+
+NON_BLOCK_COMPONENTS = (0, 1, 2)  # lm_head, final_norm, embedding
+
+
+@dataclass
+class StepReport:
+    """One finished step as the coordinator saw it.
+
+    ``allreduce_time`` is the seconds from the moment every worker's gradient
+    had started arriving to the end of the broadcast: the transfer, the
+    average and the send back, without the workers' compute. ``global_loss``
+    and ``accuracy`` are None in per-block mode (block messages carry no loss).
+    """
+
+    step: int
+    global_loss: Optional[float]
+    accuracy: Optional[float]
+    samples: int
+    allreduce_time: float
+    step_time: float
+
+
+def serve(
+    coord: Coordinator,
+    *,
+    steps: int,
+    total_samples: int,
+    per_block: bool = False,
+    num_blocks: int = 0,
+    non_block_components: Sequence[int] = NON_BLOCK_COMPONENTS,
+    on_step: Optional[Callable[[StepReport], None]] = None,
+    shutdown: bool = True,
+) -> List[StepReport]:
+    """Run ``steps`` steps with the joined workers, then send Shutdown.
+
+    Flat mode: shards, one averaged gradient per step. Per-block mode: the
+    blocks in backward order (``num_blocks - 1`` down to 0), then the
+    non-block components, as the workers' trainer sends them.
+    """
+    coord.set_total_samples(total_samples)
+    reports = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        coord.send_shard_assignments(step)
+        if per_block:
+            allreduce = 0.0
+            for block_idx in reversed(range(num_blocks)):
+                b = coord.collect_and_reduce_block(step, block_idx)
+                tb = time.perf_counter()
+                coord.broadcast_averaged_block(step, b)
+                allreduce += b.reduce_time + time.perf_counter() - tb
+            for component in non_block_components:
+                c = coord.collect_and_reduce_non_block(step, component)
+                tb = time.perf_counter()
+                coord.broadcast_averaged_non_block(step, c)
+                allreduce += c.reduce_time + time.perf_counter() - tb
+            report = StepReport(step, None, None, total_samples, allreduce, time.perf_counter() - t0)
+        else:
+            r = coord.collect_and_reduce(step)
+            tb = time.perf_counter()
+            coord.broadcast_averaged(step, r)
+            accuracy = r.total_correct / r.total_samples if r.total_samples else None
+            report = StepReport(step, r.global_loss, accuracy, r.total_samples,
+                                r.reduce_time + time.perf_counter() - tb, time.perf_counter() - t0)
+        reports.append(report)
+        if on_step is not None:
+            on_step(report)
+    if shutdown:
+        coord.shutdown_workers()
+    return reports
