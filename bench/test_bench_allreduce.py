@@ -1,0 +1,97 @@
+"""One allreduce step (send gradients, receive the average) over loopback:
+ddpwire against torch.distributed's gloo backend, with the raw loopback TCP
+rate of the machine, all in the same run.
+
+    python -m pytest bench/test_bench_allreduce.py --benchmark-json=bench/allreduce.json
+    python bench/plot_allreduce.py bench/allreduce.json
+
+DDPWIRE_BENCH_SIZES="1,16" (MiB) restricts the sweep for a quick run.
+Each round is one step of all workers at once; its time runs from the
+parent's "step" command to the last worker holding the average. The
+workers' own monotonic stamps (first start to last end) are kept in
+extra_info as ``step_spans``.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+
+import allreduce_procs as procs
+
+MiB = procs.MiB
+WORKER_COUNTS = (2, 3, 4)
+
+
+def _sizes_mib():
+    raw = os.environ.get("DDPWIRE_BENCH_SIZES", "1,16,64,256")
+    try:
+        sizes = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise pytest.UsageError(f"DDPWIRE_BENCH_SIZES must be MiB counts like '1,16', got {raw!r}")
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError(f"DDPWIRE_BENCH_SIZES must name sizes of at least 1 MiB, got {raw!r}")
+    return sizes
+
+
+def _rounds(size_mib: int) -> int:
+    # the big sizes take seconds a step on two shared cores: fewer rounds keep the sweep short
+    if size_mib <= 4:
+        return 20
+    if size_mib <= 16:
+        return 10
+    if size_mib <= 64:
+        return 5
+    return 3
+
+
+WARMUP = 1
+SIZES_MIB = _sizes_mib()
+
+# size-major, so each size's figures are taken close together in time
+CASES = []
+for _mib in SIZES_MIB:
+    CASES.append(pytest.param("tcp", 1, _mib, id=f"{_mib}MiB-tcp"))
+    for _n in WORKER_COUNTS:
+        for _kind in ("ddpwire", "gloo"):
+            CASES.append(pytest.param(_kind, _n, _mib, id=f"{_mib}MiB-N{_n}-{_kind}"))
+
+
+@pytest.mark.parametrize("kind,n,size_mib", CASES)
+def test_allreduce_step(benchmark, kind, n, size_mib):
+    size = size_mib * MiB
+    rounds = _rounds(size_mib)
+    benchmark.group = f"{size_mib} MiB"
+    group = procs.ProcessGroup(kind, n, size, steps=WARMUP + rounds)
+    try:
+        benchmark.pedantic(group.step, rounds=rounds, warmup_rounds=WARMUP, iterations=1)
+        # --benchmark-disable runs the target once; the coordinator still expects every step
+        while len(group.step_stamps) < WARMUP + rounds:
+            group.step()
+    except BaseException:
+        # the failing child's traceback is in this exception: do not bury it under the others'
+        group.kill()
+        raise
+    summary = group.stop()
+    spans = procs.step_spans(group.step_stamps[WARMUP:])
+    info = benchmark.extra_info
+    info.update(kind=kind, workers=n, size_bytes=size, rounds=rounds, warmup=WARMUP,
+                step_spans=spans, step_span_median=statistics.median(spans),
+                worker_peak_rss=[w["peak_rss"] for w in summary["workers"]])
+    if kind == "tcp":
+        info["bytes_per_round"] = size
+    else:
+        # every worker (and the coordinator) must have computed the right average
+        assert all(w["average_ok"] for w in summary["workers"]), summary["workers"]
+        info["payload_bytes_per_step"] = n * size
+    coord = summary["coordinator"]
+    if coord is not None:
+        assert coord["average_ok"], "the coordinator's average is wrong"
+        timed = coord["times"][WARMUP:]
+        info.update(coordinator_peak_rss=coord["peak_rss"],
+                    coordinator_step_times=[(e - s) / 1e9 for s, _, e in timed],
+                    # collect_and_reduce, then broadcast_averaged: where the step goes
+                    coordinator_collect_times=[(c - s) / 1e9 for s, c, _ in timed],
+                    coordinator_broadcast_times=[(e - c) / 1e9 for _, c, e in timed],
+                    coordinator_bytes_per_step=2 * n * size)
