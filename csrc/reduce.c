@@ -12,6 +12,13 @@
  * loop together and the block of out stays in L1 between groups, so memory
  * sees each input read once and out written once. A block whose inputs hold
  * a non-finite value is rescanned (still in cache) to find the first one.
+ *
+ * A mean whose output range is far bigger than the cache writes it with
+ * non-temporal stores on the x86 paths: a normal store first reads each line
+ * of out from memory (read-for-ownership), a fifth more traffic for k = 4,
+ * only to overwrite it. The sums then go to a block on the stack, which
+ * stays in L1, and are streamed from there to out; the arithmetic is the
+ * same loop as always, so the bits cannot change.
  */
 #if !defined(_WIN32) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L /* sysconf, pthreads under -std=c99 */
@@ -24,6 +31,7 @@
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && \
     !defined(DDPW_REDUCE_PORTABLE_ONLY)
 #define DDPW_X86 1
+#include <immintrin.h>
 #endif
 
 #if (defined(__unix__) || defined(__APPLE__)) && !defined(DDPW_REDUCE_NO_THREADS)
@@ -43,6 +51,12 @@
 /* Inputs summed per loop: enough streams to keep memory busy, few enough
  * for the registers; 4 measured as fast as 8 and halves the code. */
 #define DDPW_GROUP 4
+/* Elements of out in one thread's range from which a mean streams its
+ * stores (8 MiB): well past L2, and a quarter of this machine's L3, where
+ * the output would be evicted before anyone read it anyway. */
+#define DDPW_STREAM_MIN ((size_t)1 << 21)
+/* Non-temporal stores go in whole cache lines. */
+#define DDPW_LINE 64
 
 /* The sign bit of the result is set exactly when x is a NaN or +/-inf (its
  * exponent is all ones): the add carries into bit 31 only from 0xff. An
@@ -105,6 +119,11 @@ typedef struct kernels {
     uint32_t (*check)(const float *, size_t);
     group_fn group[2][2][DDPW_GROUP]; /* [cont][dv][c - 1] */
     void (*scale)(float *, float, size_t);
+    /* NULL where the path has no non-temporal stores; else out[0..n) =
+     * src[0..n) past the cache (out and src line-aligned, n a multiple of
+     * a line), and the fence that orders those stores before returning. */
+    void (*stream)(float *, const float *, size_t);
+    void (*fence)(void);
 } kernels;
 
 #define DDPW_GROUP_FN(sfx, ATTR, c, cont, dv)                                              \
@@ -128,7 +147,7 @@ typedef struct kernels {
     }
 
 /* Stamps out the bodies above as functions compiled for one target. */
-#define DDPW_STAMP(sfx, ATTR)                                                              \
+#define DDPW_STAMP(sfx, ATTR, STREAM, FENCE)                                               \
     ATTR static uint32_t check_##sfx(const float *restrict s, size_t n)                   \
     {                                                                                     \
         return body_check(s, n);                                                          \
@@ -145,13 +164,35 @@ typedef struct kernels {
         check_##sfx,                                                                      \
         {{DDPW_GROUP_ROW(sfx, 0, 0), DDPW_GROUP_ROW(sfx, 0, 1)},                            \
          {DDPW_GROUP_ROW(sfx, 1, 0), DDPW_GROUP_ROW(sfx, 1, 1)}},                           \
-        scale_##sfx}
+        scale_##sfx, STREAM, FENCE}
+
+#if defined(DDPW_X86)
+__attribute__((target("avx2"))) static void stream_avx2(float *out, const float *src, size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i += 8)
+        _mm256_stream_ps(out + i, _mm256_load_ps(src + i));
+}
+
+__attribute__((target("avx512f"))) static void stream_avx512(float *out, const float *src,
+                                                             size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i += 16)
+        _mm512_stream_ps(out + i, _mm512_load_ps(src + i));
+}
+
+__attribute__((target("avx2"))) static void fence_avx2(void)
+{
+    _mm_sfence();
+}
+#endif
 
 #define DDPW_NO_ATTR
-DDPW_STAMP(portable, DDPW_NO_ATTR);
+DDPW_STAMP(portable, DDPW_NO_ATTR, NULL, NULL);
 #if defined(DDPW_X86)
-DDPW_STAMP(avx2, __attribute__((target("avx2"))));
-DDPW_STAMP(avx512, __attribute__((target("avx512f"))));
+DDPW_STAMP(avx2, __attribute__((target("avx2"))), stream_avx2, fence_avx2);
+DDPW_STAMP(avx512, __attribute__((target("avx512f"))), stream_avx512, fence_avx2);
 #endif
 
 static const kernels *const table[DDPW_REDUCE_NPATHS] = {
@@ -323,14 +364,15 @@ typedef struct task {
     first_bad fb;
 } task;
 
-static void run_mean(task *t)
+/* The mean of elements [from, to), block by block, with normal stores. */
+static void run_mean_range(task *t, size_t from, size_t to)
 {
     const kernels *K = t->K;
     const size_t k = t->k;
     size_t at, m, j, c;
-    for (at = t->from; at < t->to; at += m) {
+    for (at = from; at < to; at += m) {
         const float *x[DDPW_GROUP];
-        m = min_size(DDPW_BLOCK, t->to - at);
+        m = min_size(DDPW_BLOCK, to - at);
         for (j = 0; j < k; j += c) {
             const int cont = j > 0;
             size_t g;
@@ -342,6 +384,56 @@ static void run_mean(task *t)
                     note(&t->fb, j + g, x[g], at, m);
         }
     }
+}
+
+#if defined(DDPW_X86)
+/* As run_mean_range, but every group, the last included, writes a block on
+ * the stack, which is then streamed to out: no line of out is ever read.
+ * out + from must be line-aligned and to - from a multiple of a line. */
+static void run_mean_streamed(task *t, size_t from, size_t to)
+{
+    float sums[DDPW_BLOCK] __attribute__((aligned(DDPW_LINE)));
+    const kernels *K = t->K;
+    const size_t k = t->k;
+    size_t at, m, j, c;
+    for (at = from; at < to; at += m) {
+        const float *x[DDPW_GROUP];
+        m = min_size(DDPW_BLOCK, to - at);
+        for (j = 0; j < k; j += c) {
+            const int cont = j > 0;
+            size_t g;
+            c = min_size(DDPW_GROUP, k - j);
+            for (g = 0; g < c; g++)
+                x[g] = t->inputs[j + g] + at;
+            if (K->group[cont][j + c == k][c - 1](sums, x, t->d, m))
+                for (g = 0; g < c; g++)
+                    note(&t->fb, j + g, x[g], at, m);
+        }
+        K->stream(t->out + at, sums, m);
+    }
+}
+#endif
+
+/* A large range streams its whole lines and stores the partial lines at
+ * either end normally, so no line is written both ways or by two threads.
+ * The three pieces go in index order, which note() relies on. */
+static void run_mean(task *t)
+{
+#if defined(DDPW_X86)
+    const size_t per_line = DDPW_LINE / sizeof(float);
+    if (t->K->stream != NULL && t->to - t->from >= DDPW_STREAM_MIN) {
+        /* out is float-aligned, so the misalignment is whole floats */
+        size_t skew = (size_t)((uintptr_t)(t->out + t->from) % DDPW_LINE) / sizeof(float);
+        size_t head = t->from + (skew ? per_line - skew : 0);
+        size_t tail = head + (t->to - head) / per_line * per_line;
+        run_mean_range(t, t->from, head);
+        run_mean_streamed(t, head, tail);
+        t->K->fence(); /* before the caller (or a join) may read out */
+        run_mean_range(t, tail, t->to);
+        return;
+    }
+#endif
+    run_mean_range(t, t->from, t->to);
 }
 
 static void run_task(task *t)

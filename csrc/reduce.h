@@ -80,7 +80,9 @@ void ddpw_scale(float *buf, float divisor, size_t n);
  * may overlap each other). Returns -1 when every input element is finite;
  * otherwise the index of the first non-finite element of the lowest-numbered
  * input holding one, whose number is stored in *bad_input (which may be NULL).
- * k == 0 writes nothing and returns -1. */
+ * k == 0 writes nothing and returns -1. On the x86 paths an out of 2^21
+ * elements or more per thread is written with non-temporal stores (fenced
+ * before return), so it is in memory, not in cache, afterwards. */
 int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
                  size_t *bad_input);
 

@@ -21,6 +21,10 @@ PATHS = R.available_paths()
 LENGTHS = [0, 1, 7, 4097]
 # Large enough that the kernels split it over threads (2 * 2**18 elements).
 SPLIT_LEN = (1 << 19) + 4099
+# Large enough that a mean streams its stores past the cache on the x86 paths
+# even split over two threads (2 * 2**21 elements per range), and not a whole
+# number of cache lines or blocks, so each range has a head and a tail too.
+STREAM_LEN = (1 << 22) + 4099
 
 
 def reference(inputs):
@@ -131,6 +135,35 @@ def test_thread_split_gives_the_same_bits(threads):
                     R.accumulate(acc, x)
                 R.scale(acc, 5)
                 assert_same_bits(acc, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k", [3, 8])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_mean_with_streaming_stores_gives_the_same_bits(threads, k, offset):
+    rng = np.random.default_rng(k * 10 + offset)
+    inputs = make_inputs(rng, k, STREAM_LEN, offset)
+    # the first non-finite lies inside the streamed lines, a lower-index one
+    # of a later input in the head: the report still follows (input, index)
+    inputs[1][STREAM_LEN // 2 + 5] = np.inf
+    inputs[1][STREAM_LEN - 1] = np.nan
+    inputs[k - 1][3] = np.nan
+    want = reference(inputs)
+    portable = np.empty(STREAM_LEN, np.float32)
+    with R.use_path("portable"), pytest.raises(NonFiniteGradient):
+        R.mean(inputs, out=portable)
+    assert_same_bits(portable, want)
+    out_base = np.full(STREAM_LEN + 2 * offset, 7.0, dtype=np.float32)
+    out = out_base[offset:STREAM_LEN + offset]  # only float-aligned when offset
+    with R.use_threads(threads):
+        for p in PATHS:
+            out[:] = 7.0
+            with R.use_path(p), pytest.raises(NonFiniteGradient) as info:
+                R.mean(inputs, out=out)
+            assert (info.value.input, info.value.index) == (1, STREAM_LEN // 2 + 5)
+            np.testing.assert_array_equal(bits(out), bits(portable))  # NaNs too
+            assert_same_bits(out, want)
+    assert (out_base[:offset] == 7.0).all() and (out_base[STREAM_LEN + offset:] == 7.0).all()
 
 
 @pytest.mark.parametrize("n", LENGTHS)
