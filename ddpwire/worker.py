@@ -193,7 +193,10 @@ class Worker:
         one GIL-free loop: against a coordinator that streams its average
         (:meth:`Coordinator.allreduce`) the reply starts before this worker
         has finished sending. The average lands straight in ``out`` (float32,
-        the gradient length; allocated when None). Any coordinator works,
+        the gradient length; allocated when None), which may be the
+        ``gradients`` buffer itself: an averaged element can only arrive after
+        this worker's element at the same index has left the buffer (the
+        coordinator needs it to compute the average). Any coordinator works,
         including one that replies only after it has read everything.
 
         Errors are those of receive_averaged: ShutdownDuringReduce,
