@@ -42,10 +42,11 @@ def table(rows: dict) -> str:
     sizes = sorted({size for _, _, size in rows})
     counts = sorted({n for kind, n, _ in rows if kind != "tcp"})
     out = ["| size | N | ddpwire ms/step | gloo ms/step | ddpwire / gloo "
+           "| ddpwire-classic ms/step | ddpwire / classic "
            "| coordinator GiB/s (2·N·size / step) | loopback GiB/s | coordinator / loopback "
-           "| coordinator collect / broadcast ms "
+           "| coordinator head wait / pipelined pass ms "
            "| coordinator peak RSS MiB | 1.5·size + 100 MiB |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for size in sizes:
         tcp = rows.get(("tcp", 1, size))
         loopback = size / step_time(tcp) if tcp else None
@@ -55,13 +56,16 @@ def table(rows: dict) -> str:
             cells.append(f"{step_time(dd) * 1e3:.1f}" if dd else "–")
             cells.append(f"{step_time(gl) * 1e3:.1f}" if gl else "–")
             cells.append(f"{step_time(dd) / step_time(gl):.2f}" if dd and gl else "–")
+            cl = rows.get(("ddpwire-classic", n, size))
+            cells.append(f"{step_time(cl) * 1e3:.1f}" if cl else "–")
+            cells.append(f"{step_time(dd) / step_time(cl):.2f}" if dd and cl else "–")
             rate = 2 * n * size / step_time(dd) if dd else None
             cells.append(f"{rate / GiB:.2f}" if rate else "–")
             cells.append(f"{loopback / GiB:.2f}" if loopback else "–")
             cells.append(f"{rate / loopback:.0%}" if rate and loopback else "–")
-            if dd and dd.get("coordinator_collect_times"):
-                cells.append(f"{statistics.median(dd['coordinator_collect_times']) * 1e3:.1f} / "
-                             f"{statistics.median(dd['coordinator_broadcast_times']) * 1e3:.1f}")
+            if dd and dd.get("coordinator_pass_times"):
+                cells.append(f"{statistics.median(dd['coordinator_head_wait_times']) * 1e3:.1f} / "
+                             f"{statistics.median(dd['coordinator_pass_times']) * 1e3:.1f}")
             else:
                 cells.append("–")
             rss = dd.get("coordinator_peak_rss") if dd else None
@@ -107,7 +111,7 @@ def plot(rows: dict, png: str) -> None:
 
     series = defaultdict(list)
     for (kind, n, size), info in rows.items():
-        if kind != "tcp":
+        if kind in ("ddpwire", "gloo"):
             series[(kind, n)].append((size / MiB, step_time(info) * 1e3))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = {2: "tab:blue", 3: "tab:orange", 4: "tab:green"}

@@ -219,6 +219,86 @@ out:
     return result;
 }
 
+/* One non-blocking recvmsg into what is left of iov: 1 progress or all
+ * received, 0 would block, else a DDPW_NET_* code. */
+static int recv_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
+                     size_t *done, int *err)
+{
+    struct iovec rest[DDPW_MAX_IOV];
+    struct msghdr msg;
+    ssize_t got;
+    if (*done >= total)
+        return 1;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = rest;
+    msg.msg_iovlen = iov_advance(iov, iovcnt, *done, rest);
+    got = recvmsg(fd, &msg, MSG_DONTWAIT);
+    if (got > 0) {
+        *done += (size_t)got;
+        return 1;
+    }
+    if (got == 0)
+        return DDPW_NET_EOF;
+    if (errno == EINTR)
+        return DDPW_NET_EINTR;
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return 0;
+    if (errno == ECONNRESET)
+        return DDPW_NET_EOF;
+    *err = errno;
+    return DDPW_NET_ERRNO;
+}
+
+int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
+                     const struct iovec *in_iov, int in_cnt, size_t *received,
+                     int timeout_ms, int *err)
+{
+    size_t out_total, in_total;
+    int sending = 1;
+    if (out_cnt < 0 || out_cnt > DDPW_MAX_IOV || in_cnt < 0 || in_cnt > DDPW_MAX_IOV)
+        return DDPW_NET_NOMEM;
+    out_total = iov_total(out_iov, out_cnt);
+    in_total = iov_total(in_iov, in_cnt);
+    for (;;) {
+        struct pollfd p;
+        int rc;
+        /* drain first: the reply must never wait behind our own bytes */
+        do {
+            rc = recv_some(fd, in_iov, in_cnt, in_total, received, err);
+            if (rc < 0)
+                return rc;
+        } while (rc == 1 && *received < in_total);
+        if (*received >= in_total)
+            return DDPW_NET_OK;
+        while (sending && *sent < out_total) {
+            rc = send_some(fd, out_iov, out_cnt, out_total, sent, err);
+            if (rc == DDPW_NET_EOF) {
+                /* the peer closed: what it wrote first (a Shutdown) is still to be read */
+                sending = 0;
+                break;
+            }
+            if (rc < 0)
+                return rc;
+            if (rc == 0)
+                break;
+        }
+        p.fd = fd;
+        p.events = POLLIN;
+        if (sending && *sent < out_total)
+            p.events |= POLLOUT;
+        p.revents = 0;
+        rc = poll(&p, 1, timeout_ms);
+        if (rc == 0)
+            return DDPW_NET_TIMEOUT;
+        if (rc < 0) {
+            if (errno == EINTR)
+                return DDPW_NET_EINTR;
+            *err = errno;
+            return DDPW_NET_ERRNO;
+        }
+    }
+}
+
 /* ---- streaming reduce ---- */
 
 int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
@@ -341,61 +421,93 @@ static void reduce_range(ddpw_net_reduce_state *st, float *out, size_t from, siz
     }
 }
 
+/* Receive what every socket has ready, without blocking, then reduce every
+ * element range that all sockets have delivered. */
+static int take_ready(ddpw_net_reduce_state *st, const int *fds, float *out,
+                      uint8_t *tails, size_t *failed, int *err)
+{
+    size_t i, frontier = st->grad_bytes;
+    for (i = 0; i < st->n; i++) {
+        for (;;) {
+            uint8_t *dst = NULL;
+            size_t room = recv_window(st, i, out, tails, &dst);
+            ssize_t got;
+            if (room == 0)
+                break;
+            got = recv(fds[i], dst, room, MSG_DONTWAIT);
+            if (got > 0) {
+                st->recv[i] += (size_t)got;
+                continue;
+            }
+            if (got == 0) {
+                *failed = i;
+                return DDPW_NET_EOF;
+            }
+            if (errno == EINTR)
+                return DDPW_NET_EINTR;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            *failed = i;
+            if (errno == ECONNRESET)
+                return DDPW_NET_EOF;
+            *err = errno;
+            return DDPW_NET_ERRNO;
+        }
+        frontier = min_sz(frontier, st->recv[i] - st->recv[i] % 4);
+    }
+    if (frontier > st->reduced) {
+        reduce_range(st, out, st->reduced, frontier);
+        st->reduced = frontier;
+    }
+    return DDPW_NET_OK;
+}
+
+/* A failed poll(): the code to return, naming socket `culprit`. */
+static int poll_failed(int rc, size_t culprit, size_t *failed, int *err)
+{
+    if (rc == 0) {
+        *failed = culprit;
+        return DDPW_NET_TIMEOUT;
+    }
+    if (errno == EINTR)
+        return DDPW_NET_EINTR;
+    *err = errno;
+    *failed = culprit;
+    return DDPW_NET_ERRNO;
+}
+
+static int alloc_poll(size_t n, struct pollfd **pfd, size_t **map)
+{
+    *pfd = NULL;
+    *map = NULL;
+    if (n > SIZE_MAX / sizeof **pfd || n > SIZE_MAX / sizeof **map)
+        return DDPW_NET_NOMEM;
+    *pfd = (struct pollfd *)malloc(n * sizeof **pfd);
+    *map = (size_t *)malloc(n * sizeof **map);
+    if (*pfd == NULL || *map == NULL) {
+        free(*pfd);
+        free(*map);
+        return DDPW_NET_NOMEM;
+    }
+    return DDPW_NET_OK;
+}
+
 int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                           uint8_t *tails, int timeout_ms, size_t *failed, int *err)
 {
     const size_t n = st->n, stream_len = st->grad_bytes + st->tail_len;
     struct pollfd *pfd;
     size_t *map;
-    int result = DDPW_NET_OK;
-    if (n > SIZE_MAX / sizeof *pfd || n > SIZE_MAX / sizeof *map)
-        return DDPW_NET_NOMEM;
-    pfd = (struct pollfd *)malloc(n * sizeof *pfd);
-    map = (size_t *)malloc(n * sizeof *map);
-    if (pfd == NULL || map == NULL) {
-        free(pfd);
-        free(map);
-        return DDPW_NET_NOMEM;
-    }
+    int result = alloc_poll(n, &pfd, &map);
+    if (result != DDPW_NET_OK)
+        return result;
     for (;;) {
-        size_t i, frontier = st->grad_bytes;
+        size_t i;
         nfds_t k = 0;
         int rc, complete = 1;
-        /* take what every socket has ready, without blocking */
-        for (i = 0; i < n; i++) {
-            for (;;) {
-                uint8_t *dst = NULL;
-                size_t room = recv_window(st, i, out, tails, &dst);
-                ssize_t got;
-                if (room == 0)
-                    break;
-                got = recv(fds[i], dst, room, MSG_DONTWAIT);
-                if (got > 0) {
-                    st->recv[i] += (size_t)got;
-                    continue;
-                }
-                if (got == 0) {
-                    *failed = i;
-                    result = DDPW_NET_EOF;
-                    goto out;
-                }
-                if (errno == EINTR) {
-                    result = DDPW_NET_EINTR;
-                    goto out;
-                }
-                if (errno == EAGAIN || errno == EWOULDBLOCK)
-                    break;
-                *err = errno;
-                *failed = i;
-                result = DDPW_NET_ERRNO;
-                goto out;
-            }
-            frontier = min_sz(frontier, st->recv[i] - st->recv[i] % 4);
-        }
-        if (frontier > st->reduced) {
-            reduce_range(st, out, st->reduced, frontier);
-            st->reduced = frontier;
-        }
+        result = take_ready(st, fds, out, tails, failed, err);
+        if (result != DDPW_NET_OK)
+            goto out;
         /* wait for the sockets that still owe bytes and have room for them */
         for (i = 0; i < n; i++) {
             uint8_t *dst = NULL;
@@ -414,19 +526,86 @@ int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out
         if (k == 0)
             continue; /* windows reopened by the reduction above */
         rc = poll(pfd, k, timeout_ms);
-        if (rc == 0) {
-            *failed = map[0];
-            result = DDPW_NET_TIMEOUT;
+        if (rc <= 0) {
+            result = poll_failed(rc, map[0], failed, err);
             goto out;
         }
-        if (rc < 0) {
-            if (errno == EINTR) {
-                result = DDPW_NET_EINTR;
-            } else {
-                *err = errno;
-                *failed = map[0];
-                result = DDPW_NET_ERRNO;
+    }
+    if (st->nonfinite)
+        result = DDPW_NET_NONFINITE;
+out:
+    free(pfd);
+    free(map);
+    return result;
+}
+
+int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+                             uint8_t *tails, const uint8_t *head, size_t head_len,
+                             size_t *sent, int timeout_ms, size_t *failed, int *err)
+{
+    const size_t n = st->n, stream_len = st->grad_bytes + st->tail_len;
+    struct pollfd *pfd;
+    size_t *map;
+    int result = alloc_poll(n, &pfd, &map);
+    if (result != DDPW_NET_OK)
+        return result;
+    for (;;) {
+        struct iovec iov[2];
+        size_t i, limit, culprit;
+        nfds_t k = 0;
+        int rc, complete = 1, owing = 0;
+        result = take_ready(st, fds, out, tails, failed, err);
+        if (result != DDPW_NET_OK)
+            goto out;
+        /* what may go out: the head and every averaged byte, until a bad value */
+        limit = st->nonfinite ? 0 : head_len + st->reduced;
+        iov[0].iov_base = (void *)head;
+        iov[0].iov_len = head_len;
+        iov[1].iov_base = out;
+        iov[1].iov_len = st->reduced;
+        for (i = 0; i < n; i++) {
+            while (sent[i] < limit) {
+                rc = send_some(fds[i], iov, 2, limit, &sent[i], err);
+                if (rc < 0) {
+                    *failed = i;
+                    result = rc;
+                    goto out;
+                }
+                if (rc == 0)
+                    break;
             }
+        }
+        for (i = 0; i < n; i++) {
+            uint8_t *dst = NULL;
+            short events = 0;
+            if (st->recv[i] < stream_len)
+                complete = 0;
+            if (recv_window(st, i, out, tails, &dst) > 0)
+                events |= POLLIN;
+            if (sent[i] < limit)
+                events |= POLLOUT;
+            if (events == 0)
+                continue;
+            pfd[k].fd = fds[i];
+            pfd[k].events = events;
+            pfd[k].revents = 0;
+            map[k] = i;
+            k++;
+        }
+        if (complete && st->reduced == st->grad_bytes)
+            break;
+        if (k == 0)
+            continue; /* windows reopened by the reduction above */
+        rc = poll(pfd, k, timeout_ms);
+        if (rc <= 0) {
+            /* blame a socket that owes bytes before one slow to take them */
+            culprit = map[0];
+            for (i = 0; i < (size_t)k && !owing; i++)
+                if (pfd[i].events & POLLIN) {
+                    culprit = map[i];
+                    owing = 1;
+                }
+            result = poll_failed(rc, culprit, failed, err);
             goto out;
         }
     }

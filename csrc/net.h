@@ -26,6 +26,22 @@ enum {
     DDPW_NET_NONFINITE = -6 /* ddpw_net_reduce_stream: data received, non-finite found */
 };
 
+/* Send and receive on one socket at once, in one poll loop.
+ *
+ * Sends the concatenation of out_iov from byte *sent while receiving into the
+ * concatenation of in_iov from byte *received; returns DDPW_NET_OK as soon
+ * as every byte of in_iov has arrived, whether or not the send is finished
+ * (call again with the next receive buffers, or finish the send with
+ * ddpw_net_send_iov and the same cursor). Receiving never waits for sending,
+ * so two peers that both send large frames before reading cannot deadlock
+ * here. A send that fails because the peer closed stops sending but not
+ * receiving: what the peer wrote before closing (a Shutdown) is still read;
+ * the send error comes back from ddpw_net_send_iov. The timeout counts time
+ * with no byte moved either way. */
+int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
+                     const struct iovec *in_iov, int in_cnt, size_t *received,
+                     int timeout_ms, int *err);
+
 /* Receive exactly len bytes into buf, resuming from *done.
  * On return *done holds the bytes received so far (also on error). */
 int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
@@ -77,5 +93,26 @@ int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
 void ddpw_net_reduce_free(ddpw_net_reduce_state *st);
 int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                           uint8_t *tails, int timeout_ms, size_t *failed, int *err);
+
+/* ddpw_net_reduce_stream fused with the broadcast of its result.
+ *
+ * While the vectors arrive, every socket i is also sent head[0..head_len)
+ * followed by the bytes of out that are already averaged: sent[i] is its
+ * cursor over that concatenation (start it at 0). Reads never wait for
+ * writes, so a worker that sends its whole frame before it reads is served
+ * as well as one that does both at once. At the first non-finite value no
+ * further byte is sent to anyone (averaged bytes already sent cannot be
+ * recalled: the caller must close the connections), the streams are still
+ * drained, and DDPW_NET_NONFINITE is returned as by ddpw_net_reduce_stream.
+ *
+ * Returns DDPW_NET_OK once everything is received and averaged; the sends may
+ * still be unfinished then (the bytes after the vector depend on every
+ * socket's tail): finish them with ddpw_net_send_many over the iovec
+ * [head, out, bytes after the vector] and the same cursors. On a failure
+ * *failed is the socket index (a socket owing received bytes is named before
+ * one that is only slow to read). */
+int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+                             uint8_t *tails, const uint8_t *head, size_t head_len,
+                             size_t *sent, int timeout_ms, size_t *failed, int *err);
 
 #endif

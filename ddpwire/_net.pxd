@@ -20,6 +20,9 @@ cdef extern from "net.h" nogil:
                            int timeout_ms, int *err)
     int ddpw_net_send_iov(int fd, const iovec *iov, int iovcnt, size_t *done,
                          int timeout_ms, int *err)
+    int ddpw_net_exchange(int fd, const iovec *out_iov, int out_cnt, size_t *sent,
+                         const iovec *in_iov, int in_cnt, size_t *received,
+                         int timeout_ms, int *err)
     int ddpw_net_send_many(const int *fds, size_t n, const iovec *iov, int iovcnt,
                           size_t *done, int timeout_ms, size_t *failed, int *err)
 
@@ -40,3 +43,6 @@ cdef extern from "net.h" nogil:
     void ddpw_net_reduce_free(ddpw_net_reduce_state *st)
     int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                               uint8_t *tails, int timeout_ms, size_t *failed, int *err)
+    int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+                                 uint8_t *tails, const uint8_t *head, size_t head_len,
+                                 size_t *sent, int timeout_ms, size_t *failed, int *err)

@@ -9,7 +9,7 @@ stopped unless a handler raised.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport strcmp
 from libc.errno cimport errno
 import os
@@ -82,6 +82,24 @@ cdef _Buffer get_bytes(object obj, str name):
         raise TypeError(f"{name}: expected a contiguous bytes-like object, got {type(obj).__name__}") from None
     b.held = True
     return b
+
+
+cdef int fill_iov(object parts, iovec *iov, list held) except -1:
+    """Point iov at each non-None part (at most MAX_PARTS), keeping their
+    buffers held in ``held``; returns the count."""
+    cdef int k = 0
+    cdef _Buffer b
+    for part in parts:
+        if part is None:
+            continue
+        if k == MAX_PARTS:
+            raise ValueError(f"at most {MAX_PARTS} parts per send")
+        b = get_bytes(part, "part")
+        held.append(b)
+        iov[k].iov_base = b.view.buf
+        iov[k].iov_len = <size_t>b.view.len
+        k += 1
+    return k
 
 
 cdef class Connection:
@@ -281,6 +299,179 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
     finally:
         free(fds)
         ddpw_net_reduce_free(&st)
+
+
+def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout, *,
+                     size_t ring_bytes=1 << 20, step=None, str what="averaging gradients"):
+    """reduce_stream fused with the broadcast of its result.
+
+    While the vectors arrive, every connection is sent ``head`` (the reply's
+    frame up to its elements) and then each range of ``out`` as soon as it is
+    averaged; reads never wait for writes. Once every connection's tail is
+    in, ``make_tail(tails)`` is called (GIL held) for the bytes that end the
+    reply, and they go out too. All in GIL-free poll loops.
+
+    Returns ``(tails, bad)`` as reduce_stream does. When bad is not None,
+    sending stopped at the first non-finite value, make_tail was not called,
+    and every reply is cut short: the caller must close the connections.
+    """
+    cdef _Buffer o = get_float32(out, "out", True)
+    cdef _Buffer h = get_bytes(head, "head")
+    cdef _Buffer t
+    cdef size_t n = len(conns), failed = 0, i
+    cdef int err = 0, rc, ms = timeout_ms(timeout)
+    cdef ddpw_net_reduce_state st
+    cdef int *fds = NULL
+    cdef size_t *sent = NULL
+    cdef bytearray tails = bytearray(n * tail_len)
+    cdef uint8_t *tails_p = <uint8_t *>(<char *>tails) if n * tail_len > 0 else NULL
+    cdef float *out_p = <float *>o.view.buf
+    cdef const uint8_t *head_p = <const uint8_t *>h.view.buf
+    cdef size_t head_len = <size_t>h.view.len
+    cdef iovec iov[3]
+    if n == 0:
+        raise ValueError("conns: at least one connection is needed")
+    rc = ddpw_net_reduce_init(&st, n, <size_t>o.view.len, tail_len, ring_bytes)
+    if rc != DDPW_NET_OK:
+        raise MemoryError("allreduce_stream: could not allocate receive rings")
+    fds = <int *>malloc(n * sizeof(int))
+    sent = <size_t *>calloc(n, sizeof(size_t))
+    try:
+        if fds is NULL or sent is NULL:
+            raise MemoryError()
+        for i in range(n):
+            (<Connection>conns[i]).check_open()
+            fds[i] = (<Connection>conns[i]).fd
+        while True:
+            with nogil:
+                rc = ddpw_net_allreduce_stream(&st, fds, out_p, tails_p, head_p, head_len, sent,
+                                               ms, &failed, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            break
+        if rc != DDPW_NET_OK and rc != DDPW_NET_NONFINITE:
+            (<Connection>conns[failed]).fail(
+                rc, err, step,
+                f"{what} ({st.recv[failed]} of {st.grad_bytes + st.tail_len} bytes in, "
+                f"{sent[failed]} of {head_len + st.grad_bytes} out)", ms)
+        tail_list = [bytes(tails[i * tail_len:(i + 1) * tail_len]) for i in range(n)]
+        if rc == DDPW_NET_NONFINITE:
+            return tail_list, [(st.bad_index[i], st.bad_value[i]) for i in range(n)]
+        t = get_bytes(make_tail(tail_list), "make_tail()")
+        iov[0].iov_base = <void *>head_p
+        iov[0].iov_len = head_len
+        iov[1].iov_base = <void *>out_p
+        iov[1].iov_len = st.grad_bytes
+        iov[2].iov_base = t.view.buf
+        iov[2].iov_len = <size_t>t.view.len
+        while True:
+            with nogil:
+                rc = ddpw_net_send_many(fds, n, iov, 3, sent, ms, &failed, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc != DDPW_NET_OK:
+                (<Connection>conns[failed]).fail(rc, err, step, f"{what} (sending the end of the reply)", ms)
+            return tail_list, None
+    finally:
+        free(fds)
+        free(sent)
+        ddpw_net_reduce_free(&st)
+
+
+cdef class Exchange:
+    """One frame going out on a connection while the reply comes in.
+
+    Each ``recv_into`` fills the given buffers from the connection and,
+    meanwhile, sends as much of the frame as the socket takes, in one GIL-free
+    poll loop; reading never waits for sending. ``finish()`` sends whatever
+    is left once the reply is in. Errors are the connection's ``lost`` class.
+    """
+    cdef Connection conn
+    cdef iovec iov[MAX_PARTS]
+    cdef int k
+    cdef int ms
+    cdef list held
+    cdef size_t sent_bytes
+    cdef size_t total
+    cdef object step
+    cdef str what
+
+    def __init__(self, Connection conn, parts, timeout, *, step=None, str what="sending"):
+        cdef int i
+        self.conn = conn
+        self.ms = timeout_ms(timeout)
+        self.held = []
+        self.k = fill_iov(parts, self.iov, self.held)
+        self.total = 0
+        for i in range(self.k):
+            self.total += self.iov[i].iov_len
+        self.sent_bytes = 0
+        self.step = step
+        self.what = what
+
+    @property
+    def sent(self):
+        """Bytes of the frame sent so far."""
+        return self.sent_bytes
+
+    @property
+    def done(self):
+        """Whether the whole frame has been sent."""
+        return self.sent_bytes >= self.total
+
+    def recv_into(self, *bufs, str what="receiving"):
+        """Fill every writable buffer of ``bufs`` in turn (at most 8) from the
+        connection, sending meanwhile."""
+        cdef iovec in_iov[MAX_PARTS]
+        cdef list held = []
+        cdef _Buffer b
+        cdef int m = 0, err = 0, rc
+        cdef size_t received = 0, in_total = 0, sent = self.sent_bytes
+        for buf in bufs:
+            if m == MAX_PARTS:
+                raise ValueError(f"at most {MAX_PARTS} buffers per receive")
+            b = get_bytes(buf, "buf")
+            if b.view.readonly:
+                raise TypeError("buf: expected a writable buffer")
+            held.append(b)
+            in_iov[m].iov_base = b.view.buf
+            in_iov[m].iov_len = <size_t>b.view.len
+            in_total += in_iov[m].iov_len
+            m += 1
+        self.conn.check_open()
+        while True:
+            with nogil:
+                rc = ddpw_net_exchange(self.conn.fd, self.iov, self.k, &sent,
+                                       in_iov, m, &received, self.ms, &err)
+            self.sent_bytes = sent
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc != DDPW_NET_OK:
+                self.conn.fail(rc, err, self.step,
+                               f"{self.what} ({sent} of {self.total} bytes) and {what} "
+                               f"({received} of {in_total} bytes)", self.ms)
+            return
+
+    def finish(self):
+        """Send what is left of the frame (nothing, normally, once the reply is in)."""
+        cdef int err = 0, rc
+        cdef size_t sent = self.sent_bytes
+        if sent >= self.total:
+            return
+        self.conn.check_open()
+        while True:
+            with nogil:
+                rc = ddpw_net_send_iov(self.conn.fd, self.iov, self.k, &sent, self.ms, &err)
+            self.sent_bytes = sent
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc != DDPW_NET_OK:
+                self.conn.fail(rc, err, self.step, f"{self.what} ({sent} of {self.total} bytes)", self.ms)
+            return
 
 
 # ---- frames over a connection ----

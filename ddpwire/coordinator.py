@@ -232,6 +232,12 @@ class Coordinator:
         avg, tails = self._reduce(heads, out, step)
         if self._flat_len is None:
             self._flat_len = len(avg)
+        return self._flat_result(step, avg, tails, reduce_time=time.perf_counter() - t1,
+                                 wait_time=t1 - t0)
+
+    @staticmethod
+    def _flat_result(step: int, avg: np.ndarray, tails: list, *, reduce_time: float,
+                     wait_time: float) -> ReduceResult:
         losses = np.array([t[0] for t in tails], dtype=np.float32)
         totals = [t[2] for t in tails]
         total_samples = sum(totals)
@@ -243,7 +249,7 @@ class Coordinator:
         global_loss = float(weighted / np.float32(total_samples)) if total_samples else 0.0
         return ReduceResult(step=step, avg_gradients=avg, global_loss=global_loss,
                             total_correct=total_correct, total_samples=total_samples,
-                            reduce_time=time.perf_counter() - t1, wait_time=t1 - t0,
+                            reduce_time=reduce_time, wait_time=wait_time,
                             worker_losses=[float(x) for x in losses])
 
     def collect_and_reduce_block(self, step: int, block_idx: int,
@@ -251,8 +257,16 @@ class Coordinator:
         """Receive every worker's BlockGradientPayload for (step, block_idx) and
         average them; the result carries worker 0's component sizes."""
         t0 = time.perf_counter()
-        heads = self._collect_heads(BlockGradientPayload, step)
+        heads = self._collect_block_heads(step, block_idx)
         t1 = time.perf_counter()
+        avg, _ = self._reduce(heads, out, step)
+        self._block_len.setdefault(block_idx, len(avg))
+        return BlockReduceResult(step=step, block_idx=block_idx, avg_gradients=avg,
+                                 component_sizes=list(heads[0].component_sizes),
+                                 reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
+
+    def _collect_block_heads(self, step: int, block_idx: int) -> List["_net.FrameHead"]:
+        heads = self._collect_heads(BlockGradientPayload, step)
         for wid, head in enumerate(heads):
             if head.block_idx != block_idx:
                 raise GradientMismatch("block_idx", block_idx, head.block_idx, worker_id=wid, step=step)
@@ -264,28 +278,28 @@ class Coordinator:
                                        head.component_sizes, worker_id=wid, step=step)
         self._check_lengths(heads, step, self._block_len.get(block_idx),
                             f"block {block_idx} gradients length")
-        avg, _ = self._reduce(heads, out, step)
-        self._block_len.setdefault(block_idx, len(avg))
-        return BlockReduceResult(step=step, block_idx=block_idx, avg_gradients=avg,
-                                 component_sizes=list(heads[0].component_sizes),
-                                 reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
+        return heads
 
     def collect_and_reduce_non_block(self, step: int, component: int,
                                      out: Optional[np.ndarray] = None) -> NonBlockReduceResult:
         """Receive every worker's NonBlockGradientPayload for (step, component)
         and average them (0 lm_head, 1 final_norm, 2 embedding)."""
         t0 = time.perf_counter()
-        heads = self._collect_heads(NonBlockGradientPayload, step)
+        heads = self._collect_non_block_heads(step, component)
         t1 = time.perf_counter()
+        avg, _ = self._reduce(heads, out, step)
+        self._non_block_len.setdefault(component, len(avg))
+        return NonBlockReduceResult(step=step, component=component, avg_gradients=avg,
+                                    reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
+
+    def _collect_non_block_heads(self, step: int, component: int) -> List["_net.FrameHead"]:
+        heads = self._collect_heads(NonBlockGradientPayload, step)
         for wid, head in enumerate(heads):
             if head.component != component:
                 raise GradientMismatch("component", component, head.component, worker_id=wid, step=step)
         self._check_lengths(heads, step, self._non_block_len.get(component),
                             f"component {component} gradients length")
-        avg, _ = self._reduce(heads, out, step)
-        self._non_block_len.setdefault(component, len(avg))
-        return NonBlockReduceResult(step=step, component=component, avg_gradients=avg,
-                                    reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
+        return heads
 
     def _require_workers(self) -> None:
         if len(self._channels) < self.expect_workers:
@@ -317,21 +331,141 @@ class Coordinator:
             if head.gradient_count != want:
                 raise GradientMismatch(what, want, head.gradient_count, worker_id=wid, step=step)
 
-    def _reduce(self, heads: list, out: Optional[np.ndarray], step: int) -> Tuple[np.ndarray, list]:
+    @staticmethod
+    def _out_for(heads: list, out: Optional[np.ndarray]) -> np.ndarray:
         count = heads[0].gradient_count
         if out is None:
-            out = np.empty(count, dtype=np.float32)
-        elif len(out) != count:
+            return np.empty(count, dtype=np.float32)
+        if len(out) != count:
             raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
+        return out
+
+    def _reduce(self, heads: list, out: Optional[np.ndarray], step: int) -> Tuple[np.ndarray, list]:
+        out = self._out_for(heads, out)
         conns = [chan.conn for chan in self._channels]
         tails, bad = _net.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
                                         ring_bytes=self.ring_bytes, step=step)
-        if bad is not None:
-            for wid, (index, value) in enumerate(bad):
-                if index >= 0:
-                    log.error("worker %d sent a non-finite gradient at step %d: halting", wid, step)
-                    raise NonFiniteGradient(wid, index, value, worker_id=wid, step=step)
+        self._raise_bad(bad, step)
         return out, [_net.decode_tail(heads[0].tag, t) for t in tails]
+
+    @staticmethod
+    def _raise_bad(bad: Optional[list], step: int) -> None:
+        if bad is None:
+            return
+        for wid, (index, value) in enumerate(bad):
+            if index >= 0:
+                log.error("worker %d sent a non-finite gradient at step %d: halting", wid, step)
+                raise NonFiniteGradient(wid, index, value, worker_id=wid, step=step)
+
+    # ---- collect, average and broadcast in one pass ----
+
+    def allreduce(self, step: int, out: Optional[np.ndarray] = None) -> ReduceResult:
+        """:meth:`collect_and_reduce` and :meth:`broadcast_averaged` in one
+        pipelined pass, with the same result, bit for bit.
+
+        Once every worker's GradientPayload head has been checked, the
+        AveragedGradient goes out to all workers while their gradients are
+        still arriving: each element range is sent as soon as every worker's
+        elements for it are in and averaged (into ``out``), and global_loss
+        last, once every worker's loss and counts are in. Workers may send
+        their whole frame before reading (send_gradients then
+        receive_averaged) or do both at once (:meth:`Worker.allreduce`).
+
+        Averaged bytes already sent cannot be recalled, so a failure after
+        the first byte went out ends the session: on a NaN or +/-inf nothing
+        more is sent, the incoming frames are drained, every worker
+        connection is closed (the workers see CoordinatorLost and never hold
+        a complete AveragedGradient, so none applies a partial average) and
+        NonFiniteGradient is raised naming the worker and step. A lost worker
+        (WorkerLost) closes every connection the same way. Errors found in the
+        heads (GradientMismatch, UnexpectedMessage) come before anything is
+        sent and leave the connections open, as collect_and_reduce does.
+
+        ``reduce_time`` covers the whole pass after the heads (transfer in,
+        average, transfer out); ``wait_time`` the wait for the heads.
+        """
+        t0 = time.perf_counter()
+        heads = self._collect_heads(GradientPayload, step)
+        t1 = time.perf_counter()
+        self._check_lengths(heads, step, self._flat_len, "gradients length")
+        out = self._out_for(heads, out)
+        decoded: list = []
+
+        def make_tail(tails: List[bytes]) -> bytes:
+            decoded.extend(_net.decode_tail(GradientPayload.TAG, t) for t in tails)
+            loss = self._flat_result(step, out, decoded, reduce_time=0.0, wait_time=0.0).global_loss
+            return encode_frame_parts(AveragedGradient(step=step, gradients=out, global_loss=loss),
+                                      max_frame=self.max_frame)[2]
+
+        head = encode_frame_parts(AveragedGradient(step=step, gradients=out, global_loss=0.0),
+                                  max_frame=self.max_frame)[0]
+        self._stream(heads, out, head, make_tail, step, "AveragedGradient")
+        if self._flat_len is None:
+            self._flat_len = len(out)
+        return self._flat_result(step, out, decoded, reduce_time=time.perf_counter() - t1,
+                                 wait_time=t1 - t0)
+
+    def allreduce_block(self, step: int, block_idx: int,
+                        out: Optional[np.ndarray] = None) -> BlockReduceResult:
+        """:meth:`collect_and_reduce_block` and :meth:`broadcast_averaged_block`
+        in one pipelined pass; failures end the session as in :meth:`allreduce`."""
+        t0 = time.perf_counter()
+        heads = self._collect_block_heads(step, block_idx)
+        t1 = time.perf_counter()
+        out = self._out_for(heads, out)
+        sizes = list(heads[0].component_sizes)
+        head = encode_frame_parts(AveragedBlockGradient(step=step, block_idx=block_idx,
+                                                        component_sizes=sizes, gradients=out),
+                                  max_frame=self.max_frame)[0]
+        self._stream(heads, out, head, lambda tails: b"", step, "AveragedBlockGradient")
+        self._block_len.setdefault(block_idx, len(out))
+        return BlockReduceResult(step=step, block_idx=block_idx, avg_gradients=out,
+                                 component_sizes=sizes, reduce_time=time.perf_counter() - t1,
+                                 wait_time=t1 - t0)
+
+    def allreduce_non_block(self, step: int, component: int,
+                            out: Optional[np.ndarray] = None) -> NonBlockReduceResult:
+        """:meth:`collect_and_reduce_non_block` and
+        :meth:`broadcast_averaged_non_block` in one pipelined pass; failures
+        end the session as in :meth:`allreduce`."""
+        t0 = time.perf_counter()
+        heads = self._collect_non_block_heads(step, component)
+        t1 = time.perf_counter()
+        out = self._out_for(heads, out)
+        head = encode_frame_parts(AveragedNonBlockGradient(step=step, component=component,
+                                                           gradients=out),
+                                  max_frame=self.max_frame)[0]
+        self._stream(heads, out, head, lambda tails: b"", step, "AveragedNonBlockGradient")
+        self._non_block_len.setdefault(component, len(out))
+        return NonBlockReduceResult(step=step, component=component, avg_gradients=out,
+                                    reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
+
+    def _stream(self, heads: list, out: np.ndarray, head: bytes, make_tail, step: int,
+                reply: str) -> None:
+        """Average the elements left in the sockets into ``out`` while sending
+        ``head`` + ``out`` + make_tail(tails) to every worker."""
+        conns = [chan.conn for chan in self._channels]
+        # Hold every send lock: a heartbeat must not land inside the reply.
+        for chan in self._channels:
+            chan.send_lock.acquire()
+        try:
+            _, bad = _net.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
+                                           self.timeout, ring_bytes=self.ring_bytes, step=step,
+                                           what=f"averaging {heads[0].message_type} into {reply}")
+            self._raise_bad(bad, step)
+        except BaseException:
+            # Some workers hold part of a reply that will never be finished:
+            # closing is the only way to tell them at once.
+            self._abandon()
+            raise
+        finally:
+            for chan in self._channels:
+                chan.send_lock.release()
+
+    def _abandon(self) -> None:
+        """Close every worker connection: the session cannot go on."""
+        for chan in self._channels:
+            chan.close()
 
     # ---- broadcast ----
 

@@ -59,23 +59,16 @@ def serve(
         if per_block:
             allreduce = 0.0
             for block_idx in reversed(range(num_blocks)):
-                b = coord.collect_and_reduce_block(step, block_idx)
-                tb = time.perf_counter()
-                coord.broadcast_averaged_block(step, b)
-                allreduce += b.reduce_time + time.perf_counter() - tb
+                allreduce += coord.allreduce_block(step, block_idx).reduce_time
             for component in non_block_components:
-                c = coord.collect_and_reduce_non_block(step, component)
-                tb = time.perf_counter()
-                coord.broadcast_averaged_non_block(step, c)
-                allreduce += c.reduce_time + time.perf_counter() - tb
+                allreduce += coord.allreduce_non_block(step, component).reduce_time
             report = StepReport(step, None, None, total_samples, allreduce, time.perf_counter() - t0)
         else:
-            r = coord.collect_and_reduce(step)
-            tb = time.perf_counter()
-            coord.broadcast_averaged(step, r)
+            # the average streams back while the gradients arrive (Coordinator.allreduce)
+            r = coord.allreduce(step)
             accuracy = r.total_correct / r.total_samples if r.total_samples else None
             report = StepReport(step, r.global_loss, accuracy, r.total_samples,
-                                r.reduce_time + time.perf_counter() - tb, time.perf_counter() - t0)
+                                r.reduce_time, time.perf_counter() - t0)
         reports.append(report)
         if on_step is not None:
             on_step(report)

@@ -19,21 +19,26 @@ from typing import Any, Deque, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _net
+from ._wire import decode_payload, encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, message_name
 from .errors import (
     CoordinatorLost,
     DdpwireError,
+    FrameTooLarge,
     GradientMismatch,
     JoinTimeout,
+    ProtocolError,
     ShutdownDuringReduce,
     UnexpectedMessage,
 )
 from .messages import (
+    MESSAGE_TYPES,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
     BlockGradientPayload,
     GradientPayload,
+    Heartbeat,
     JoinAccepted,
     JoinRequest,
     NonBlockGradientPayload,
@@ -44,6 +49,10 @@ from .messages import (
 __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
+
+# AveragedGradient up to its elements: prefix, tag, step, element count
+_AVERAGED_HEAD = 4 + 1 + 8 + 8
+_AVERAGED_TAIL = 4  # global_loss
 
 _RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
@@ -175,6 +184,93 @@ class Worker:
         """The averaged gradients; with ``out`` (float32, the gradient length)
         the elements are received straight into it, allocating nothing."""
         return self._receive(AveragedGradient, out, "AllReduce")
+
+    def allreduce(self, step: int, gradients: Any, loss: float, correct: int, total: int,
+                  out: Optional[np.ndarray] = None) -> AveragedGradient:
+        """:meth:`send_gradients` and :meth:`receive_averaged` at once.
+
+        The GradientPayload goes out while the AveragedGradient comes in, in
+        one GIL-free loop: against a coordinator that streams its average
+        (:meth:`Coordinator.allreduce`) the reply starts before this worker
+        has finished sending. The average lands straight in ``out`` (float32,
+        the gradient length; allocated when None), which may be the
+        ``gradients`` buffer itself: an averaged element can only arrive after
+        this worker's element at the same index has left the buffer (the
+        coordinator needs it to compute the average). Any coordinator works,
+        including one that replies only after it has read everything.
+
+        Errors are those of receive_averaged: ShutdownDuringReduce,
+        UnexpectedMessage, GradientMismatch (step or length), ProtocolError,
+        CoordinatorLost. Any of them closes the connection, since it leaves
+        a frame cut short in one direction or the other.
+        """
+        if self._owed:
+            raise DdpwireError(f"allreduce: {len(self._owed)} earlier average(s) not yet received",
+                               worker_id=self._worker_id, step=step)
+        count = memoryview(gradients).nbytes // 4
+        if out is None:
+            out = np.empty(count, dtype=np.float32)
+        elif len(out) != count:
+            raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
+        msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
+                              loss=loss, correct=correct, total=total)
+        chan = self._chan
+        parts = encode_frame_parts(msg, max_frame=chan.max_frame)
+        with chan.send_lock:
+            exchange = _net.Exchange(chan.conn, parts, chan.read_timeout, step=step,
+                                     what="sending GradientPayload")
+            try:
+                global_loss = self._exchange_averaged(exchange, step, out)
+                exchange.finish()
+            except BaseException:
+                chan.close()
+                raise
+        return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
+
+    def _exchange_averaged(self, exchange: "_net.Exchange", step: int, out: np.ndarray) -> float:
+        """Receive the AveragedGradient for ``step`` into ``out`` while the
+        payload goes out; returns global_loss."""
+        chan = self._chan
+        ctx = dict(worker_id=self._worker_id, step=step)
+        prefix = bytearray(5)  # length prefix and tag: enough to tell what comes
+        while True:
+            exchange.recv_into(prefix, what="receiving AveragedGradient")
+            chan.last_heard = time.monotonic()
+            length = int.from_bytes(prefix[:4], "big")
+            tag = prefix[4]
+            if length == 0:
+                raise ProtocolError("empty frame from the coordinator", **ctx)
+            if length > chan.max_frame:
+                raise FrameTooLarge(length, chan.max_frame, **ctx)
+            if tag != Heartbeat.TAG:
+                break
+            body = bytearray(length - 1)
+            exchange.recv_into(body, what="receiving Heartbeat")
+            try:
+                decode_payload(bytes(prefix[4:]) + body)
+            except ProtocolError as exc:
+                raise exc.add_context(**ctx) from None
+        if tag == Shutdown.TAG:
+            raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
+        if tag != AveragedGradient.TAG:
+            kind = MESSAGE_TYPES.get(tag)
+            if kind is None:
+                raise ProtocolError(f"unknown message tag 0x{tag:02x} from the coordinator", **ctx)
+            raise UnexpectedMessage(AveragedGradient.__name__, kind.__name__, **ctx)
+        fields = bytearray(_AVERAGED_HEAD - 5)
+        exchange.recv_into(fields, what="receiving AveragedGradient")
+        got_step = int.from_bytes(fields[:8], "little")
+        got_count = int.from_bytes(fields[8:], "little")
+        if length != _AVERAGED_HEAD - 4 + 4 * got_count + _AVERAGED_TAIL:
+            raise ProtocolError(f"AveragedGradient of {got_count} elements in a payload of "
+                                f"{length} bytes", **ctx)
+        if got_count != len(out):
+            raise GradientMismatch("gradients length", len(out), got_count, **ctx)
+        if got_step != step:
+            raise GradientMismatch("step", step, got_step, **ctx)
+        tail = bytearray(_AVERAGED_TAIL)
+        exchange.recv_into(out, tail, what="receiving AveragedGradient.gradients")
+        return _net.decode_tail(AveragedGradient.TAG, bytes(tail))[3]
 
     # ---- per-block steps (v2) ----
 

@@ -3,7 +3,8 @@
 A flat step: take the shard (``None`` means the coordinator shut down), run
 forward and backward on those rows (see :mod:`ddpwire.torch.data` for how a
 shard maps to rows), send the flat gradient with the shard's mean loss, correct
-and total counts, receive the average straight into the gradient buffer,
+and total counts while receiving the average straight into the gradient
+buffer (``Worker.allreduce`` when the worker has it, else send then receive),
 scatter it into ``.grad`` and step the optimizer. Every worker applies the same
 averaged gradient to the same weights with the same deterministic optimizer,
 so the weights stay bit-identical across workers (on the same kind of device).
@@ -51,7 +52,9 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerLike(Protocol):
-    """The part of :class:`ddpwire.Worker` the trainer uses."""
+    """The part of :class:`ddpwire.Worker` the trainer uses. A worker that
+    also has ``allreduce(step, gradients, loss, correct, total, out=)``, as
+    ddpwire.Worker does, gets it for the flat step instead of the two calls."""
 
     worker_id: int
     total_workers: int
@@ -101,7 +104,8 @@ class StepTimings:
     """Where a step's time went (CPU-side ``time.perf_counter`` clock, seconds).
 
     ``exposed_comm_s`` is communication the step waited for after backward
-    (flat mode: the whole send and receive). Per-block mode only:
+    (flat mode: the whole send and receive; ``send_s`` is the same span when
+    the worker sends and receives at once). Per-block mode only:
     ``first_send_lead_s`` is how long before the end of backward the first
     block was sent (positive means communication overlapped backward),
     ``hidden_comm_s`` the part of the span from first send to last average
@@ -267,10 +271,16 @@ class DataParallelTrainer:
         loss, correct, total = self._forward_backward(index, timings)
         gradients = self.buffer.gather() if total else self.buffer.zero()
         t0 = time.perf_counter()
-        self.worker.send_gradients(step, gradients, loss, correct, total)
-        t1 = time.perf_counter()
-        avg = self.worker.receive_averaged(out=self.buffer.array)
-        timings.send_s, timings.exposed_comm_s = t1 - t0, time.perf_counter() - t0
+        allreduce = getattr(self.worker, "allreduce", None)
+        if allreduce is not None:
+            # send and receive at once: the average may start arriving before the send ends
+            avg = allreduce(step, gradients, loss, correct, total, out=self.buffer.array)
+            timings.send_s = timings.exposed_comm_s = time.perf_counter() - t0
+        else:
+            self.worker.send_gradients(step, gradients, loss, correct, total)
+            t1 = time.perf_counter()
+            avg = self.worker.receive_averaged(out=self.buffer.array)
+            timings.send_s, timings.exposed_comm_s = t1 - t0, time.perf_counter() - t0
         if avg.step != step:
             raise GradientMismatch("step", step, avg.step, worker_id=self.worker.worker_id, step=step)
         self.buffer.scatter(avg.gradients)
