@@ -48,32 +48,6 @@ static int wait_fd(int fd, short events, int timeout_ms, int *err)
     return DDPW_NET_ERRNO;
 }
 
-int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                       int timeout_ms, int *err)
-{
-    uint8_t *p = (uint8_t *)buf;
-    while (*done < len) {
-        ssize_t got = recv(fd, p + *done, len - *done, MSG_DONTWAIT);
-        if (got > 0) {
-            *done += (size_t)got;
-            continue;
-        }
-        if (got == 0)
-            return DDPW_NET_EOF;
-        if (errno == EINTR)
-            return DDPW_NET_EINTR;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            *err = errno;
-            return DDPW_NET_ERRNO;
-        }
-        {
-            int rc = wait_fd(fd, POLLIN, timeout_ms, err);
-            if (rc != 1)
-                return rc;
-        }
-    }
-    return DDPW_NET_OK;
-}
 
 /* Skip the first `skip` bytes of iov into a private copy (at most 8 entries). */
 static int iov_advance(const struct iovec *iov, int iovcnt, size_t skip,
@@ -247,6 +221,25 @@ static int recv_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
         return DDPW_NET_EOF;
     *err = errno;
     return DDPW_NET_ERRNO;
+}
+
+int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
+                       int timeout_ms, int *err)
+{
+    struct iovec one;
+    one.iov_base = buf;
+    one.iov_len = len;
+    while (*done < len) {
+        int rc = recv_some(fd, &one, 1, len, done, err);
+        if (rc < 0)
+            return rc;
+        if (rc == 0) {
+            rc = wait_fd(fd, POLLIN, timeout_ms, err);
+            if (rc != 1)
+                return rc;
+        }
+    }
+    return DDPW_NET_OK;
 }
 
 int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
