@@ -488,48 +488,8 @@ static int alloc_poll(size_t n, struct pollfd **pfd, size_t **map)
 int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                           uint8_t *tails, int timeout_ms, size_t *failed, int *err)
 {
-    const size_t n = st->n, stream_len = st->grad_bytes + st->tail_len;
-    struct pollfd *pfd;
-    size_t *map;
-    int result = alloc_poll(n, &pfd, &map);
-    if (result != DDPW_NET_OK)
-        return result;
-    for (;;) {
-        size_t i;
-        nfds_t k = 0;
-        int rc, complete = 1;
-        result = take_ready(st, fds, out, tails, failed, err);
-        if (result != DDPW_NET_OK)
-            goto out;
-        /* wait for the sockets that still owe bytes and have room for them */
-        for (i = 0; i < n; i++) {
-            uint8_t *dst = NULL;
-            if (st->recv[i] < stream_len)
-                complete = 0;
-            if (recv_window(st, i, out, tails, &dst) == 0)
-                continue;
-            pfd[k].fd = fds[i];
-            pfd[k].events = POLLIN;
-            pfd[k].revents = 0;
-            map[k] = i;
-            k++;
-        }
-        if (complete && st->reduced == st->grad_bytes)
-            break;
-        if (k == 0)
-            continue; /* windows reopened by the reduction above */
-        rc = poll(pfd, k, timeout_ms);
-        if (rc <= 0) {
-            result = poll_failed(rc, map[0], failed, err);
-            goto out;
-        }
-    }
-    if (st->nonfinite)
-        result = DDPW_NET_NONFINITE;
-out:
-    free(pfd);
-    free(map);
-    return result;
+    /* the same loop, with nothing to send back */
+    return ddpw_net_allreduce_stream(st, fds, out, tails, NULL, 0, NULL, timeout_ms, failed, err);
 }
 
 int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
@@ -551,12 +511,12 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
         if (result != DDPW_NET_OK)
             goto out;
         /* what may go out: the head and every averaged byte, until a bad value */
-        limit = st->nonfinite ? 0 : head_len + st->reduced;
+        limit = (st->nonfinite || sent == NULL) ? 0 : head_len + st->reduced;
         iov[0].iov_base = (void *)head;
         iov[0].iov_len = head_len;
         iov[1].iov_base = out;
         iov[1].iov_len = st->reduced;
-        for (i = 0; i < n; i++) {
+        for (i = 0; i < n && limit > 0; i++) {
             while (sent[i] < limit) {
                 rc = send_some(fds[i], iov, 2, limit, &sent[i], err);
                 if (rc < 0) {
@@ -575,7 +535,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
                 complete = 0;
             if (recv_window(st, i, out, tails, &dst) > 0)
                 events |= POLLIN;
-            if (sent[i] < limit)
+            if (limit > 0 && sent[i] < limit)
                 events |= POLLOUT;
             if (events == 0)
                 continue;

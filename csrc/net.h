@@ -110,7 +110,8 @@ int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out
  * socket's tail): finish them with ddpw_net_send_many over the iovec
  * [head, out, bytes after the vector] and the same cursors. On a failure
  * *failed is the socket index (a socket owing received bytes is named before
- * one that is only slow to read). */
+ * one that is only slow to read). With sent == NULL nothing is sent: that is
+ * ddpw_net_reduce_stream. */
 int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                              uint8_t *tails, const uint8_t *head, size_t head_len,
                              size_t *sent, int timeout_ms, size_t *failed, int *err);

@@ -181,17 +181,7 @@ cdef class Connection:
         cdef int k = 0, err = 0, rc, ms = timeout_ms(timeout)
         cdef size_t done = 0
         cdef list held = []
-        cdef _Buffer b
-        for part in parts:
-            if part is None:
-                continue
-            if k == MAX_PARTS:
-                raise ValueError(f"at most {MAX_PARTS} parts per send")
-            b = get_bytes(part, "part")
-            held.append(b)
-            iov[k].iov_base = b.view.buf
-            iov[k].iov_len = <size_t>b.view.len
-            k += 1
+        k = fill_iov(parts, iov, held)
         self.check_open()
         while True:
             with nogil:
@@ -212,20 +202,10 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
     cdef int k = 0, err = 0, rc, ms = timeout_ms(timeout)
     cdef size_t n = len(conns), failed = 0, i
     cdef list held = []
-    cdef _Buffer b
     cdef Connection c
     cdef int *fds = NULL
     cdef size_t *done = NULL
-    for part in parts:
-        if part is None:
-            continue
-        if k == MAX_PARTS:
-            raise ValueError(f"at most {MAX_PARTS} parts per send")
-        b = get_bytes(part, "part")
-        held.append(b)
-        iov[k].iov_base = b.view.buf
-        iov[k].iov_len = <size_t>b.view.len
-        k += 1
+    k = fill_iov(parts, iov, held)
     if n == 0:
         return
     fds = <int *>malloc(n * sizeof(int))
