@@ -7,14 +7,14 @@ for that long. A signal (Ctrl-C) interrupts a blocked call: the C side
 returns, the handlers run with the GIL held, and the call resumes where it
 stopped unless a handler raised.
 """
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBUF_ANY_CONTIGUOUS
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_ANY_CONTIGUOUS
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport strcmp
 from libc.errno cimport errno
 import os
 import socket as _socket
 
+from ddpwire._buffer cimport acquire_float32
 from .errors import PeerLost, DdpwireError, ProtocolError
 from ._wire import decode_payload
 from ._wire cimport (ddpw_error, ddpw_head, ddpw_tail, ddpw_status, DDPW_OK, DDPW_NEED_MORE,
@@ -52,25 +52,10 @@ cdef class _Buffer:
 
 
 cdef _Buffer get_float32(object obj, str name, bint writable):
-    """Hold obj's buffer after checking it is C-contiguous float32; name is the
-    argument reported in the TypeError."""
+    """Hold obj's buffer after the checks every compiled unit makes (see _buffer.pxd)."""
     cdef _Buffer b = _Buffer()
-    cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
-    if writable:
-        flags |= PyBUF_WRITABLE
-    try:
-        PyObject_GetBuffer(obj, &b.view, flags)
-    except (TypeError, BufferError) as exc:
-        need = "a writable C-contiguous float32 buffer" if writable else "a C-contiguous float32 buffer"
-        raise TypeError(f"{name}: expected {need} (numpy float32 array, torch CPU tensor .numpy(), "
-                        f"memoryview or array.array('f')), got {type(obj).__name__} ({exc})") from None
+    acquire_float32(obj, &b.view, writable, name)
     b.held = True
-    fmt = b.view.format
-    if b.view.itemsize != 4 or fmt is NULL or not (
-            strcmp(fmt, b"f") == 0 or strcmp(fmt, b"<f") == 0 or strcmp(fmt, b"=f") == 0):
-        got = (<bytes>fmt).decode("ascii", "replace") if fmt is not NULL else "bytes"
-        raise TypeError(f"{name}: expected float32 elements, got format {got!r} "
-                        f"with itemsize {b.view.itemsize}")
     return b
 
 

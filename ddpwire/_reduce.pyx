@@ -1,30 +1,19 @@
 # cython: language_level=3
 """Compiled glue for csrc/reduce.c: buffer checks in Python, arithmetic in C
 without the GIL. The public face is ddpwire.reduce."""
-from cpython.buffer cimport (
-    PyBUF_FORMAT,
-    PyBUF_STRIDES,
-    PyBuffer_IsContiguous,
-    PyBuffer_Release,
-    PyObject_GetBuffer,
-)
+from cpython.buffer cimport PyBuffer_Release
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.float cimport FLT_MAX
 from libc.math cimport isfinite
 from libc.stdint cimport int64_t, uintptr_t
 
-import sys
+from ddpwire._buffer cimport acquire_float32
+
 from numbers import Real
 
 import numpy
 
 from ddpwire.errors import NonFiniteGradient
-
-# Formats meaning a native-order IEEE float32; the kernels read native order.
-_FLOAT32_FORMATS = {b"f", b"@f", b"=f", b"<f" if sys.byteorder == "little" else b">f"}
-if sys.byteorder == "big":
-    _FLOAT32_FORMATS.add(b"!f")
-
 
 cdef str _arg(str name, Py_ssize_t index):
     return name if index < 0 else f"{name}[{index}]"
@@ -32,30 +21,7 @@ cdef str _arg(str name, Py_ssize_t index):
 
 cdef int _acquire(object obj, Py_buffer *view, bint writable, str name,
                   Py_ssize_t index=-1) except -1:
-    """Fill view with obj's buffer, checked: float32, C-contiguous, and writable
-    when asked. On failure nothing is held and the error names the argument."""
-    cdef bytes fmt
-    try:
-        PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_STRIDES)
-    except (TypeError, BufferError):
-        raise TypeError(
-            f"{_arg(name, index)} must be a float32 buffer (numpy array, memoryview, "
-            f"array.array('f')), not {type(obj).__name__}"
-        ) from None
-    fmt = b"B" if view.format == NULL else <bytes>view.format
-    if view.itemsize != 4 or fmt not in _FLOAT32_FORMATS:
-        PyBuffer_Release(view)
-        raise TypeError(
-            f"{_arg(name, index)} must hold native float32 elements, "
-            f"got format {fmt.decode('ascii', 'replace')!r} of {view.itemsize} bytes"
-        )
-    if not PyBuffer_IsContiguous(view, b"C"):
-        PyBuffer_Release(view)
-        raise ValueError(f"{_arg(name, index)} must be C-contiguous")
-    if writable and view.readonly:
-        PyBuffer_Release(view)
-        raise ValueError(f"{_arg(name, index)} is read-only")
-    return 0
+    return acquire_float32(obj, view, writable, _arg(name, index))
 
 
 cdef bint _overlap(const Py_buffer *a, const Py_buffer *b) noexcept:

@@ -1,0 +1,46 @@
+# cython: language_level=3
+# Checked float32 buffers for the compiled units that take them as arguments
+# (the kernels, the socket layer): one set of rules and one wording of the
+# errors. Inline, so a unit that cimports it needs nothing more at run time.
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_STRIDES, PyBuffer_IsContiguous, PyBuffer_Release, PyObject_GetBuffer
+from libc.string cimport strcmp
+
+
+cdef inline bint is_native_float32(const char *fmt) noexcept:
+    # native byte order only: the C reads the elements in place
+    cdef int one = 1
+    cdef bint little = (<char *>&one)[0] == 1
+    if fmt == NULL:
+        return False
+    if strcmp(fmt, b"f") == 0 or strcmp(fmt, b"@f") == 0 or strcmp(fmt, b"=f") == 0:
+        return True
+    if little:
+        return strcmp(fmt, b"<f") == 0
+    return strcmp(fmt, b">f") == 0 or strcmp(fmt, b"!f") == 0
+
+
+cdef inline int acquire_float32(object obj, Py_buffer *view, bint writable, str name) except -1:
+    """Fill view with obj's buffer, checked: float32, C-contiguous, and writable
+    when asked. On failure nothing is held and the error names the argument."""
+    cdef bytes fmt
+    try:
+        PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_STRIDES)
+    except (TypeError, BufferError):
+        raise TypeError(
+            f"{name} must be a float32 buffer (numpy array, a CPU tensor's .numpy(), memoryview, "
+            f"array.array('f')), not {type(obj).__name__}"
+        ) from None
+    if view.itemsize != 4 or not is_native_float32(view.format):
+        fmt = b"B" if view.format == NULL else <bytes>view.format
+        PyBuffer_Release(view)
+        raise TypeError(
+            f"{name} must hold native float32 elements, "
+            f"got format {fmt.decode('ascii', 'replace')!r} of {view.itemsize} bytes"
+        )
+    if not PyBuffer_IsContiguous(view, b"C"):
+        PyBuffer_Release(view)
+        raise ValueError(f"{name} must be C-contiguous")
+    if writable and view.readonly:
+        PyBuffer_Release(view)
+        raise ValueError(f"{name} is read-only")
+    return 0
