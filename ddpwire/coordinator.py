@@ -8,12 +8,13 @@ workers.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -445,22 +446,17 @@ class Coordinator:
         """Average the elements left in the sockets into ``out`` while sending
         ``head`` + ``out`` + make_tail(tails) to every worker."""
         conns = [chan.conn for chan in self._channels]
-        # Hold every send lock: a heartbeat must not land inside the reply.
-        for chan in self._channels:
-            chan.send_lock.acquire()
-        try:
-            _, bad = _net.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
-                                           self.timeout, ring_bytes=self.ring_bytes, step=step,
-                                           what=f"averaging {heads[0].message_type} into {reply}")
-            self._raise_bad(bad, step)
-        except BaseException:
-            # Some workers hold part of a reply that will never be finished:
-            # closing is the only way to tell them at once.
-            self._abandon()
-            raise
-        finally:
-            for chan in self._channels:
-                chan.send_lock.release()
+        with self._sending_to_all():
+            try:
+                _, bad = _net.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
+                                               self.timeout, ring_bytes=self.ring_bytes, step=step,
+                                               what=f"averaging {heads[0].message_type} into {reply}")
+                self._raise_bad(bad, step)
+            except BaseException:
+                # Some workers hold part of a reply that will never be finished:
+                # closing is the only way to tell them at once.
+                self._abandon()
+                raise
 
     def _abandon(self) -> None:
         """Close every worker connection: the session cannot go on."""
@@ -472,12 +468,17 @@ class Coordinator:
     def _broadcast(self, msg: object, step: int) -> None:
         self._require_workers()
         parts = encode_frame_parts(msg, max_frame=self.max_frame)
-        # Hold every send lock: a heartbeat must not land inside the frame.
+        with self._sending_to_all():
+            _net.send_many([c.conn for c in self._channels], parts, self.timeout, step=step,
+                           what=f"sending {type(msg).__name__}")
+
+    @contextlib.contextmanager
+    def _sending_to_all(self) -> Iterator[None]:
+        """Hold every worker's send lock: a heartbeat must not land inside a frame."""
         for chan in self._channels:
             chan.send_lock.acquire()
         try:
-            _net.send_many([c.conn for c in self._channels], parts, self.timeout, step=step,
-                           what=f"sending {type(msg).__name__}")
+            yield
         finally:
             for chan in self._channels:
                 chan.send_lock.release()
