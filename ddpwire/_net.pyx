@@ -469,6 +469,21 @@ def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
     Returns a FrameHead for a gradient message, whose elements and tail are
     left in the socket, or the whole decoded message for any other.
     """
+    return read_head_with(lambda view: conn.recv_into(view, timeout, step=step, what=what),
+                          max_frame, conn.peer_id, step)
+
+
+def exchange_frame_head(Exchange exchange, uint64_t max_frame, *, peer_id=None, step=None,
+                        str what="receiving"):
+    """read_frame_head for the receiving side of an Exchange (its send goes on
+    meanwhile)."""
+    return read_head_with(lambda view: exchange.recv_into(view, what=what), max_frame, peer_id, step)
+
+
+cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, object step):
+    """The frame-head reader over ``fill(view)``, which receives exactly
+    len(view) bytes into view: the C decoder says how many bytes it needs
+    next, so nothing past the head is taken from the socket."""
     cdef uint8_t prefix[4]
     cdef uint32_t payload_len
     cdef ddpw_error err
@@ -480,16 +495,16 @@ def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
     cdef FrameHead fh
     cdef uint32_t size
     cdef Py_ssize_t i
-    conn.recv_into(<uint8_t[:4]>prefix, timeout, step=step, what=what)
+    fill(<uint8_t[:4]>prefix)
     payload_len = ddpw_read_prefix(prefix)
     if ddpw_check_frame_len(payload_len, max_frame, &err) != DDPW_OK:
-        raise with_context(wire_error(&err), conn, step)
+        raise with_context(wire_error(&err), peer_id, step)
     buf = bytearray()
     while True:
         if need > <size_t>len(buf):
             buf.extend(bytes(need - len(buf)))
         if need > have:
-            conn.recv_into(memoryview(buf)[have:need], timeout, step=step, what=what)
+            fill(memoryview(buf)[have:need])
             have = need
         p = <const uint8_t *><char *>buf
         st = ddpw_decode_head(p, have, payload_len, 0, &head, &err)
@@ -497,16 +512,16 @@ def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
             need = head.need
             continue
         if st != DDPW_OK:
-            raise with_context(wire_error(&err), conn, step)
+            raise with_context(wire_error(&err), peer_id, step)
         break
     if not head.has_gradients:
         if payload_len > have:
             buf.extend(bytes(payload_len - len(buf)))
-            conn.recv_into(memoryview(buf)[have:], timeout, step=step, what=what)
+            fill(memoryview(buf)[have:])
         try:
             return decode_payload(buf)
         except ProtocolError as exc:
-            raise with_context(exc, conn, step) from None
+            raise with_context(exc, peer_id, step) from None
     fh = FrameHead()
     fh.tag = head.tag
     fh.message_type = (<bytes>ddpw_message_type(head.tag)).decode("ascii")
@@ -524,10 +539,10 @@ def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
     return fh
 
 
-cdef object with_context(object exc, Connection conn, object step):
+cdef object with_context(object exc, object peer_id, object step):
     """The codec's error, naming the peer and step it came from."""
     if isinstance(exc, DdpwireError):
-        exc.add_context(worker_id=conn.peer_id, step=step)
+        exc.add_context(worker_id=peer_id, step=step)
     return exc
 
 

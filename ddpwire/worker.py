@@ -19,20 +19,17 @@ from typing import Any, Deque, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _net
-from ._wire import decode_payload, encode_frame_parts
+from ._wire import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, message_name
 from .errors import (
     CoordinatorLost,
     DdpwireError,
-    FrameTooLarge,
     GradientMismatch,
     JoinTimeout,
-    ProtocolError,
     ShutdownDuringReduce,
     UnexpectedMessage,
 )
 from .messages import (
-    MESSAGE_TYPES,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
@@ -49,10 +46,6 @@ from .messages import (
 __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
-
-# AveragedGradient up to its elements: prefix, tag, step, element count
-_AVERAGED_HEAD = 4 + 1 + 8 + 8
-_AVERAGED_TAIL = 4  # global_loss
 
 _RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
@@ -232,45 +225,23 @@ class Worker:
         payload goes out; returns global_loss."""
         chan = self._chan
         ctx = dict(worker_id=self._worker_id, step=step)
-        prefix = bytearray(5)  # length prefix and tag: enough to tell what comes
         while True:
-            exchange.recv_into(prefix, what="receiving AveragedGradient")
+            head = _net.exchange_frame_head(exchange, chan.max_frame, peer_id=self._worker_id,
+                                            step=step, what="receiving AveragedGradient")
             chan.last_heard = time.monotonic()
-            length = int.from_bytes(prefix[:4], "big")
-            tag = prefix[4]
-            if length == 0:
-                raise ProtocolError("empty frame from the coordinator", **ctx)
-            if length > chan.max_frame:
-                raise FrameTooLarge(length, chan.max_frame, **ctx)
-            if tag != Heartbeat.TAG:
+            if not isinstance(head, Heartbeat):
                 break
-            body = bytearray(length - 1)
-            exchange.recv_into(body, what="receiving Heartbeat")
-            try:
-                decode_payload(bytes(prefix[4:]) + body)
-            except ProtocolError as exc:
-                raise exc.add_context(**ctx) from None
-        if tag == Shutdown.TAG:
+        if isinstance(head, Shutdown):
             raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
-        if tag != AveragedGradient.TAG:
-            kind = MESSAGE_TYPES.get(tag)
-            if kind is None:
-                raise ProtocolError(f"unknown message tag 0x{tag:02x} from the coordinator", **ctx)
-            raise UnexpectedMessage(AveragedGradient.__name__, kind.__name__, **ctx)
-        fields = bytearray(_AVERAGED_HEAD - 5)
-        exchange.recv_into(fields, what="receiving AveragedGradient")
-        got_step = int.from_bytes(fields[:8], "little")
-        got_count = int.from_bytes(fields[8:], "little")
-        if length != _AVERAGED_HEAD - 4 + 4 * got_count + _AVERAGED_TAIL:
-            raise ProtocolError(f"AveragedGradient of {got_count} elements in a payload of "
-                                f"{length} bytes", **ctx)
-        if got_count != len(out):
-            raise GradientMismatch("gradients length", len(out), got_count, **ctx)
-        if got_step != step:
-            raise GradientMismatch("step", step, got_step, **ctx)
-        tail = bytearray(_AVERAGED_TAIL)
+        if not isinstance(head, _net.FrameHead) or head.tag != AveragedGradient.TAG:
+            raise UnexpectedMessage(AveragedGradient.__name__, message_name(head), **ctx)
+        if head.gradient_count != len(out):
+            raise GradientMismatch("gradients length", len(out), head.gradient_count, **ctx)
+        if head.step != step:
+            raise GradientMismatch("step", step, head.step, **ctx)
+        tail = bytearray(head.tail_len)
         exchange.recv_into(out, tail, what="receiving AveragedGradient.gradients")
-        return _net.decode_tail(AveragedGradient.TAG, bytes(tail))[3]
+        return _net.decode_tail(head.tag, bytes(tail))[3]
 
     # ---- per-block steps (v2) ----
 
