@@ -364,14 +364,19 @@ typedef struct task {
     first_bad fb;
 } task;
 
-/* The mean of elements [from, to), block by block, with normal stores. */
-static void run_mean_range(task *t, size_t from, size_t to)
+/* The mean of elements [from, to), block by block. With stage == NULL each
+ * block is written to out with normal stores. Otherwise every group, the last
+ * included, writes the block into stage (a line-aligned block on the stack),
+ * which is then streamed to out, so no line of out is ever read; out + from
+ * must then be line-aligned and to - from a multiple of a line. */
+static void run_mean_blocks(task *t, size_t from, size_t to, float *stage)
 {
     const kernels *K = t->K;
     const size_t k = t->k;
     size_t at, m, j, c;
     for (at = from; at < to; at += m) {
         const float *x[DDPW_GROUP];
+        float *dst = stage != NULL ? stage : t->out + at;
         m = min_size(DDPW_BLOCK, to - at);
         for (j = 0; j < k; j += c) {
             const int cont = j > 0;
@@ -379,38 +384,20 @@ static void run_mean_range(task *t, size_t from, size_t to)
             c = min_size(DDPW_GROUP, k - j);
             for (g = 0; g < c; g++)
                 x[g] = t->inputs[j + g] + at;
-            if (K->group[cont][j + c == k][c - 1](t->out + at, x, t->d, m))
+            if (K->group[cont][j + c == k][c - 1](dst, x, t->d, m))
                 for (g = 0; g < c; g++)
                     note(&t->fb, j + g, x[g], at, m);
         }
+        if (stage != NULL)
+            K->stream(t->out + at, stage, m);
     }
 }
 
 #if defined(DDPW_X86)
-/* As run_mean_range, but every group, the last included, writes a block on
- * the stack, which is then streamed to out: no line of out is ever read.
- * out + from must be line-aligned and to - from a multiple of a line. */
 static void run_mean_streamed(task *t, size_t from, size_t to)
 {
-    float sums[DDPW_BLOCK] __attribute__((aligned(DDPW_LINE)));
-    const kernels *K = t->K;
-    const size_t k = t->k;
-    size_t at, m, j, c;
-    for (at = from; at < to; at += m) {
-        const float *x[DDPW_GROUP];
-        m = min_size(DDPW_BLOCK, to - at);
-        for (j = 0; j < k; j += c) {
-            const int cont = j > 0;
-            size_t g;
-            c = min_size(DDPW_GROUP, k - j);
-            for (g = 0; g < c; g++)
-                x[g] = t->inputs[j + g] + at;
-            if (K->group[cont][j + c == k][c - 1](sums, x, t->d, m))
-                for (g = 0; g < c; g++)
-                    note(&t->fb, j + g, x[g], at, m);
-        }
-        K->stream(t->out + at, sums, m);
-    }
+    float stage[DDPW_BLOCK] __attribute__((aligned(DDPW_LINE)));
+    run_mean_blocks(t, from, to, stage);
 }
 #endif
 
@@ -426,14 +413,14 @@ static void run_mean(task *t)
         size_t skew = (size_t)((uintptr_t)(t->out + t->from) % DDPW_LINE) / sizeof(float);
         size_t head = t->from + (skew ? per_line - skew : 0);
         size_t tail = head + (t->to - head) / per_line * per_line;
-        run_mean_range(t, t->from, head);
+        run_mean_blocks(t, t->from, head, NULL);
         run_mean_streamed(t, head, tail);
         t->K->fence(); /* before the caller (or a join) may read out */
-        run_mean_range(t, tail, t->to);
+        run_mean_blocks(t, tail, t->to, NULL);
         return;
     }
 #endif
-    run_mean_range(t, t->from, t->to);
+    run_mean_blocks(t, t->from, t->to, NULL);
 }
 
 static void run_task(task *t)
