@@ -228,42 +228,8 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
     -1 if it had none).
     When bad is not None, ``out`` holds no meaningful result.
     """
-    cdef _Buffer o = get_float32(out, "out", True)
-    cdef size_t n = len(conns), failed = 0, i
-    cdef int err = 0, rc, ms = timeout_ms(timeout)
-    cdef ddpw_net_reduce_state st
-    cdef int *fds = NULL
-    cdef bytearray tails = bytearray(n * tail_len)
-    cdef uint8_t *tails_p = <uint8_t *>(<char *>tails) if n * tail_len > 0 else NULL
-    cdef float *out_p = <float *>o.view.buf
-    if n == 0:
-        raise ValueError("conns: at least one connection is needed")
-    rc = ddpw_net_reduce_init(&st, n, <size_t>o.view.len, tail_len, ring_bytes)
-    if rc != DDPW_NET_OK:
-        raise MemoryError("reduce_stream: could not allocate receive rings")
-    fds = <int *>malloc(n * sizeof(int))
-    try:
-        if fds is NULL:
-            raise MemoryError()
-        for i in range(n):
-            (<Connection>conns[i]).check_open()
-            fds[i] = (<Connection>conns[i]).fd
-        while True:
-            with nogil:
-                rc = ddpw_net_reduce_stream(&st, fds, out_p, tails_p, ms, &failed, &err)
-            if rc == DDPW_NET_EINTR:
-                PyErr_CheckSignals()
-                continue
-            break
-        if rc != DDPW_NET_OK and rc != DDPW_NET_NONFINITE:
-            (<Connection>conns[failed]).fail(
-                rc, err, step, f"{what} ({st.recv[failed]} of {st.grad_bytes + st.tail_len} bytes)", ms)
-        bad = ([(st.bad_index[i], st.bad_value[i]) for i in range(n)]
-               if rc == DDPW_NET_NONFINITE else None)
-        return [bytes(tails[i * tail_len:(i + 1) * tail_len]) for i in range(n)], bad
-    finally:
-        free(fds)
-        ddpw_net_reduce_free(&st)
+    return allreduce_stream(conns, out, tail_len, None, None, timeout, ring_bytes=ring_bytes,
+                            step=step, what=what)
 
 
 def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout, *,
@@ -279,9 +245,11 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     Returns ``(tails, bad)`` as reduce_stream does. When bad is not None,
     sending stopped at the first non-finite value, make_tail was not called,
     and every reply is cut short: the caller must close the connections.
+    With ``head`` None nothing is sent (that is reduce_stream).
     """
     cdef _Buffer o = get_float32(out, "out", True)
-    cdef _Buffer h = get_bytes(head, "head")
+    cdef _Buffer h = get_bytes(head if head is not None else b"", "head")
+    cdef bint reply = head is not None
     cdef _Buffer t
     cdef size_t n = len(conns), failed = 0, i
     cdef int err = 0, rc, ms = timeout_ms(timeout)
@@ -309,20 +277,22 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
             fds[i] = (<Connection>conns[i]).fd
         while True:
             with nogil:
-                rc = ddpw_net_allreduce_stream(&st, fds, out_p, tails_p, head_p, head_len, sent,
-                                               ms, &failed, &err)
+                rc = ddpw_net_allreduce_stream(&st, fds, out_p, tails_p, head_p, head_len,
+                                               sent if reply else NULL, ms, &failed, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
             break
         if rc != DDPW_NET_OK and rc != DDPW_NET_NONFINITE:
-            (<Connection>conns[failed]).fail(
-                rc, err, step,
-                f"{what} ({st.recv[failed]} of {st.grad_bytes + st.tail_len} bytes in, "
-                f"{sent[failed]} of {head_len + st.grad_bytes} out)", ms)
+            progress = f"{st.recv[failed]} of {st.grad_bytes + st.tail_len} bytes"
+            if reply:
+                progress += f" in, {sent[failed]} of {head_len + st.grad_bytes} out"
+            (<Connection>conns[failed]).fail(rc, err, step, f"{what} ({progress})", ms)
         tail_list = [bytes(tails[i * tail_len:(i + 1) * tail_len]) for i in range(n)]
         if rc == DDPW_NET_NONFINITE:
             return tail_list, [(st.bad_index[i], st.bad_value[i]) for i in range(n)]
+        if not reply:
+            return tail_list, None
         t = get_bytes(make_tail(tail_list), "make_tail()")
         iov[0].iov_base = <void *>head_p
         iov[0].iov_len = head_len
