@@ -19,7 +19,8 @@ from .errors import PeerLost, DdpwireError, ProtocolError
 from ._wire import decode_payload
 from ._wire cimport (ddpw_error, ddpw_head, ddpw_tail, ddpw_status, DDPW_OK, DDPW_NEED_MORE,
                      ddpw_read_prefix, ddpw_check_frame_len, ddpw_decode_head, ddpw_decode_tail,
-                     ddpw_message_type, ddpw_load_u32s, ddpw_f32_to_f64, wire_error)
+                     ddpw_message_type, ddpw_load_u32s, ddpw_f32_to_f64, wire_error,
+                     HeldBuffer)
 
 cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
@@ -41,26 +42,16 @@ cdef int timeout_ms(object timeout) except? -2:
     return <int>(t * 1000.0 + 0.5)
 
 
-cdef class _Buffer:
-    """A held buffer-protocol view, released with the object."""
-    cdef Py_buffer view
-    cdef bint held
-
-    def __dealloc__(self):
-        if self.held:
-            PyBuffer_Release(&self.view)
-
-
-cdef _Buffer get_float32(object obj, str name, bint writable):
+cdef HeldBuffer get_float32(object obj, str name, bint writable):
     """Hold obj's buffer after the checks every compiled unit makes (see _buffer.pxd)."""
-    cdef _Buffer b = _Buffer()
+    cdef HeldBuffer b = HeldBuffer()
     acquire_float32(obj, &b.view, writable, name)
     b.held = True
     return b
 
 
-cdef _Buffer get_bytes(object obj, str name):
-    cdef _Buffer b = _Buffer()
+cdef HeldBuffer get_bytes(object obj, str name):
+    cdef HeldBuffer b = HeldBuffer()
     try:
         PyObject_GetBuffer(obj, &b.view, PyBUF_ANY_CONTIGUOUS)
     except (TypeError, BufferError):
@@ -73,7 +64,7 @@ cdef int fill_iov(object parts, iovec *iov, list held) except -1:
     """Point iov at each non-None part (at most MAX_PARTS), keeping their
     buffers held in ``held``; returns the count."""
     cdef int k = 0
-    cdef _Buffer b
+    cdef HeldBuffer b
     for part in parts:
         if part is None:
             continue
@@ -137,7 +128,7 @@ cdef class Connection:
 
     def recv_into(self, buf, timeout, *, step=None, str what="receiving"):
         """Fill the whole writable buffer ``buf`` from the socket (GIL released)."""
-        cdef _Buffer b = get_bytes(buf, "buf")
+        cdef HeldBuffer b = get_bytes(buf, "buf")
         cdef size_t done = 0
         cdef int err = 0, rc, ms = timeout_ms(timeout)
         if b.view.readonly:
@@ -247,10 +238,10 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     and every reply is cut short: the caller must close the connections.
     With ``head`` None nothing is sent (that is reduce_stream).
     """
-    cdef _Buffer o = get_float32(out, "out", True)
-    cdef _Buffer h = get_bytes(head if head is not None else b"", "head")
+    cdef HeldBuffer o = get_float32(out, "out", True)
+    cdef HeldBuffer h = get_bytes(head if head is not None else b"", "head")
     cdef bint reply = head is not None
-    cdef _Buffer t
+    cdef HeldBuffer t
     cdef size_t n = len(conns), failed = 0, i
     cdef int err = 0, rc, ms = timeout_ms(timeout)
     cdef ddpw_net_reduce_state st
@@ -361,7 +352,7 @@ cdef class Exchange:
         connection, sending meanwhile."""
         cdef iovec in_iov[MAX_PARTS]
         cdef list held = []
-        cdef _Buffer b
+        cdef HeldBuffer b
         cdef int m = 0, err = 0, rc
         cdef size_t received = 0, in_total = 0, sent = self.sent_bytes
         for buf in bufs:

@@ -143,6 +143,12 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1
 cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *base)
 
 
+# A buffer export held while C reads or writes it (other units cimport it).
+cdef class HeldBuffer:
+    cdef Py_buffer view
+    cdef bint held
+
+
 cdef class FrameReader:
     cdef readonly uint64_t max_frame
     cdef readonly bint allow_trailing

@@ -118,10 +118,8 @@ cdef object wire_error(const ddpw_error *err):
 # Python values -> C
 # ---------------------------------------------------------------------------
 
-cdef class _Buffer:
+cdef class HeldBuffer:
     """Holds a Py_buffer export for as long as C reads from it."""
-    cdef Py_buffer view
-    cdef bint held
 
     def __dealloc__(self):
         if self.held:
@@ -148,8 +146,8 @@ cdef bint _is_f32_format(const char *fmt):
     return _LITTLE_HOST and strcmp(fmt, "<f") == 0
 
 
-cdef _Buffer _float32_buffer(object obj, object msg):
-    cdef _Buffer buf = _Buffer.__new__(_Buffer)
+cdef HeldBuffer _float32_buffer(object obj, object msg):
+    cdef HeldBuffer buf = HeldBuffer.__new__(HeldBuffer)
     try:
         PyObject_GetBuffer(obj, &buf.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
         buf.held = True
@@ -244,7 +242,7 @@ cdef object _u32_array(object value, str type_name, str field):
 
 
 cdef inline void _set_gradients(ddpw_message *out, object msg, list keep) except *:
-    cdef _Buffer buf = _float32_buffer(msg.gradients, msg)
+    cdef HeldBuffer buf = _float32_buffer(msg.gradients, msg)
     keep.append(buf)
     out.gradients = buf.view.buf
     out.gradient_count = <uint64_t>(buf.view.len // 4)
@@ -255,7 +253,7 @@ cdef inline void _set_component_sizes(ddpw_message *out, object msg, list keep) 
     sizes = _u32_array(msg.component_sizes, type_name, "component_sizes")
     if sizes.shape[0] > 0xFFFFFFFF:
         raise ValueError(f"{type_name}.component_sizes: more than 4294967295 entries")
-    cdef _Buffer buf = _Buffer.__new__(_Buffer)
+    cdef HeldBuffer buf = HeldBuffer.__new__(HeldBuffer)
     PyObject_GetBuffer(sizes, &buf.view, PyBUF_C_CONTIGUOUS)
     buf.held = True
     keep.append(buf)
@@ -433,8 +431,8 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
 # Public API
 # ---------------------------------------------------------------------------
 
-cdef _Buffer _input_buffer(object buffer):
-    cdef _Buffer buf = _Buffer.__new__(_Buffer)
+cdef HeldBuffer _input_buffer(object buffer):
+    cdef HeldBuffer buf = HeldBuffer.__new__(HeldBuffer)
     try:
         PyObject_GetBuffer(buffer, &buf.view, PyBUF_SIMPLE)
     except (TypeError, BufferError) as exc:
@@ -471,7 +469,7 @@ def decode_payload(buffer, *, bint allow_trailing=False):
     if type(buffer) is bytes:  # immutable and contiguous: no buffer export needed
         p = <const uint8_t *>PyBytes_AS_STRING(buffer)
         return _decode(buffer, p, p, <size_t>len(<bytes>buffer), flags)
-    cdef _Buffer buf = _input_buffer(buffer)
+    cdef HeldBuffer buf = _input_buffer(buffer)
     p = <const uint8_t *>buf.view.buf
     return _decode(buffer, p, p, <size_t>buf.view.len, flags)
 
@@ -482,7 +480,7 @@ def decode_frame(buffer, *, bint allow_trailing=False, max_frame=DEFAULT_MAX_FRA
     A length over ``max_frame`` raises FrameTooLarge; a buffer shorter or
     longer than the frame raises ProtocolError.
     """
-    cdef _Buffer buf
+    cdef HeldBuffer buf
     cdef const uint8_t *p
     cdef size_t n
     cdef ddpw_error err
@@ -630,7 +628,7 @@ cdef class FrameReader:
         """Take the next chunk of the stream; return the messages it completed."""
         if self._failure is not None:
             raise ProtocolError(f"FrameReader unusable after an earlier error: {self._failure}")
-        cdef _Buffer buf = _input_buffer(data)
+        cdef HeldBuffer buf = _input_buffer(data)
         cdef const uint8_t *src = <const uint8_t *>buf.view.buf
         cdef Py_ssize_t n = buf.view.len
         cdef Py_ssize_t pos = 0, take
