@@ -71,3 +71,52 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("peer closed")
         buf += chunk
     return bytes(buf)
+
+
+def join_up_to(coord, k: int) -> None:
+    """Let the coordinator accept workers until k have joined, so that
+    worker ids follow the order in which a test starts them."""
+    saved = coord.expect_workers
+    coord.expect_workers = k
+    try:
+        coord.wait_for_workers()
+    finally:
+        coord.expect_workers = saved
+
+
+def start_workers(coord, n: int, body: Callable[[Any], Any], timeout: float = 30) -> List[Thread]:
+    """n workers in threads, joined in order 0..n-1; body(worker) runs in each."""
+    threads = []
+    for _ in range(n):
+        def run():
+            with ddpwire.Worker.connect(coord.local_addr, 0, "cpu", timeout=timeout) as w:
+                return body(w)
+        threads.append(spawn(run))
+        join_up_to(coord, len(threads))
+    return threads
+
+
+def worker_and_raw_peer(coord, **connect: Any):
+    """Worker 0 a real Worker (Worker.connect keywords in ``connect``),
+    worker 1 a bare socket that joined and will send only what the test sends."""
+    good = spawn(lambda: ddpwire.Worker.connect(coord.local_addr, 0, "cpu", **connect))
+    join_up_to(coord, 1)
+    raw = spawn(lambda: raw_join(coord.local_addr))
+    coord.wait_for_workers()
+    return good.join_result(), raw.join_result()
+
+
+def fake_coordinator(behaviour: Callable[[socket.socket], Any]):
+    """A bare listening socket that accepts one worker, answers its join, runs
+    behaviour(conn) and closes it. Returns (listening socket, thread)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        conn, _ = lsock.accept()
+        recv_frame(conn)
+        conn.sendall(encode_frame(ddpwire.JoinAccepted(worker_id=0, total_workers=1)))
+        try:
+            return behaviour(conn)
+        finally:
+            conn.close()
+    return lsock, spawn(run)

@@ -13,7 +13,7 @@ import pytest
 import ddpwire
 from ddpwire import Coordinator, Worker
 
-from session_helpers import spawn
+from session_helpers import join_up_to, spawn
 
 
 def test_coordinator_process_killed_mid_step():
@@ -58,9 +58,7 @@ def test_worker_process_killed_mid_step():
     """)
     with Coordinator(("127.0.0.1", 0), expect_workers=2, timeout=60) as coord:
         good = spawn(lambda: Worker.connect(coord.local_addr, timeout=60))
-        coord.expect_workers = 1
-        coord.wait_for_workers()
-        coord.expect_workers = 2
+        join_up_to(coord, 1)
         proc = subprocess.Popen([sys.executable, "-c", script, str(coord.local_addr[1])],
                                 stdout=subprocess.PIPE, text=True)
         try:

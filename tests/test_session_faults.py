@@ -2,7 +2,6 @@
 lost peers, and the GIL released while blocked."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -17,38 +16,20 @@ import pytest
 import ddpwire
 from ddpwire import Coordinator, Worker, encode_frame
 from ddpwire.messages import (
-    BlockGradientPayload,
     GradientPayload,
-    JoinAccepted,
-    NonBlockGradientPayload,
     ShardAssignment,
 )
 
-from session_helpers import exact_mean, raw_join, recv_frame, spawn
+from session_helpers import (
+    exact_mean,
+    fake_coordinator,
+    recv_frame,
+    spawn,
+    start_workers,
+    worker_and_raw_peer,
+)
 
 ADDR = ("127.0.0.1", 0)
-
-
-def start_workers(coord, n, body, **kw):
-    """n workers in threads, joined in order 0..n-1; body(worker) runs in each."""
-    threads = []
-    for _ in range(n):
-        def run():
-            with Worker.connect(coord.local_addr, 0, "cpu", timeout=kw.get("timeout", 30)) as w:
-                return body(w)
-        threads.append(spawn(run))
-        _wait_count(coord, len(threads))
-    return threads
-
-
-def _wait_count(coord, k):
-    # join one at a time so worker_id follows thread order
-    saved = coord.expect_workers
-    coord.expect_workers = k
-    try:
-        coord.wait_for_workers()
-    finally:
-        coord.expect_workers = saved
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
@@ -178,12 +159,7 @@ def test_flat_length_fixed_after_first_step():
 
 def test_worker_killed_mid_frame():
     with Coordinator(ADDR, expect_workers=2, timeout=10) as coord:
-        good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
-        _wait_count(coord, 1)
-        raw = spawn(lambda: raw_join(coord.local_addr))
-        coord.wait_for_workers()
-        raw = raw.join_result()
-        w0 = good.join_result()
+        w0, raw = worker_and_raw_peer(coord)
         w0.send_gradients(2, np.ones(100_000, np.float32), 1.0, 1, 1)
         frame = encode_frame(GradientPayload(step=2, worker_id=1, gradients=np.ones(100_000, np.float32),
                                              loss=1.0, correct=1, total=1))
@@ -198,12 +174,7 @@ def test_worker_killed_mid_frame():
 
 def test_worker_that_never_sends():
     with Coordinator(ADDR, expect_workers=2, timeout=0.5) as coord:
-        good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
-        _wait_count(coord, 1)
-        raw = spawn(lambda: raw_join(coord.local_addr))
-        coord.wait_for_workers()
-        raw = raw.join_result()
-        w0 = good.join_result()
+        w0, raw = worker_and_raw_peer(coord)
         w0.send_gradients(0, np.ones(10, np.float32), 1.0, 1, 1)
         with pytest.raises(ddpwire.WorkerLost) as info:
             coord.collect_and_reduce(0)
@@ -217,12 +188,7 @@ def test_worker_silent_mid_stream():
     """Worker 1 sends its head and half its elements, then stops: the
     streaming reduce must time out on it, not hang."""
     with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=4096) as coord:
-        good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
-        _wait_count(coord, 1)
-        raw = spawn(lambda: raw_join(coord.local_addr))
-        coord.wait_for_workers()
-        raw = raw.join_result()
-        w0 = good.join_result()
+        w0, raw = worker_and_raw_peer(coord)
         g = np.ones(50_000, np.float32)
         sender = spawn(lambda: w0.send_gradients(0, g, 1.0, 1, 1))
         frame = encode_frame(GradientPayload(step=0, worker_id=1, gradients=g, loss=1.0, correct=1, total=1))
@@ -253,19 +219,6 @@ def test_stray_connection_does_not_block_join():
         stray.close()
 
 
-def _fake_coordinator(behaviour):
-    """A bare listening socket that accepts one worker, answers its join, then
-    runs behaviour(conn)."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-    def run():
-        conn, _ = lsock.accept()
-        recv_frame(conn)
-        conn.sendall(encode_frame(JoinAccepted(worker_id=0, total_workers=1)))
-        behaviour(conn)
-    t = spawn(run)
-    return lsock, t
-
-
 def test_coordinator_killed_mid_step():
     def behaviour(conn):
         conn.sendall(encode_frame(ShardAssignment(step=0, shard_start=0, shard_end=10)))
@@ -274,7 +227,7 @@ def test_coordinator_killed_mid_step():
                                                    global_loss=0.0))
         conn.sendall(avg[:100])
         conn.close()
-    lsock, t = _fake_coordinator(behaviour)
+    lsock, t = fake_coordinator(behaviour)
     w = Worker.connect(lsock.getsockname(), timeout=10)
     shard = w.receive_shard()
     w.send_gradients(shard.step, np.ones(1000, np.float32), 1.0, 1, 1)
@@ -287,7 +240,7 @@ def test_coordinator_killed_mid_step():
 
 def test_coordinator_silent():
     done = threading.Event()
-    lsock, t = _fake_coordinator(lambda conn: done.wait(10))
+    lsock, t = fake_coordinator(lambda conn: done.wait(10))
     w = Worker.connect(lsock.getsockname(), timeout=0.3)
     with pytest.raises(ddpwire.CoordinatorLost, match="silent"):
         w.receive_shard()
@@ -297,7 +250,7 @@ def test_coordinator_silent():
 
 
 def test_shutdown_during_reduce():
-    lsock, t = _fake_coordinator(lambda conn: (recv_frame(conn), conn.sendall(encode_frame(ddpwire.Shutdown()))))
+    lsock, t = fake_coordinator(lambda conn: (recv_frame(conn), conn.sendall(encode_frame(ddpwire.Shutdown()))))
     w = Worker.connect(lsock.getsockname(), timeout=5)
     w.send_gradients(0, np.ones(3, np.float32), 1.0, 1, 1)
     with pytest.raises(ddpwire.ShutdownDuringReduce):
@@ -364,12 +317,7 @@ def test_other_threads_run_while_receive_blocks():
 
 def test_heartbeats_detect_a_silent_worker_sooner_than_the_timeout():
     with Coordinator(ADDR, expect_workers=2, timeout=60, heartbeat=0.1, heartbeat_timeout=0.5) as coord:
-        good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", heartbeat=0.1))
-        _wait_count(coord, 1)
-        raw = spawn(lambda: raw_join(coord.local_addr))  # sends no heartbeats
-        coord.wait_for_workers()
-        raw = raw.join_result()
-        w0 = good.join_result()
+        w0, raw = worker_and_raw_peer(coord, heartbeat=0.1)  # the raw peer sends no heartbeats
         time.sleep(0.8)  # worker 0 "computes" past the heartbeat timeout, heartbeating
         w0.send_gradients(0, np.ones(10, np.float32), 1.0, 1, 1)
         with pytest.raises(ddpwire.WorkerLost) as info:

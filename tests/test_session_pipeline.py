@@ -4,7 +4,6 @@ each other and against the classic two-call methods, bit for bit, and what
 each side sees when a peer fails in the middle of it."""
 from __future__ import annotations
 
-import socket
 import threading
 
 import numpy as np
@@ -12,36 +11,23 @@ import pytest
 
 import ddpwire
 from ddpwire import Coordinator, Worker, encode_frame
-from ddpwire.messages import GradientPayload, Heartbeat, JoinAccepted, ShardAssignment
+from ddpwire.messages import GradientPayload, Heartbeat, ShardAssignment
 
-from session_helpers import exact_mean, raw_join, recv_exact, recv_frame, spawn
+from session_helpers import (
+    exact_mean,
+    fake_coordinator,
+    recv_exact,
+    recv_frame,
+    spawn,
+    start_workers,
+    worker_and_raw_peer,
+)
 
 ADDR = ("127.0.0.1", 0)
 # not a multiple of any ring, slice or socket buffer size
 SIZE = 100_003
 # small rings: many wrap-arounds and many partial sends per step
 RING = 16 * 1024
-
-
-def _wait_count(coord, k):
-    saved = coord.expect_workers
-    coord.expect_workers = k
-    try:
-        coord.wait_for_workers()
-    finally:
-        coord.expect_workers = saved
-
-
-def start_workers(coord, n, body, timeout=30):
-    """n workers in threads, joined in order 0..n-1; body(worker) runs in each."""
-    threads = []
-    for _ in range(n):
-        def run():
-            with Worker.connect(coord.local_addr, 0, "cpu", timeout=timeout) as w:
-                return body(w)
-        threads.append(spawn(run))
-        _wait_count(coord, len(threads))
-    return threads
 
 
 def gradients_for(n, seed):
@@ -225,18 +211,9 @@ def test_infinity_from_worker_0_is_named():
 
 # ---- lost workers during the fused pass ----
 
-def _one_worker_and_a_raw_peer(coord):
-    """Worker 0 a real Worker, worker 1 a bare socket."""
-    good = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", timeout=30))
-    _wait_count(coord, 1)
-    raw = spawn(lambda: raw_join(coord.local_addr))
-    coord.wait_for_workers()
-    return good.join_result(), raw.join_result()
-
-
 def test_worker_killed_mid_frame_during_fused_pass():
     with Coordinator(ADDR, expect_workers=2, timeout=10, ring_bytes=RING) as coord:
-        w0, raw = _one_worker_and_a_raw_peer(coord)
+        w0, raw = worker_and_raw_peer(coord, timeout=30)
         g = np.ones(SIZE, np.float32)
         t0 = spawn(lambda: w0.allreduce(2, g, 1.0, 1, 1))
         frame = encode_frame(GradientPayload(step=2, worker_id=1, gradients=g, loss=1.0,
@@ -254,7 +231,7 @@ def test_worker_killed_mid_frame_during_fused_pass():
 
 def test_silent_worker_during_fused_pass():
     with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=RING) as coord:
-        w0, raw = _one_worker_and_a_raw_peer(coord)
+        w0, raw = worker_and_raw_peer(coord, timeout=30)
         g = np.ones(SIZE, np.float32)
         t0 = spawn(lambda: w0.allreduce(0, g, 1.0, 1, 1))
         frame = encode_frame(GradientPayload(step=0, worker_id=1, gradients=g, loss=1.0,
@@ -273,7 +250,7 @@ def test_silent_worker_during_fused_pass():
 def test_head_errors_come_before_anything_is_sent():
     """A wrong step is found in the heads: nothing went out, connections stay open."""
     with Coordinator(ADDR, expect_workers=2, timeout=10) as coord:
-        w0, raw = _one_worker_and_a_raw_peer(coord)
+        w0, raw = worker_and_raw_peer(coord, timeout=30)
         w0.send_gradients(3, np.ones(10, np.float32), 1.0, 1, 1)
         raw.sendall(encode_frame(GradientPayload(step=4, worker_id=1, gradients=np.ones(10, np.float32),
                                                  loss=1.0, correct=1, total=1)))
@@ -290,24 +267,8 @@ def test_head_errors_come_before_anything_is_sent():
 
 # ---- the duplex worker against coordinators that misbehave ----
 
-def _fake_coordinator(behaviour):
-    """A bare listening socket that accepts one worker, answers its join, then
-    runs behaviour(conn)."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-
-    def run():
-        conn, _ = lsock.accept()
-        recv_frame(conn)
-        conn.sendall(encode_frame(JoinAccepted(worker_id=0, total_workers=1)))
-        try:
-            return behaviour(conn)
-        finally:
-            conn.close()
-    return lsock, spawn(run)
-
-
 def _duplex_against(behaviour, gradients=None, timeout=10.0):
-    lsock, t = _fake_coordinator(behaviour)
+    lsock, t = fake_coordinator(behaviour)
     w = Worker.connect(lsock.getsockname(), timeout=timeout)
     g = np.arange(1000, dtype=np.float32) if gradients is None else gradients
     try:
@@ -403,7 +364,7 @@ def test_silent_coordinator_is_coordinator_lost():
 
 
 def test_allreduce_refuses_a_mismatched_out():
-    lsock, t = _fake_coordinator(lambda conn: None)
+    lsock, t = fake_coordinator(lambda conn: None)
     w = Worker.connect(lsock.getsockname(), timeout=5)
     with pytest.raises(ValueError, match="out"):
         w.allreduce(0, np.ones(10, np.float32), 1.0, 1, 1, out=np.empty(9, np.float32))
