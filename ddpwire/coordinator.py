@@ -390,12 +390,16 @@ class Coordinator:
         t1 = time.perf_counter()
         self._check_lengths(heads, step, self._flat_len, "gradients length")
         out = self._out_for(heads, out)
-        decoded: list = []
+        done: List[ReduceResult] = []
 
         def make_tail(tails: List[bytes]) -> bytes:
-            decoded.extend(_net.decode_tail(GradientPayload.TAG, t) for t in tails)
-            loss = self._flat_result(step, out, decoded, reduce_time=0.0, wait_time=0.0).global_loss
-            return encode_frame_parts(AveragedGradient(step=step, gradients=out, global_loss=loss),
+            # every worker's loss and counts are in: the result is complete
+            # but for its time, and global_loss ends the reply
+            decoded = [_net.decode_tail(GradientPayload.TAG, t) for t in tails]
+            result = self._flat_result(step, out, decoded, reduce_time=0.0, wait_time=t1 - t0)
+            done.append(result)
+            return encode_frame_parts(AveragedGradient(step=step, gradients=out,
+                                                       global_loss=result.global_loss),
                                       max_frame=self.max_frame)[2]
 
         head = encode_frame_parts(AveragedGradient(step=step, gradients=out, global_loss=0.0),
@@ -403,8 +407,9 @@ class Coordinator:
         self._stream(heads, out, head, make_tail, step, "AveragedGradient")
         if self._flat_len is None:
             self._flat_len = len(out)
-        return self._flat_result(step, out, decoded, reduce_time=time.perf_counter() - t1,
-                                 wait_time=t1 - t0)
+        result = done[0]
+        result.reduce_time = time.perf_counter() - t1
+        return result
 
     def allreduce_block(self, step: int, block_idx: int,
                         out: Optional[np.ndarray] = None) -> BlockReduceResult:
