@@ -47,7 +47,6 @@ class Channel:
         # is detected sooner than the (long) compute timeout.
         self.heartbeat_timeout = heartbeat_timeout
         self.send_lock = threading.Lock()
-        self.last_heard = time.monotonic()
 
     @property
     def peer_id(self) -> Optional[int]:
@@ -85,7 +84,6 @@ class Channel:
         while True:
             obj = _net.read_frame_head(self.conn, self.read_timeout, self.max_frame,
                                        step=step, what=what)
-            self.last_heard = time.monotonic()
             if isinstance(obj, Heartbeat):
                 continue
             return obj

@@ -228,7 +228,6 @@ class Worker:
         while True:
             head = _net.exchange_frame_head(exchange, chan.max_frame, peer_id=self._worker_id,
                                             step=step, what="receiving AveragedGradient")
-            chan.last_heard = time.monotonic()
             if not isinstance(head, Heartbeat):
                 break
         if isinstance(head, Shutdown):
