@@ -15,16 +15,20 @@ UNITS = {
     "_wire": ["csrc/wire.c"],
     "_reduce": ["csrc/reduce.c"],
     # the socket layer parses frame heads and reduces as bytes arrive
-    "_net": ["csrc/net.c", "csrc/wire.c", "csrc/reduce.c"],
+    "_net": ["csrc/net.c", "csrc/threaded.c", "csrc/wire.c", "csrc/reduce.c"],
 }
 
 extra_compile_args = []
 extra_link_args = []
 if sys.platform != "win32":
     extra_compile_args += ["-O3", "-Wall", "-Wextra"]
-    # DDPWIRE_SANITIZE=1 builds with AddressSanitizer and UBSan for the test suite.
-    if os.environ.get("DDPWIRE_SANITIZE"):
-        san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
+    # DDPWIRE_SANITIZE=1 builds with AddressSanitizer and UBSan for the test
+    # suite; DDPWIRE_SANITIZE=thread with ThreadSanitizer, for the coordinator's
+    # socket threads (csrc/threaded.c).
+    sanitize = os.environ.get("DDPWIRE_SANITIZE")
+    if sanitize:
+        kinds = "thread" if sanitize == "thread" else "address,undefined"
+        san = [f"-fsanitize={kinds}", "-fno-omit-frame-pointer", "-g", "-O1"]
         extra_compile_args += san
         extra_link_args += san
 

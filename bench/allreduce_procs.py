@@ -81,13 +81,14 @@ def _serve(conn, setup: Callable[[], Any], step: Callable[[Any], None],
 
 # ---- ddpwire ----
 
-def _ddpwire_coordinator(conn, n: int, size: int, steps: int, pipelined: bool = True) -> None:
+def _ddpwire_coordinator(conn, n: int, size: int, steps: int, pipelined: bool = True,
+                         socket_threads: bool = False) -> None:
     try:
         from ddpwire import Coordinator
 
         count = size // 4
         coord = Coordinator(("127.0.0.1", 0), expect_workers=n, timeout=REPLY_TIMEOUT,
-                            max_frame=size + 4096)
+                            max_frame=size + 4096, socket_threads=socket_threads)
         conn.send(("addr", coord.local_addr))
         coord.wait_for_workers()
         out = np.empty(count, dtype=np.float32)
@@ -264,11 +265,15 @@ class ProcessGroup:
         return parent, proc
 
     def _start(self) -> None:
-        if self.kind in ("ddpwire", "ddpwire-classic"):
+        if self.kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic"):
             # "ddpwire-classic": the two-call path (collect_and_reduce then
-            # broadcast_averaged; send_gradients then receive_averaged)
-            pipelined = self.kind == "ddpwire"
-            conn, proc = self._spawn(_ddpwire_coordinator, (self.n, self.size, self.steps, pipelined),
+            # broadcast_averaged; send_gradients then receive_averaged);
+            # "ddpwire-threads": the pipelined path on a thread per worker
+            # connection; plain "ddpwire": the same in one poll loop
+            pipelined = self.kind != "ddpwire-classic"
+            threads = self.kind == "ddpwire-threads"
+            conn, proc = self._spawn(_ddpwire_coordinator,
+                                     (self.n, self.size, self.steps, pipelined, threads),
                                      "ddpwire-coordinator")
             self.coordinator = (conn, proc)
             addr = _reply(conn, proc, "addr")

@@ -1,9 +1,10 @@
 """One allreduce step (send gradients, receive the average) over loopback:
 ddpwire against torch.distributed's gloo backend, with the raw loopback TCP
 rate of the machine, all in the same run. "ddpwire" is the pipelined path
-(Coordinator.allreduce, Worker.allreduce), "ddpwire-classic" the two-call
-one (collect_and_reduce + broadcast_averaged, send_gradients +
-receive_averaged).
+(Coordinator.allreduce, Worker.allreduce) in the coordinator's single poll
+loop, "ddpwire-threads" the same with a coordinator thread per worker
+connection, "ddpwire-classic" the two-call one (collect_and_reduce +
+broadcast_averaged, send_gradients + receive_averaged).
 
     python -m pytest bench/test_bench_allreduce.py --benchmark-json=bench/allreduce.json
     python bench/plot_allreduce.py bench/allreduce.json
@@ -57,8 +58,9 @@ CASES = []
 for _mib in SIZES_MIB:
     CASES.append(pytest.param("tcp", 1, _mib, id=f"{_mib}MiB-tcp"))
     for _n in WORKER_COUNTS:
-        # ddpwire-classic: the two-call path, as a baseline for the pipelined one
-        for _kind in ("ddpwire", "ddpwire-classic", "gloo"):
+        # ddpwire-classic: the two-call path, as a baseline for the pipelined one;
+        # ddpwire-threads: the pipelined one on a thread per worker connection
+        for _kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic", "gloo"):
             CASES.append(pytest.param(_kind, _n, _mib, id=f"{_mib}MiB-N{_n}-{_kind}"))
 
 

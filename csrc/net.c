@@ -79,14 +79,14 @@ static size_t iov_total(const struct iovec *iov, int iovcnt)
 
 #define DDPW_MAX_IOV 8
 
-/* One non-blocking sendmsg of what is left: 1 progress or all sent,
- * 0 would block, else a DDPW_NET_* code. */
-static int send_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
+int ddpw_net_send_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
                      size_t *done, int *err)
 {
     struct iovec rest[DDPW_MAX_IOV];
     struct msghdr msg;
     ssize_t sent;
+    if (iovcnt < 0 || iovcnt > DDPW_MAX_IOV)
+        return DDPW_NET_NOMEM;
     if (*done >= total)
         return 1;
     memset(&msg, 0, sizeof msg);
@@ -115,7 +115,7 @@ int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
         return DDPW_NET_NOMEM;
     total = iov_total(iov, iovcnt);
     while (*done < total) {
-        int rc = send_some(fd, iov, iovcnt, total, done, err);
+        int rc = ddpw_net_send_some(fd, iov, iovcnt, total, done, err);
         if (rc < 0)
             return rc;
         if (rc == 0) {
@@ -154,7 +154,7 @@ int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int io
         for (i = 0; i < n; i++) {
             if (done[i] >= total)
                 continue;
-            rc = send_some(fds[i], iov, iovcnt, total, &done[i], err);
+            rc = ddpw_net_send_some(fds[i], iov, iovcnt, total, &done[i], err);
             if (rc < 0) {
                 *failed = i;
                 result = rc;
@@ -264,7 +264,7 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
         if (*received >= in_total)
             return DDPW_NET_OK;
         while (sending && *sent < out_total) {
-            rc = send_some(fd, out_iov, out_cnt, out_total, sent, err);
+            rc = ddpw_net_send_some(fd, out_iov, out_cnt, out_total, sent, err);
             if (rc == DDPW_NET_EOF) {
                 /* the peer closed: what it wrote first (a Shutdown) is still to be read */
                 sending = 0;
@@ -518,7 +518,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
         iov[1].iov_len = st->reduced;
         for (i = 0; i < n && limit > 0; i++) {
             while (sent[i] < limit) {
-                rc = send_some(fds[i], iov, 2, limit, &sent[i], err);
+                rc = ddpw_net_send_some(fds[i], iov, 2, limit, &sent[i], err);
                 if (rc < 0) {
                     *failed = i;
                     result = rc;

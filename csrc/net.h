@@ -52,6 +52,13 @@ int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
 int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
                      int timeout_ms, int *err);
 
+/* One non-blocking sendmsg of bytes [*done, total) of the concatenation of
+ * iov: 1 on progress (or nothing left), 0 if it would block, else a
+ * DDPW_NET_* code. The building block of every loop that sends while it
+ * waits for something else. */
+int ddpw_net_send_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
+                      size_t *done, int *err);
+
 /* Send the same iovec list to n sockets at once, each polled for writability
  * so a slow reader does not hold the others back. done[i] is the per-socket
  * cursor; on failure *failed is the index of the socket that failed. */

@@ -46,3 +46,14 @@ cdef extern from "net.h" nogil:
     int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                                  uint8_t *tails, const uint8_t *head, size_t head_len,
                                  size_t *sent, int timeout_ms, size_t *failed, int *err)
+
+
+cdef extern from "threaded.h" nogil:
+    ctypedef struct ddpw_threaded:
+        pass
+
+    int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const int *fds,
+                            float *out, uint8_t *tails, const uint8_t *head, size_t head_len,
+                            size_t *sent, int timeout_ms, int *err)
+    int ddpw_threaded_wait(ddpw_threaded *h, size_t *failed, int *err)
+    void ddpw_threaded_stop(ddpw_threaded *h)

@@ -209,7 +209,7 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
 
 
 def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_bytes=1 << 20,
-                  step=None, str what="receiving gradients"):
+                  bint threads=False, step=None, str what="receiving gradients"):
     """Receive one float32 vector of len(out) elements from every connection,
     followed by ``tail_len`` bytes each, and average them into ``out`` as the
     bytes arrive: the sum in connection order, then a division by the count.
@@ -218,13 +218,17 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
     per connection, ``(index, value)`` of its first non-finite element (index
     -1 if it had none).
     When bad is not None, ``out`` holds no meaningful result.
+
+    With ``threads`` each connection gets its own thread (see
+    allreduce_stream); the result is the same, bit for bit.
     """
     return allreduce_stream(conns, out, tail_len, None, None, timeout, ring_bytes=ring_bytes,
-                            step=step, what=what)
+                            threads=threads, step=step, what=what)
 
 
 def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout, *,
-                     size_t ring_bytes=1 << 20, step=None, str what="averaging gradients"):
+                     size_t ring_bytes=1 << 20, bint threads=False, step=None,
+                     str what="averaging gradients"):
     """reduce_stream fused with the broadcast of its result.
 
     While the vectors arrive, every connection is sent ``head`` (the reply's
@@ -237,6 +241,10 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     sending stopped at the first non-finite value, make_tail was not called,
     and every reply is cut short: the caller must close the connections.
     With ``head`` None nothing is sent (that is reduce_stream).
+
+    ``threads`` gives every connection a thread of its own (csrc/threaded.c)
+    instead of one poll loop for all, so the kernel's copies in and out of
+    the sockets spread over the cores; same bytes, same result.
     """
     cdef HeldBuffer o = get_float32(out, "out", True)
     cdef HeldBuffer h = get_bytes(head if head is not None else b"", "head")
@@ -266,14 +274,18 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
         for i in range(n):
             (<Connection>conns[i]).check_open()
             fds[i] = (<Connection>conns[i]).fd
-        while True:
-            with nogil:
-                rc = ddpw_net_allreduce_stream(&st, fds, out_p, tails_p, head_p, head_len,
-                                               sent if reply else NULL, ms, &failed, &err)
-            if rc == DDPW_NET_EINTR:
-                PyErr_CheckSignals()
-                continue
-            break
+        if threads:
+            rc = run_threaded(&st, fds, out_p, tails_p, head_p, head_len,
+                              sent if reply else NULL, ms, &failed, &err)
+        else:
+            while True:
+                with nogil:
+                    rc = ddpw_net_allreduce_stream(&st, fds, out_p, tails_p, head_p, head_len,
+                                                   sent if reply else NULL, ms, &failed, &err)
+                if rc == DDPW_NET_EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                break
         if rc != DDPW_NET_OK and rc != DDPW_NET_NONFINITE:
             progress = f"{st.recv[failed]} of {st.grad_bytes + st.tail_len} bytes"
             if reply:
@@ -304,6 +316,32 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
         free(fds)
         free(sent)
         ddpw_net_reduce_free(&st)
+
+
+cdef int run_threaded(ddpw_net_reduce_state *st, const int *fds, float *out_p, uint8_t *tails_p,
+                      const uint8_t *head_p, size_t head_len, size_t *sent, int ms,
+                      size_t *failed, int *err) except? -100:
+    """ddpw_net_allreduce_stream's work on one thread per socket; a handler
+    that raises (Ctrl-C) stops and joins the threads before it propagates."""
+    cdef ddpw_threaded *h = NULL
+    cdef int rc
+    with nogil:
+        rc = ddpw_threaded_start(&h, st, fds, out_p, tails_p, head_p, head_len, sent, ms, err)
+    if rc != DDPW_NET_OK:
+        if rc == DDPW_NET_NOMEM:
+            raise MemoryError("allreduce_stream: could not start the socket threads")
+        raise OSError(err[0], f"allreduce_stream: could not start the socket threads: {os.strerror(err[0])}")
+    try:
+        while True:
+            with nogil:
+                rc = ddpw_threaded_wait(h, failed, err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            return rc
+    finally:
+        with nogil:
+            ddpw_threaded_stop(h)
 
 
 cdef class Exchange:

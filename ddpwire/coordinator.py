@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import socket
 import threading
 import time
@@ -62,6 +63,13 @@ def _bind(bind: Tuple[str, int], backlog: int) -> socket.socket:
         raise
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on (a container's limit, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class Coordinator:
     """Accepts ``expect_workers`` workers and runs the averaging side of training.
 
@@ -71,6 +79,13 @@ class Coordinator:
     idle workers at that interval, and waits only ``heartbeat_timeout`` on a
     worker that sends none (the reference does not speak heartbeats: leave it
     off when reference workers join).
+
+    Gradients are averaged as they stream in, through a ring of
+    ``ring_bytes`` per worker. ``socket_threads`` gives each worker
+    connection a thread of its own while a step streams, so the copies in
+    and out of the kernel spread over the cores instead of all running on
+    one; None (the default) chooses threads when the machine has a core for
+    each worker plus one. The result is bit-identical either way.
     """
 
     def __init__(
@@ -84,6 +99,7 @@ class Coordinator:
         heartbeat: Optional[float] = None,
         heartbeat_timeout: Optional[float] = None,
         ring_bytes: int = 1 << 20,
+        socket_threads: Optional[bool] = None,
         node_id: str = "coordinator",
     ) -> None:
         if expect_workers < 1:
@@ -93,6 +109,7 @@ class Coordinator:
         self.join_timeout = join_timeout
         self.max_frame = max_frame
         self.ring_bytes = ring_bytes
+        self.socket_threads = socket_threads
         self.node_id = node_id
         self.heartbeat = heartbeat
         self.heartbeat_timeout = (
@@ -345,7 +362,8 @@ class Coordinator:
         out = self._out_for(heads, out)
         conns = [chan.conn for chan in self._channels]
         tails, bad = _net.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
-                                        ring_bytes=self.ring_bytes, step=step)
+                                        ring_bytes=self.ring_bytes,
+                                        threads=self._threads(), step=step)
         self._raise_bad(bad, step)
         return out, [_net.decode_tail(heads[0].tag, t) for t in tails]
 
@@ -454,7 +472,8 @@ class Coordinator:
         with self._sending_to_all():
             try:
                 _, bad = _net.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
-                                               self.timeout, ring_bytes=self.ring_bytes, step=step,
+                                               self.timeout, ring_bytes=self.ring_bytes,
+                                               threads=self._threads(), step=step,
                                                what=f"averaging {heads[0].message_type} into {reply}")
                 self._raise_bad(bad, step)
             except BaseException:
@@ -462,6 +481,14 @@ class Coordinator:
                 # closing is the only way to tell them at once.
                 self._abandon()
                 raise
+
+    def _threads(self) -> bool:
+        """Whether this step streams on one thread per worker connection."""
+        if self.socket_threads is not None:
+            return self.socket_threads
+        # with fewer cores the threads only take turns on them, and one poll
+        # loop does the same copies without the hand-offs
+        return len(self._channels) > 1 and _usable_cores() > len(self._channels)
 
     def _abandon(self) -> None:
         """Close every worker connection: the session cannot go on."""

@@ -33,12 +33,14 @@ ADDR = ("127.0.0.1", 0)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
-def test_average_matches_reference_arithmetic(n):
+@pytest.mark.parametrize("socket_threads", [False, True], ids=["one-loop", "threads"])
+def test_average_matches_reference_arithmetic(n, socket_threads):
     rng = np.random.default_rng(n)
     size = 300_001  # not a multiple of any ring or slice size
     grads = [rng.standard_normal(size).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 3))
              for _ in range(n)]
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=64 * 1024) as coord:
+    with Coordinator(ADDR, expect_workers=n, ring_bytes=64 * 1024,
+                     socket_threads=socket_threads) as coord:
         def body(w):
             w.send_gradients(3, grads[w.worker_id], 0.25 * (w.worker_id + 1), w.worker_id, 10)
             out = np.empty(size, np.float32)
@@ -184,10 +186,12 @@ def test_worker_that_never_sends():
     assert "silent for 0.5 s" in str(info.value)
 
 
-def test_worker_silent_mid_stream():
+@pytest.mark.parametrize("socket_threads", [False, True], ids=["one-loop", "threads"])
+def test_worker_silent_mid_stream(socket_threads):
     """Worker 1 sends its head and half its elements, then stops: the
     streaming reduce must time out on it, not hang."""
-    with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=4096) as coord:
+    with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=4096,
+                     socket_threads=socket_threads) as coord:
         w0, raw = worker_and_raw_peer(coord)
         g = np.ones(50_000, np.float32)
         sender = spawn(lambda: w0.send_gradients(0, g, 1.0, 1, 1))

@@ -47,16 +47,21 @@ def bits(a):
     return np.asarray(a, dtype=np.float32).view(np.uint32)
 
 
+# the coordinator's two stream loops: one poll loop, or a thread per worker
+LOOPS = pytest.mark.parametrize("socket_threads", [False, True], ids=["one-loop", "threads"])
+
 # (coordinator side, worker side)
 MODES = [("fused", "classic"), ("fused", "duplex"), ("classic", "duplex")]
 
 
 @pytest.mark.parametrize("coord_mode,worker_mode", MODES, ids=["-".join(m) for m in MODES])
 @pytest.mark.parametrize("n", range(1, 9))
-def test_bit_identical_to_fixed_order_float32(n, coord_mode, worker_mode):
+@LOOPS
+def test_bit_identical_to_fixed_order_float32(n, coord_mode, worker_mode, socket_threads):
     grads = gradients_for(n, seed=100 + n)
     steps = 2
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, timeout=30) as coord:
+    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, timeout=30,
+                     socket_threads=socket_threads) as coord:
         def body(w):
             got = []
             for step in range(steps):
@@ -169,11 +174,13 @@ def test_fused_block_and_non_block():
 
 @pytest.mark.parametrize("where", [0, SIZE // 2, SIZE - 1], ids=["start", "middle", "end"])
 @pytest.mark.parametrize("worker_mode", ["duplex", "classic"])
-def test_nan_halts_the_fused_pass_and_no_worker_applies_anything(where, worker_mode):
+@LOOPS
+def test_nan_halts_the_fused_pass_and_no_worker_applies_anything(where, worker_mode, socket_threads):
     n, bad_worker, step = 3, 1, 4
     grads = gradients_for(n, seed=where)
     grads[bad_worker][where] = np.nan
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, timeout=30) as coord:
+    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, timeout=30,
+                     socket_threads=socket_threads) as coord:
         def body(w):
             g = grads[w.worker_id]
             if worker_mode == "duplex":
@@ -196,10 +203,11 @@ def test_nan_halts_the_fused_pass_and_no_worker_applies_anything(where, worker_m
     assert f"worker {bad_worker}" in str(err) and f"step {step}" in str(err)
 
 
-def test_infinity_from_worker_0_is_named():
+@LOOPS
+def test_infinity_from_worker_0_is_named(socket_threads):
     grads = gradients_for(2, seed=9)
     grads[0][123] = -np.inf
-    with Coordinator(ADDR, expect_workers=2, ring_bytes=RING) as coord:
+    with Coordinator(ADDR, expect_workers=2, ring_bytes=RING, socket_threads=socket_threads) as coord:
         threads = start_workers(coord, 2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
         with pytest.raises(ddpwire.NonFiniteGradient) as info:
             coord.allreduce(0)
@@ -211,8 +219,10 @@ def test_infinity_from_worker_0_is_named():
 
 # ---- lost workers during the fused pass ----
 
-def test_worker_killed_mid_frame_during_fused_pass():
-    with Coordinator(ADDR, expect_workers=2, timeout=10, ring_bytes=RING) as coord:
+@LOOPS
+def test_worker_killed_mid_frame_during_fused_pass(socket_threads):
+    with Coordinator(ADDR, expect_workers=2, timeout=10, ring_bytes=RING,
+                     socket_threads=socket_threads) as coord:
         w0, raw = worker_and_raw_peer(coord, timeout=30)
         g = np.ones(SIZE, np.float32)
         t0 = spawn(lambda: w0.allreduce(2, g, 1.0, 1, 1))
@@ -229,8 +239,10 @@ def test_worker_killed_mid_frame_during_fused_pass():
     assert "disconnected" in str(info.value)
 
 
-def test_silent_worker_during_fused_pass():
-    with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=RING) as coord:
+@LOOPS
+def test_silent_worker_during_fused_pass(socket_threads):
+    with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=RING,
+                     socket_threads=socket_threads) as coord:
         w0, raw = worker_and_raw_peer(coord, timeout=30)
         g = np.ones(SIZE, np.float32)
         t0 = spawn(lambda: w0.allreduce(0, g, 1.0, 1, 1))

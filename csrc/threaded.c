@@ -1,0 +1,519 @@
+/* threaded.c: see threaded.h. */
+#if !defined(_WIN32)
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+#if defined(__APPLE__) && !defined(_DARWIN_C_SOURCE)
+#define _DARWIN_C_SOURCE
+#endif
+#endif
+
+#include "threaded.h"
+#include "reduce.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* Element range reduced at once: the accumulator stays in L2 across the n
+ * passes, and a thread is woken once per range, not once per recv. */
+#define DDPW_THREADED_CHUNK ((size_t)256 * 1024)
+
+typedef struct socket_thread {
+    struct ddpw_threaded *h;
+    size_t i;
+    int wake[2]; /* written to when the frontier moves or the step aborts */
+    pthread_t id;
+    int started, joined;
+    int64_t *bad_index; /* this thread's findings in the chunks it reduces */
+    float *bad_value;
+} socket_thread;
+
+struct ddpw_threaded {
+    ddpw_net_reduce_state *st;
+    const int *fds;
+    float *out;
+    uint8_t *tails;
+    const uint8_t *head;
+    size_t head_len;
+    size_t *sent;
+    int timeout_ms;
+    size_t chunk, ring, nchunks;
+
+    pthread_mutex_t lock; /* guards everything below and st->recv/reduced/bad_* */
+    size_t claimed;       /* chunks handed to a reducer, in order */
+    size_t frontier;      /* chunks reduced, contiguous from the first */
+    uint8_t *done;        /* per chunk: reduced, maybe ahead of the frontier */
+    size_t live;          /* threads still running */
+    int abort;
+    int result; /* first failure, DDPW_NET_OK if none */
+    size_t failed;
+    int err;
+
+    int caller_wake[2];
+    socket_thread *threads;
+};
+
+static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+static void poke(int fd)
+{
+    char b = 1;
+    ssize_t rc = write(fd, &b, 1); /* a full pipe already means "wake up" */
+    (void)rc;
+}
+
+static void drain(int fd)
+{
+    char buf[64];
+    while (read(fd, buf, sizeof buf) > 0) {
+    }
+}
+
+static int open_pipe(int fds[2])
+{
+    int k;
+    if (pipe(fds) != 0)
+        return -1;
+    for (k = 0; k < 2; k++) {
+        int fl = fcntl(fds[k], F_GETFL);
+        if (fl < 0 || fcntl(fds[k], F_SETFL, fl | O_NONBLOCK) < 0 ||
+            fcntl(fds[k], F_SETFD, FD_CLOEXEC) < 0) {
+            close(fds[0]);
+            close(fds[1]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void wake_all(struct ddpw_threaded *h, size_t except)
+{
+    size_t i;
+    for (i = 0; i < h->st->n; i++)
+        if (i != except)
+            poke(h->threads[i].wake[1]);
+}
+
+/* Record the first failure and stop everyone. */
+static void fail(socket_thread *t, int rc, int err)
+{
+    struct ddpw_threaded *h = t->h;
+    pthread_mutex_lock(&h->lock);
+    if (h->result == DDPW_NET_OK) {
+        h->result = rc;
+        h->failed = t->i;
+        h->err = err;
+    }
+    h->abort = 1;
+    pthread_mutex_unlock(&h->lock);
+    wake_all(h, t->i);
+}
+
+/* Where socket i's next bytes go and how many fit, given the frontier. */
+static size_t window(const struct ddpw_threaded *h, size_t i, size_t pos, size_t reduced,
+                     uint8_t **dst)
+{
+    const ddpw_net_reduce_state *st = h->st;
+    if (pos < st->grad_bytes) {
+        size_t limit;
+        if (i == 0) {
+            *dst = (uint8_t *)h->out + pos;
+            return st->grad_bytes - pos;
+        }
+        /* the ring holds stream bytes [reduced, reduced + ring) */
+        limit = min_sz(st->grad_bytes, reduced + h->ring);
+        if (pos >= limit)
+            return 0;
+        *dst = st->rings[i] + pos % h->ring;
+        return min_sz(limit - pos, h->ring - pos % h->ring);
+    }
+    pos -= st->grad_bytes;
+    if (pos >= st->tail_len)
+        return 0;
+    *dst = h->tails + i * st->tail_len + pos;
+    return st->tail_len - pos;
+}
+
+static void note_bad(socket_thread *t, size_t j, size_t elem, const float *src, int64_t found)
+{
+    if (found >= 0 && t->bad_index[j] < 0) {
+        t->bad_index[j] = (int64_t)elem + found;
+        t->bad_value[j] = src[found];
+    }
+}
+
+/* Reduce chunk c of every socket into out (no lock held: nobody else
+ * touches this chunk of out or of the rings until it is marked done). */
+static void reduce_chunk(socket_thread *t, size_t c, int halted)
+{
+    struct ddpw_threaded *h = t->h;
+    const ddpw_net_reduce_state *st = h->st;
+    size_t from = c * h->chunk, to = min_sz(from + h->chunk, st->grad_bytes);
+    size_t off = from % h->ring, elem = from / 4, count = (to - from) / 4, j;
+    float *acc = h->out + elem;
+    int bad = 0;
+    if (!halted) {
+        /* socket 0's elements are already in out: check them before adding */
+        note_bad(t, 0, elem, acc, ddpw_first_non_finite(acc, count));
+        for (j = 1; j < st->n; j++) {
+            const float *src = (const float *)(st->rings[j] + off);
+            note_bad(t, j, elem, src, ddpw_accumulate(acc, src, count));
+        }
+        for (j = 0; j < st->n; j++)
+            bad |= t->bad_index[j] >= 0;
+        if (!bad)
+            ddpw_scale(acc, (float)st->n, count);
+        return;
+    }
+    /* halted: nothing more goes out; find each socket's first bad element */
+    for (j = 0; j < st->n; j++) {
+        const float *src = j == 0 ? acc : (const float *)(st->rings[j] + off);
+        if (t->bad_index[j] < 0)
+            note_bad(t, j, elem, src, ddpw_first_non_finite(src, count));
+    }
+}
+
+/* Socket i now has pos bytes of its stream: reduce every chunk that all
+ * sockets have delivered and nobody has claimed, then move the frontier.
+ * *reduced and *nonfinite are refreshed for the caller. */
+static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfinite)
+{
+    struct ddpw_threaded *h = t->h;
+    ddpw_net_reduce_state *st = h->st;
+    size_t j, covered, first, last, c, least = st->grad_bytes;
+    int halted;
+    pthread_mutex_lock(&h->lock);
+    st->recv[t->i] = pos;
+    for (j = 0; j < st->n; j++)
+        least = min_sz(least, st->recv[j]);
+    covered = least == st->grad_bytes ? h->nchunks : least / h->chunk;
+    first = h->claimed;
+    last = covered > first ? covered : first;
+    h->claimed = last;
+    halted = st->nonfinite;
+    pthread_mutex_unlock(&h->lock);
+    if (first < last) {
+        for (j = 0; j < st->n; j++)
+            t->bad_index[j] = -1;
+        for (c = first; c < last; c++)
+            reduce_chunk(t, c, halted);
+        pthread_mutex_lock(&h->lock);
+        /* the verdict lands before the frontier moves, so no thread ever
+         * sends an average that contains a bad value */
+        for (j = 0; j < st->n; j++) {
+            if (t->bad_index[j] < 0)
+                continue;
+            st->nonfinite = 1;
+            if (st->bad_index[j] < 0 || t->bad_index[j] < st->bad_index[j]) {
+                st->bad_index[j] = t->bad_index[j];
+                st->bad_value[j] = t->bad_value[j];
+            }
+        }
+        for (c = first; c < last; c++)
+            h->done[c] = 1;
+        while (h->frontier < h->nchunks && h->done[h->frontier])
+            h->frontier++;
+        st->reduced = min_sz(h->frontier * h->chunk, st->grad_bytes);
+        pthread_mutex_unlock(&h->lock);
+        wake_all(h, t->i);
+    }
+    pthread_mutex_lock(&h->lock);
+    *reduced = st->reduced;
+    *nonfinite = st->nonfinite;
+    pthread_mutex_unlock(&h->lock);
+}
+
+/* Does any socket other than i still owe bytes of its stream? */
+static int others_owe(struct ddpw_threaded *h, size_t i)
+{
+    const ddpw_net_reduce_state *st = h->st;
+    size_t j;
+    int owe = 0;
+    pthread_mutex_lock(&h->lock);
+    for (j = 0; j < st->n && !owe; j++)
+        owe = j != i && st->recv[j] < st->grad_bytes + st->tail_len;
+    pthread_mutex_unlock(&h->lock);
+    return owe;
+}
+
+static void *socket_main(void *arg)
+{
+    socket_thread *t = (socket_thread *)arg;
+    struct ddpw_threaded *h = t->h;
+    ddpw_net_reduce_state *st = h->st;
+    const size_t i = t->i, stream_len = st->grad_bytes + st->tail_len;
+    const int fd = h->fds[i];
+    size_t pos, reduced, my_sent = h->sent != NULL ? h->sent[i] : 0;
+    int nonfinite, aborted, err = 0;
+    struct iovec iov[2];
+    iov[0].iov_base = (void *)h->head;
+    iov[0].iov_len = h->head_len;
+    iov[1].iov_base = h->out;
+    pthread_mutex_lock(&h->lock);
+    pos = st->recv[i];
+    pthread_mutex_unlock(&h->lock);
+    for (;;) {
+        struct pollfd p[2];
+        uint8_t *dst = NULL;
+        size_t room, limit;
+        int rc;
+        pthread_mutex_lock(&h->lock);
+        reduced = st->reduced;
+        nonfinite = st->nonfinite;
+        aborted = h->abort;
+        pthread_mutex_unlock(&h->lock);
+        if (aborted)
+            break;
+        while ((room = window(h, i, pos, reduced, &dst)) > 0) {
+            ssize_t got = recv(fd, dst, room, MSG_DONTWAIT);
+            if (got > 0) {
+                pos += (size_t)got;
+                received(t, pos, &reduced, &nonfinite);
+                continue;
+            }
+            if (got == 0 || errno == ECONNRESET) {
+                fail(t, DDPW_NET_EOF, 0);
+                goto out;
+            }
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            fail(t, DDPW_NET_ERRNO, errno);
+            goto out;
+        }
+        limit = (nonfinite || h->sent == NULL) ? 0 : h->head_len + reduced;
+        iov[1].iov_len = reduced;
+        while (my_sent < limit) {
+            rc = ddpw_net_send_some(fd, iov, 2, limit, &my_sent, &err);
+            if (rc == DDPW_NET_EINTR)
+                continue;
+            if (rc < 0) {
+                fail(t, rc, err);
+                goto out;
+            }
+            if (rc == 0)
+                break;
+        }
+        if (h->sent != NULL)
+            h->sent[i] = my_sent;
+        if (pos == stream_len &&
+            (h->sent == NULL || nonfinite || my_sent == h->head_len + st->grad_bytes))
+            break;
+        p[0].fd = fd;
+        p[0].events = 0;
+        if (room > 0)
+            p[0].events |= POLLIN;
+        if (my_sent < limit)
+            p[0].events |= POLLOUT;
+        if (p[0].events == 0)
+            p[0].fd = -1; /* only a wake-up can change anything */
+        p[0].revents = 0;
+        p[1].fd = t->wake[0];
+        p[1].events = POLLIN;
+        p[1].revents = 0;
+        rc = poll(p, 2, h->timeout_ms);
+        if (rc == 0) {
+            /* a socket that owes bytes is blamed before one slow to take
+             * them: its own thread times out on it */
+            if ((p[0].events & POLLIN) || ((p[0].events & POLLOUT) && !others_owe(h, i))) {
+                fail(t, DDPW_NET_TIMEOUT, 0);
+                goto out;
+            }
+            continue;
+        }
+        if (rc < 0) {
+            if (errno == EINTR)
+                continue;
+            fail(t, DDPW_NET_ERRNO, errno);
+            goto out;
+        }
+        if (p[1].revents)
+            drain(t->wake[0]);
+    }
+out:
+    if (h->sent != NULL)
+        h->sent[i] = my_sent;
+    pthread_mutex_lock(&h->lock);
+    st->recv[i] = pos;
+    h->live--;
+    pthread_mutex_unlock(&h->lock);
+    poke(h->caller_wake[1]);
+    return NULL;
+}
+
+static void join_all(struct ddpw_threaded *h)
+{
+    size_t i;
+    for (i = 0; i < h->st->n; i++) {
+        socket_thread *t = &h->threads[i];
+        if (t->started && !t->joined) {
+            pthread_join(t->id, NULL);
+            t->joined = 1;
+        }
+    }
+}
+
+void ddpw_threaded_stop(ddpw_threaded *h)
+{
+    size_t i;
+    if (h == NULL)
+        return;
+    if (h->threads != NULL) {
+        pthread_mutex_lock(&h->lock);
+        h->abort = 1;
+        pthread_mutex_unlock(&h->lock);
+        for (i = 0; i < h->st->n; i++)
+            if (h->threads[i].wake[1] >= 0)
+                poke(h->threads[i].wake[1]);
+        join_all(h);
+        for (i = 0; i < h->st->n; i++) {
+            socket_thread *t = &h->threads[i];
+            if (t->wake[0] >= 0) {
+                close(t->wake[0]);
+                close(t->wake[1]);
+            }
+            free(t->bad_index);
+            free(t->bad_value);
+        }
+        free(h->threads);
+    }
+    if (h->caller_wake[0] >= 0) {
+        close(h->caller_wake[0]);
+        close(h->caller_wake[1]);
+    }
+    pthread_mutex_destroy(&h->lock);
+    free(h->done);
+    free(h);
+}
+
+int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const int *fds,
+                        float *out, uint8_t *tails, const uint8_t *head, size_t head_len,
+                        size_t *sent, int timeout_ms, int *err)
+{
+    struct ddpw_threaded *h;
+    sigset_t all, old;
+    size_t i, n = st->n;
+    int rc = DDPW_NET_OK;
+    *handle = NULL;
+    if (n == 0 || n > SIZE_MAX / sizeof(socket_thread) || n > SIZE_MAX / sizeof(int64_t))
+        return DDPW_NET_NOMEM;
+    h = (struct ddpw_threaded *)calloc(1, sizeof *h);
+    if (h == NULL)
+        return DDPW_NET_NOMEM;
+    h->caller_wake[0] = h->caller_wake[1] = -1;
+    if (pthread_mutex_init(&h->lock, NULL) != 0) {
+        free(h);
+        return DDPW_NET_NOMEM;
+    }
+    h->st = st;
+    h->fds = fds;
+    h->out = out;
+    h->tails = tails;
+    h->head = head;
+    h->head_len = head_len;
+    h->sent = sent;
+    h->timeout_ms = timeout_ms;
+    /* two chunks at least fit the ring, so a socket can receive one while
+     * the previous one waits for the others; the ring is a whole number of
+     * chunks, so no chunk wraps around its end */
+    h->chunk = min_sz(DDPW_THREADED_CHUNK, (st->ring_bytes / 2) & ~(size_t)3);
+    if (h->chunk == 0)
+        h->chunk = 4;
+    h->ring = st->ring_bytes - st->ring_bytes % h->chunk;
+    h->nchunks = st->grad_bytes / h->chunk + (st->grad_bytes % h->chunk != 0);
+    h->frontier = h->claimed = 0;
+    h->result = DDPW_NET_OK;
+    h->done = (uint8_t *)calloc(h->nchunks + 1, 1);
+    h->threads = (socket_thread *)calloc(n, sizeof *h->threads);
+    if (h->done == NULL || h->threads == NULL) {
+        free(h->threads);
+        h->threads = NULL;
+        ddpw_threaded_stop(h);
+        return DDPW_NET_NOMEM;
+    }
+    for (i = 0; i < n; i++)
+        h->threads[i].wake[0] = h->threads[i].wake[1] = -1;
+    if (open_pipe(h->caller_wake) != 0) {
+        h->caller_wake[0] = h->caller_wake[1] = -1;
+        *err = errno;
+        ddpw_threaded_stop(h);
+        return DDPW_NET_ERRNO;
+    }
+    for (i = 0; i < n; i++) {
+        socket_thread *t = &h->threads[i];
+        t->h = h;
+        t->i = i;
+        if (open_pipe(t->wake) != 0) {
+            t->wake[0] = t->wake[1] = -1;
+            *err = errno;
+            ddpw_threaded_stop(h);
+            return DDPW_NET_ERRNO;
+        }
+        t->bad_index = (int64_t *)malloc(n * sizeof *t->bad_index);
+        t->bad_value = (float *)calloc(n, sizeof *t->bad_value);
+        if (t->bad_index == NULL || t->bad_value == NULL) {
+            ddpw_threaded_stop(h);
+            return DDPW_NET_NOMEM;
+        }
+    }
+    /* signals stay with the caller, whose wait they interrupt */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    for (i = 0; i < n; i++) {
+        socket_thread *t = &h->threads[i];
+        pthread_mutex_lock(&h->lock);
+        h->live++;
+        pthread_mutex_unlock(&h->lock);
+        rc = pthread_create(&t->id, NULL, socket_main, t);
+        if (rc != 0) {
+            pthread_mutex_lock(&h->lock);
+            h->live--;
+            pthread_mutex_unlock(&h->lock);
+            break;
+        }
+        t->started = 1;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        *err = rc;
+        ddpw_threaded_stop(h);
+        return DDPW_NET_ERRNO;
+    }
+    *handle = h;
+    return DDPW_NET_OK;
+}
+
+int ddpw_threaded_wait(ddpw_threaded *h, size_t *failed, int *err)
+{
+    for (;;) {
+        struct pollfd p;
+        size_t live;
+        pthread_mutex_lock(&h->lock);
+        live = h->live;
+        pthread_mutex_unlock(&h->lock);
+        if (live == 0)
+            break;
+        p.fd = h->caller_wake[0];
+        p.events = POLLIN;
+        p.revents = 0;
+        /* the threads enforce the timeouts; this only waits for them */
+        if (poll(&p, 1, 1000) < 0 && errno == EINTR)
+            return DDPW_NET_EINTR;
+        drain(h->caller_wake[0]);
+    }
+    join_all(h);
+    if (h->result != DDPW_NET_OK) {
+        *failed = h->failed;
+        *err = h->err;
+        return h->result;
+    }
+    return h->st->nonfinite ? DDPW_NET_NONFINITE : DDPW_NET_OK;
+}
