@@ -40,8 +40,8 @@ def cores(machine: dict) -> int:
 
 def default_kind(n: int, machine: dict) -> str:
     """The stream loop Coordinator picks by default for n workers on that
-    machine (socket_threads=None: threads when there is a core per worker
-    plus one)."""
+    machine at the target size (socket_threads=None: threads when there is a
+    core per worker plus one, for vectors of 1 MiB or more)."""
     return "ddpwire-threads" if cores(machine) > n else "ddpwire"
 
 

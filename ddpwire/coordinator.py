@@ -63,6 +63,10 @@ def _bind(bind: Tuple[str, int], backlog: int) -> socket.socket:
         raise
 
 
+# smallest vector the default streams on a thread per worker connection
+_THREADS_MIN_BYTES = 1 << 20
+
+
 def _usable_cores() -> int:
     """Cores this process may run on (a container's limit, not the host's)."""
     if hasattr(os, "sched_getaffinity"):
@@ -84,8 +88,9 @@ class Coordinator:
     ``ring_bytes`` per worker. ``socket_threads`` gives each worker
     connection a thread of its own while a step streams, so the copies in
     and out of the kernel spread over the cores instead of all running on
-    one; None (the default) chooses threads when the machine has a core for
-    each worker plus one. The result is bit-identical either way.
+    one; None (the default) chooses threads for vectors of a megabyte or
+    more when the machine has a core for each worker plus one. The result is
+    bit-identical either way.
     """
 
     def __init__(
@@ -362,8 +367,8 @@ class Coordinator:
         out = self._out_for(heads, out)
         conns = [chan.conn for chan in self._channels]
         tails, bad = _net.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
-                                        ring_bytes=self.ring_bytes,
-                                        threads=self._threads(), step=step)
+                                        ring_bytes=self.ring_bytes, threads=self._threads(heads),
+                                        step=step)
         self._raise_bad(bad, step)
         return out, [_net.decode_tail(heads[0].tag, t) for t in tails]
 
@@ -473,7 +478,7 @@ class Coordinator:
             try:
                 _, bad = _net.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
                                                self.timeout, ring_bytes=self.ring_bytes,
-                                               threads=self._threads(), step=step,
+                                               threads=self._threads(heads), step=step,
                                                what=f"averaging {heads[0].message_type} into {reply}")
                 self._raise_bad(bad, step)
             except BaseException:
@@ -482,13 +487,17 @@ class Coordinator:
                 self._abandon()
                 raise
 
-    def _threads(self) -> bool:
-        """Whether this step streams on one thread per worker connection."""
+    def _threads(self, heads: list) -> bool:
+        """Whether the vectors these heads announce stream on one thread per
+        worker connection."""
         if self.socket_threads is not None:
             return self.socket_threads
-        # with fewer cores the threads only take turns on them, and one poll
-        # loop does the same copies without the hand-offs
-        return len(self._channels) > 1 and _usable_cores() > len(self._channels)
+        # With fewer cores the threads only take turns on them, and one poll
+        # loop does the same copies without the hand-offs; below a megabyte
+        # starting the threads (about 60 us each) costs more than they save.
+        n = len(self._channels)
+        nbytes = 4 * heads[0].gradient_count
+        return n > 1 and nbytes >= _THREADS_MIN_BYTES and _usable_cores() > n
 
     def _abandon(self) -> None:
         """Close every worker connection: the session cannot go on."""

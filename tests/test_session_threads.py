@@ -141,18 +141,25 @@ def test_ctrl_c_stops_the_threaded_stream_and_joins_its_threads():
         proc.kill()
 
 
-def test_default_chooses_threads_only_with_a_core_per_worker(monkeypatch):
+def test_default_chooses_threads_only_with_a_core_per_worker_and_a_large_vector(monkeypatch):
     from ddpwire import coordinator as mod
+    class Head:
+        def __init__(self, count):
+            self.gradient_count = count
+    big, small = [Head(1 << 18)], [Head((1 << 18) - 1)]  # 1 MiB, and one element less
     with Coordinator(ADDR, expect_workers=1) as coord:
         coord._channels = [object()] * 3
         monkeypatch.setattr(mod, "_usable_cores", lambda: 4)
-        assert coord._threads()
+        assert coord._threads(big)
+        assert not coord._threads(small)  # starting threads would cost more than they save
         monkeypatch.setattr(mod, "_usable_cores", lambda: 3)
-        assert not coord._threads()
+        assert not coord._threads(big)
         coord.socket_threads = True
-        assert coord._threads()
+        assert coord._threads(small)
+        coord.socket_threads = False
+        monkeypatch.setattr(mod, "_usable_cores", lambda: 64)
+        assert not coord._threads(big)
         coord._channels = [object()]
         coord.socket_threads = None
-        monkeypatch.setattr(mod, "_usable_cores", lambda: 64)
-        assert not coord._threads()  # one worker: nothing to spread
+        assert not coord._threads(big)  # one worker: nothing to spread
         coord._channels = []
