@@ -494,7 +494,8 @@ class Coordinator:
             return self.socket_threads
         # With fewer cores the threads only take turns on them, and one poll
         # loop does the same copies without the hand-offs; below a megabyte
-        # starting the threads (about 60 us each) costs more than they save.
+        # starting, waking and joining the threads costs more than they save
+        # (bench/test_bench_socket_threads.py).
         n = len(self._channels)
         nbytes = 4 * heads[0].gradient_count
         return n > 1 and nbytes >= _THREADS_MIN_BYTES and _usable_cores() > n
