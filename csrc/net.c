@@ -80,7 +80,7 @@ static size_t iov_total(const struct iovec *iov, int iovcnt)
 #define DDPW_MAX_IOV 8
 
 int ddpw_net_send_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
-                     size_t *done, int *err)
+                       size_t *done, int *err)
 {
     struct iovec rest[DDPW_MAX_IOV];
     struct msghdr msg;

@@ -209,7 +209,7 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
 
 
 def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_bytes=1 << 20,
-                  bint threads=False, step=None, str what="receiving gradients"):
+                  bint socket_threads=False, step=None, str what="receiving gradients"):
     """Receive one float32 vector of len(out) elements from every connection,
     followed by ``tail_len`` bytes each, and average them into ``out`` as the
     bytes arrive: the sum in connection order, then a division by the count.
@@ -219,15 +219,15 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
     -1 if it had none).
     When bad is not None, ``out`` holds no meaningful result.
 
-    With ``threads`` each connection gets its own thread (see
+    With ``socket_threads`` each connection gets its own thread (see
     allreduce_stream); the result is the same, bit for bit.
     """
     return allreduce_stream(conns, out, tail_len, None, None, timeout, ring_bytes=ring_bytes,
-                            threads=threads, step=step, what=what)
+                            socket_threads=socket_threads, step=step, what=what)
 
 
 def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout, *,
-                     size_t ring_bytes=1 << 20, bint threads=False, step=None,
+                     size_t ring_bytes=1 << 20, bint socket_threads=False, step=None,
                      str what="averaging gradients"):
     """reduce_stream fused with the broadcast of its result.
 
@@ -242,7 +242,7 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     and every reply is cut short: the caller must close the connections.
     With ``head`` None nothing is sent (that is reduce_stream).
 
-    ``threads`` gives every connection a thread of its own (csrc/threaded.c)
+    ``socket_threads`` gives every connection a thread of its own (csrc/threaded.c)
     instead of one poll loop for all, so the kernel's copies in and out of
     the sockets spread over the cores; same bytes, same result.
     """
@@ -274,7 +274,7 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
         for i in range(n):
             (<Connection>conns[i]).check_open()
             fds[i] = (<Connection>conns[i]).fd
-        if threads:
+        if socket_threads:
             rc = run_threaded(&st, fds, out_p, tails_p, head_p, head_len,
                               sent if reply else NULL, ms, &failed, &err)
         else:

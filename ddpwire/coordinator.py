@@ -367,8 +367,8 @@ class Coordinator:
         out = self._out_for(heads, out)
         conns = [chan.conn for chan in self._channels]
         tails, bad = _net.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
-                                        ring_bytes=self.ring_bytes, threads=self._threads(heads),
-                                        step=step)
+                                        ring_bytes=self.ring_bytes,
+                                        socket_threads=self._use_socket_threads(heads), step=step)
         self._raise_bad(bad, step)
         return out, [_net.decode_tail(heads[0].tag, t) for t in tails]
 
@@ -478,7 +478,7 @@ class Coordinator:
             try:
                 _, bad = _net.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
                                                self.timeout, ring_bytes=self.ring_bytes,
-                                               threads=self._threads(heads), step=step,
+                                               socket_threads=self._use_socket_threads(heads), step=step,
                                                what=f"averaging {heads[0].message_type} into {reply}")
                 self._raise_bad(bad, step)
             except BaseException:
@@ -487,7 +487,7 @@ class Coordinator:
                 self._abandon()
                 raise
 
-    def _threads(self, heads: list) -> bool:
+    def _use_socket_threads(self, heads: list) -> bool:
         """Whether the vectors these heads announce stream on one thread per
         worker connection."""
         if self.socket_threads is not None:

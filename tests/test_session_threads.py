@@ -150,16 +150,16 @@ def test_default_chooses_threads_only_with_a_core_per_worker_and_a_large_vector(
     with Coordinator(ADDR, expect_workers=1) as coord:
         coord._channels = [object()] * 3
         monkeypatch.setattr(mod, "_usable_cores", lambda: 4)
-        assert coord._threads(big)
-        assert not coord._threads(small)  # starting threads would cost more than they save
+        assert coord._use_socket_threads(big)
+        assert not coord._use_socket_threads(small)  # starting threads would cost more than they save
         monkeypatch.setattr(mod, "_usable_cores", lambda: 3)
-        assert not coord._threads(big)
+        assert not coord._use_socket_threads(big)
         coord.socket_threads = True
-        assert coord._threads(small)
+        assert coord._use_socket_threads(small)
         coord.socket_threads = False
         monkeypatch.setattr(mod, "_usable_cores", lambda: 64)
-        assert not coord._threads(big)
+        assert not coord._use_socket_threads(big)
         coord._channels = [object()]
         coord.socket_threads = None
-        assert not coord._threads(big)  # one worker: nothing to spread
+        assert not coord._use_socket_threads(big)  # one worker: nothing to spread
         coord._channels = []
