@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, required=True, help="number of workers to wait for")
     c.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds to wait for every worker to join (default 600)")
+    c.add_argument("--socket-threads", choices=["auto", "on", "off"], default="auto",
+                   help="average each step on one thread per worker connection: on, off, or auto "
+                        "(default: on for gradients of 1 MiB or more with a core per worker plus one)")
     _training(c)
     _common(c)
 
@@ -79,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_coordinator(args: argparse.Namespace, bind=None) -> List:
     host, port = bind or parse_addr(args.bind)
+    socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
     with Coordinator((host, port), expect_workers=args.workers, timeout=args.timeout,
-                     join_timeout=getattr(args, "join_timeout", 600.0)) as coord:
+                     join_timeout=getattr(args, "join_timeout", 600.0),
+                     socket_threads=socket_threads) as coord:
         h, p = coord.local_addr
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()

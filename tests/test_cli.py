@@ -38,8 +38,10 @@ def test_demo_trains_two_workers_to_identical_weights():
 
 def test_standalone_coordinator_and_workers(tmp_path):
     port = free_port()
+    # socket threads forced on: the default would not use them for the demo's small model
     coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
-                                   "--steps", "3", "--samples", "64", "--timeout", "60"],
+                                   "--steps", "3", "--samples", "64", "--timeout", "60",
+                                   "--socket-threads", "on"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reports = [tmp_path / f"w{i}.json" for i in range(2)]
     workers = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--samples", "64",
