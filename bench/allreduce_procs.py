@@ -115,13 +115,13 @@ def _ddpwire_coordinator(conn, n: int, size: int, steps: int, pipelined: bool = 
 
 
 def _ddpwire_worker(conn, addr: Tuple[str, int], rank: int, n: int, size: int,
-                    pipelined: bool = True) -> None:
+                    pipelined: bool = True, socket_threads: bool = False) -> None:
     def setup():
         from ddpwire import Worker
 
         count = size // 4
         worker = Worker.connect(addr, gpu_count=0, backend="cpu", timeout=REPLY_TIMEOUT,
-                                max_frame=size + 4096)
+                                max_frame=size + 4096, socket_threads=socket_threads)
         # joining order decides worker_id; the data follows it so the average is checkable
         grads = worker_gradients(worker.worker_id, count)
         return {"worker": worker, "grads": grads, "out": np.empty(count, dtype=np.float32),
@@ -268,8 +268,10 @@ class ProcessGroup:
         if self.kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic"):
             # "ddpwire-classic": the two-call path (collect_and_reduce then
             # broadcast_averaged; send_gradients then receive_averaged);
-            # "ddpwire-threads": the pipelined path on a thread per worker
-            # connection; plain "ddpwire": the same in one poll loop
+            # "ddpwire-threads": the pipelined path with socket threads (the
+            # coordinator's receiving and sending thread per connection, each
+            # worker's sending thread); plain "ddpwire": the same, one poll
+            # loop per process
             pipelined = self.kind != "ddpwire-classic"
             threads = self.kind == "ddpwire-threads"
             conn, proc = self._spawn(_ddpwire_coordinator,
@@ -278,7 +280,7 @@ class ProcessGroup:
             self.coordinator = (conn, proc)
             addr = _reply(conn, proc, "addr")
             for rank in range(self.n):
-                self._add(_ddpwire_worker, (addr, rank, self.n, self.size, pipelined),
+                self._add(_ddpwire_worker, (addr, rank, self.n, self.size, pipelined, threads),
                           f"ddpwire-worker-{rank}")
         elif self.kind == "gloo":
             port = _free_port()

@@ -1,9 +1,9 @@
 """One allreduce step (send gradients, receive the average) over loopback:
 ddpwire against torch.distributed's gloo backend, with the raw loopback TCP
 rate of the machine, all in the same run. "ddpwire" is the pipelined path
-(Coordinator.allreduce, Worker.allreduce) in the coordinator's single poll
-loop, "ddpwire-threads" the same with a coordinator thread per worker
-connection, "ddpwire-classic" the two-call one (collect_and_reduce +
+(Coordinator.allreduce, Worker.allreduce) in one poll loop per process,
+"ddpwire-threads" the same with socket threads (socket_threads=True on the
+coordinator and the workers), "ddpwire-classic" the two-call one (collect_and_reduce +
 broadcast_averaged, send_gradients + receive_averaged).
 
     python -m pytest bench/test_bench_allreduce.py --benchmark-json=bench/allreduce.json
@@ -59,7 +59,7 @@ for _mib in SIZES_MIB:
     CASES.append(pytest.param("tcp", 1, _mib, id=f"{_mib}MiB-tcp"))
     for _n in WORKER_COUNTS:
         # ddpwire-classic: the two-call path, as a baseline for the pipelined one;
-        # ddpwire-threads: the pipelined one on a thread per worker connection
+        # ddpwire-threads: the pipelined one with socket threads
         for _kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic", "gloo"):
             CASES.append(pytest.param(_kind, _n, _mib, id=f"{_mib}MiB-N{_n}-{_kind}"))
 

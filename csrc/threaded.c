@@ -27,7 +27,8 @@
 
 typedef struct socket_thread {
     struct ddpw_threaded *h;
-    size_t i;
+    size_t i;        /* the socket */
+    int sending;     /* the socket's sending thread, else its receiving one */
     int wake[2]; /* written to when the frontier moves or the step aborts */
     pthread_t id;
     int started, joined;
@@ -50,6 +51,7 @@ struct ddpw_threaded {
     size_t claimed;       /* chunks handed to a reducer, in order */
     size_t frontier;      /* chunks reduced, contiguous from the first */
     uint8_t *done;        /* per chunk: reduced, maybe ahead of the frontier */
+    size_t nthreads;      /* n receiving threads, then n sending ones if replying */
     size_t live;          /* threads still running */
     int abort;
     int result; /* first failure, DDPW_NET_OK if none */
@@ -93,12 +95,12 @@ static int open_pipe(int fds[2])
     return 0;
 }
 
-static void wake_all(struct ddpw_threaded *h, size_t except)
+static void wake_all(struct ddpw_threaded *h, const socket_thread *except)
 {
-    size_t i;
-    for (i = 0; i < h->st->n; i++)
-        if (i != except)
-            poke(h->threads[i].wake[1]);
+    size_t k;
+    for (k = 0; k < h->nthreads; k++)
+        if (&h->threads[k] != except)
+            poke(h->threads[k].wake[1]);
 }
 
 /* Record the first failure and stop everyone. */
@@ -113,7 +115,7 @@ static void fail(socket_thread *t, int rc, int err)
     }
     h->abort = 1;
     pthread_mutex_unlock(&h->lock);
-    wake_all(h, t->i);
+    wake_all(h, t);
 }
 
 /* Where socket i's next bytes go and how many fit, given the frontier. */
@@ -222,7 +224,7 @@ static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfini
             h->frontier++;
         st->reduced = min_sz(h->frontier * h->chunk, st->grad_bytes);
         pthread_mutex_unlock(&h->lock);
-        wake_all(h, t->i);
+        wake_all(h, t);
     }
     pthread_mutex_lock(&h->lock);
     *reduced = st->reduced;
@@ -230,47 +232,73 @@ static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfini
     pthread_mutex_unlock(&h->lock);
 }
 
-/* Does any socket other than i still owe bytes of its stream? */
-static int others_owe(struct ddpw_threaded *h, size_t i)
+/* Does any socket still owe bytes of its stream? */
+static int anyone_owes(struct ddpw_threaded *h)
 {
     const ddpw_net_reduce_state *st = h->st;
     size_t j;
     int owe = 0;
     pthread_mutex_lock(&h->lock);
     for (j = 0; j < st->n && !owe; j++)
-        owe = j != i && st->recv[j] < st->grad_bytes + st->tail_len;
+        owe = st->recv[j] < st->grad_bytes + st->tail_len;
     pthread_mutex_unlock(&h->lock);
     return owe;
 }
 
-static void *socket_main(void *arg)
+/* Wait for fd to be ready for `events` (none: only for a wake-up) or for a
+ * wake-up; 1 ready or woken, 0 on timeout, else a DDPW_NET_* failure. */
+static int wait_for(socket_thread *t, int fd, short events, int *err)
 {
-    socket_thread *t = (socket_thread *)arg;
+    struct pollfd p[2];
+    int rc;
+    p[0].fd = events ? fd : -1;
+    p[0].events = events;
+    p[0].revents = 0;
+    p[1].fd = t->wake[0];
+    p[1].events = POLLIN;
+    p[1].revents = 0;
+    rc = poll(p, 2, t->h->timeout_ms);
+    if (rc < 0) {
+        if (errno == EINTR)
+            return 1;
+        *err = errno;
+        return DDPW_NET_ERRNO;
+    }
+    if (p[1].revents)
+        drain(t->wake[0]);
+    return rc > 0;
+}
+
+/* Snapshot of what the other threads decided. */
+static int shared_state(struct ddpw_threaded *h, size_t *reduced, int *nonfinite)
+{
+    int aborted;
+    pthread_mutex_lock(&h->lock);
+    *reduced = h->st->reduced;
+    *nonfinite = h->st->nonfinite;
+    aborted = h->abort;
+    pthread_mutex_unlock(&h->lock);
+    return aborted;
+}
+
+/* Receive socket i's stream, reducing every chunk this thread completes. */
+static void receive_loop(socket_thread *t)
+{
     struct ddpw_threaded *h = t->h;
     ddpw_net_reduce_state *st = h->st;
     const size_t i = t->i, stream_len = st->grad_bytes + st->tail_len;
     const int fd = h->fds[i];
-    size_t pos, reduced, my_sent = h->sent != NULL ? h->sent[i] : 0;
-    int nonfinite, aborted, err = 0;
-    struct iovec iov[2];
-    iov[0].iov_base = (void *)h->head;
-    iov[0].iov_len = h->head_len;
-    iov[1].iov_base = h->out;
+    size_t pos, reduced;
+    int nonfinite, err = 0;
     pthread_mutex_lock(&h->lock);
     pos = st->recv[i];
     pthread_mutex_unlock(&h->lock);
-    for (;;) {
-        struct pollfd p[2];
+    while (pos < stream_len) {
         uint8_t *dst = NULL;
-        size_t room, limit;
+        size_t room;
         int rc;
-        pthread_mutex_lock(&h->lock);
-        reduced = st->reduced;
-        nonfinite = st->nonfinite;
-        aborted = h->abort;
-        pthread_mutex_unlock(&h->lock);
-        if (aborted)
-            break;
+        if (shared_state(h, &reduced, &nonfinite))
+            return;
         while ((room = window(h, i, pos, reduced, &dst)) > 0) {
             ssize_t got = recv(fd, dst, room, MSG_DONTWAIT);
             if (got > 0) {
@@ -280,69 +308,92 @@ static void *socket_main(void *arg)
             }
             if (got == 0 || errno == ECONNRESET) {
                 fail(t, DDPW_NET_EOF, 0);
-                goto out;
+                return;
             }
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 break;
             fail(t, DDPW_NET_ERRNO, errno);
-            goto out;
+            return;
         }
-        limit = (nonfinite || h->sent == NULL) ? 0 : h->head_len + reduced;
+        if (pos == stream_len)
+            return;
+        /* with the window closed only a wake-up (the frontier moving) helps */
+        rc = wait_for(t, fd, room > 0 ? POLLIN : 0, &err);
+        if (rc < 0) {
+            fail(t, rc, err);
+            return;
+        }
+        if (rc == 0 && room > 0) {
+            fail(t, DDPW_NET_TIMEOUT, 0);
+            return;
+        }
+    }
+}
+
+/* Send socket i the head and every averaged byte, as the frontier moves. */
+static void send_loop(socket_thread *t)
+{
+    struct ddpw_threaded *h = t->h;
+    const size_t i = t->i, reply_len = h->head_len + h->st->grad_bytes;
+    const int fd = h->fds[i];
+    size_t reduced, my_sent = h->sent[i];
+    int nonfinite, err = 0;
+    struct iovec iov[2];
+    iov[0].iov_base = (void *)h->head;
+    iov[0].iov_len = h->head_len;
+    iov[1].iov_base = h->out;
+    for (;;) {
+        size_t limit;
+        int rc;
+        if (shared_state(h, &reduced, &nonfinite))
+            break;
+        /* at a bad value nothing more goes out: the caller closes everything */
+        if (nonfinite || my_sent == reply_len)
+            break;
+        limit = h->head_len + reduced;
         iov[1].iov_len = reduced;
         while (my_sent < limit) {
             rc = ddpw_net_send_some(fd, iov, 2, limit, &my_sent, &err);
             if (rc == DDPW_NET_EINTR)
                 continue;
             if (rc < 0) {
+                h->sent[i] = my_sent;
                 fail(t, rc, err);
-                goto out;
+                return;
             }
             if (rc == 0)
                 break;
         }
-        if (h->sent != NULL)
-            h->sent[i] = my_sent;
-        if (pos == stream_len &&
-            (h->sent == NULL || nonfinite || my_sent == h->head_len + st->grad_bytes))
+        if (my_sent == reply_len)
             break;
-        p[0].fd = fd;
-        p[0].events = 0;
-        if (room > 0)
-            p[0].events |= POLLIN;
-        if (my_sent < limit)
-            p[0].events |= POLLOUT;
-        if (p[0].events == 0)
-            p[0].fd = -1; /* only a wake-up can change anything */
-        p[0].revents = 0;
-        p[1].fd = t->wake[0];
-        p[1].events = POLLIN;
-        p[1].revents = 0;
-        rc = poll(p, 2, h->timeout_ms);
-        if (rc == 0) {
-            /* a socket that owes bytes is blamed before one slow to take
-             * them: its own thread times out on it */
-            if ((p[0].events & POLLIN) || ((p[0].events & POLLOUT) && !others_owe(h, i))) {
-                fail(t, DDPW_NET_TIMEOUT, 0);
-                goto out;
-            }
-            continue;
-        }
+        rc = wait_for(t, fd, my_sent < limit ? POLLOUT : 0, &err);
         if (rc < 0) {
-            if (errno == EINTR)
-                continue;
-            fail(t, DDPW_NET_ERRNO, errno);
-            goto out;
+            h->sent[i] = my_sent;
+            fail(t, rc, err);
+            return;
         }
-        if (p[1].revents)
-            drain(t->wake[0]);
+        /* a socket that owes bytes is blamed before one slow to take them:
+         * its receiving thread times out on it */
+        if (rc == 0 && my_sent < limit && !anyone_owes(h)) {
+            h->sent[i] = my_sent;
+            fail(t, DDPW_NET_TIMEOUT, 0);
+            return;
+        }
     }
-out:
-    if (h->sent != NULL)
-        h->sent[i] = my_sent;
+    h->sent[i] = my_sent;
+}
+
+static void *thread_main(void *arg)
+{
+    socket_thread *t = (socket_thread *)arg;
+    struct ddpw_threaded *h = t->h;
+    if (t->sending)
+        send_loop(t);
+    else
+        receive_loop(t);
     pthread_mutex_lock(&h->lock);
-    st->recv[i] = pos;
     h->live--;
     pthread_mutex_unlock(&h->lock);
     poke(h->caller_wake[1]);
@@ -351,9 +402,9 @@ out:
 
 static void join_all(struct ddpw_threaded *h)
 {
-    size_t i;
-    for (i = 0; i < h->st->n; i++) {
-        socket_thread *t = &h->threads[i];
+    size_t k;
+    for (k = 0; k < h->nthreads; k++) {
+        socket_thread *t = &h->threads[k];
         if (t->started && !t->joined) {
             pthread_join(t->id, NULL);
             t->joined = 1;
@@ -363,19 +414,19 @@ static void join_all(struct ddpw_threaded *h)
 
 void ddpw_threaded_stop(ddpw_threaded *h)
 {
-    size_t i;
+    size_t k;
     if (h == NULL)
         return;
     if (h->threads != NULL) {
         pthread_mutex_lock(&h->lock);
         h->abort = 1;
         pthread_mutex_unlock(&h->lock);
-        for (i = 0; i < h->st->n; i++)
-            if (h->threads[i].wake[1] >= 0)
-                poke(h->threads[i].wake[1]);
+        for (k = 0; k < h->nthreads; k++)
+            if (h->threads[k].wake[1] >= 0)
+                poke(h->threads[k].wake[1]);
         join_all(h);
-        for (i = 0; i < h->st->n; i++) {
-            socket_thread *t = &h->threads[i];
+        for (k = 0; k < h->nthreads; k++) {
+            socket_thread *t = &h->threads[k];
             if (t->wake[0] >= 0) {
                 close(t->wake[0]);
                 close(t->wake[1]);
@@ -400,10 +451,10 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
 {
     struct ddpw_threaded *h;
     sigset_t all, old;
-    size_t i, n = st->n;
+    size_t k, n = st->n;
     int rc = DDPW_NET_OK;
     *handle = NULL;
-    if (n == 0 || n > SIZE_MAX / sizeof(socket_thread) || n > SIZE_MAX / sizeof(int64_t))
+    if (n == 0 || n > SIZE_MAX / 2 / sizeof(socket_thread) || n > SIZE_MAX / sizeof(int64_t))
         return DDPW_NET_NOMEM;
     h = (struct ddpw_threaded *)calloc(1, sizeof *h);
     if (h == NULL)
@@ -431,32 +482,38 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
     h->nchunks = st->grad_bytes / h->chunk + (st->grad_bytes % h->chunk != 0);
     h->frontier = h->claimed = 0;
     h->result = DDPW_NET_OK;
+    /* receiving and sending each get a thread per socket: the kernel's copy
+     * into a socket and the one out of it then run on different cores */
+    h->nthreads = sent != NULL ? 2 * n : n;
     h->done = (uint8_t *)calloc(h->nchunks + 1, 1);
-    h->threads = (socket_thread *)calloc(n, sizeof *h->threads);
+    h->threads = (socket_thread *)calloc(h->nthreads, sizeof *h->threads);
     if (h->done == NULL || h->threads == NULL) {
         free(h->threads);
         h->threads = NULL;
         ddpw_threaded_stop(h);
         return DDPW_NET_NOMEM;
     }
-    for (i = 0; i < n; i++)
-        h->threads[i].wake[0] = h->threads[i].wake[1] = -1;
+    for (k = 0; k < h->nthreads; k++)
+        h->threads[k].wake[0] = h->threads[k].wake[1] = -1;
     if (open_pipe(h->caller_wake) != 0) {
         h->caller_wake[0] = h->caller_wake[1] = -1;
         *err = errno;
         ddpw_threaded_stop(h);
         return DDPW_NET_ERRNO;
     }
-    for (i = 0; i < n; i++) {
-        socket_thread *t = &h->threads[i];
+    for (k = 0; k < h->nthreads; k++) {
+        socket_thread *t = &h->threads[k];
         t->h = h;
-        t->i = i;
+        t->i = k % n;
+        t->sending = k >= n;
         if (open_pipe(t->wake) != 0) {
             t->wake[0] = t->wake[1] = -1;
             *err = errno;
             ddpw_threaded_stop(h);
             return DDPW_NET_ERRNO;
         }
+        if (t->sending)
+            continue; /* only receiving threads reduce */
         t->bad_index = (int64_t *)malloc(n * sizeof *t->bad_index);
         t->bad_value = (float *)calloc(n, sizeof *t->bad_value);
         if (t->bad_index == NULL || t->bad_value == NULL) {
@@ -467,12 +524,12 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
     /* signals stay with the caller, whose wait they interrupt */
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
-    for (i = 0; i < n; i++) {
-        socket_thread *t = &h->threads[i];
+    for (k = 0; k < h->nthreads; k++) {
+        socket_thread *t = &h->threads[k];
         pthread_mutex_lock(&h->lock);
         h->live++;
         pthread_mutex_unlock(&h->lock);
-        rc = pthread_create(&t->id, NULL, socket_main, t);
+        rc = pthread_create(&t->id, NULL, thread_main, t);
         if (rc != 0) {
             pthread_mutex_lock(&h->lock);
             h->live--;

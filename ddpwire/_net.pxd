@@ -57,3 +57,14 @@ cdef extern from "threaded.h" nogil:
                             size_t *sent, int timeout_ms, int *err)
     int ddpw_threaded_wait(ddpw_threaded *h, size_t *failed, int *err)
     void ddpw_threaded_stop(ddpw_threaded *h)
+
+
+cdef extern from "sender.h" nogil:
+    ctypedef struct ddpw_sender:
+        pass
+
+    int ddpw_sender_start(ddpw_sender **handle, int fd, const iovec *iov, int iovcnt,
+                          size_t done, int timeout_ms, int *err)
+    size_t ddpw_sender_progress(ddpw_sender *h)
+    int ddpw_sender_wait(ddpw_sender *h, int *err)
+    void ddpw_sender_stop(ddpw_sender *h)

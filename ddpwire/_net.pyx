@@ -351,6 +351,12 @@ cdef class Exchange:
     meanwhile, sends as much of the frame as the socket takes, in one GIL-free
     poll loop; reading never waits for sending. ``finish()`` sends whatever
     is left once the reply is in. Errors are the connection's ``lost`` class.
+
+    With ``send_thread`` the frame goes out from a thread of its own
+    (csrc/sender.c) while ``recv_into`` only receives, so the kernel's copies
+    into and out of the socket run on two cores at once; ``finish()`` then
+    waits for that thread. Call ``abandon()`` before closing the connection
+    on an error: it stops the thread (dropping the Exchange does too).
     """
     cdef Connection conn
     cdef iovec iov[MAX_PARTS]
@@ -361,9 +367,11 @@ cdef class Exchange:
     cdef size_t total
     cdef object step
     cdef str what
+    cdef ddpw_sender *sender
 
-    def __init__(self, Connection conn, parts, timeout, *, step=None, str what="sending"):
-        cdef int i
+    def __init__(self, Connection conn, parts, timeout, *, step=None, str what="sending",
+                 bint send_thread=False):
+        cdef int i, rc, err = 0
         self.conn = conn
         self.ms = timeout_ms(timeout)
         self.held = []
@@ -374,16 +382,40 @@ cdef class Exchange:
         self.sent_bytes = 0
         self.step = step
         self.what = what
+        if send_thread:
+            conn.check_open()
+            with nogil:
+                rc = ddpw_sender_start(&self.sender, conn.fd, self.iov, self.k, 0, self.ms, &err)
+            if rc == DDPW_NET_NOMEM:
+                raise MemoryError("Exchange: could not start the sending thread")
+            if rc != DDPW_NET_OK:
+                raise OSError(err, f"Exchange: could not start the sending thread: {os.strerror(err)}")
+
+    def __dealloc__(self):
+        if self.sender is not NULL:
+            with nogil:
+                ddpw_sender_stop(self.sender)
+            self.sender = NULL
+
+    def abandon(self):
+        """Stop sending (the frame stays cut short): the connection may then be closed."""
+        if self.sender is not NULL:
+            self.sent_bytes = ddpw_sender_progress(self.sender)
+            with nogil:
+                ddpw_sender_stop(self.sender)
+            self.sender = NULL
 
     @property
     def sent(self):
         """Bytes of the frame sent so far."""
+        if self.sender is not NULL:
+            return ddpw_sender_progress(self.sender)
         return self.sent_bytes
 
     @property
     def done(self):
         """Whether the whole frame has been sent."""
-        return self.sent_bytes >= self.total
+        return self.sent >= self.total
 
     def recv_into(self, *bufs, str what="receiving"):
         """Fill every writable buffer of ``bufs`` in turn (at most 8) from the
@@ -405,24 +437,43 @@ cdef class Exchange:
             in_total += in_iov[m].iov_len
             m += 1
         self.conn.check_open()
+        # with a sending thread this loop only receives: it sends nothing
+        # (an empty frame), and the thread's progress is reported instead
+        cdef int out_k = 0 if self.sender is not NULL else self.k
         while True:
             with nogil:
-                rc = ddpw_net_exchange(self.conn.fd, self.iov, self.k, &sent,
+                rc = ddpw_net_exchange(self.conn.fd, self.iov, out_k, &sent,
                                        in_iov, m, &received, self.ms, &err)
-            self.sent_bytes = sent
+            if self.sender is NULL:
+                self.sent_bytes = sent
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
             if rc != DDPW_NET_OK:
+                self.abandon()
                 self.conn.fail(rc, err, self.step,
-                               f"{self.what} ({sent} of {self.total} bytes) and {what} "
+                               f"{self.what} ({self.sent} of {self.total} bytes) and {what} "
                                f"({received} of {in_total} bytes)", self.ms)
             return
 
     def finish(self):
         """Send what is left of the frame (nothing, normally, once the reply is in)."""
         cdef int err = 0, rc
-        cdef size_t sent = self.sent_bytes
+        cdef size_t sent
+        if self.sender is not NULL:
+            while True:
+                with nogil:
+                    rc = ddpw_sender_wait(self.sender, &err)
+                if rc == DDPW_NET_EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                break
+            self.abandon()  # joined: it has ended
+            if rc != DDPW_NET_OK:
+                self.conn.fail(rc, err, self.step,
+                               f"{self.what} ({self.sent_bytes} of {self.total} bytes)", self.ms)
+            return
+        sent = self.sent_bytes
         if sent >= self.total:
             return
         self.conn.check_open()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from . import _net
+from . import socket_threads as _socket_threads
 from ._wire import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, message_name
 from .errors import (
@@ -63,17 +63,6 @@ def _bind(bind: Tuple[str, int], backlog: int) -> socket.socket:
         raise
 
 
-# smallest vector the default streams on a thread per worker connection
-_THREADS_MIN_BYTES = 1 << 20
-
-
-def _usable_cores() -> int:
-    """Cores this process may run on (a container's limit, not the host's)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 class Coordinator:
     """Accepts ``expect_workers`` workers and runs the averaging side of training.
 
@@ -86,11 +75,11 @@ class Coordinator:
 
     Gradients are averaged as they stream in, through a ring of
     ``ring_bytes`` per worker. ``socket_threads`` gives each worker
-    connection a thread of its own while a step streams, so the copies in
-    and out of the kernel spread over the cores instead of all running on
-    one; None (the default) chooses threads for vectors of a megabyte or
-    more when the machine has a core for each worker plus one. The result is
-    bit-identical either way.
+    connection a receiving and a sending thread while a step streams, so the
+    copies in and out of the kernel spread over the cores instead of all
+    running on one; None (the default) chooses threads for vectors of a
+    megabyte or more when the machine has a core for each worker plus one.
+    The result is bit-identical either way.
     """
 
     def __init__(
@@ -488,17 +477,9 @@ class Coordinator:
                 raise
 
     def _use_socket_threads(self, heads: list) -> bool:
-        """Whether the vectors these heads announce stream on one thread per
-        worker connection."""
-        if self.socket_threads is not None:
-            return self.socket_threads
-        # With fewer cores the threads only take turns on them, and one poll
-        # loop does the same copies without the hand-offs; below a megabyte
-        # starting, waking and joining the threads costs more than they save
-        # (bench/test_bench_socket_threads.py).
-        n = len(self._channels)
-        nbytes = 4 * heads[0].gradient_count
-        return n > 1 and nbytes >= _THREADS_MIN_BYTES and _usable_cores() > n
+        """Whether the vectors these heads announce stream on threads."""
+        return _socket_threads.for_coordinator(self.socket_threads, len(self._channels),
+                                               4 * heads[0].gradient_count)
 
     def _abandon(self) -> None:
         """Close every worker connection: the session cannot go on."""

@@ -19,6 +19,7 @@ from typing import Any, Deque, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _net
+from . import socket_threads as _socket_threads
 from ._wire import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, message_name
 from .errors import (
@@ -79,8 +80,9 @@ class Worker:
     """A connected, joined worker. Create it with :meth:`connect`."""
 
     def __init__(self, channel: Channel, worker_id: int, total_workers: int, node_id: str,
-                 heartbeat: Optional[float]) -> None:
+                 heartbeat: Optional[float], socket_threads: Optional[bool] = None) -> None:
         self._chan = channel
+        self.socket_threads = socket_threads
         self._worker_id = worker_id
         self._total_workers = total_workers
         self.node_id = node_id
@@ -108,6 +110,7 @@ class Worker:
         heartbeat: Optional[float] = None,
         heartbeat_timeout: Optional[float] = None,
         max_frame: int = DEFAULT_MAX_FRAME,
+        socket_threads: Optional[bool] = None,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
 
@@ -116,7 +119,10 @@ class Worker:
         every wait on the coordinator: silence that long raises
         :class:`~ddpwire.CoordinatorLost`. ``heartbeat`` (seconds) turns on
         Heartbeat frames both ways (a ddpwire coordinator only; the reference
-        coordinator rejects them).
+        coordinator rejects them). ``socket_threads`` makes :meth:`allreduce`
+        send from a thread of its own while it receives, so the two kernel
+        copies run on two cores; None (the default) does so for gradients of
+        a megabyte or more when the machine has two cores or more.
         """
         if node_id is None:
             node_id = f"{socket.gethostname()}-{os.getpid()}"
@@ -135,7 +141,8 @@ class Worker:
         chan.heartbeat_timeout = hb_timeout
         log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
                  accepted.worker_id, accepted.total_workers)
-        return cls(chan, accepted.worker_id, accepted.total_workers, node_id, heartbeat)
+        return cls(chan, accepted.worker_id, accepted.total_workers, node_id, heartbeat,
+                   socket_threads)
 
     @property
     def worker_id(self) -> int:
@@ -183,7 +190,8 @@ class Worker:
         """:meth:`send_gradients` and :meth:`receive_averaged` at once.
 
         The GradientPayload goes out while the AveragedGradient comes in, in
-        one GIL-free loop: against a coordinator that streams its average
+        one GIL-free loop or, with socket threads, from a sending thread
+        while this one receives: against a coordinator that streams its average
         (:meth:`Coordinator.allreduce`) the reply starts before this worker
         has finished sending. The average lands straight in ``out`` (float32,
         the gradient length; allocated when None), which may be the
@@ -209,13 +217,15 @@ class Worker:
                               loss=loss, correct=correct, total=total)
         chan = self._chan
         parts = encode_frame_parts(msg, max_frame=chan.max_frame)
+        send_thread = _socket_threads.for_worker(self.socket_threads, 4 * count)
         with chan.send_lock:
             exchange = _net.Exchange(chan.conn, parts, chan.read_timeout, step=step,
-                                     what="sending GradientPayload")
+                                     what="sending GradientPayload", send_thread=send_thread)
             try:
                 global_loss = self._exchange_averaged(exchange, step, out)
                 exchange.finish()
             except BaseException:
+                exchange.abandon()  # its thread must be off the socket before it closes
                 chan.close()
                 raise
         return AveragedGradient(step=step, gradients=out, global_loss=global_loss)

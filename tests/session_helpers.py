@@ -84,12 +84,15 @@ def join_up_to(coord, k: int) -> None:
         coord.expect_workers = saved
 
 
-def start_workers(coord, n: int, body: Callable[[Any], Any], timeout: float = 30) -> List[Thread]:
-    """n workers in threads, joined in order 0..n-1; body(worker) runs in each."""
+def start_workers(coord, n: int, body: Callable[[Any], Any], timeout: float = 30,
+                  **connect: Any) -> List[Thread]:
+    """n workers in threads, joined in order 0..n-1; body(worker) runs in each
+    (more Worker.connect keywords in ``connect``)."""
     threads = []
     for _ in range(n):
         def run():
-            with ddpwire.Worker.connect(coord.local_addr, 0, "cpu", timeout=timeout) as w:
+            with ddpwire.Worker.connect(coord.local_addr, 0, "cpu", timeout=timeout,
+                                        **connect) as w:
                 return body(w)
         threads.append(spawn(run))
         join_up_to(coord, len(threads))

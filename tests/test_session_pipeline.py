@@ -47,7 +47,8 @@ def bits(a):
     return np.asarray(a, dtype=np.float32).view(np.uint32)
 
 
-# the coordinator's two stream loops: one poll loop, or a thread per worker
+# one poll loop per step, or socket threads (the coordinator's receiving and
+# sending threads per connection, the worker's sending thread)
 LOOPS = pytest.mark.parametrize("socket_threads", [False, True], ids=["one-loop", "threads"])
 
 # (coordinator side, worker side)
@@ -75,7 +76,7 @@ def test_bit_identical_to_fixed_order_float32(n, coord_mode, worker_mode, socket
                 assert avg.gradients is out and avg.step == step
                 got.append((out, avg.global_loss))
             return got
-        threads = start_workers(coord, n, body)
+        threads = start_workers(coord, n, body, socket_threads=socket_threads)
         results = []
         for step in range(steps):
             if coord_mode == "fused":
@@ -122,17 +123,18 @@ def test_fused_and_classic_give_the_same_result_in_one_session():
         assert np.array_equal(bits(a), bits(results[0]))
 
 
-def test_duplex_may_receive_into_its_own_gradients():
+@LOOPS
+def test_duplex_may_receive_into_its_own_gradients(socket_threads):
     """out is the gradients buffer: every average lands on an element already sent."""
     n = 3
     grads = gradients_for(n, seed=11)
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING) as coord:
+    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, socket_threads=socket_threads) as coord:
         def body(w):
             buf = grads[w.worker_id].copy()
             avg = w.allreduce(0, buf, 1.0, 1, 1, out=buf)
             assert avg.gradients is buf
             return buf
-        threads = start_workers(coord, n, body)
+        threads = start_workers(coord, n, body, socket_threads=socket_threads)
         r = coord.allreduce(0)
         outs = [t.join_result() for t in threads]
     want = exact_mean(grads)
@@ -187,7 +189,7 @@ def test_nan_halts_the_fused_pass_and_no_worker_applies_anything(where, worker_m
                 return w.allreduce(step, g, 1.0, 1, 1)
             w.send_gradients(step, g, 1.0, 1, 1)
             return w.receive_averaged()
-        threads = start_workers(coord, n, body)
+        threads = start_workers(coord, n, body, socket_threads=socket_threads)
         with pytest.raises(ddpwire.NonFiniteGradient) as info:
             coord.allreduce(step)
         # every worker learns the session is over (no hang, no average applied)
@@ -208,7 +210,8 @@ def test_infinity_from_worker_0_is_named(socket_threads):
     grads = gradients_for(2, seed=9)
     grads[0][123] = -np.inf
     with Coordinator(ADDR, expect_workers=2, ring_bytes=RING, socket_threads=socket_threads) as coord:
-        threads = start_workers(coord, 2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
+        threads = start_workers(coord, 2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1),
+                                socket_threads=socket_threads)
         with pytest.raises(ddpwire.NonFiniteGradient) as info:
             coord.allreduce(0)
         for t in threads:
@@ -223,7 +226,7 @@ def test_infinity_from_worker_0_is_named(socket_threads):
 def test_worker_killed_mid_frame_during_fused_pass(socket_threads):
     with Coordinator(ADDR, expect_workers=2, timeout=10, ring_bytes=RING,
                      socket_threads=socket_threads) as coord:
-        w0, raw = worker_and_raw_peer(coord, timeout=30)
+        w0, raw = worker_and_raw_peer(coord, timeout=30, socket_threads=socket_threads)
         g = np.ones(SIZE, np.float32)
         t0 = spawn(lambda: w0.allreduce(2, g, 1.0, 1, 1))
         frame = encode_frame(GradientPayload(step=2, worker_id=1, gradients=g, loss=1.0,
@@ -243,7 +246,7 @@ def test_worker_killed_mid_frame_during_fused_pass(socket_threads):
 def test_silent_worker_during_fused_pass(socket_threads):
     with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=RING,
                      socket_threads=socket_threads) as coord:
-        w0, raw = worker_and_raw_peer(coord, timeout=30)
+        w0, raw = worker_and_raw_peer(coord, timeout=30, socket_threads=socket_threads)
         g = np.ones(SIZE, np.float32)
         t0 = spawn(lambda: w0.allreduce(0, g, 1.0, 1, 1))
         frame = encode_frame(GradientPayload(step=0, worker_id=1, gradients=g, loss=1.0,
@@ -279,9 +282,9 @@ def test_head_errors_come_before_anything_is_sent():
 
 # ---- the duplex worker against coordinators that misbehave ----
 
-def _duplex_against(behaviour, gradients=None, timeout=10.0):
+def _duplex_against(behaviour, socket_threads, gradients=None, timeout=10.0):
     lsock, t = fake_coordinator(behaviour)
-    w = Worker.connect(lsock.getsockname(), timeout=timeout)
+    w = Worker.connect(lsock.getsockname(), timeout=timeout, socket_threads=socket_threads)
     g = np.arange(1000, dtype=np.float32) if gradients is None else gradients
     try:
         return w, t, w.allreduce(0, g, 1.0, 1, 1)
@@ -289,16 +292,18 @@ def _duplex_against(behaviour, gradients=None, timeout=10.0):
         lsock.close()
 
 
-def test_shutdown_after_the_payload_gives_shutdown_during_reduce():
+@LOOPS
+def test_shutdown_after_the_payload_gives_shutdown_during_reduce(socket_threads):
     def behaviour(conn):
         recv_frame(conn)
         conn.sendall(encode_frame(ddpwire.Shutdown()))
     with pytest.raises(ddpwire.ShutdownDuringReduce) as info:
-        _duplex_against(behaviour)
+        _duplex_against(behaviour, socket_threads)
     assert info.value.step == 0
 
 
-def test_shutdown_before_the_payload_is_read_gives_shutdown_during_reduce():
+@LOOPS
+def test_shutdown_before_the_payload_is_read_gives_shutdown_during_reduce(socket_threads):
     """The coordinator answers Shutdown while a big payload is still going
     out: the worker reads it instead of blocking on its send."""
     release = threading.Event()
@@ -310,12 +315,13 @@ def test_shutdown_before_the_payload_is_read_gives_shutdown_during_reduce():
     big = np.ones(4_000_000, np.float32)  # 16 MB: far more than the socket buffers hold
     try:
         with pytest.raises(ddpwire.ShutdownDuringReduce):
-            _duplex_against(behaviour, gradients=big)
+            _duplex_against(behaviour, socket_threads, gradients=big)
     finally:
         release.set()
 
 
-def test_heartbeats_before_the_average_are_skipped():
+@LOOPS
+def test_heartbeats_before_the_average_are_skipped(socket_threads):
     g = np.arange(1000, dtype=np.float32)
 
     def behaviour(conn):
@@ -324,7 +330,7 @@ def test_heartbeats_before_the_average_are_skipped():
         conn.sendall(encode_frame(Heartbeat(node_id="c", timestamp_ms=2)))
         conn.sendall(encode_frame(ddpwire.AveragedGradient(step=0, gradients=g * 2, global_loss=0.5)))
         return recv_frame(conn)  # the worker's next frame: the session is still in step
-    w, t, avg = _duplex_against(behaviour, gradients=g)
+    w, t, avg = _duplex_against(behaviour, socket_threads, gradients=g)
     assert np.array_equal(avg.gradients, g * 2) and avg.global_loss == 0.5 and avg.step == 0
     w._chan.send(ShardAssignment(step=1, shard_start=0, shard_end=1))  # any frame
     assert isinstance(t.join_result(), ShardAssignment)
@@ -340,29 +346,32 @@ def test_heartbeats_before_the_average_are_skipped():
     (ddpwire.AveragedNonBlockGradient(step=0, component=0, gradients=np.ones(1000, np.float32)),
      ddpwire.UnexpectedMessage, None),
 ], ids=["step", "length", "shard", "non-block"])
-def test_wrong_reply_is_a_typed_error(reply, error, field):
+@LOOPS
+def test_wrong_reply_is_a_typed_error(reply, error, field, socket_threads):
     def behaviour(conn):
         recv_frame(conn)
         conn.sendall(encode_frame(reply))
     with pytest.raises(error) as info:
-        _duplex_against(behaviour)
+        _duplex_against(behaviour, socket_threads)
     assert info.value.step == 0
     if field is not None:
         assert info.value.field == field
 
 
-def test_coordinator_closing_mid_reply_is_coordinator_lost():
+@LOOPS
+def test_coordinator_closing_mid_reply_is_coordinator_lost(socket_threads):
     def behaviour(conn):
         recv_frame(conn)
         frame = encode_frame(ddpwire.AveragedGradient(step=0, gradients=np.ones(1000, np.float32),
                                                       global_loss=0.0))
         conn.sendall(frame[:100])
     with pytest.raises(ddpwire.CoordinatorLost) as info:
-        _duplex_against(behaviour)
+        _duplex_against(behaviour, socket_threads)
     assert info.value.step == 0
 
 
-def test_silent_coordinator_is_coordinator_lost():
+@LOOPS
+def test_silent_coordinator_is_coordinator_lost(socket_threads):
     release = threading.Event()
 
     def behaviour(conn):
@@ -370,7 +379,7 @@ def test_silent_coordinator_is_coordinator_lost():
         release.wait(10)
     try:
         with pytest.raises(ddpwire.CoordinatorLost, match="silent"):
-            _duplex_against(behaviour, timeout=0.3)
+            _duplex_against(behaviour, socket_threads, timeout=0.3)
     finally:
         release.set()
 

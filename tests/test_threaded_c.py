@@ -1,7 +1,9 @@
-"""csrc/threaded.c on its own: the coordinator's socket threads driven over
-socketpairs (tests/c/threaded_check.c) under ThreadSanitizer, and under
-AddressSanitizer with UBSan: bit-identical means, NaN halts that send nothing
-holding the NaN, and a peer closing mid-stream named, with no data race."""
+"""csrc/threaded.c and csrc/sender.c on their own: the coordinator's socket
+threads and the worker's sending thread driven over socketpairs
+(tests/c/threaded_check.c) under ThreadSanitizer, and under AddressSanitizer
+with UBSan: bit-identical means, NaN halts that send nothing holding the NaN,
+a peer closing mid-stream named, a send called off while blocked, with no
+data race."""
 import pathlib
 import shutil
 import subprocess
@@ -14,9 +16,10 @@ CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler on PATH")
 
-SOURCES = [ROOT / "tests" / "c" / "threaded_check.c", CSRC / "threaded.c", CSRC / "net.c",
-           CSRC / "reduce.c"]
+SOURCES = [ROOT / "tests" / "c" / "threaded_check.c", CSRC / "threaded.c", CSRC / "sender.c",
+           CSRC / "net.c", CSRC / "reduce.c"]
 CASES = 38  # run_case calls in threaded_check.c's main
+SENDER_CASES = 4  # run_sender_case calls
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
@@ -32,6 +35,9 @@ def test_socket_threads_under_sanitizer(tmp_path, sanitizer):
     assert run.returncode == 0, run.stderr[-4000:]
     assert "WARNING" not in run.stderr and "ERROR" not in run.stderr, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == CASES and all(line.startswith("ok ") for line in lines), run.stdout
+    assert len(lines) == CASES + SENDER_CASES, run.stdout
+    assert all(line.startswith("ok ") for line in lines), run.stdout
     assert sum(" nan" in line for line in lines) == 4
     assert sum(" cut" in line for line in lines) == 2
+    assert sum(line.startswith("ok sender") for line in lines) == SENDER_CASES
+    assert sum(" stopped" in line for line in lines) == 1

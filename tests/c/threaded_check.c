@@ -1,10 +1,11 @@
-/* threaded_check.c: csrc/threaded.c on its own, driven over socketpairs by
- * peer threads that send their streams in random pieces while they read the
- * reply, so ThreadSanitizer and AddressSanitizer see every hand-off between
- * the socket threads. Prints one "ok" line per case; exits non-zero on the
- * first mismatch. */
+/* threaded_check.c: csrc/threaded.c and csrc/sender.c on their own, driven
+ * over socketpairs by peer threads that send their streams in random pieces
+ * while they read the reply, so ThreadSanitizer and AddressSanitizer see
+ * every hand-off between the socket threads. Prints one "ok" line per case;
+ * exits non-zero on the first mismatch. */
 #define _POSIX_C_SOURCE 200809L
 
+#include "sender.h"
 #include "threaded.h"
 
 #include <errno.h>
@@ -16,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #define HEAD_LEN 16
@@ -206,6 +208,67 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
     free(tids);
 }
 
+/* A frame sent by ddpw_sender while this thread receives on the same
+ * socket; with reading=0 the peer never reads and the send is called off. */
+static void run_sender_case(size_t len, int reading)
+{
+    uint8_t *frame = (uint8_t *)malloc(len + 1);
+    uint8_t head[HEAD_LEN];
+    struct iovec iov[2];
+    ddpw_sender *h = NULL;
+    peer p;
+    pthread_t tid;
+    size_t k;
+    int pair[2], rc, err = 0;
+    if (frame == NULL)
+        fail_case("out of memory", 1, len);
+    for (k = 0; k < len; k++)
+        frame[k] = (uint8_t)(k * 31 + 7);
+    for (k = 0; k < HEAD_LEN; k++)
+        head[k] = (uint8_t)k;
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, pair) != 0)
+        fail_case("socketpair", 1, len);
+    fcntl(pair[0], F_SETFL, fcntl(pair[0], F_GETFL) | O_NONBLOCK);
+    memset(&p, 0, sizeof p);
+    p.fd = pair[1];
+    p.reply_cap = HEAD_LEN + len;
+    p.reply = (uint8_t *)malloc(p.reply_cap + 1);
+    if (p.reply == NULL)
+        fail_case("out of memory", 1, len);
+    if (reading)
+        pthread_create(&tid, NULL, reader, &p);
+    iov[0].iov_base = head;
+    iov[0].iov_len = HEAD_LEN;
+    iov[1].iov_base = frame;
+    iov[1].iov_len = len;
+    if (ddpw_sender_start(&h, pair[0], iov, 2, 0, 5000, &err) != DDPW_NET_OK)
+        fail_case("sender_start", 1, len);
+    if (reading) {
+        do {
+            rc = ddpw_sender_wait(h, &err);
+        } while (rc == DDPW_NET_EINTR);
+        if (rc != DDPW_NET_OK || ddpw_sender_progress(h) != HEAD_LEN + len)
+            fail_case("the sender did not send everything", 1, len);
+        ddpw_sender_stop(h);
+        pthread_join(tid, NULL);
+        if (p.got != HEAD_LEN + len || memcmp(p.reply, head, HEAD_LEN) ||
+            memcmp(p.reply + HEAD_LEN, frame, len))
+            fail_case("the peer got other bytes", 1, len);
+    } else {
+        /* the peer never reads: the thread blocks on a full socket until stopped */
+        struct timespec pause = {0, 50 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+        if (ddpw_sender_progress(h) >= HEAD_LEN + len)
+            fail_case("a send nobody reads cannot finish", 1, len);
+        ddpw_sender_stop(h);
+    }
+    printf("ok sender len=%zu%s\n", len, reading ? "" : " stopped");
+    close(pair[0]);
+    close(pair[1]);
+    free(p.reply);
+    free(frame);
+}
+
 int main(void)
 {
     static const size_t ns[] = {1, 2, 3, 5};
@@ -224,5 +287,9 @@ int main(void)
     /* a socket closing mid-stream */
     run_case(3, 100003, 16 * 1024, NEVER, 0, 2);
     run_case(2, 100003, 16 * 1024, NEVER, 0, 0);
+    run_sender_case(0, 1);
+    run_sender_case(1000, 1);
+    run_sender_case(3 << 20, 1);
+    run_sender_case(3 << 20, 0);
     return 0;
 }

@@ -1,0 +1,219 @@
+/* sender.c: see sender.h. */
+#if !defined(_WIN32)
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+#if defined(__APPLE__) && !defined(_DARWIN_C_SOURCE)
+#define _DARWIN_C_SOURCE
+#endif
+#endif
+
+#include "sender.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define DDPW_SENDER_MAX_IOV 8
+
+struct ddpw_sender {
+    int fd;
+    struct iovec iov[DDPW_SENDER_MAX_IOV];
+    int iovcnt;
+    size_t total;
+    int timeout_ms;
+    int wake[2];  /* caller -> thread: stop */
+    int ended[2]; /* thread -> caller: finished */
+    pthread_t id;
+    int started;
+
+    pthread_mutex_t lock; /* guards the fields below */
+    size_t done;
+    int finished, stop, result, err;
+};
+
+static int open_pipe(int fds[2])
+{
+    int k;
+    if (pipe(fds) != 0)
+        return -1;
+    for (k = 0; k < 2; k++) {
+        int fl = fcntl(fds[k], F_GETFL);
+        if (fl < 0 || fcntl(fds[k], F_SETFL, fl | O_NONBLOCK) < 0 ||
+            fcntl(fds[k], F_SETFD, FD_CLOEXEC) < 0) {
+            close(fds[0]);
+            close(fds[1]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void poke(int fd)
+{
+    char b = 1;
+    ssize_t rc = write(fd, &b, 1); /* a full pipe already means "look" */
+    (void)rc;
+}
+
+static int stopping(struct ddpw_sender *h)
+{
+    int stop;
+    pthread_mutex_lock(&h->lock);
+    stop = h->stop;
+    pthread_mutex_unlock(&h->lock);
+    return stop;
+}
+
+static void *sender_main(void *arg)
+{
+    struct ddpw_sender *h = (struct ddpw_sender *)arg;
+    size_t done;
+    int rc = DDPW_NET_OK, err = 0;
+    pthread_mutex_lock(&h->lock);
+    done = h->done;
+    pthread_mutex_unlock(&h->lock);
+    while (done < h->total && !stopping(h)) {
+        struct pollfd p[2];
+        rc = ddpw_net_send_some(h->fd, h->iov, h->iovcnt, h->total, &done, &err);
+        pthread_mutex_lock(&h->lock);
+        h->done = done;
+        pthread_mutex_unlock(&h->lock);
+        if (rc == DDPW_NET_EINTR || rc == 1) {
+            rc = DDPW_NET_OK;
+            continue;
+        }
+        if (rc < 0)
+            break;
+        /* would block: wait for room, or for the caller to call it off */
+        p[0].fd = h->fd;
+        p[0].events = POLLOUT;
+        p[0].revents = 0;
+        p[1].fd = h->wake[0];
+        p[1].events = POLLIN;
+        p[1].revents = 0;
+        rc = poll(p, 2, h->timeout_ms);
+        if (rc == 0) {
+            rc = DDPW_NET_TIMEOUT;
+            break;
+        }
+        if (rc < 0 && errno != EINTR) {
+            err = errno;
+            rc = DDPW_NET_ERRNO;
+            break;
+        }
+        rc = DDPW_NET_OK;
+    }
+    pthread_mutex_lock(&h->lock);
+    h->result = rc;
+    h->err = err;
+    h->finished = 1;
+    pthread_mutex_unlock(&h->lock);
+    poke(h->ended[1]);
+    return NULL;
+}
+
+int ddpw_sender_start(ddpw_sender **handle, int fd, const struct iovec *iov, int iovcnt,
+                      size_t done, int timeout_ms, int *err)
+{
+    struct ddpw_sender *h;
+    sigset_t all, old;
+    int k, rc;
+    *handle = NULL;
+    if (iovcnt < 0 || iovcnt > DDPW_SENDER_MAX_IOV)
+        return DDPW_NET_NOMEM;
+    h = (struct ddpw_sender *)calloc(1, sizeof *h);
+    if (h == NULL)
+        return DDPW_NET_NOMEM;
+    h->wake[0] = h->wake[1] = h->ended[0] = h->ended[1] = -1;
+    if (pthread_mutex_init(&h->lock, NULL) != 0) {
+        free(h);
+        return DDPW_NET_NOMEM;
+    }
+    h->fd = fd;
+    h->iovcnt = iovcnt;
+    for (k = 0; k < iovcnt; k++) {
+        h->iov[k] = iov[k];
+        h->total += iov[k].iov_len;
+    }
+    h->done = done;
+    h->timeout_ms = timeout_ms;
+    if (open_pipe(h->wake) != 0 || open_pipe(h->ended) != 0) {
+        *err = errno;
+        ddpw_sender_stop(h);
+        return DDPW_NET_ERRNO;
+    }
+    /* signals stay with the caller, whose wait they interrupt */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    rc = pthread_create(&h->id, NULL, sender_main, h);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        *err = rc;
+        ddpw_sender_stop(h);
+        return DDPW_NET_ERRNO;
+    }
+    h->started = 1;
+    *handle = h;
+    return DDPW_NET_OK;
+}
+
+size_t ddpw_sender_progress(ddpw_sender *h)
+{
+    size_t done;
+    pthread_mutex_lock(&h->lock);
+    done = h->done;
+    pthread_mutex_unlock(&h->lock);
+    return done;
+}
+
+int ddpw_sender_wait(ddpw_sender *h, int *err)
+{
+    for (;;) {
+        struct pollfd p;
+        char buf[16];
+        int finished, result;
+        pthread_mutex_lock(&h->lock);
+        finished = h->finished;
+        result = h->result;
+        *err = h->err;
+        pthread_mutex_unlock(&h->lock);
+        if (finished)
+            return result;
+        p.fd = h->ended[0];
+        p.events = POLLIN;
+        p.revents = 0;
+        /* the thread enforces the timeout; this only waits for it */
+        if (poll(&p, 1, 1000) < 0 && errno == EINTR)
+            return DDPW_NET_EINTR;
+        while (read(h->ended[0], buf, sizeof buf) > 0) {
+        }
+    }
+}
+
+void ddpw_sender_stop(ddpw_sender *h)
+{
+    int k;
+    if (h == NULL)
+        return;
+    if (h->started) {
+        pthread_mutex_lock(&h->lock);
+        h->stop = 1;
+        pthread_mutex_unlock(&h->lock);
+        poke(h->wake[1]);
+        pthread_join(h->id, NULL);
+    }
+    for (k = 0; k < 2; k++) {
+        if (h->wake[k] >= 0)
+            close(h->wake[k]);
+        if (h->ended[k] >= 0)
+            close(h->ended[k]);
+    }
+    pthread_mutex_destroy(&h->lock);
+    free(h);
+}
