@@ -15,7 +15,8 @@ UNITS = {
     "_wire": ["csrc/wire.c"],
     "_reduce": ["csrc/reduce.c"],
     # the socket layer parses frame heads and reduces as bytes arrive
-    "_net": ["csrc/net.c", "csrc/threaded.c", "csrc/sender.c", "csrc/wire.c", "csrc/reduce.c"],
+    "_net": ["csrc/net.c", "csrc/threaded.c", "csrc/sender.c", "csrc/wake.c", "csrc/wire.c",
+             "csrc/reduce.c"],
 }
 
 extra_compile_args = []

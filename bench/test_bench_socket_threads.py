@@ -1,7 +1,7 @@
-"""The cost of the coordinator's socket threads on small vectors: one
-pipelined step (Coordinator.allreduce with two workers in threads of the
-benchmark process, over loopback) in the single poll loop against one thread
-per worker connection, side by side in one run. Below the size where the
+"""The cost of socket threads on small vectors: one pipelined step
+(Coordinator.allreduce and Worker.allreduce, two workers in threads of the
+benchmark process, over loopback) with one poll loop per side against
+socket threads on both sides, side by side in one run. Below the size where the
 copies dominate, what is left is starting and joining the threads; this is
 the figure behind the default's 1 MiB threshold (Coordinator socket_threads).
 
@@ -28,6 +28,7 @@ class Session:
     def __init__(self, count: int, socket_threads: bool) -> None:
         self.coord = Coordinator(("127.0.0.1", 0), expect_workers=WORKERS, timeout=60,
                                  socket_threads=socket_threads)
+        self.socket_threads = socket_threads
         self.out = np.empty(count, np.float32)
         self.step = 0
         self.errors: list = []
@@ -42,7 +43,8 @@ class Session:
 
     def _worker(self, grads: np.ndarray, count: int) -> None:
         try:
-            with Worker.connect(self.coord.local_addr, timeout=60) as w:
+            with Worker.connect(self.coord.local_addr, timeout=60,
+                                socket_threads=self.socket_threads) as w:
                 out = np.empty(count, np.float32)
                 step = 0
                 while True:

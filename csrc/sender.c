@@ -9,9 +9,9 @@
 #endif
 
 #include "sender.h"
+#include "wake.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -36,30 +36,6 @@ struct ddpw_sender {
     size_t done;
     int finished, stop, result, err;
 };
-
-static int open_pipe(int fds[2])
-{
-    int k;
-    if (pipe(fds) != 0)
-        return -1;
-    for (k = 0; k < 2; k++) {
-        int fl = fcntl(fds[k], F_GETFL);
-        if (fl < 0 || fcntl(fds[k], F_SETFL, fl | O_NONBLOCK) < 0 ||
-            fcntl(fds[k], F_SETFD, FD_CLOEXEC) < 0) {
-            close(fds[0]);
-            close(fds[1]);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-static void poke(int fd)
-{
-    char b = 1;
-    ssize_t rc = write(fd, &b, 1); /* a full pipe already means "look" */
-    (void)rc;
-}
 
 static int stopping(struct ddpw_sender *h)
 {
@@ -114,7 +90,7 @@ static void *sender_main(void *arg)
     h->err = err;
     h->finished = 1;
     pthread_mutex_unlock(&h->lock);
-    poke(h->ended[1]);
+    ddpw_wake_poke(h->ended[1]);
     return NULL;
 }
 
@@ -143,7 +119,7 @@ int ddpw_sender_start(ddpw_sender **handle, int fd, const struct iovec *iov, int
     }
     h->done = done;
     h->timeout_ms = timeout_ms;
-    if (open_pipe(h->wake) != 0 || open_pipe(h->ended) != 0) {
+    if (ddpw_wake_open(h->wake) != 0 || ddpw_wake_open(h->ended) != 0) {
         *err = errno;
         ddpw_sender_stop(h);
         return DDPW_NET_ERRNO;
@@ -176,7 +152,6 @@ int ddpw_sender_wait(ddpw_sender *h, int *err)
 {
     for (;;) {
         struct pollfd p;
-        char buf[16];
         int finished, result;
         pthread_mutex_lock(&h->lock);
         finished = h->finished;
@@ -191,29 +166,23 @@ int ddpw_sender_wait(ddpw_sender *h, int *err)
         /* the thread enforces the timeout; this only waits for it */
         if (poll(&p, 1, 1000) < 0 && errno == EINTR)
             return DDPW_NET_EINTR;
-        while (read(h->ended[0], buf, sizeof buf) > 0) {
-        }
+        ddpw_wake_drain(h->ended[0]);
     }
 }
 
 void ddpw_sender_stop(ddpw_sender *h)
 {
-    int k;
     if (h == NULL)
         return;
     if (h->started) {
         pthread_mutex_lock(&h->lock);
         h->stop = 1;
         pthread_mutex_unlock(&h->lock);
-        poke(h->wake[1]);
+        ddpw_wake_poke(h->wake[1]);
         pthread_join(h->id, NULL);
     }
-    for (k = 0; k < 2; k++) {
-        if (h->wake[k] >= 0)
-            close(h->wake[k]);
-        if (h->ended[k] >= 0)
-            close(h->ended[k]);
-    }
+    ddpw_wake_close(h->wake);
+    ddpw_wake_close(h->ended);
     pthread_mutex_destroy(&h->lock);
     free(h);
 }

@@ -10,9 +10,9 @@
 
 #include "threaded.h"
 #include "reduce.h"
+#include "wake.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -64,43 +64,12 @@ struct ddpw_threaded {
 
 static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
-static void poke(int fd)
-{
-    char b = 1;
-    ssize_t rc = write(fd, &b, 1); /* a full pipe already means "wake up" */
-    (void)rc;
-}
-
-static void drain(int fd)
-{
-    char buf[64];
-    while (read(fd, buf, sizeof buf) > 0) {
-    }
-}
-
-static int open_pipe(int fds[2])
-{
-    int k;
-    if (pipe(fds) != 0)
-        return -1;
-    for (k = 0; k < 2; k++) {
-        int fl = fcntl(fds[k], F_GETFL);
-        if (fl < 0 || fcntl(fds[k], F_SETFL, fl | O_NONBLOCK) < 0 ||
-            fcntl(fds[k], F_SETFD, FD_CLOEXEC) < 0) {
-            close(fds[0]);
-            close(fds[1]);
-            return -1;
-        }
-    }
-    return 0;
-}
-
 static void wake_all(struct ddpw_threaded *h, const socket_thread *except)
 {
     size_t k;
     for (k = 0; k < h->nthreads; k++)
         if (&h->threads[k] != except)
-            poke(h->threads[k].wake[1]);
+            ddpw_wake_poke(h->threads[k].wake[1]);
 }
 
 /* Record the first failure and stop everyone. */
@@ -265,7 +234,7 @@ static int wait_for(socket_thread *t, int fd, short events, int *err)
         return DDPW_NET_ERRNO;
     }
     if (p[1].revents)
-        drain(t->wake[0]);
+        ddpw_wake_drain(t->wake[0]);
     return rc > 0;
 }
 
@@ -396,7 +365,7 @@ static void *thread_main(void *arg)
     pthread_mutex_lock(&h->lock);
     h->live--;
     pthread_mutex_unlock(&h->lock);
-    poke(h->caller_wake[1]);
+    ddpw_wake_poke(h->caller_wake[1]);
     return NULL;
 }
 
@@ -423,23 +392,17 @@ void ddpw_threaded_stop(ddpw_threaded *h)
         pthread_mutex_unlock(&h->lock);
         for (k = 0; k < h->nthreads; k++)
             if (h->threads[k].wake[1] >= 0)
-                poke(h->threads[k].wake[1]);
+                ddpw_wake_poke(h->threads[k].wake[1]);
         join_all(h);
         for (k = 0; k < h->nthreads; k++) {
             socket_thread *t = &h->threads[k];
-            if (t->wake[0] >= 0) {
-                close(t->wake[0]);
-                close(t->wake[1]);
-            }
+            ddpw_wake_close(t->wake);
             free(t->bad_index);
             free(t->bad_value);
         }
         free(h->threads);
     }
-    if (h->caller_wake[0] >= 0) {
-        close(h->caller_wake[0]);
-        close(h->caller_wake[1]);
-    }
+    ddpw_wake_close(h->caller_wake);
     pthread_mutex_destroy(&h->lock);
     free(h->done);
     free(h);
@@ -495,8 +458,7 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
     }
     for (k = 0; k < h->nthreads; k++)
         h->threads[k].wake[0] = h->threads[k].wake[1] = -1;
-    if (open_pipe(h->caller_wake) != 0) {
-        h->caller_wake[0] = h->caller_wake[1] = -1;
+    if (ddpw_wake_open(h->caller_wake) != 0) {
         *err = errno;
         ddpw_threaded_stop(h);
         return DDPW_NET_ERRNO;
@@ -506,8 +468,7 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
         t->h = h;
         t->i = k % n;
         t->sending = k >= n;
-        if (open_pipe(t->wake) != 0) {
-            t->wake[0] = t->wake[1] = -1;
+        if (ddpw_wake_open(t->wake) != 0) {
             *err = errno;
             ddpw_threaded_stop(h);
             return DDPW_NET_ERRNO;
@@ -564,7 +525,7 @@ int ddpw_threaded_wait(ddpw_threaded *h, size_t *failed, int *err)
         /* the threads enforce the timeouts; this only waits for them */
         if (poll(&p, 1, 1000) < 0 && errno == EINTR)
             return DDPW_NET_EINTR;
-        drain(h->caller_wake[0]);
+        ddpw_wake_drain(h->caller_wake[0]);
     }
     join_all(h);
     if (h->result != DDPW_NET_OK) {

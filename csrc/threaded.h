@@ -1,13 +1,14 @@
-/* threaded.h: ddpw_net_allreduce_stream with one thread per socket.
+/* threaded.h: ddpw_net_allreduce_stream on threads: per socket, one that
+ * receives and one that sends.
  *
  * The single poll loop of net.c does every kernel copy of a step (n vectors
  * in, n vectors out) on one core, which caps a coordinator at one core's
- * copy rate however many cores the machine has. Here each socket gets its
- * own thread, so the copies in and out of the kernel spread over up to n
- * cores. The arithmetic is unchanged: an element range is reduced once every
- * socket has delivered it, by whichever thread completes it, summing in
- * socket order and then dividing by n, so the result is bit-identical to the
- * single-threaded loop and to the whole-vector reference.
+ * copy rate however many cores the machine has. Here the copies in and out
+ * of each socket run on threads of their own, spread over the cores. The
+ * arithmetic is unchanged: an element range is reduced once every socket
+ * has delivered it, by whichever receiving thread completes it, summing in
+ * socket order and then dividing by n, so the result is bit-identical to
+ * the single-threaded loop and to the whole-vector reference.
  *
  * The worker threads block every signal, so a signal (Ctrl-C) interrupts
  * only the caller's ddpw_threaded_wait, which returns DDPW_NET_EINTR and can

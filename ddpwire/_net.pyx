@@ -219,8 +219,8 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
     -1 if it had none).
     When bad is not None, ``out`` holds no meaningful result.
 
-    With ``socket_threads`` each connection gets its own thread (see
-    allreduce_stream); the result is the same, bit for bit.
+    With ``socket_threads`` each connection gets its own receiving thread
+    (see allreduce_stream); the result is the same, bit for bit.
     """
     return allreduce_stream(conns, out, tail_len, None, None, timeout, ring_bytes=ring_bytes,
                             socket_threads=socket_threads, step=step, what=what)
@@ -242,9 +242,10 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     and every reply is cut short: the caller must close the connections.
     With ``head`` None nothing is sent (that is reduce_stream).
 
-    ``socket_threads`` gives every connection a thread of its own (csrc/threaded.c)
-    instead of one poll loop for all, so the kernel's copies in and out of
-    the sockets spread over the cores; same bytes, same result.
+    ``socket_threads`` gives every connection a receiving and a sending
+    thread (csrc/threaded.c) instead of one poll loop for all, so the
+    kernel's copies in and out of the sockets spread over the cores; same
+    bytes, same result.
     """
     cdef HeldBuffer o = get_float32(out, "out", True)
     cdef HeldBuffer h = get_bytes(head if head is not None else b"", "head")
@@ -321,8 +322,9 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
 cdef int run_threaded(ddpw_net_reduce_state *st, const int *fds, float *out_p, uint8_t *tails_p,
                       const uint8_t *head_p, size_t head_len, size_t *sent, int ms,
                       size_t *failed, int *err) except? -100:
-    """ddpw_net_allreduce_stream's work on one thread per socket; a handler
-    that raises (Ctrl-C) stops and joins the threads before it propagates."""
+    """ddpw_net_allreduce_stream's work on a receiving and a sending thread
+    per socket; a handler that raises (Ctrl-C) stops and joins the threads
+    before it propagates."""
     cdef ddpw_threaded *h = NULL
     cdef int rc
     with nogil:

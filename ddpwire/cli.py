@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds to wait for every worker to join (default 600)")
     c.add_argument("--socket-threads", choices=["auto", "on", "off"], default="auto",
-                   help="average each step on one thread per worker connection: on, off, or auto "
-                        "(default: on for gradients of 1 MiB or more with a core per worker plus one)")
+                   help="stream each step on a receiving and a sending thread per worker: on, off, "
+                        "or auto (default: on for gradients of 1 MiB or more with a core per worker "
+                        "plus one)")
     _training(c)
     _common(c)
 
