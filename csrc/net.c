@@ -345,24 +345,22 @@ void ddpw_net_reduce_free(ddpw_net_reduce_state *st)
 
 static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
-/* Where the next bytes of socket i go, and how many fit: 0 when its window
- * is full (it must wait for the others) or its stream is complete. */
-static size_t recv_window(const ddpw_net_reduce_state *st, size_t i, float *out,
-                          uint8_t *tails, uint8_t **dst)
+size_t ddpw_net_reduce_window(const ddpw_net_reduce_state *st, size_t i, size_t pos,
+                              size_t reduced, size_t ring, float *out, uint8_t *tails,
+                              uint8_t **dst)
 {
-    size_t pos = st->recv[i];
     if (pos < st->grad_bytes) {
         size_t limit;
         if (i == 0) {
             *dst = (uint8_t *)out + pos;
             return st->grad_bytes - pos;
         }
-        /* the ring holds stream bytes [reduced, reduced + ring_bytes) */
-        limit = min_sz(st->grad_bytes, st->reduced + st->ring_bytes);
+        /* the ring holds stream bytes [reduced, reduced + ring) */
+        limit = min_sz(st->grad_bytes, reduced + ring);
         if (pos >= limit)
             return 0;
-        *dst = st->rings[i] + pos % st->ring_bytes;
-        return min_sz(limit - pos, st->ring_bytes - pos % st->ring_bytes);
+        *dst = st->rings[i] + pos % ring;
+        return min_sz(limit - pos, ring - pos % ring);
     }
     pos -= st->grad_bytes;
     if (pos >= st->tail_len)
@@ -371,13 +369,26 @@ static size_t recv_window(const ddpw_net_reduce_state *st, size_t i, float *out,
     return st->tail_len - pos;
 }
 
+static size_t recv_window(const ddpw_net_reduce_state *st, size_t i, float *out,
+                          uint8_t *tails, uint8_t **dst)
+{
+    return ddpw_net_reduce_window(st, i, st->recv[i], st->reduced, st->ring_bytes, out, tails,
+                                  dst);
+}
+
+void ddpw_net_note_bad(int64_t *bad_index, float *bad_value, size_t i, size_t elem,
+                       const float *src, int64_t found)
+{
+    if (found >= 0 && bad_index[i] < 0) {
+        bad_index[i] = (int64_t)elem + found;
+        bad_value[i] = src[found];
+    }
+}
+
 static void note_bad(ddpw_net_reduce_state *st, size_t i, size_t elem,
                      const float *src, int64_t found)
 {
-    if (found >= 0 && st->bad_index[i] < 0) {
-        st->bad_index[i] = (int64_t)elem + found;
-        st->bad_value[i] = src[found];
-    }
+    ddpw_net_note_bad(st->bad_index, st->bad_value, i, elem, src, found);
 }
 
 /* Reduce stream bytes [from, to) of every socket into out. */

@@ -101,6 +101,23 @@ void ddpw_net_reduce_free(ddpw_net_reduce_state *st);
 int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                           uint8_t *tails, int timeout_ms, size_t *failed, int *err);
 
+/* The pieces of the streaming reduce that csrc/threaded.c shares.
+ *
+ * Where socket i's next bytes go once it has delivered pos bytes of its
+ * stream, when every stream is reduced up to byte `reduced` and the rings
+ * hold `ring` bytes (a multiple of 4, at most st->ring_bytes): returns how
+ * many fit, 0 when the socket must wait for the others or its stream is
+ * complete, and sets *dst. Socket 0's elements go straight into out, the
+ * others' into their rings, the bytes after the vector into tails. */
+size_t ddpw_net_reduce_window(const ddpw_net_reduce_state *st, size_t i, size_t pos,
+                              size_t reduced, size_t ring, float *out, uint8_t *tails,
+                              uint8_t **dst);
+
+/* Keep bad_index[i] / bad_value[i] at the first non-finite element seen:
+ * found is an index into src (which starts at element elem), or -1. */
+void ddpw_net_note_bad(int64_t *bad_index, float *bad_value, size_t i, size_t elem,
+                       const float *src, int64_t found);
+
 /* ddpw_net_reduce_stream fused with the broadcast of its result.
  *
  * While the vectors arrive, every socket i is also sent head[0..head_len)

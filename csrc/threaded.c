@@ -27,8 +27,8 @@
 
 typedef struct socket_thread {
     struct ddpw_threaded *h;
-    size_t i;        /* the socket */
-    int sending;     /* the socket's sending thread, else its receiving one */
+    size_t i;    /* the socket */
+    int sending; /* the socket's sending thread, else its receiving one */
     int wake[2]; /* written to when the frontier moves or the step aborts */
     pthread_t id;
     int started, joined;
@@ -46,12 +46,12 @@ struct ddpw_threaded {
     size_t *sent;
     int timeout_ms;
     size_t chunk, ring, nchunks;
+    size_t nthreads; /* n receiving threads, then n sending ones if replying */
 
     pthread_mutex_t lock; /* guards everything below and st->recv/reduced/bad_* */
     size_t claimed;       /* chunks handed to a reducer, in order */
     size_t frontier;      /* chunks reduced, contiguous from the first */
     uint8_t *done;        /* per chunk: reduced, maybe ahead of the frontier */
-    size_t nthreads;      /* n receiving threads, then n sending ones if replying */
     size_t live;          /* threads still running */
     int abort;
     int result; /* first failure, DDPW_NET_OK if none */
@@ -87,37 +87,15 @@ static void fail(socket_thread *t, int rc, int err)
     wake_all(h, t);
 }
 
-/* Where socket i's next bytes go and how many fit, given the frontier. */
 static size_t window(const struct ddpw_threaded *h, size_t i, size_t pos, size_t reduced,
                      uint8_t **dst)
 {
-    const ddpw_net_reduce_state *st = h->st;
-    if (pos < st->grad_bytes) {
-        size_t limit;
-        if (i == 0) {
-            *dst = (uint8_t *)h->out + pos;
-            return st->grad_bytes - pos;
-        }
-        /* the ring holds stream bytes [reduced, reduced + ring) */
-        limit = min_sz(st->grad_bytes, reduced + h->ring);
-        if (pos >= limit)
-            return 0;
-        *dst = st->rings[i] + pos % h->ring;
-        return min_sz(limit - pos, h->ring - pos % h->ring);
-    }
-    pos -= st->grad_bytes;
-    if (pos >= st->tail_len)
-        return 0;
-    *dst = h->tails + i * st->tail_len + pos;
-    return st->tail_len - pos;
+    return ddpw_net_reduce_window(h->st, i, pos, reduced, h->ring, h->out, h->tails, dst);
 }
 
 static void note_bad(socket_thread *t, size_t j, size_t elem, const float *src, int64_t found)
 {
-    if (found >= 0 && t->bad_index[j] < 0) {
-        t->bad_index[j] = (int64_t)elem + found;
-        t->bad_value[j] = src[found];
-    }
+    ddpw_net_note_bad(t->bad_index, t->bad_value, j, elem, src, found);
 }
 
 /* Reduce chunk c of every socket into out (no lock held: nobody else
