@@ -14,10 +14,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
 
 #define DDPW_SENDER_MAX_IOV 8
 
@@ -55,7 +52,6 @@ static void *sender_main(void *arg)
     done = h->done;
     pthread_mutex_unlock(&h->lock);
     while (done < h->total && !stopping(h)) {
-        struct pollfd p[2];
         rc = ddpw_net_send_some(h->fd, h->iov, h->iovcnt, h->total, &done, &err);
         pthread_mutex_lock(&h->lock);
         h->done = done;
@@ -67,22 +63,11 @@ static void *sender_main(void *arg)
         if (rc < 0)
             break;
         /* would block: wait for room, or for the caller to call it off */
-        p[0].fd = h->fd;
-        p[0].events = POLLOUT;
-        p[0].revents = 0;
-        p[1].fd = h->wake[0];
-        p[1].events = POLLIN;
-        p[1].revents = 0;
-        rc = poll(p, 2, h->timeout_ms);
-        if (rc == 0) {
+        rc = ddpw_wake_poll(h->fd, POLLOUT, h->wake[0], h->timeout_ms, &err);
+        if (rc == 0)
             rc = DDPW_NET_TIMEOUT;
+        if (rc < 0)
             break;
-        }
-        if (rc < 0 && errno != EINTR) {
-            err = errno;
-            rc = DDPW_NET_ERRNO;
-            break;
-        }
         rc = DDPW_NET_OK;
     }
     pthread_mutex_lock(&h->lock);
@@ -98,7 +83,6 @@ int ddpw_sender_start(ddpw_sender **handle, int fd, const struct iovec *iov, int
                       size_t done, int timeout_ms, int *err)
 {
     struct ddpw_sender *h;
-    sigset_t all, old;
     int k, rc;
     *handle = NULL;
     if (iovcnt < 0 || iovcnt > DDPW_SENDER_MAX_IOV)
@@ -124,11 +108,7 @@ int ddpw_sender_start(ddpw_sender **handle, int fd, const struct iovec *iov, int
         ddpw_sender_stop(h);
         return DDPW_NET_ERRNO;
     }
-    /* signals stay with the caller, whose wait they interrupt */
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    rc = pthread_create(&h->id, NULL, sender_main, h);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    rc = ddpw_wake_start_thread(&h->id, sender_main, h);
     if (rc != 0) {
         *err = rc;
         ddpw_sender_stop(h);
@@ -151,7 +131,6 @@ size_t ddpw_sender_progress(ddpw_sender *h)
 int ddpw_sender_wait(ddpw_sender *h, int *err)
 {
     for (;;) {
-        struct pollfd p;
         int finished, result;
         pthread_mutex_lock(&h->lock);
         finished = h->finished;
@@ -160,13 +139,8 @@ int ddpw_sender_wait(ddpw_sender *h, int *err)
         pthread_mutex_unlock(&h->lock);
         if (finished)
             return result;
-        p.fd = h->ended[0];
-        p.events = POLLIN;
-        p.revents = 0;
-        /* the thread enforces the timeout; this only waits for it */
-        if (poll(&p, 1, 1000) < 0 && errno == EINTR)
+        if (ddpw_wake_wait(h->ended[0]) == DDPW_NET_EINTR)
             return DDPW_NET_EINTR;
-        ddpw_wake_drain(h->ended[0]);
     }
 }
 

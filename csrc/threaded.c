@@ -15,11 +15,8 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 /* Element range reduced at once: the accumulator stays in L2 across the n
  * passes, and a thread is woken once per range, not once per recv. */
@@ -192,28 +189,9 @@ static int anyone_owes(struct ddpw_threaded *h)
     return owe;
 }
 
-/* Wait for fd to be ready for `events` (none: only for a wake-up) or for a
- * wake-up; 1 ready or woken, 0 on timeout, else a DDPW_NET_* failure. */
 static int wait_for(socket_thread *t, int fd, short events, int *err)
 {
-    struct pollfd p[2];
-    int rc;
-    p[0].fd = events ? fd : -1;
-    p[0].events = events;
-    p[0].revents = 0;
-    p[1].fd = t->wake[0];
-    p[1].events = POLLIN;
-    p[1].revents = 0;
-    rc = poll(p, 2, t->h->timeout_ms);
-    if (rc < 0) {
-        if (errno == EINTR)
-            return 1;
-        *err = errno;
-        return DDPW_NET_ERRNO;
-    }
-    if (p[1].revents)
-        ddpw_wake_drain(t->wake[0]);
-    return rc > 0;
+    return ddpw_wake_poll(fd, events, t->wake[0], t->h->timeout_ms, err);
 }
 
 /* Snapshot of what the other threads decided. */
@@ -391,7 +369,6 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
                         size_t *sent, int timeout_ms, int *err)
 {
     struct ddpw_threaded *h;
-    sigset_t all, old;
     size_t k, n = st->n;
     int rc = DDPW_NET_OK;
     *handle = NULL;
@@ -460,15 +437,12 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
             return DDPW_NET_NOMEM;
         }
     }
-    /* signals stay with the caller, whose wait they interrupt */
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
     for (k = 0; k < h->nthreads; k++) {
         socket_thread *t = &h->threads[k];
         pthread_mutex_lock(&h->lock);
         h->live++;
         pthread_mutex_unlock(&h->lock);
-        rc = pthread_create(&t->id, NULL, thread_main, t);
+        rc = ddpw_wake_start_thread(&t->id, thread_main, t);
         if (rc != 0) {
             pthread_mutex_lock(&h->lock);
             h->live--;
@@ -477,7 +451,6 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
         }
         t->started = 1;
     }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
         *err = rc;
         ddpw_threaded_stop(h);
@@ -490,20 +463,14 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
 int ddpw_threaded_wait(ddpw_threaded *h, size_t *failed, int *err)
 {
     for (;;) {
-        struct pollfd p;
         size_t live;
         pthread_mutex_lock(&h->lock);
         live = h->live;
         pthread_mutex_unlock(&h->lock);
         if (live == 0)
             break;
-        p.fd = h->caller_wake[0];
-        p.events = POLLIN;
-        p.revents = 0;
-        /* the threads enforce the timeouts; this only waits for them */
-        if (poll(&p, 1, 1000) < 0 && errno == EINTR)
+        if (ddpw_wake_wait(h->caller_wake[0]) == DDPW_NET_EINTR)
             return DDPW_NET_EINTR;
-        ddpw_wake_drain(h->caller_wake[0]);
     }
     join_all(h);
     if (h->result != DDPW_NET_OK) {

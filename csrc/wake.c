@@ -6,8 +6,12 @@
 #endif
 
 #include "wake.h"
+#include "net.h"
 
+#include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <unistd.h>
 
 int ddpw_wake_open(int fds[2])
@@ -50,4 +54,49 @@ void ddpw_wake_close(int fds[2])
             close(fds[k]);
         fds[k] = -1;
     }
+}
+
+int ddpw_wake_poll(int fd, short events, int read_fd, int timeout_ms, int *err)
+{
+    struct pollfd p[2];
+    int rc;
+    p[0].fd = events ? fd : -1;
+    p[0].events = events;
+    p[0].revents = 0;
+    p[1].fd = read_fd;
+    p[1].events = POLLIN;
+    p[1].revents = 0;
+    rc = poll(p, 2, timeout_ms);
+    if (rc < 0) {
+        if (errno == EINTR)
+            return 1; /* look again */
+        *err = errno;
+        return DDPW_NET_ERRNO;
+    }
+    if (p[1].revents)
+        ddpw_wake_drain(read_fd);
+    return rc > 0;
+}
+
+int ddpw_wake_wait(int read_fd)
+{
+    struct pollfd p;
+    p.fd = read_fd;
+    p.events = POLLIN;
+    p.revents = 0;
+    if (poll(&p, 1, 1000) < 0 && errno == EINTR)
+        return DDPW_NET_EINTR;
+    ddpw_wake_drain(read_fd);
+    return DDPW_NET_OK;
+}
+
+int ddpw_wake_start_thread(pthread_t *id, void *(*fn)(void *), void *arg)
+{
+    sigset_t all, old;
+    int rc;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    rc = pthread_create(id, NULL, fn, arg);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
 }
