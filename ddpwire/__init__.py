@@ -32,7 +32,7 @@ from .messages import (
     ShardAssignment,
     Shutdown,
 )
-from ._wire import (
+from ._core import (
     DEFAULT_MAX_FRAME,
     FrameReader,
     decode_frame,

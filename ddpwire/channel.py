@@ -1,6 +1,6 @@
 """One side of a ddpwire connection, message by message.
 
-A :class:`Channel` wraps the compiled :class:`~ddpwire._net.Connection` with
+A :class:`Channel` wraps the compiled :class:`~ddpwire._core.Connection` with
 what both roles need: a send lock (a background heartbeat must never land in
 the middle of a frame), heartbeat frames skipped on receive, and gradient
 frames received in two halves so their elements go straight into the
@@ -16,14 +16,14 @@ from typing import Any, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
-from . import _net
-from ._wire import encode_frame_parts
+from . import _core
+from ._core import encode_frame_parts
 from .errors import GradientMismatch, PeerLost, UnexpectedMessage
 from .messages import Heartbeat
 
 log = logging.getLogger(__name__)
 
-from ._wire import DEFAULT_MAX_FRAME
+from ._core import DEFAULT_MAX_FRAME
 
 
 class Channel:
@@ -40,7 +40,7 @@ class Channel:
         max_frame: int = DEFAULT_MAX_FRAME,
         heartbeat_timeout: Optional[float] = None,
     ) -> None:
-        self.conn = _net.Connection(sock, peer_id=peer_id, lost=lost, peer_name=peer_name)
+        self.conn = _core.Connection(sock, peer_id=peer_id, lost=lost, peer_name=peer_name)
         self.timeout = timeout
         self.max_frame = max_frame
         # With heartbeats on, a live peer is never silent for long, so silence
@@ -82,7 +82,7 @@ class Channel:
         """The next frame other than a Heartbeat: a whole message, or the
         FrameHead of a gradient message whose elements are still to come."""
         while True:
-            obj = _net.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+            obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
                                        step=step, what=what)
             if isinstance(obj, Heartbeat):
                 continue
@@ -96,7 +96,7 @@ class Channel:
             return obj
         raise UnexpectedMessage(names, message_name(obj), worker_id=self.peer_id, step=step)
 
-    def recv_gradients(self, head: "_net.FrameHead", out: Optional[np.ndarray], *,
+    def recv_gradients(self, head: "_core.FrameHead", out: Optional[np.ndarray], *,
                        step: Optional[int] = None) -> Tuple[np.ndarray, Any]:
         """Receive the elements announced by ``head`` into ``out`` (allocated
         when None) and then the fields after them. Returns (gradients, tail)."""
@@ -110,7 +110,7 @@ class Channel:
                                    worker_id=self.peer_id, step=step)
         self.conn.recv_into(out, self.read_timeout, step=step,
                             what=f"receiving {head.message_type}.gradients")
-        tail = _net.read_tail(self.conn, head, self.read_timeout, step=step)
+        tail = _core.read_tail(self.conn, head, self.read_timeout, step=step)
         return out, tail
 
     def close(self) -> None:
@@ -119,6 +119,6 @@ class Channel:
 
 def message_name(obj: Any) -> str:
     """The protocol name of a received message or frame head."""
-    if isinstance(obj, _net.FrameHead):
+    if isinstance(obj, _core.FrameHead):
         return obj.message_type
     return type(obj).__name__

@@ -18,9 +18,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from . import _net
+from . import _core
 from . import socket_threads as _socket_threads
-from ._wire import encode_frame_parts
+from ._core import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, message_name
 from .errors import (
     DdpwireError,
@@ -277,7 +277,7 @@ class Coordinator:
                                  component_sizes=list(heads[0].component_sizes),
                                  reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
 
-    def _collect_block_heads(self, step: int, block_idx: int) -> List["_net.FrameHead"]:
+    def _collect_block_heads(self, step: int, block_idx: int) -> List["_core.FrameHead"]:
         heads = self._collect_heads(BlockGradientPayload, step)
         for wid, head in enumerate(heads):
             if head.block_idx != block_idx:
@@ -304,7 +304,7 @@ class Coordinator:
         return NonBlockReduceResult(step=step, component=component, avg_gradients=avg,
                                     reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
 
-    def _collect_non_block_heads(self, step: int, component: int) -> List["_net.FrameHead"]:
+    def _collect_non_block_heads(self, step: int, component: int) -> List["_core.FrameHead"]:
         heads = self._collect_heads(NonBlockGradientPayload, step)
         for wid, head in enumerate(heads):
             if head.component != component:
@@ -319,14 +319,14 @@ class Coordinator:
                 f"only {len(self._channels)} of {self.expect_workers} workers joined: "
                 "call wait_for_workers() first")
 
-    def _collect_heads(self, expected: type, step: int) -> List["_net.FrameHead"]:
+    def _collect_heads(self, expected: type, step: int) -> List["_core.FrameHead"]:
         """Every worker's frame head, in worker order; the elements stay in the
         sockets for the streaming reduce."""
         self._require_workers()
         heads = []
         for chan in self._channels:
             head = chan.read_head(step=step, what=f"waiting for {expected.__name__}")
-            if not isinstance(head, _net.FrameHead) or head.tag != expected.TAG:
+            if not isinstance(head, _core.FrameHead) or head.tag != expected.TAG:
                 raise UnexpectedMessage(expected.__name__, message_name(head),
                                         worker_id=chan.peer_id, step=step)
             if head.step != step:
@@ -355,11 +355,11 @@ class Coordinator:
     def _reduce(self, heads: list, out: Optional[np.ndarray], step: int) -> Tuple[np.ndarray, list]:
         out = self._out_for(heads, out)
         conns = [chan.conn for chan in self._channels]
-        tails, bad = _net.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
+        tails, bad = _core.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
                                         ring_bytes=self.ring_bytes,
                                         socket_threads=self._use_socket_threads(heads), step=step)
         self._raise_bad(bad, step)
-        return out, [_net.decode_tail(heads[0].tag, t) for t in tails]
+        return out, [_core.decode_tail(heads[0].tag, t) for t in tails]
 
     @staticmethod
     def _raise_bad(bad: Optional[list], step: int) -> None:
@@ -407,7 +407,7 @@ class Coordinator:
         def make_tail(tails: List[bytes]) -> bytes:
             # every worker's loss and counts are in: the result is complete
             # but for its time, and global_loss ends the reply
-            decoded = [_net.decode_tail(GradientPayload.TAG, t) for t in tails]
+            decoded = [_core.decode_tail(GradientPayload.TAG, t) for t in tails]
             result = self._flat_result(step, out, decoded, reduce_time=0.0, wait_time=t1 - t0)
             done.append(result)
             return encode_frame_parts(AveragedGradient(step=step, gradients=out,
@@ -465,7 +465,7 @@ class Coordinator:
         conns = [chan.conn for chan in self._channels]
         with self._sending_to_all():
             try:
-                _, bad = _net.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
+                _, bad = _core.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
                                                self.timeout, ring_bytes=self.ring_bytes,
                                                socket_threads=self._use_socket_threads(heads), step=step,
                                                what=f"averaging {heads[0].message_type} into {reply}")
@@ -492,7 +492,7 @@ class Coordinator:
         self._require_workers()
         parts = encode_frame_parts(msg, max_frame=self.max_frame)
         with self._sending_to_all():
-            _net.send_many([c.conn for c in self._channels], parts, self.timeout, step=step,
+            _core.send_many([c.conn for c in self._channels], parts, self.timeout, step=step,
                            what=f"sending {type(msg).__name__}")
 
     @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 Field names and order follow the wire layout (see docs/protocol-notes.md).
 Each class carries its wire ``TAG``. The byte layout itself lives in the
-compiled codec (:mod:`ddpwire._wire`); these classes only hold values.
+compiled codec (:mod:`ddpwire._core`); these classes only hold values.
 
 Value types:
 

@@ -18,9 +18,9 @@ from typing import Any, Deque, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _net
+from . import _core
 from . import socket_threads as _socket_threads
-from ._wire import encode_frame_parts
+from ._core import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, message_name
 from .errors import (
     CoordinatorLost,
@@ -219,7 +219,7 @@ class Worker:
         parts = encode_frame_parts(msg, max_frame=chan.max_frame)
         send_thread = _socket_threads.for_worker(self.socket_threads, 4 * count)
         with chan.send_lock:
-            exchange = _net.Exchange(chan.conn, parts, chan.read_timeout, step=step,
+            exchange = _core.Exchange(chan.conn, parts, chan.read_timeout, step=step,
                                      what="sending GradientPayload", send_thread=send_thread)
             try:
                 global_loss = self._exchange_averaged(exchange, step, out)
@@ -230,19 +230,19 @@ class Worker:
                 raise
         return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
 
-    def _exchange_averaged(self, exchange: "_net.Exchange", step: int, out: np.ndarray) -> float:
+    def _exchange_averaged(self, exchange: "_core.Exchange", step: int, out: np.ndarray) -> float:
         """Receive the AveragedGradient for ``step`` into ``out`` while the
         payload goes out; returns global_loss."""
         chan = self._chan
         ctx = dict(worker_id=self._worker_id, step=step)
         while True:
-            head = _net.exchange_frame_head(exchange, chan.max_frame, peer_id=self._worker_id,
+            head = _core.exchange_frame_head(exchange, chan.max_frame, peer_id=self._worker_id,
                                             step=step, what="receiving AveragedGradient")
             if not isinstance(head, Heartbeat):
                 break
         if isinstance(head, Shutdown):
             raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
-        if not isinstance(head, _net.FrameHead) or head.tag != AveragedGradient.TAG:
+        if not isinstance(head, _core.FrameHead) or head.tag != AveragedGradient.TAG:
             raise UnexpectedMessage(AveragedGradient.__name__, message_name(head), **ctx)
         if head.gradient_count != len(out):
             raise GradientMismatch("gradients length", len(out), head.gradient_count, **ctx)
@@ -250,7 +250,7 @@ class Worker:
             raise GradientMismatch("step", step, head.step, **ctx)
         tail = bytearray(head.tail_len)
         exchange.recv_into(out, tail, what="receiving AveragedGradient.gradients")
-        return _net.decode_tail(head.tag, bytes(tail))[3]
+        return _core.decode_tail(head.tag, bytes(tail))[3]
 
     # ---- per-block steps (v2) ----
 
@@ -296,7 +296,7 @@ class Worker:
         if isinstance(head, Shutdown):
             raise ShutdownDuringReduce(f"coordinator shut down during {what}",
                                        worker_id=self._worker_id, step=step)
-        if not isinstance(head, _net.FrameHead) or head.tag != expected.TAG:
+        if not isinstance(head, _core.FrameHead) or head.tag != expected.TAG:
             raise UnexpectedMessage(expected.__name__, message_name(head),
                                     worker_id=self._worker_id, step=step)
         if owed is not None:
@@ -312,7 +312,7 @@ class Worker:
                                         gradients=gradients)
 
     def _check_owed(self, owed: Tuple[type, int, Optional[int]], expected: type,
-                    head: "_net.FrameHead") -> None:
+                    head: "_core.FrameHead") -> None:
         kind, step, key = owed
         ctx = dict(worker_id=self._worker_id, step=step)
         if kind is not expected:

@@ -1,4 +1,3 @@
-# cython: language_level=3
 """Python face of the wire codec in csrc/wire.c.
 
 The byte layout lives in C; this module moves values between Python message
@@ -120,6 +119,8 @@ cdef object wire_error(const ddpw_error *err):
 
 cdef class HeldBuffer:
     """Holds a Py_buffer export for as long as C reads from it."""
+    cdef Py_buffer view
+    cdef bint held
 
     def __dealloc__(self):
         if self.held:
@@ -598,6 +599,14 @@ cdef class FrameReader:
     unfinished frame; ``close()`` raises ProtocolError when the stream ended
     inside a frame. One reader serves one stream from one thread at a time.
     """
+    cdef readonly uint64_t max_frame
+    cdef readonly bint allow_trailing
+    cdef uint8_t _prefix[4]
+    cdef Py_ssize_t _prefix_len
+    cdef bytearray _payload
+    cdef Py_ssize_t _payload_len
+    cdef Py_ssize_t _filled
+    cdef object _failure
 
     def __init__(self, max_frame=DEFAULT_MAX_FRAME, *, bint allow_trailing=False):
         self.max_frame = _max_frame(max_frame)

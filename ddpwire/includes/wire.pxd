@@ -1,7 +1,4 @@
-# cython: language_level=3
-# Declarations of csrc/wire.h, in its order, for any .pyx that needs the
-# codec's C layer (cimport ddpwire._wire), plus the helpers that turn its
-# structs and errors into Python objects.
+# Declarations mirroring csrc/wire.h, in its order.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
 
@@ -128,35 +125,3 @@ cdef extern from "wire.h" nogil:
                                  size_t *written, ddpw_error *err)
     double ddpw_f32_to_f64(float f)
     float ddpw_f64_to_f32(double d)
-
-
-# The exception (ProtocolError, FrameTooLarge or ValueError) that a failed
-# C call's error describes, ready to raise.
-cdef object wire_error(const ddpw_error *err)
-
-# Fill *out from a Python message; `keep` receives the objects whose memory
-# *out points into (strings, buffers): hold it while *out is in use.
-cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1
-
-# A Python message from a decoded struct whose pointers lie inside `owner`'s
-# buffer, which starts at `base`; arrays become views of `owner`.
-cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *base)
-
-
-# A buffer export held while C reads or writes it (other units cimport it).
-cdef class HeldBuffer:
-    cdef Py_buffer view
-    cdef bint held
-
-
-cdef class FrameReader:
-    cdef readonly uint64_t max_frame
-    cdef readonly bint allow_trailing
-    cdef uint8_t _prefix[4]
-    cdef Py_ssize_t _prefix_len
-    cdef bytearray _payload
-    cdef Py_ssize_t _payload_len
-    cdef Py_ssize_t _filled
-    cdef object _failure
-
-    cdef _fail(self, exc)

@@ -1,4 +1,4 @@
-# Declarations mirroring csrc/net.h.
+# Declarations mirroring csrc/net.h, csrc/threaded.h and csrc/sender.h.
 from libc.stdint cimport uint8_t, int64_t
 
 cdef extern from "<sys/uio.h>":

@@ -1,4 +1,3 @@
-# cython: language_level=3
 """GIL-free socket I/O: scatter-gather sends, receives straight into the
 caller's buffers, and the coordinator's streaming reduce over many sockets.
 
@@ -16,11 +15,6 @@ import socket as _socket
 
 from ddpwire._buffer cimport acquire_float32
 from .errors import PeerLost, DdpwireError, ProtocolError
-from ._wire import decode_payload
-from ._wire cimport (ddpw_error, ddpw_head, ddpw_tail, ddpw_status, DDPW_OK, DDPW_NEED_MORE,
-                     ddpw_read_prefix, ddpw_check_frame_len, ddpw_decode_head, ddpw_decode_tail,
-                     ddpw_message_type, ddpw_load_u32s, ddpw_f32_to_f64, wire_error,
-                     HeldBuffer)
 
 cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
