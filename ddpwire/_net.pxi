@@ -501,6 +501,15 @@ cdef class FrameHead:
     cdef readonly list component_sizes
     cdef readonly unsigned long long gradient_count
     cdef readonly size_t tail_len
+    # the bulk field still in the socket: the gradient elements, or the data
+    # of CollectiveRequest/CollectiveResult (read with collective_heads=True)
+    cdef readonly unsigned long long bulk_len
+    cdef readonly unsigned long long seq
+    cdef readonly int kind
+    cdef readonly int op
+    cdef readonly int dtype
+    cdef readonly unsigned int root
+    cdef readonly unsigned long long count
 
     def __repr__(self):
         return (f"FrameHead({self.message_type}, step={self.step}, "
@@ -508,25 +517,30 @@ cdef class FrameHead:
 
 
 def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
-                    str what="receiving"):
+                    str what="receiving", bint collective_heads=False):
     """Receive one frame up to its gradient elements (bytes after the last
     field are refused, as everywhere in a session).
 
     Returns a FrameHead for a gradient message, whose elements and tail are
-    left in the socket, or the whole decoded message for any other.
+    left in the socket, or the whole decoded message for any other. With
+    ``collective_heads``, CollectiveRequest/CollectiveResult also come back
+    as a FrameHead (seq, kind, op, dtype, root, count), their ``bulk_len``
+    data bytes left in the socket.
     """
     return read_head_with(lambda view: conn.recv_into(view, timeout, step=step, what=what),
-                          max_frame, conn.peer_id, step)
+                          max_frame, conn.peer_id, step, collective_heads)
 
 
 def exchange_frame_head(Exchange exchange, uint64_t max_frame, *, peer_id=None, step=None,
-                        str what="receiving"):
+                        str what="receiving", bint collective_heads=False):
     """read_frame_head for the receiving side of an Exchange (its send goes on
     meanwhile)."""
-    return read_head_with(lambda view: exchange.recv_into(view, what=what), max_frame, peer_id, step)
+    return read_head_with(lambda view: exchange.recv_into(view, what=what), max_frame, peer_id,
+                          step, collective_heads)
 
 
-cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, object step):
+cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, object step,
+                           bint collective_heads=False):
     """The frame-head reader over ``fill(view)``, which receives exactly
     len(view) bytes into view: the C decoder says how many bytes it needs
     next, so nothing past the head is taken from the socket."""
@@ -560,7 +574,7 @@ cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, obje
         if st != DDPW_OK:
             raise with_context(wire_error(&err), peer_id, step)
         break
-    if not head.has_gradients:
+    if not head.has_gradients and not (collective_heads and head.has_bulk):
         if payload_len > have:
             buf.extend(bytes(payload_len - len(buf)))
             fill(memoryview(buf)[have:])
@@ -582,6 +596,13 @@ cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, obje
         fh.component_sizes.append(size)
     fh.gradient_count = head.gradient_count
     fh.tail_len = head.tail_len
+    fh.bulk_len = head.bulk_len
+    fh.seq = head.seq
+    fh.kind = head.kind
+    fh.op = head.op
+    fh.dtype = head.dtype
+    fh.root = head.root
+    fh.count = head.count
     return fh
 
 
