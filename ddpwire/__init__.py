@@ -5,11 +5,13 @@ and averages float32 gradients in place; thin Python classes on top run a
 coordinator and its workers.
 """
 from .errors import (
+    AuthenticationFailed,
     CoordinatorLost,
     DdpwireError,
     DeviceUnavailable,
     FrameTooLarge,
     GradientMismatch,
+    JoinRefusedError,
     JoinTimeout,
     NonFiniteGradient,
     PeerLost,
@@ -58,6 +60,8 @@ from .sessioninfo import WorkerInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationFailed",
+    "JoinRefusedError",
     "AuthChallenge",
     "AuthProof",
     "CollectiveError",

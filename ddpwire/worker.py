@@ -213,8 +213,11 @@ class Worker:
         chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
                        lost=CoordinatorLost, max_frame=max_frame)
         try:
+            # Always a block, empty when there is nothing to offer: the
+            # reference coordinator ignores it, and a ddpwire one then knows
+            # it may tell this worker why it is refused.
             chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
-                                  extensions=offer or None))
+                                  extensions=offer))
             accepted = _await_admission(chan, secret, nonce)
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
