@@ -126,6 +126,17 @@ size_t ddpw_net_reduce_window(const ddpw_net_reduce_state *st, size_t i, size_t 
                               size_t reduced, size_t ring, float *out, uint8_t *tails,
                               uint8_t **dst);
 
+/* The one reduce core of both stream engines (this file's poll loop and
+ * csrc/threaded.c): average `count` elements starting at element `elem`,
+ * whose socket-0 values are already in acc and whose other sockets' values
+ * are at ring_off in their rings: a float32 sum in socket order, then a
+ * division by n, unless a non-finite value is found (recorded in bad_index /
+ * bad_value, per socket). With `halted`, only look for each socket's first
+ * bad element. Returns 1 when any socket has a bad element recorded. */
+int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ring_off,
+                          size_t elem, size_t count, int halted, int64_t *bad_index,
+                          float *bad_value);
+
 /* Keep bad_index[i] / bad_value[i] at the first non-finite element seen:
  * found is an index into src (which starts at element elem), or -1. */
 void ddpw_net_note_bad(int64_t *bad_index, float *bad_value, size_t i, size_t elem,
