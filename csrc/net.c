@@ -246,14 +246,34 @@ static int recv_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
     return DDPW_NET_ERRNO;
 }
 
+/* Check the watched elements that have fully arrived (received bytes of
+ * the stream so far). */
+static void watch_advance(ddpw_finite_watch *w, size_t received)
+{
+    size_t upto;
+    int64_t found;
+    if (w == NULL || w->bad >= 0)
+        return;
+    upto = received < w->len ? received : w->len;
+    upto -= upto % 4;
+    if (upto <= w->checked)
+        return;
+    found = ddpw_first_non_finite((const float *)(const void *)(w->base + w->checked),
+                                  (upto - w->checked) / 4);
+    if (found >= 0)
+        w->bad = (int64_t)(w->checked / 4) + found;
+    w->checked = upto;
+}
+
 int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                       int timeout_ms, int64_t deadline_ms, int *err)
+                       int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err)
 {
     struct iovec one;
     one.iov_base = buf;
     one.iov_len = len;
     while (*done < len) {
         int rc = recv_some(fd, &one, 1, len, done, err);
+        watch_advance(watch, *done);
         if (rc < 0)
             return rc;
         if (rc == 0) {
@@ -290,7 +310,7 @@ int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err)
 
 int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
-                     int timeout_ms, int64_t deadline_ms, int *err)
+                     int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err)
 {
     size_t out_total, in_total;
     int sending = 1;
@@ -304,6 +324,7 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
         /* drain first: the reply must never wait behind our own bytes */
         do {
             rc = recv_some(fd, in_iov, in_cnt, in_total, received, err);
+            watch_advance(watch, *received);
             if (rc < 0)
                 return rc;
         } while (rc == 1 && *received < in_total);

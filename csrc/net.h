@@ -26,6 +26,18 @@ enum {
     DDPW_NET_NONFINITE = -6 /* ddpw_net_reduce_stream: data received, non-finite found */
 };
 
+/* Checks float32 elements for NaN and +/-inf as they are received, in the
+ * same pass (the bytes are still in cache): the elements are the first `len`
+ * bytes of what the receive fills, starting at `base`. `bad` is the index
+ * of the first non-finite element, or -1; `checked` the bytes looked at.
+ * Start with checked = 0 and bad = -1; keep it across resumed calls. */
+typedef struct ddpw_finite_watch {
+    const uint8_t *base;
+    size_t len;
+    size_t checked;
+    int64_t bad;
+} ddpw_finite_watch;
+
 /* Send and receive on one socket at once, in one poll loop.
  *
  * Sends the concatenation of out_iov from byte *sent while receiving into the
@@ -41,15 +53,16 @@ enum {
  * the receive whatever moved. */
 int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
-                     int timeout_ms, int64_t deadline_ms, int *err);
+                     int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err);
 
 /* Receive exactly len bytes into buf, resuming from *done.
  * On return *done holds the bytes received so far (also on error).
  * deadline_ms, when >= 0, is a time on ddpw_net_now_ms's clock after which
  * the call gives up with DDPW_NET_TIMEOUT even if bytes keep trickling in:
- * waiting for a message is bounded by its deadline, not only by silence. */
+ * waiting for a message is bounded by its deadline, not only by silence.
+ * With a watch (else NULL), the elements are checked as they land. */
 int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                       int timeout_ms, int64_t deadline_ms, int *err);
+                       int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err);
 
 /* Milliseconds on a monotonic clock, for deadlines. */
 int64_t ddpw_net_now_ms(void);

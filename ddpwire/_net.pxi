@@ -137,28 +137,36 @@ cdef class Connection:
         if self.fd < 0:
             raise self.lost(f"{self.peer_name} connection is closed", worker_id=self.peer_id)
 
-    def recv_into(self, buf, timeout, *, deadline=None, step=None, str what="receiving"):
+    def recv_into(self, buf, timeout, *, deadline=None, bint check_finite=False, step=None,
+                  str what="receiving"):
         """Fill the whole writable buffer ``buf`` from the socket (GIL released).
 
         ``timeout`` bounds silence; ``deadline`` (a time.monotonic() value)
-        bounds the whole receive, however the bytes trickle in."""
+        bounds the whole receive, however the bytes trickle in. With
+        ``check_finite`` the buffer's float32 elements are checked as they
+        land, and the index of the first NaN or +/-inf (or None) is returned."""
         cdef HeldBuffer b = get_bytes(buf, "buf")
         cdef size_t done = 0
         cdef int err = 0, rc, ms = timeout_ms(timeout)
         cdef int64_t until = deadline_ms(deadline)
+        cdef ddpw_finite_watch watch
         if b.view.readonly:
             raise TypeError("buf: expected a writable buffer")
+        watch.base = <const uint8_t *>b.view.buf
+        watch.len = <size_t>b.view.len if check_finite else 0
+        watch.checked = 0
+        watch.bad = -1
         self.check_open()
         while True:
             with nogil:
                 rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms,
-                                         until, &err)
+                                         until, &watch, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
             if rc != DDPW_NET_OK:
                 self.fail(rc, err, step, f"{what} ({done} of {b.view.len} bytes)", ms, deadline)
-            return
+            return watch.bad if watch.bad >= 0 else None
 
     cdef Py_ssize_t peek(self, uint8_t *buf, size_t cap) except -1:
         """Bytes already received, copied to buf and left in the socket."""
@@ -451,10 +459,13 @@ cdef class Exchange:
         """Whether the whole frame has been sent."""
         return self.sent >= self.total
 
-    def recv_into(self, *bufs, str what="receiving", deadline=None):
+    def recv_into(self, *bufs, str what="receiving", deadline=None, bint check_finite=False):
         """Fill every writable buffer of ``bufs`` in turn (at most 8) from the
         connection, sending meanwhile; ``deadline`` (time.monotonic()) bounds
-        the receive however the bytes trickle in."""
+        the receive however the bytes trickle in. With ``check_finite`` the
+        float32 elements of the first buffer are checked as they land, and
+        the index of the first NaN or +/-inf (or None) is returned."""
+        cdef ddpw_finite_watch watch
         cdef iovec in_iov[MAX_PARTS]
         cdef list held = []
         cdef HeldBuffer b
@@ -472,6 +483,10 @@ cdef class Exchange:
             in_iov[m].iov_len = <size_t>b.view.len
             in_total += in_iov[m].iov_len
             m += 1
+        watch.base = <const uint8_t *>in_iov[0].iov_base if m else NULL
+        watch.len = in_iov[0].iov_len if (m and check_finite) else 0
+        watch.checked = 0
+        watch.bad = -1
         self.conn.check_open()
         # with a sending thread this loop only receives: it sends nothing
         # (an empty frame), and the thread's progress is reported instead
@@ -479,7 +494,7 @@ cdef class Exchange:
         while True:
             with nogil:
                 rc = ddpw_net_exchange(self.conn.fd, self.iov, out_k, &sent,
-                                       in_iov, m, &received, self.ms, until, &err)
+                                       in_iov, m, &received, self.ms, until, &watch, &err)
             if self.sender is NULL:
                 self.sent_bytes = sent
             if rc == DDPW_NET_EINTR:
@@ -490,7 +505,7 @@ cdef class Exchange:
                 self.conn.fail(rc, err, self.step,
                                f"{self.what} ({self.sent} of {self.total} bytes) and {what} "
                                f"({received} of {in_total} bytes)", self.ms, deadline)
-            return
+            return watch.bad if watch.bad >= 0 else None
 
     def finish(self):
         """Send what is left of the frame (nothing, normally, once the reply is in)."""
