@@ -93,20 +93,22 @@ def _run(baseline, scenario: str):
     elif scenario == "bomb":
         bomb = socket.create_connection(addr)
         strays = [bomb]
-        # a BlockGradientPayload head declaring 99,999,997 bytes, then its body:
-        # 24,999,990 component sizes of 1 (the frame the issue measured)
+        # a whole BlockGradientPayload of 99,999,997 bytes as the first frame:
+        # 24,999,990 component sizes, then one gradient element (the frame
+        # the issue measured: the sizes used to become a Python list)
         count = 24_999_990
         head = (99_999_997).to_bytes(4, "big") + bytes([0x08]) + (0).to_bytes(8, "little") \
             + (0).to_bytes(4, "little") * 3 + count.to_bytes(4, "little")
+        tail = (1).to_bytes(8, "little") + (0).to_bytes(4, "little")
 
         def flood(sock=bomb):
             try:
                 sock.sendall(head)
                 chunk = (1).to_bytes(4, "little") * (1 << 18)
-                left = 99_999_997 + 4 - len(head)
+                left = 4 * count
                 while left > 0 and not stop.is_set():
-                    n = sock.send(chunk[:left])
-                    left -= n
+                    left -= sock.send(chunk[:left])
+                sock.sendall(tail)
             except OSError:
                 return
         threads.append(threading.Thread(target=flood, daemon=True))
