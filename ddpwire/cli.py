@@ -19,6 +19,7 @@ from .errors import DdpwireError
 from .launch import from_environment, parse_addr
 from .progress import ProgressBar, break_line
 from .serve import serve
+from .threads import threads_per_worker
 from .torch_check import require_torch
 
 __all__ = ["main"]
@@ -111,7 +112,6 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
 def run_worker(args: argparse.Namespace) -> int:
     require_torch("ddpwire worker")
     from .torch.job import train_worker  # torch only here
-    from .torch.threads import threads_per_worker
 
     launch = from_environment(args.connect)
     hosted: Optional[threading.Thread] = None

@@ -19,6 +19,7 @@ from .coordinator import Coordinator
 from .errors import DdpwireError
 from .progress import ProgressBar
 from .serve import serve
+from .threads import threads_per_worker
 from .torch_check import require_torch
 
 __all__ = ["run_demo", "WorkerDied"]
@@ -89,7 +90,6 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     require_torch("ddpwire demo")
-    from .torch.threads import threads_per_worker  # imports no torch
 
     threads = threads_per_worker(args.workers) if args.threads is None else args.threads
     out = sys.stdout

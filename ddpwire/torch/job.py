@@ -19,7 +19,7 @@ from .data import ArrayDataset, digits_split, token_sequences
 from .device import choose_device
 from .models import DigitsMLP, TinyTransformer
 from .rank_order import RankOrder
-from .threads import apply_threads
+from ..threads import apply_threads
 from .trainer import DataParallelTrainer, evaluate
 
 __all__ = ["WorkerReport", "build_task", "weights_digest", "train_worker"]
