@@ -1,6 +1,7 @@
 """The ddpwire command: demo, standalone coordinator, worker, torchrun launch, errors."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -20,6 +21,11 @@ from ddpwire.threads import threads_per_worker, usable_cores
 
 PY = [sys.executable, "-m", "ddpwire"]
 
+# the worker side and the demo train with torch (the [torch] extra); a wheel
+# tested without it (cibuildwheel) runs the rest
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="needs the [torch] extra (PyTorch, scikit-learn)")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -31,6 +37,7 @@ def run(args, timeout=240, **kw):
     return subprocess.run(PY + args, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+@needs_torch
 def test_demo_trains_two_workers_to_identical_weights():
     proc = run(["demo", "--workers", "2", "--steps", "6", "--samples", "128"])
     assert proc.returncode == 0, proc.stderr
@@ -42,6 +49,7 @@ def test_demo_trains_two_workers_to_identical_weights():
     assert f"{threads_per_worker(2)} torch threads per worker" in out.splitlines()[0]
 
 
+@needs_torch
 def test_per_block_demo_shows_loss_and_accuracy():
     proc = run(["demo", "--workers", "2", "--steps", "4", "--samples", "64", "--per-block"])
     assert proc.returncode == 0, proc.stderr
@@ -51,10 +59,10 @@ def test_per_block_demo_shows_loss_and_accuracy():
     assert "weights identical on all 2 workers" in proc.stdout
 
 
+@needs_torch
 def test_demo_stops_when_a_worker_process_dies():
     # no CUDA here: the workers exit at once; the demo must say so, not wait
     # out its join timeout and then report that nobody joined
-    pytest.importorskip("torch")
     import torch
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA, where --device cuda fails")
@@ -65,6 +73,7 @@ def test_demo_stops_when_a_worker_process_dies():
     assert "joined within" not in proc.stderr
 
 
+@needs_torch
 def test_ctrl_c_in_the_demo_says_interrupted_once():
     # as a terminal's Ctrl-C does: SIGINT to the demo's whole process group
     demo = subprocess.Popen(PY + ["demo", "--workers", "3", "--steps", "100000000", "--samples", "48"],
@@ -127,6 +136,7 @@ def test_missing_torch_is_one_line_with_the_install_hint():
         assert "pip install 'ddpwire[torch]'" in lines[0] and "whl/cpu" in lines[0]
 
 
+@needs_torch
 def test_a_retrying_worker_says_what_it_waits_for():
     port = free_port()
     proc = run(["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "2"])
@@ -145,6 +155,7 @@ def test_threads_per_worker_split_the_cores():
         threads_per_worker(0)
 
 
+@needs_torch
 def test_standalone_coordinator_and_workers(tmp_path):
     port = free_port()
     # socket threads forced on: the default would not use them for the demo's small model
@@ -171,6 +182,7 @@ def test_standalone_coordinator_and_workers(tmp_path):
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
 
 
+@needs_torch
 def test_torchrun_rank0_hosts_the_coordinator():
     # `python -m torch.distributed.run` is what the torchrun script runs
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
@@ -189,6 +201,7 @@ def test_torchrun_rank0_hosts_the_coordinator():
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
 
 
+@needs_torch
 def test_refused_connection_is_one_clear_line():
     proc = run(["worker", "--connect", f"127.0.0.1:{free_port()}", "--timeout", "0.5"])
     assert proc.returncode == 1
@@ -196,6 +209,7 @@ def test_refused_connection_is_one_clear_line():
     assert "Traceback" not in proc.stderr
 
 
+@needs_torch
 def test_wrong_address_is_one_clear_line():
     proc = run(["worker", "--connect", "no-such-host.invalid:29400", "--timeout", "5"])
     assert proc.returncode == 1
