@@ -23,7 +23,9 @@ def run_demo(workers: int, steps: int, samples: int, threads: str) -> dict:
            "--samples", str(samples), "--log-level", "WARNING"]
     if threads != "split":
         cmd += ["--threads", threads]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # torch's default must be the real default: no thread variables inherited
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"demo failed: {' '.join(cmd)}\n{proc.stderr}")
     m = THROUGHPUT.search(proc.stdout)

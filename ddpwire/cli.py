@@ -19,7 +19,7 @@ from .errors import DdpwireError
 from .launch import from_environment, parse_addr
 from .progress import ProgressBar, break_line
 from .serve import serve
-from .threads import threads_per_worker
+from .threads import default_threads
 from .torch_check import require_torch
 
 __all__ = ["main"]
@@ -52,7 +52,8 @@ def _worker_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker process (default: the usable cores divided by "
-                        "the workers on this machine; 0 leaves torch's own default)")
+                        "the workers on this machine, unless OMP_NUM_THREADS is set; 0 leaves "
+                        "torch's own default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +139,7 @@ def run_worker(args: argparse.Namespace) -> int:
         join_turn = RankOrder.from_environment(launch.rank, launch.world_size, args.timeout)
     # torchrun's LOCAL_WORLD_SIZE workers share this machine's cores
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    threads = threads_per_worker(local) if args.threads is None else args.threads
+    threads = default_threads(local) if args.threads is None else args.threads
     report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           device=args.device, node_id=node_id, timeout=args.timeout,

@@ -19,7 +19,7 @@ from .coordinator import Coordinator
 from .errors import DdpwireError
 from .progress import ProgressBar
 from .serve import serve
-from .threads import threads_per_worker
+from .threads import default_threads
 from .torch_check import require_torch
 
 __all__ = ["run_demo", "WorkerDied"]
@@ -84,6 +84,11 @@ class _Watch:
                           f"before training ended (its error is above)")
 
 
+def _torch_default() -> str:
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return f"OMP_NUM_THREADS={omp}" if omp else "torch's default"
+
+
 def run_demo(args: argparse.Namespace, *, model: str) -> int:
     """Train for ``args.steps`` steps with ``args.workers`` local workers;
     0 when every worker finished with the same weights."""
@@ -91,7 +96,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     require_torch("ddpwire demo")
 
-    threads = threads_per_worker(args.workers) if args.threads is None else args.threads
+    threads = default_threads(args.workers) if args.threads is None else args.threads
     out = sys.stdout
     with tempfile.TemporaryDirectory(prefix="ddpwire-demo-") as tmp, \
             Coordinator(("127.0.0.1", 0), expect_workers=args.workers, timeout=args.timeout,
@@ -101,7 +106,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
         print(f"ddpwire demo: {args.workers} workers on {addr[0]}:{addr[1]}, model {model}, "
               f"{args.steps} steps of {args.samples} samples"
               f"{', per-block' if args.per_block else ''}, "
-              f"{threads or 'default'} torch threads per worker", file=out, flush=True)
+              f"{threads or _torch_default()} torch threads per worker", file=out, flush=True)
         # Own sessions: a Ctrl-C at the terminal reaches the demo alone, which
         # then stops its workers, instead of every process printing it.
         procs = [subprocess.Popen(_worker_command(args, model, addr, r, threads), start_new_session=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["usable_cores", "threads_per_worker", "apply_threads"]
+from typing import Mapping
+
+__all__ = ["usable_cores", "threads_per_worker", "default_threads", "apply_threads"]
 
 
 def usable_cores() -> int:
@@ -20,6 +22,15 @@ def threads_per_worker(workers_here: int) -> int:
     if workers_here < 1:
         raise ValueError(f"workers_here must be at least 1, got {workers_here}")
     return max(1, usable_cores() // workers_here)
+
+
+def default_threads(workers_here: int, env: Mapping[str, str] = os.environ) -> int:
+    """The thread count when ``--threads`` is not given: 0 (torch's own
+    default) where OMP_NUM_THREADS already says, as torchrun sets it, else
+    the cores split between ``workers_here`` workers."""
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return 0
+    return threads_per_worker(workers_here)
 
 
 def apply_threads(threads: int) -> int:

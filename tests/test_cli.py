@@ -17,7 +17,7 @@ from ddpwire import cli
 from ddpwire.launch import Launch, from_environment, parse_addr
 from ddpwire.progress import ProgressBar
 from ddpwire.serve import StepReport
-from ddpwire.threads import threads_per_worker, usable_cores
+from ddpwire.threads import default_threads, threads_per_worker, usable_cores
 
 PY = [sys.executable, "-m", "ddpwire"]
 
@@ -39,7 +39,8 @@ def run(args, timeout=240, **kw):
 
 @needs_torch
 def test_demo_trains_two_workers_to_identical_weights():
-    proc = run(["demo", "--workers", "2", "--steps", "6", "--samples", "128"])
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = run(["demo", "--workers", "2", "--steps", "6", "--samples", "128"], env=env)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "step 6/6" in out and "allreduce" in out and "loss" in out and "acc" in out
@@ -153,6 +154,9 @@ def test_threads_per_worker_split_the_cores():
     assert threads_per_worker(2) == max(1, cores // 2)
     with pytest.raises(ValueError):
         threads_per_worker(0)
+    # OMP_NUM_THREADS (torchrun sets it) is left to torch; else the split
+    assert default_threads(2, {"OMP_NUM_THREADS": "3"}) == 0
+    assert default_threads(2, {}) == threads_per_worker(2)
 
 
 @needs_torch
