@@ -1,4 +1,5 @@
-"""Build the compiled core: each ddpwire/_<unit>.pyx links the C unit csrc/<unit>.c.
+"""Build the compiled core: one extension module, ddpwire._core, linking every
+C unit in csrc/ once (so process-wide C state really is process-wide).
 
 Wheels must stay portable, so nothing here targets the build machine's CPU
 (no -march=native); faster instruction sets are chosen at run time in C.
@@ -12,14 +13,9 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-# unit name -> C sources it links (besides its .pyx)
-UNITS = {
-    "_wire": ["csrc/wire.c"],
-    "_reduce": ["csrc/reduce.c"],
-    # the socket layer parses frame heads and reduces as bytes arrive
-    "_net": ["csrc/net.c", "csrc/threaded.c", "csrc/sender.c", "csrc/wake.c", "csrc/wire.c",
-             "csrc/reduce.c"],
-}
+# every C unit, linked once into ddpwire._core
+C_SOURCES = ["csrc/wire.c", "csrc/reduce.c", "csrc/net.c", "csrc/threaded.c", "csrc/sender.c",
+             "csrc/wake.c"]
 
 extra_compile_args = []
 extra_link_args = []
@@ -50,14 +46,13 @@ _BUILD_BASE = os.path.join(
 
 extensions = [
     Extension(
-        f"ddpwire.{unit}",
-        [f"ddpwire/{unit}.pyx", *sources],
+        "ddpwire._core",
+        ["ddpwire/_core.pyx", *C_SOURCES],
         include_dirs=["csrc", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
         extra_link_args=extra_link_args,
     )
-    for unit, sources in UNITS.items()
 ]
 
 setup(

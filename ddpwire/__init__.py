@@ -19,6 +19,12 @@ from .errors import (
     WorkerLost,
 )
 from .messages import (
+    AuthChallenge,
+    AuthProof,
+    CollectiveError,
+    CollectiveRequest,
+    CollectiveResult,
+    JoinRefused,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
@@ -32,14 +38,16 @@ from .messages import (
     ShardAssignment,
     Shutdown,
 )
-from ._wire import (
+from ._core import (
     DEFAULT_MAX_FRAME,
     FrameReader,
     decode_frame,
     decode_payload,
     encode_frame,
     encode_frame_parts,
+    tag_max_payload,
 )
+from .extensions import CollectiveKind, DType, Extension, RefusalReason, ReduceOp
 from . import reduce
 from .coordinator import Coordinator
 from .worker import Worker
@@ -48,6 +56,18 @@ from .sessioninfo import WorkerInfo
 from ._version import __version__
 
 __all__ = [
+    "AuthChallenge",
+    "AuthProof",
+    "CollectiveError",
+    "CollectiveKind",
+    "CollectiveRequest",
+    "CollectiveResult",
+    "DType",
+    "Extension",
+    "JoinRefused",
+    "RefusalReason",
+    "ReduceOp",
+    "tag_max_payload",
     "AveragedBlockGradient",
     "AveragedGradient",
     "AveragedNonBlockGradient",

@@ -1,6 +1,6 @@
 """One side of a ddpwire connection, message by message.
 
-A :class:`Channel` wraps the compiled :class:`~ddpwire._net.Connection` with
+A :class:`Channel` wraps the compiled :class:`~ddpwire._core.Connection` with
 what both roles need: a send lock (a background heartbeat must never land in
 the middle of a frame), heartbeat frames skipped on receive, and gradient
 frames received in two halves so their elements go straight into the
@@ -9,6 +9,7 @@ caller's buffer.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -16,14 +17,26 @@ from typing import Any, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
-from . import _net
-from ._wire import encode_frame_parts
+from . import _core
+from ._core import encode_frame_parts
 from .errors import GradientMismatch, PeerLost, UnexpectedMessage
 from .messages import Heartbeat
 
+from ._core import DEFAULT_MAX_FRAME
+
 log = logging.getLogger(__name__)
 
-from ._wire import DEFAULT_MAX_FRAME
+
+def check_timeout(name: str, value: float) -> float:
+    """A timeout in seconds: finite and positive (NaN would wait forever,
+    zero or less would never wait)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return seconds
 
 
 class Channel:
@@ -40,7 +53,7 @@ class Channel:
         max_frame: int = DEFAULT_MAX_FRAME,
         heartbeat_timeout: Optional[float] = None,
     ) -> None:
-        self.conn = _net.Connection(sock, peer_id=peer_id, lost=lost, peer_name=peer_name)
+        self.conn = _core.Connection(sock, peer_id=peer_id, lost=lost, peer_name=peer_name)
         self.timeout = timeout
         self.max_frame = max_frame
         # With heartbeats on, a live peer is never silent for long, so silence
@@ -78,25 +91,36 @@ class Channel:
         finally:
             self.send_lock.release()
 
-    def read_head(self, *, step: Optional[int] = None, what: str = "receiving") -> Any:
+    def read_head(self, expected: Sequence[type], *, step: Optional[int] = None,
+                  what: str = "receiving", deadline: Optional[float] = None) -> Any:
         """The next frame other than a Heartbeat: a whole message, or the
-        FrameHead of a gradient message whose elements are still to come."""
+        FrameHead of a gradient message whose elements are still to come.
+
+        Any type outside ``expected`` (and Heartbeat) is refused by its tag,
+        before its body is received. It must arrive by ``deadline`` (a
+        time.monotonic() value; default ``timeout`` from now): Heartbeats
+        show the peer is alive but never extend it, and with heartbeats on, a
+        peer silent for ``heartbeat_timeout`` is lost sooner."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        allowed = tuple(expected) + (Heartbeat,)
         while True:
-            obj = _net.read_frame_head(self.conn, self.read_timeout, self.max_frame,
-                                       step=step, what=what)
+            obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+                                        deadline=deadline, expect=allowed, step=step, what=what)
             if isinstance(obj, Heartbeat):
                 continue
             return obj
 
-    def expect(self, expected: Sequence[type], *, step: Optional[int] = None) -> Any:
+    def expect(self, expected: Sequence[type], *, step: Optional[int] = None,
+               deadline: Optional[float] = None) -> Any:
         """The next whole message, which must be one of ``expected``."""
         names = " or ".join(t.__name__ for t in expected)
-        obj = self.read_head(step=step, what=f"waiting for {names}")
+        obj = self.read_head(expected, step=step, what=f"waiting for {names}", deadline=deadline)
         if isinstance(obj, tuple(expected)):
             return obj
         raise UnexpectedMessage(names, message_name(obj), worker_id=self.peer_id, step=step)
 
-    def recv_gradients(self, head: "_net.FrameHead", out: Optional[np.ndarray], *,
+    def recv_gradients(self, head: "_core.FrameHead", out: Optional[np.ndarray], *,
                        step: Optional[int] = None) -> Tuple[np.ndarray, Any]:
         """Receive the elements announced by ``head`` into ``out`` (allocated
         when None) and then the fields after them. Returns (gradients, tail)."""
@@ -110,7 +134,7 @@ class Channel:
                                    worker_id=self.peer_id, step=step)
         self.conn.recv_into(out, self.read_timeout, step=step,
                             what=f"receiving {head.message_type}.gradients")
-        tail = _net.read_tail(self.conn, head, self.read_timeout, step=step)
+        tail = _core.read_tail(self.conn, head, self.read_timeout, step=step)
         return out, tail
 
     def close(self) -> None:
@@ -119,6 +143,6 @@ class Channel:
 
 def message_name(obj: Any) -> str:
     """The protocol name of a received message or frame head."""
-    if isinstance(obj, _net.FrameHead):
+    if isinstance(obj, _core.FrameHead):
         return obj.message_type
     return type(obj).__name__

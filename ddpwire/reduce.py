@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from ._reduce import (
+from ._core import (
     accumulate,
     available_paths,
     current_path,
@@ -23,7 +23,7 @@ from ._reduce import (
     mean,
     scale,
 )
-from ._reduce import _set_path, _set_threads
+from ._core import _set_path, _set_threads
 
 __all__ = [
     "mean",

@@ -46,3 +46,24 @@ def test_c_api_under_sanitizers(tmp_path):
     )
     proc = run([exe], tmp_path)
     assert "path portable ok" in proc.stdout
+
+
+def test_kernel_settings_are_process_wide():
+    """The kernels' SIMD path and threads live in one compiled module, so what
+    ddpwire.reduce sets is what the socket layer's streaming reduce uses."""
+    import glob
+    import os
+
+    import ddpwire
+    from ddpwire import _core, reduce
+
+    here = os.path.dirname(ddpwire.__file__)
+    compiled = sorted(os.path.basename(p).split(".")[0]
+                      for p in glob.glob(os.path.join(here, "*.so")) + glob.glob(os.path.join(here, "*.pyd")))
+    assert compiled == ["_core"]
+    before = reduce.current_path()
+    try:
+        reduce.use_path("portable")
+        assert _core.current_path() == "portable"
+    finally:
+        reduce.use_path(before)

@@ -258,9 +258,9 @@ def test_defaults_choose_threads_for_large_vectors_with_cores_to_run_them(monkey
 
 def test_coordinator_and_worker_pass_their_choice_to_the_socket_layer(monkeypatch):
     """What the policy says is what the socket layer is asked for."""
-    from ddpwire import _net
+    from ddpwire import _core
     seen = {}
-    real_stream, real_exchange = _net.allreduce_stream, _net.Exchange
+    real_stream, real_exchange = _core.allreduce_stream, _core.Exchange
 
     def stream(*args, socket_threads, **kw):
         seen["coordinator"] = socket_threads
@@ -269,8 +269,8 @@ def test_coordinator_and_worker_pass_their_choice_to_the_socket_layer(monkeypatc
     def exchange(*args, send_thread, **kw):
         seen["worker"] = send_thread
         return real_exchange(*args, send_thread=send_thread, **kw)
-    monkeypatch.setattr(_net, "allreduce_stream", stream)
-    monkeypatch.setattr(_net, "Exchange", exchange)
+    monkeypatch.setattr(_core, "allreduce_stream", stream)
+    monkeypatch.setattr(_core, "Exchange", exchange)
     g = np.ones(10, np.float32)
     for choice in (True, False):
         with Coordinator(ADDR, expect_workers=2, socket_threads=choice) as coord:

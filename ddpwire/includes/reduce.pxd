@@ -1,4 +1,4 @@
-# C declarations of csrc/reduce.h, for `cimport` from any ddpwire .pyx.
+# Declarations mirroring csrc/reduce.h.
 # Every function is safe to call without the GIL.
 from libc.stdint cimport int64_t
 

@@ -1,4 +1,3 @@
-# cython: language_level=3
 """Compiled glue for csrc/reduce.c: buffer checks in Python, arithmetic in C
 without the GIL. The public face is ddpwire.reduce."""
 from cpython.buffer cimport PyBuffer_Release

@@ -1,10 +1,73 @@
-"""Stubs for the compiled socket layer (ddpwire/_net.pyx)."""
+"""Stubs for ddpwire._core, the compiled core: the wire codec (_wire.pxi),
+the float32 kernels (_reduce.pxi) and the socket layer (_net.pxi)."""
 import socket
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
+
+import numpy
+import numpy.typing
 
 from .errors import PeerLost
+from .messages import Message
 
-_Buffer = Any  # any object with the buffer protocol
+# ---- the wire codec ----
+
+DEFAULT_MAX_FRAME: int
+
+def encode_frame(msg: Message, *, max_frame: int = ...) -> bytes:
+    """Encode a message into one frame: big-endian length prefix and payload.
+    A payload over ``max_frame`` bytes raises FrameTooLarge."""
+
+def encode_frame_parts(
+    msg: Message, *, max_frame: int = ...
+) -> Tuple[bytes, Optional[memoryview], bytes]:
+    """(head, gradients, tail) whose concatenation is ``encode_frame(msg)``;
+    gradients is a byte memoryview on the caller's buffer, None for a message
+    without gradients."""
+
+def decode_payload(buffer: Any, *, allow_trailing: bool = False) -> Message:
+    """Decode one payload (tag + body). Arrays are views into ``buffer``."""
+
+def decode_frame(buffer: Any, *, allow_trailing: bool = False, max_frame: int = ...) -> Message:
+    """Decode exactly one frame (length prefix + payload)."""
+
+class FrameReader:
+    """Cut a byte stream into frames and decode each into a message."""
+
+    max_frame: int
+    allow_trailing: bool
+    def __init__(self, max_frame: int = ..., *, allow_trailing: bool = False) -> None: ...
+    @property
+    def pending(self) -> int:
+        """Bytes received of a frame not yet complete (0 between frames)."""
+    def feed(self, data: Any) -> List[Message]:
+        """Take the next chunk of the stream; return the messages it completed."""
+    def close(self) -> None:
+        """Raise ProtocolError if the stream ended inside a frame."""
+
+
+# ---- the float32 kernels ----
+
+# Any C-contiguous object exporting native float32 through the buffer protocol
+# (numpy arrays, memoryviews, array.array('f'), torch CPU tensors' .numpy()).
+_Buffer = Any
+_B = TypeVar("_B")
+
+@overload
+def mean(inputs: Sequence[_Buffer], out: None = None) -> numpy.typing.NDArray[numpy.float32]: ...
+@overload
+def mean(inputs: Sequence[_Buffer], out: _B) -> _B: ...
+def accumulate(acc: _B, src: _Buffer) -> _B: ...
+def scale(buf: _B, divisor: float) -> _B: ...
+def first_non_finite(buf: _Buffer) -> Optional[int]: ...
+def available_paths() -> List[str]: ...
+def current_path() -> str: ...
+def current_threads() -> int: ...
+def _set_path(name: str) -> None: ...
+def _set_threads(threads: int) -> None: ...
+
+
+# ---- the socket layer ----
+
 
 class Connection:
     sock: socket.socket

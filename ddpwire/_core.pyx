@@ -1,0 +1,16 @@
+# cython: language_level=3
+"""ddpwire's compiled core: one extension module over every C unit in csrc/.
+
+The C units are linked once, here, so their process-wide state (the SIMD
+path and thread count of the kernels) is one state: ``ddpwire.reduce`` and
+the socket layer read the same settings. Each source file included below
+keeps one job: the codec (_wire.pxi), the kernels (_reduce.pxi) and the
+socket layer (_net.pxi).
+"""
+from ddpwire.includes.wire cimport *
+from ddpwire.includes.reduce cimport *
+from ddpwire.includes.net cimport *
+
+include "_wire.pxi"
+include "_reduce.pxi"
+include "_net.pxi"
