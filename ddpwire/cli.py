@@ -158,8 +158,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def write_line(text: str) -> None:
     """One line on stdout in a single write(2): under torchrun every rank
-    shares one pipe, and print() may write the text and its newline
-    separately, so two ranks' lines could land on one. A pipe keeps a write
+    shares one pipe and runs `python -u`, where print() writes the text and
+    then its newline: two ranks' lines could land on one. A pipe keeps a write
     of up to PIPE_BUF bytes (512 or more; 4096 on Linux) whole, and the
     report line stays well under that."""
     sys.stdout.flush()

@@ -271,3 +271,16 @@ def test_progress_bar_off_a_terminal_prints_a_tenth_of_the_steps():
     assert lines[-1].startswith("step 20/20 [########################]")
     assert "loss 0.0500" in lines[-1] and "acc  50.0%" in lines[-1] and "allreduce   1.00 ms" in lines[-1]
     assert bar.throughput > 0
+
+
+def test_report_line_goes_out_in_one_write(monkeypatch, tmp_path):
+    # torchrun starts every rank with `python -u`: unbuffered, print() writes
+    # the text and then its newline, and two ranks' lines could merge
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
+    with open(tmp_path / "out", "w") as f:
+        monkeypatch.setattr(sys, "stdout", f)
+        cli.write_line('{"worker_id": 1}')
+    assert writes == [b'{"worker_id": 1}\n']
+    assert (tmp_path / "out").read_text() == '{"worker_id": 1}\n'
