@@ -105,8 +105,8 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
         reports = [os.path.join(tmp, f"worker{i}.json") for i in range(args.workers)]
         print(f"ddpwire demo: {args.workers} workers on {addr[0]}:{addr[1]}, model {model}, "
               f"{args.steps} steps of {args.samples} samples"
-              f"{', per-block' if args.per_block else ''}, "
-              f"{threads or _torch_default()} torch threads per worker", file=out, flush=True)
+              f"{', per-block' if args.per_block else ''}; "
+              f"torch threads per worker: {threads or _torch_default()}", file=out, flush=True)
         # Own sessions: a Ctrl-C at the terminal reaches the demo alone, which
         # then stops its workers, instead of every process printing it.
         procs = [subprocess.Popen(_worker_command(args, model, addr, r, threads), start_new_session=True)
