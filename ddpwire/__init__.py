@@ -5,11 +5,13 @@ and averages float32 gradients in place; thin Python classes on top run a
 coordinator and its workers.
 """
 from .errors import (
+    AuthenticationFailed,
     CoordinatorLost,
     DdpwireError,
     DeviceUnavailable,
     FrameTooLarge,
     GradientMismatch,
+    JoinRefusedError,
     JoinTimeout,
     NonFiniteGradient,
     PeerLost,
@@ -56,6 +58,8 @@ from .sessioninfo import WorkerInfo
 from ._version import __version__
 
 __all__ = [
+    "AuthenticationFailed",
+    "JoinRefusedError",
     "AuthChallenge",
     "AuthProof",
     "CollectiveError",

@@ -137,28 +137,36 @@ cdef class Connection:
         if self.fd < 0:
             raise self.lost(f"{self.peer_name} connection is closed", worker_id=self.peer_id)
 
-    def recv_into(self, buf, timeout, *, deadline=None, step=None, str what="receiving"):
+    def recv_into(self, buf, timeout, *, deadline=None, bint check_finite=False, step=None,
+                  str what="receiving"):
         """Fill the whole writable buffer ``buf`` from the socket (GIL released).
 
         ``timeout`` bounds silence; ``deadline`` (a time.monotonic() value)
-        bounds the whole receive, however the bytes trickle in."""
+        bounds the whole receive, however the bytes trickle in. With
+        ``check_finite`` the buffer's float32 elements are checked as they
+        land, and the index of the first NaN or +/-inf (or None) is returned."""
         cdef HeldBuffer b = get_bytes(buf, "buf")
         cdef size_t done = 0
         cdef int err = 0, rc, ms = timeout_ms(timeout)
         cdef int64_t until = deadline_ms(deadline)
+        cdef ddpw_finite_watch watch
         if b.view.readonly:
             raise TypeError("buf: expected a writable buffer")
+        watch.base = <const uint8_t *>b.view.buf
+        watch.len = <size_t>b.view.len if check_finite else 0
+        watch.checked = 0
+        watch.bad = -1
         self.check_open()
         while True:
             with nogil:
                 rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms,
-                                         until, &err)
+                                         until, &watch, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
             if rc != DDPW_NET_OK:
                 self.fail(rc, err, step, f"{what} ({done} of {b.view.len} bytes)", ms, deadline)
-            return
+            return watch.bad if watch.bad >= 0 else None
 
     cdef Py_ssize_t peek(self, uint8_t *buf, size_t cap) except -1:
         """Bytes already received, copied to buf and left in the socket."""
@@ -451,10 +459,13 @@ cdef class Exchange:
         """Whether the whole frame has been sent."""
         return self.sent >= self.total
 
-    def recv_into(self, *bufs, str what="receiving", deadline=None):
+    def recv_into(self, *bufs, str what="receiving", deadline=None, bint check_finite=False):
         """Fill every writable buffer of ``bufs`` in turn (at most 8) from the
         connection, sending meanwhile; ``deadline`` (time.monotonic()) bounds
-        the receive however the bytes trickle in."""
+        the receive however the bytes trickle in. With ``check_finite`` the
+        float32 elements of the first buffer are checked as they land, and
+        the index of the first NaN or +/-inf (or None) is returned."""
+        cdef ddpw_finite_watch watch
         cdef iovec in_iov[MAX_PARTS]
         cdef list held = []
         cdef HeldBuffer b
@@ -472,6 +483,10 @@ cdef class Exchange:
             in_iov[m].iov_len = <size_t>b.view.len
             in_total += in_iov[m].iov_len
             m += 1
+        watch.base = <const uint8_t *>in_iov[0].iov_base if m else NULL
+        watch.len = in_iov[0].iov_len if (m and check_finite) else 0
+        watch.checked = 0
+        watch.bad = -1
         self.conn.check_open()
         # with a sending thread this loop only receives: it sends nothing
         # (an empty frame), and the thread's progress is reported instead
@@ -479,7 +494,7 @@ cdef class Exchange:
         while True:
             with nogil:
                 rc = ddpw_net_exchange(self.conn.fd, self.iov, out_k, &sent,
-                                       in_iov, m, &received, self.ms, until, &err)
+                                       in_iov, m, &received, self.ms, until, &watch, &err)
             if self.sender is NULL:
                 self.sent_bytes = sent
             if rc == DDPW_NET_EINTR:
@@ -490,7 +505,7 @@ cdef class Exchange:
                 self.conn.fail(rc, err, self.step,
                                f"{self.what} ({self.sent} of {self.total} bytes) and {what} "
                                f"({received} of {in_total} bytes)", self.ms, deadline)
-            return
+            return watch.bad if watch.bad >= 0 else None
 
     def finish(self):
         """Send what is left of the frame (nothing, normally, once the reply is in)."""
@@ -542,6 +557,15 @@ cdef class FrameHead:
     cdef readonly object component_sizes
     cdef readonly unsigned long long gradient_count
     cdef readonly size_t tail_len
+    # the bulk field still in the socket: the gradient elements, or the data
+    # of CollectiveRequest/CollectiveResult (read with collective_heads=True)
+    cdef readonly unsigned long long bulk_len
+    cdef readonly unsigned long long seq
+    cdef readonly int kind
+    cdef readonly int op
+    cdef readonly int dtype
+    cdef readonly unsigned int root
+    cdef readonly unsigned long long count
 
     def __repr__(self):
         return (f"FrameHead({self.message_type}, step={self.step}, "
@@ -554,7 +578,7 @@ DEF PEEK_BYTES = 512
 
 
 def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, deadline=None, expect=None,
-                    step=None, str what="receiving"):
+                    step=None, str what="receiving", bint collective_heads=False):
     """Receive one frame up to its gradient elements (bytes after the last
     field are refused, as everywhere in a session).
 
@@ -562,26 +586,31 @@ def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, deadline=No
     left in the socket, or the whole decoded message for any other.
     ``timeout`` bounds silence and ``deadline`` (time.monotonic()) the whole
     frame head. ``expect``, a sequence of message classes, refuses any other
-    tag (UnexpectedMessage) before a byte of its body is allocated.
+    tag (UnexpectedMessage) before a byte of its body is allocated. With
+    ``collective_heads``, CollectiveRequest/CollectiveResult also come back
+    as a FrameHead (seq, kind, op, dtype, root, count), their ``bulk_len``
+    data bytes left in the socket.
     """
     cdef uint8_t look[PEEK_BYTES]
     cdef Py_ssize_t got = conn.peek(look, PEEK_BYTES)
     cdef object fast = None
     if got >= 5:
-        fast = head_from_peek(conn, look, <size_t>got, timeout, max_frame, expect, step, what)
+        fast = head_from_peek(conn, look, <size_t>got, timeout, max_frame, expect, step, what,
+                              collective_heads)
     if fast is not None:
         return fast
     return read_head_with(lambda view: conn.recv_into(view, timeout, deadline=deadline, step=step,
                                                       what=what),
-                          max_frame, expect, conn.peer_id, step)
+                          max_frame, expect, conn.peer_id, step, collective_heads)
 
 
 def exchange_frame_head(Exchange exchange, uint64_t max_frame, *, deadline=None, expect=None,
-                        peer_id=None, step=None, str what="receiving"):
+                        peer_id=None, step=None, str what="receiving",
+                        bint collective_heads=False):
     """read_frame_head for the receiving side of an Exchange (its send goes on
     meanwhile)."""
     return read_head_with(lambda view: exchange.recv_into(view, what=what, deadline=deadline),
-                          max_frame, expect, peer_id, step)
+                          max_frame, expect, peer_id, step, collective_heads)
 
 
 cdef int check_tag(uint8_t tag, uint32_t payload_len, uint64_t max_frame, object expect,
@@ -606,7 +635,8 @@ cdef int check_tag(uint8_t tag, uint32_t payload_len, uint64_t max_frame, object
 
 
 cdef object head_from_peek(Connection conn, const uint8_t *look, size_t got, timeout,
-                           uint64_t max_frame, object expect, object step, str what):
+                           uint64_t max_frame, object expect, object step, str what,
+                           bint collective_heads):
     """The frame head decoded from bytes peeked at the socket, then taken from
     it (one receive, exactly the head's bytes); None when the head is not all
     there yet (the caller reads it piece by piece)."""
@@ -622,19 +652,20 @@ cdef object head_from_peek(Connection conn, const uint8_t *look, size_t got, tim
         return None
     if st != DDPW_OK:
         raise with_context(wire_error(&err), conn.peer_id, step)
-    if not head.has_gradients:
+    if not head.has_gradients and not (collective_heads and head.has_bulk):
         if 4 + <size_t>payload_len > got:
             return None
         msg = decode_or_raise(bytearray(look[4:4 + payload_len]), conn.peer_id, step)
         conn.recv_into(bytearray(4 + payload_len), timeout, step=step, what=what)
         return msg
     fh = make_head(&head)
-    conn.recv_into(bytearray(4 + head.gradient_offset), timeout, step=step, what=what)
+    conn.recv_into(bytearray(4 + (head.gradient_offset if head.has_gradients else head.bulk_offset)),
+                   timeout, step=step, what=what)
     return fh
 
 
 cdef object read_head_with(object fill, uint64_t max_frame, object expect, object peer_id,
-                           object step):
+                           object step, bint collective_heads=False):
     """The frame-head reader over ``fill(view)``, which receives exactly
     len(view) bytes into view: the C decoder says how many bytes it needs
     next, so nothing past the head is taken from the socket."""
@@ -667,7 +698,7 @@ cdef object read_head_with(object fill, uint64_t max_frame, object expect, objec
         if st != DDPW_OK:
             raise with_context(wire_error(&err), peer_id, step)
         break
-    if not head.has_gradients:
+    if not head.has_gradients and not (collective_heads and head.has_bulk):
         if payload_len > have:
             buf.extend(bytes(payload_len - len(buf)))
             fill(memoryview(buf)[have:])
@@ -698,6 +729,13 @@ cdef FrameHead make_head(const ddpw_head *head):
         ddpw_load_u32s(head.component_sizes, head.component_count, &sizes[0])
     fh.gradient_count = head.gradient_count
     fh.tail_len = head.tail_len
+    fh.bulk_len = head.bulk_len
+    fh.seq = head.seq
+    fh.kind = head.kind
+    fh.op = head.op
+    fh.dtype = head.dtype
+    fh.root = head.root
+    fh.count = head.count
     return fh
 
 
