@@ -55,9 +55,7 @@ from .coordinator import Coordinator
 from .worker import Worker
 from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
-
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AuthenticationFailed",

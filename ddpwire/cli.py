@@ -1,22 +1,26 @@
-"""The ``ddpwire`` command: ``coordinator``, ``worker`` and ``demo``.
+"""The ddpwire command: coordinator, worker and demo.
 
-``ddpwire coordinator`` needs no torch; ``ddpwire worker`` and the demo's
-workers need the ``[torch]`` extra.
+`ddpwire coordinator` needs no torch; `ddpwire worker` and the demo's
+workers need the [torch] extra.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 from typing import List, Optional
 
+from ._version import __version__
 from .coordinator import Coordinator
 from .errors import DdpwireError
 from .launch import from_environment, parse_addr
-from .progress import ProgressBar
+from .progress import ProgressBar, break_line
 from .serve import serve
+from .threads import default_threads
+from .torch_check import require_torch
 
 __all__ = ["main"]
 
@@ -46,10 +50,16 @@ def _worker_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="cuda, cuda:N, mps or cpu (default: CUDA, else MPS, else CPU; env DDPWIRE_DEVICE)")
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker process (default: the usable cores divided by "
+                        "the workers on this machine, unless OMP_NUM_THREADS is set; 0 leaves "
+                        "torch's own default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddpwire", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ddpwire", description="Data-parallel training over plain TCP: a coordinator and its workers.")
+    parser.add_argument("--version", action="version", version=f"ddpwire {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run a standalone coordinator (no torch needed)")
@@ -91,13 +101,17 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()
         bar = ProgressBar(args.steps)
-        serve(coord, steps=args.steps, total_samples=args.samples, per_block=args.per_block,
-              num_blocks=args.blocks, on_step=bar.update)
+        try:
+            serve(coord, steps=args.steps, total_samples=args.samples, per_block=args.per_block,
+                  num_blocks=args.blocks, on_step=bar.update)
+        finally:
+            bar.close()
         log.info("done: %d steps, %.0f samples/s", args.steps, bar.throughput)
         return []
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    require_torch("ddpwire worker")
     from .torch.job import train_worker  # torch only here
 
     launch = from_environment(args.connect)
@@ -118,10 +132,18 @@ def run_worker(args: argparse.Namespace) -> int:
     if node_id is None and launch.rank is not None:
         import socket
         node_id = f"{socket.gethostname()}-rank{launch.rank}"
+    join_turn = None
+    if launch.rank is not None and launch.world_size is not None:
+        # worker ids are the order of joining: join in rank order so id == rank
+        from .torch.rank_order import RankOrder
+        join_turn = RankOrder.from_environment(launch.rank, launch.world_size, args.timeout)
+    # torchrun's LOCAL_WORLD_SIZE workers share this machine's cores
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    threads = default_threads(local) if args.threads is None else args.threads
     report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           device=args.device, node_id=node_id, timeout=args.timeout,
-                          seed=args.seed)
+                          seed=args.seed, threads=threads, join_turn=join_turn)
     if hosted is not None:
         hosted.join(args.timeout)
         if failure:
@@ -130,8 +152,21 @@ def run_worker(args: argparse.Namespace) -> int:
         with open(args.report, "w") as f:
             json.dump(report.to_dict(), f)
     else:
-        print(json.dumps(report.to_dict()))
+        write_line(json.dumps(report.to_dict(per_step=False)))
     return 0
+
+
+def write_line(text: str) -> None:
+    """One line on stdout in a single write(2): under torchrun every rank
+    shares one pipe and runs `python -u`, where print() writes the text and
+    then its newline: two ranks' lines could land on one. A pipe keeps a write
+    of up to PIPE_BUF bytes (512 or more; 4096 on Linux) whole, and the
+    report line stays well under that."""
+    sys.stdout.flush()
+    data = (text + "\n").encode()
+    fd = sys.stdout.fileno()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _model(args: argparse.Namespace) -> str:
@@ -155,8 +190,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .demo import run_demo
         return run_demo(args, model=_model(args))
     except (DdpwireError, OSError, ValueError) as exc:
+        break_line()
         print(f"ddpwire: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        break_line()
         print("ddpwire: interrupted", file=sys.stderr)
         return 130

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import math
 import os
 import socket
 import threading
@@ -60,11 +61,14 @@ _RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
 
 
-def _dial(addr: Tuple[str, int], deadline: float) -> socket.socket:
-    """Connect, retrying while the coordinator is not up yet, until the deadline."""
+def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> socket.socket:
+    """Connect, retrying while the coordinator is not up yet, until the deadline;
+    says at the first failure and then every ``report_every`` seconds what it
+    waits for and how long is left."""
     host, port = addr
     delay = 0.05
     last: Optional[BaseException] = None
+    next_report = time.monotonic()
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -80,6 +84,12 @@ def _dial(addr: Tuple[str, int], deadline: float) -> socket.socket:
             if exc.errno not in _RETRYABLE:
                 raise
             last = exc
+        now = time.monotonic()
+        if now >= next_report:
+            why = last.strerror if isinstance(last, OSError) and last.strerror else "timed out"
+            log.info("coordinator at %s:%d not reachable yet (%s); retrying, %d s left",
+                     host, port, why, math.ceil(max(0.0, deadline - now)))
+            next_report = now + report_every
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 1.0)
 
