@@ -14,6 +14,7 @@ import threading
 from typing import List, Optional
 
 from ._version import __version__
+from .auth import TOKEN_ENV, load_token
 from .coordinator import Coordinator
 from .errors import DdpwireError
 from .launch import from_environment, parse_addr
@@ -31,6 +32,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a peer may stay silent before it counts as lost (default 120)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def _token(p: argparse.ArgumentParser) -> None:
+    # a file or the environment, never the token itself: command lines are
+    # visible to every user of the machine
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help=f"file holding the shared token: only workers that prove they know it "
+                        f"join, and they check the coordinator knows it too (default: "
+                        f"${TOKEN_ENV} if set, else no token)")
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -71,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream each step on a receiving and a sending thread per worker: on, off, "
                         "or auto (default: on for gradients of 1 MiB or more with a core per worker "
                         "plus one)")
+    c.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds one connection has to complete its join handshake (default 10)")
+    _token(c)
     _training(c)
     _common(c)
 
@@ -79,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordinator HOST:PORT (default under torchrun: MASTER_ADDR, MASTER_PORT+1)")
     w.add_argument("--node-id", default=None, help="name reported to the coordinator")
     w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
+    _token(w)
     _worker_model(w)
     _training(w)
     _common(w)
@@ -96,7 +110,9 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
     with Coordinator((host, port), expect_workers=args.workers, timeout=args.timeout,
                      join_timeout=getattr(args, "join_timeout", 600.0),
-                     socket_threads=socket_threads) as coord:
+                     handshake_timeout=getattr(args, "handshake_timeout", 10.0),
+                     socket_threads=socket_threads, samples_per_step=args.samples,
+                     token=load_token(getattr(args, "token_file", None))) as coord:
         h, p = coord.local_addr
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()
@@ -143,7 +159,8 @@ def run_worker(args: argparse.Namespace) -> int:
     report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           device=args.device, node_id=node_id, timeout=args.timeout,
-                          seed=args.seed, threads=threads, join_turn=join_turn)
+                          seed=args.seed, threads=threads, join_turn=join_turn,
+                          token=load_token(args.token_file))
     if hosted is not None:
         hosted.join(args.timeout)
         if failure:

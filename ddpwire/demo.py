@@ -15,6 +15,7 @@ import threading
 import time
 from typing import List, Optional
 
+from .auth import load_token
 from .coordinator import Coordinator
 from .errors import DdpwireError
 from .progress import ProgressBar
@@ -100,7 +101,9 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
     out = sys.stdout
     with tempfile.TemporaryDirectory(prefix="ddpwire-demo-") as tmp, \
             Coordinator(("127.0.0.1", 0), expect_workers=args.workers, timeout=args.timeout,
-                        join_timeout=max(args.timeout, 120.0)) as coord:
+                        join_timeout=max(args.timeout, 120.0), samples_per_step=args.samples,
+                        # the workers read $DDPWIRE_TOKEN too, when it is set
+                        token=load_token(None)) as coord:
         addr = coord.local_addr
         reports = [os.path.join(tmp, f"worker{i}.json") for i in range(args.workers)]
         print(f"ddpwire demo: {args.workers} workers on {addr[0]}:{addr[1]}, model {model}, "

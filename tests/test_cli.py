@@ -162,28 +162,43 @@ def test_threads_per_worker_split_the_cores():
 @needs_torch
 def test_standalone_coordinator_and_workers(tmp_path):
     port = free_port()
+    token = tmp_path / "token"
+    token.write_text("a-shared-secret-for-this-test\n")
     # socket threads forced on: the default would not use them for the demo's small model
     coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
                                    "--steps", "3", "--samples", "64", "--timeout", "60",
-                                   "--socket-threads", "on"],
+                                   "--socket-threads", "on", "--token-file", str(token)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    reports = [tmp_path / f"w{i}.json" for i in range(2)]
-    workers = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--samples", "64",
-                                      "--report", str(r), "--timeout", "60"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for r in reports]
+    worker = PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60"]
+    env = {k: v for k, v in os.environ.items() if k != "DDPWIRE_TOKEN"}
     try:
+        # refused before they take a slot, each with one line saying why
+        no_token = run(worker[len(PY):] + ["--samples", "64"], env=env)
+        wrong_samples = run(worker[len(PY):] + ["--samples", "32", "--token-file", str(token)], env=env)
+        reports = [tmp_path / f"w{i}.json" for i in range(2)]
+        # one worker reads the token file, the other $DDPWIRE_TOKEN
+        workers = [subprocess.Popen(worker + ["--samples", "64", "--report", str(r)] + how,
+                                    env=dict(env, **extra), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+                   for r, how, extra in zip(reports, [["--token-file", str(token)], []],
+                                            [{}, {"DDPWIRE_TOKEN": token.read_text().strip()}])]
         for p in workers + [coord]:
             p.wait(timeout=240)
     finally:
-        for p in workers + [coord]:
+        for p in [coord] + (workers if "workers" in locals() else []):
             p.kill()
+    assert no_token.returncode == 1
+    assert no_token.stderr.strip().splitlines()[-1].startswith("ddpwire: error: ")
+    assert "requires a token" in no_token.stderr
+    assert wrong_samples.returncode == 1
+    assert "samples per step differ: coordinator 64, worker 32" in wrong_samples.stderr
     assert coord.returncode == 0, coord.stderr.read()
     assert all(p.returncode == 0 for p in workers)
     results = [json.loads(r.read_text()) for r in reports]
     assert sorted(r["worker_id"] for r in results) == [0, 1]
     assert all(r["steps"] == 3 for r in results)
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+    assert "a-shared-secret" not in " ".join(coord.args)
 
 
 @needs_torch

@@ -95,11 +95,13 @@ def train_worker(
     seed: int = 0,
     threads: int = 0,
     join_turn: Optional[RankOrder] = None,
+    token: Optional[bytes] = None,
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
     ``threads``: torch's intra-op threads (0 keeps torch's default).
-    ``join_turn``: under torchrun, join only after the previous rank did."""
+    ``join_turn``: under torchrun, join only after the previous rank did.
+    ``token``: authenticate both ways (docs/security.md)."""
     used_threads = apply_threads(threads)
     choice = choose_device(device)
     net, train, held = build_task(model, seed=seed, blocks=blocks)
@@ -108,8 +110,11 @@ def train_worker(
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     if join_turn is not None:
         join_turn.wait_turn()
+    # samples_per_step goes along so that a coordinator given another value
+    # refuses this worker instead of training a different model
     worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
-                            node_id=node_id, timeout=timeout)
+                            node_id=node_id, timeout=timeout, token=token,
+                            samples_per_step=samples_per_step)
     if join_turn is not None:
         join_turn.joined()
     with worker:
