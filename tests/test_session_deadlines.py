@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -171,3 +172,40 @@ def test_a_worker_refuses_a_non_finite_average(path):
     w.close()
     t.join_result()
     lsock.close()
+
+
+def test_close_while_another_thread_is_blocked_defers_the_descriptor():
+    """close() from one thread while another is inside a GIL-free receive on
+    the same connection: the receive fails at once with the lost error, and
+    the descriptor stays open until it has left, so its number cannot be
+    handed to a new socket under it."""
+    with socket.create_server(("127.0.0.1", 0)) as lsock, \
+            socket.create_connection(lsock.getsockname()) as a:
+        peer, _ = lsock.accept()
+        with peer:
+            conn = ddpwire._core.Connection(a, lost=ddpwire.WorkerLost, peer_id=3)
+            blocked = spawn(lambda: conn.recv_into(bytearray(16), 30.0, step=7))
+            time.sleep(0.2)  # it is waiting in poll()
+            conn.close()
+            with pytest.raises(ddpwire.WorkerLost) as info:
+                blocked.join_result(timeout=10)
+            assert (info.value.worker_id, info.value.step) == (3, 7)
+            assert a.fileno() == -1  # closed once the receive had left
+            with pytest.raises(ddpwire.WorkerLost, match="closed"):
+                conn.recv_into(bytearray(1), 1.0)
+
+
+def test_close_during_a_send_thread_waits_for_it():
+    """An Exchange's sending thread holds the connection: close() only shuts
+    it down, and the descriptor is closed when the Exchange lets go."""
+    with socket.create_server(("127.0.0.1", 0)) as lsock, \
+            socket.create_connection(lsock.getsockname()) as a:
+        peer, _ = lsock.accept()
+        with peer:
+            conn = ddpwire._core.Connection(a)
+            # far more than the socket buffers hold, and nobody reads it
+            ex = ddpwire._core.Exchange(conn, [bytes(64 << 20)], 30.0, send_thread=True)
+            conn.close()
+            assert a.fileno() != -1  # still the thread's
+            ex.abandon()
+            assert a.fileno() == -1
