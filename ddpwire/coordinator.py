@@ -224,9 +224,8 @@ class Coordinator:
                            max_frame=self.max_frame, heartbeat_timeout=self.heartbeat_timeout)
             self._channels.append(chan)
             self.workers.append(a.info())
-        self._refuser = Refuser(self._listener, self._admission.pending,
-                                detail=f"training has started with {self.expect_workers} workers",
-                                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame)
+        self._refuser = Refuser(self._admission.handshakes,
+                                detail=f"training has started with {self.expect_workers} workers")
         self._admission = None
         if self.heartbeat and self._heartbeat_thread is None:
             self._heartbeat_thread = threading.Thread(
@@ -255,8 +254,7 @@ class Coordinator:
         if self._refuser is not None:
             self._refuser.close()
         if self._admission is not None:
-            for p in self._admission.pending.values():
-                p.sock.close()
+            self._admission.handshakes.close_all()
             for slot in self._admission.slots:
                 if slot is not None:
                     slot.sock.close()
