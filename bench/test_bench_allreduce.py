@@ -10,8 +10,8 @@ broadcast_averaged, send_gradients + receive_averaged).
     python bench/plot_allreduce.py bench/allreduce.json
 
 DDPWIRE_BENCH_SIZES="1,16" (MiB) restricts the sweep for a quick run,
-DDPWIRE_BENCH_WORKERS="2" the worker counts and DDPWIRE_BENCH_KINDS="ddpwire,gloo"
-the kinds. With DDPWIRE_BASELINE set to another built checkout, the kind
+DDPWIRE_BENCH_WORKERS="2" the worker counts, DDPWIRE_BENCH_KINDS="ddpwire,gloo"
+the kinds and DDPWIRE_BENCH_ROUNDS=20 the rounds at every size. With DDPWIRE_BASELINE set to another built checkout, the kind
 "ddpwire-baseline" runs the default path from there, in the same run:
 
     DDPWIRE_BASELINE=/path/to/old/checkout python -m pytest bench/test_bench_allreduce.py ...
@@ -60,6 +60,8 @@ WORKER_COUNTS = _ints("DDPWIRE_BENCH_WORKERS", "2,3,4", 1)
 
 
 def _rounds(size_mib: int) -> int:
+    if os.environ.get("DDPWIRE_BENCH_ROUNDS"):
+        return _ints("DDPWIRE_BENCH_ROUNDS", "", 1)[0]
     # the big sizes take seconds a step on two shared cores: fewer rounds keep the sweep short
     if size_mib <= 4:
         return 20

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from typing import List, Optional
 
 from .auth import load_token
