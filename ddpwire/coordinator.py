@@ -247,10 +247,9 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
+        # the heartbeat thread may be inside a send on a connection closed
+        # below: Connection.close() then waits for it to leave the descriptor
         self._stop.set()
-        if self._heartbeat_thread is not None:
-            # it may be inside a send on a connection about to close
-            self._heartbeat_thread.join(timeout=self.timeout)
         if self._refuser is not None:
             self._refuser.close()
         if self._admission is not None:
