@@ -4,7 +4,10 @@
 
 One table per file: the shaping check (raw TCP goodput against the path's
 rate), then per size and worker count the median step of each kind, the
-ratios to gloo, the coordinator link's utilisation under ddpwire's star,
+ratios to gloo, the utilisation of the coordinator's link and of a worker's
+link under ddpwire's star (payload bytes over the step time, against the
+link rate; TCP/IP and Ethernet headers make ~95.6% the most a 1500-byte MTU
+allows),
 and the two floors at the given rates: the star's N·size through the
 coordinator's link each way (or size through a worker's, if that is
 slower) and the ring's 2·(N−1)/N·size through every link each way.
@@ -61,11 +64,14 @@ def table(path: str) -> str:
     for i in infos:
         if i["kind"] != "tcp":
             steps.setdefault((i["size_bytes"], i["workers"]), {})[i["kind"]] = i
+    if not steps:
+        return "\n".join(lines)
     kinds = [k for k in ("ddpwire", "ddpwire-classic", "ddpwire-threads", "ddpwire-auto", "gloo")
              if any(k in v for v in steps.values())]
     ratio_kinds = [k for k in kinds if k != "gloo"] if "gloo" in kinds else []
     head = (["size", "N"] + [f"{k} ms" for k in kinds] + [f"{k} / gloo" for k in ratio_kinds]
-            + ["coordinator link busy (ddpwire)", "star floor ms", "ring floor ms"])
+            + ["coordinator link busy (ddpwire)", "worker link busy (ddpwire)",
+               "star floor ms", "ring floor ms"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for (size, n), by_kind in sorted(steps.items()):
         row = [f"{size // MiB} MiB", str(n)]
@@ -76,6 +82,8 @@ def table(path: str) -> str:
                 if k in by_kind and gloo else "–" for k in ratio_kinds]
         star = by_kind.get("ddpwire")
         row.append(f"{star['coord_link_utilisation']:.0%}" if star else "–")
+        # each worker's link carries size each way under the star
+        row.append(f"{size * 8 / star['step_span_median'] / worker_rate:.0%}" if star else "–")
         row.append(f"{star_floor(n, size, coord_rate, worker_rate) * 1e3:.0f}")
         row.append(f"{ring_floor(n, size, worker_rate) * 1e3:.0f}")
         lines.append("| " + " | ".join(row) + " |")
