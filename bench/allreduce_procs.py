@@ -97,13 +97,15 @@ def use_baseline(path: Optional[str]) -> None:
 
 
 def _ddpwire_coordinator(conn, n: int, size: int, steps: int, pipelined: bool = True,
-                         socket_threads: bool = False, baseline: Optional[str] = None) -> None:
+                         socket_threads: bool = False, baseline: Optional[str] = None,
+                         host: str = "127.0.0.1") -> None:
     try:
         use_baseline(baseline)
         from ddpwire import Coordinator
 
         count = size // 4
-        coord = Coordinator(("127.0.0.1", 0), expect_workers=n, timeout=REPLY_TIMEOUT,
+        # host: bench/cluster binds the coordinator's address in its own namespace
+        coord = Coordinator((host, 0), expect_workers=n, timeout=REPLY_TIMEOUT,
                             max_frame=size + 4096, socket_threads=socket_threads)
         conn.send(("addr", coord.local_addr))
         coord.wait_for_workers()
@@ -163,15 +165,17 @@ def _ddpwire_worker(conn, addr: Tuple[str, int], rank: int, n: int, size: int,
 
 # ---- gloo ----
 
-def _gloo_worker(conn, port: int, rank: int, n: int, size: int) -> None:
+def _gloo_worker(conn, port: int, rank: int, n: int, size: int,
+                 host: str = "127.0.0.1") -> None:
     def setup():
+        # bench/cluster sets its own interface; rank 0's store listens on host
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist
 
         # n processes share two cores: more intra-op threads would only contend
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
                                 rank=rank, world_size=n)
         tensor = torch.from_numpy(worker_gradients(rank, size // 4))
         dist.barrier()
@@ -192,9 +196,9 @@ def _gloo_worker(conn, port: int, rank: int, n: int, size: int) -> None:
 
 # ---- raw loopback TCP ----
 
-def _tcp_receiver(conn, size: int) -> None:
+def _tcp_receiver(conn, size: int, host: str = "127.0.0.1") -> None:
     def setup():
-        listener = socket.create_server(("127.0.0.1", 0))
+        listener = socket.create_server((host, 0))
         conn.send(("addr", listener.getsockname()))
         sock, _ = listener.accept()
         listener.close()
