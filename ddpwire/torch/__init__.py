@@ -3,6 +3,7 @@
 Needs the optional ``[torch]`` extra (torch and scikit-learn); the core
 ``ddpwire`` package never imports this one.
 """
+from .backend import BACKEND, DdpwireProcessGroup, DdpwireWork, register
 from .buffer import (
     BLOCK_COMPONENTS,
     NON_BLOCK_COMPONENTS,
@@ -24,7 +25,13 @@ from .trainer import (
     evaluate,
 )
 
+register()
+
 __all__ = [
+    "BACKEND",
+    "DdpwireProcessGroup",
+    "DdpwireWork",
+    "register",
     "BLOCK_COMPONENTS",
     "NON_BLOCK_COMPONENTS",
     "Component",

@@ -1,0 +1,136 @@
+"""Bringing a process group's ranks onto one ddpwire coordinator.
+
+Rank 0 hosts the coordinator and the collective service in threads of its
+own process, and publishes their address in the group's store (the
+torchrun / ``tcp://`` rendezvous every rank already shares). Ranks then join
+one after the other, so a rank's worker_id is its rank and the service's
+worker order is rank order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Tuple
+
+from ..collectives import CollectiveClient, CollectiveService
+from ..coordinator import Coordinator
+from ..errors import DdpwireError, JoinTimeout
+from ..launch import PORT_ENV, parse_addr
+from ..worker import Worker
+
+__all__ = ["Rendezvous", "join_group", "HOST_ENV", "HEARTBEAT_LIMIT"]
+
+log = logging.getLogger(__name__)
+
+#: the address other ranks reach rank 0 at, when the store's host is not it
+HOST_ENV = "DDPWIRE_HOST"
+#: longest silence (no byte, heartbeats included) from a live peer, in seconds;
+#: the group timeout caps it
+HEARTBEAT_LIMIT = 20.0
+
+_ADDR_KEY = "ddpwire/coordinator"
+
+# Stand-in until the extension codec lands: the collectives entry and its
+# version-1 value.
+_COLLECTIVES = 0x0003
+_COLLECTIVES_V1 = (1).to_bytes(2, "little")
+
+
+@dataclass
+class Rendezvous:
+    """One rank's connection to the group, and on rank 0 what it hosts."""
+
+    rank: int
+    world: int
+    worker: Worker
+    client: CollectiveClient
+    coordinator: Optional[Coordinator] = None
+    service: Optional[CollectiveService] = None
+
+    def close(self, timeout: float) -> None:
+        """Leave the group: the other ranks first, so no answer is cut short."""
+        self.client.close(timeout=timeout)
+        if self.service is not None:
+            self.service.wait_for_ranks_to_leave(timeout)
+            self.service.stop()
+        if self.coordinator is not None:
+            self.coordinator.close()
+
+
+def _store_host(store: Any) -> Optional[str]:
+    """The host of the TCPStore under any prefix stores, if there is one."""
+    seen = 0
+    while store is not None and seen < 16:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+        seen += 1
+    return None
+
+
+def _bind_and_advertise(store: Any) -> Tuple[Tuple[str, int], str]:
+    host = os.environ.get(HOST_ENV) or _store_host(store) or "127.0.0.1"
+    port = int(os.environ.get(PORT_ENV) or 0)
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    return ((host if loopback else ("::" if ":" in host else "0.0.0.0"), port), host)
+
+
+def timings(timeout: timedelta) -> Tuple[float, float, float]:
+    """(group timeout, heartbeat interval, silence limit) in seconds."""
+    seconds = max(timeout.total_seconds(), 1.0)
+    silence = min(seconds, HEARTBEAT_LIMIT)
+    return seconds, silence / 5.0, silence
+
+
+def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezvous:
+    """Connect this rank (hosting the coordinator on rank 0); every wait is
+    bounded by ``timeout``."""
+    seconds, heartbeat, silence = timings(timeout)
+    offer = {_COLLECTIVES: _COLLECTIVES_V1}
+    coordinator = None
+    hosted: dict = {}
+    ready = threading.Event()
+    if rank == 0:
+        bind, advertised = _bind_and_advertise(store)
+        coordinator = Coordinator(bind, world, timeout=seconds, join_timeout=seconds,
+                                  heartbeat=heartbeat, heartbeat_timeout=silence,
+                                  node_id="ddpwire-rank0", extensions=offer)
+        port = coordinator.local_addr[1]
+        host = f"[{advertised}]" if ":" in advertised else advertised
+
+        def host_group() -> None:
+            try:
+                coordinator.wait_for_workers()
+                channels = [coordinator.channel(r) for r in range(world)]
+                hosted["service"] = CollectiveService(channels, timeout=seconds).start()
+            except BaseException as exc:  # noqa: BLE001 - reported on rank 0's own thread below
+                hosted["error"] = exc
+            finally:
+                ready.set()
+
+        threading.Thread(target=host_group, name="ddpwire-host-group", daemon=True).start()
+        store.set(_ADDR_KEY, f"{host}:{port}")
+    addr = parse_addr(store.get(_ADDR_KEY).decode())
+    if rank > 0:
+        store.wait([f"ddpwire/joined/{rank - 1}"], timeout)
+    worker = Worker.connect(addr, timeout=seconds, heartbeat=heartbeat, heartbeat_timeout=silence,
+                            node_id=f"rank{rank}-{os.getpid()}", extensions=offer)
+    if worker.worker_id != rank:
+        worker.close()
+        raise DdpwireError(f"joined as worker {worker.worker_id}, expected rank {rank}: "
+                           "another process joined the coordinator", worker_id=rank)
+    if _COLLECTIVES not in (worker.extensions or {}):
+        worker.close()
+        raise DdpwireError(f"the coordinator at {addr[0]}:{addr[1]} did not grant the collectives "
+                           "extension (a reference coordinator?)", worker_id=rank)
+    store.set(f"ddpwire/joined/{rank}", "1")
+    if rank == 0 and not ready.wait(seconds):
+        raise JoinTimeout(f"not every rank of {world} joined within {seconds:g} s")
+    if "error" in hosted:
+        raise hosted["error"]
+    client = CollectiveClient(worker.channel, rank, world)
+    return Rendezvous(rank, world, worker, client, coordinator, hosted.get("service"))
