@@ -25,9 +25,96 @@ static const char *const TYPE_NAMES[12] = {
     "AveragedNonBlockGradient",
 };
 
+static const char *const EXT_TYPE_NAMES[6] = {
+    "AuthChallenge",
+    "AuthProof",
+    "JoinRefused",
+    "CollectiveRequest",
+    "CollectiveResult",
+    "CollectiveError",
+};
+
 const char *ddpw_message_type(uint8_t tag)
 {
-    return tag < 12 ? TYPE_NAMES[tag] : NULL;
+    if (tag < 12)
+        return TYPE_NAMES[tag];
+    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_COLLECTIVE_ERROR)
+        return EXT_TYPE_NAMES[tag - DDPW_AUTH_CHALLENGE];
+    return NULL;
+}
+
+static int is_collective_bulk(uint8_t tag)
+{
+    return tag == DDPW_COLLECTIVE_REQUEST || tag == DDPW_COLLECTIVE_RESULT;
+}
+
+int ddpw_has_bulk(uint8_t tag)
+{
+    return ddpw_has_gradients(tag) || is_collective_bulk(tag);
+}
+
+/* Indexed by code; NULL marks a gap. One table per family keeps each code's
+ * name next to nothing but its number. */
+static const char *const REFUSAL_NAMES[7] = {
+    NULL, "full", "training", "auth_required", "auth_failed", "mismatch", "protocol",
+};
+static const char *const KIND_NAMES[6] = {
+    NULL, "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier",
+};
+static const char *const OP_NAMES[5] = {"sum", "avg", "min", "max", "product"};
+static const char *const DTYPE_NAMES[8] = {
+    "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool",
+};
+static const uint8_t DTYPE_SIZES[8] = {4, 8, 2, 2, 4, 8, 1, 1};
+
+size_t ddpw_dtype_size(uint8_t dtype)
+{
+    return dtype < 8 ? DTYPE_SIZES[dtype] : 0;
+}
+
+const char *ddpw_code_name(ddpw_code_family family, unsigned value)
+{
+    switch (family) {
+    case DDPW_CODES_EXTENSION:
+        if (value == DDPW_EXT_AUTH)
+            return "auth";
+        if (value == DDPW_EXT_SAMPLES)
+            return "samples";
+        if (value == DDPW_EXT_COLLECTIVES)
+            return "collectives";
+        return NULL;
+    case DDPW_CODES_REFUSAL:
+        return value < 7 ? REFUSAL_NAMES[value] : NULL;
+    case DDPW_CODES_COLLECTIVE_KIND:
+        return value < 6 ? KIND_NAMES[value] : NULL;
+    case DDPW_CODES_REDUCE_OP:
+        return value < 5 ? OP_NAMES[value] : NULL;
+    case DDPW_CODES_DTYPE:
+        return value < 8 ? DTYPE_NAMES[value] : NULL;
+    }
+    return NULL;
+}
+
+uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
+{
+    switch (tag) {
+    case DDPW_SHARD_ASSIGNMENT:
+        return 1 + 8 + 8 + 8;
+    case DDPW_SHUTDOWN:
+        return 1;
+    case DDPW_AUTH_CHALLENGE:
+        return 1 + 2 * DDPW_AUTH_BYTES;
+    case DDPW_AUTH_PROOF:
+        return 1 + DDPW_AUTH_BYTES;
+    case DDPW_JOIN_REQUEST:
+    case DDPW_JOIN_ACCEPTED:
+    case DDPW_HEARTBEAT:
+    case DDPW_JOIN_REFUSED:
+    case DDPW_COLLECTIVE_ERROR:
+        return DDPW_SMALL_MAX_PAYLOAD;
+    default:
+        return ddpw_has_bulk(tag) ? max_frame : 0;
+    }
 }
 
 int ddpw_has_gradients(uint8_t tag)
@@ -74,6 +161,11 @@ static uint32_t load_u32le(const uint8_t *p)
            ((uint32_t)p[3] << 24);
 }
 
+static uint16_t load_u16le(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
 static uint64_t load_u64le(const uint8_t *p)
 {
     return (uint64_t)load_u32le(p) | ((uint64_t)load_u32le(p + 4) << 32);
@@ -93,6 +185,12 @@ static void store_u32le(uint8_t *p, uint32_t v)
     p[1] = (uint8_t)(v >> 8);
     p[2] = (uint8_t)(v >> 16);
     p[3] = (uint8_t)(v >> 24);
+}
+
+static void store_u16le(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
 }
 
 static void store_u64le(uint8_t *p, uint64_t v)
@@ -179,7 +277,17 @@ static ddpw_status fail(ddpw_error *err, ddpw_status status, const char *type,
     err->field = field;
     err->have = have;
     err->need = need;
+    err->detail = NULL;
     return status;
+}
+
+static ddpw_status fail_invalid(ddpw_error *err, const char *type, const char *field,
+                                uint64_t value, const char *why)
+{
+    fail(err, DDPW_ERR_INVALID, type, field, 0, 0);
+    err->value = value;
+    err->detail = why;
+    return DDPW_ERR_INVALID;
 }
 
 ddpw_status ddpw_check_frame_len(uint64_t payload_len, uint64_t max_frame, ddpw_error *err)
@@ -228,6 +336,16 @@ static ddpw_status read_u8(ddpw_reader *r, uint8_t *v, const char *type, const c
     const ddpw_status st = take(r, 1, &p, type, field, err);
     if (st == DDPW_OK)
         *v = p[0];
+    return st;
+}
+
+static ddpw_status read_u16(ddpw_reader *r, uint16_t *v, const char *type, const char *field,
+                            ddpw_error *err)
+{
+    const uint8_t *p;
+    const ddpw_status st = take(r, 2, &p, type, field, err);
+    if (st == DDPW_OK)
+        *v = load_u16le(p);
     return st;
 }
 
@@ -430,7 +548,116 @@ static ddpw_status read_gradient_head(ddpw_reader *r, uint8_t tag, const char *t
     h->tail_len = tail_len;
     h->trailing_len = r->len - end;
     h->has_gradients = 1;
+    h->has_bulk = 1;
+    h->bulk_offset = r->pos;
+    h->bulk_len = grad_bytes;
     return DDPW_OK;
+}
+
+/* CollectiveRequest / CollectiveResult up to their data, checking that the
+ * data's byte count matches count and dtype and fills the payload exactly,
+ * so a streaming reader knows every problem before the data arrives. */
+static ddpw_status read_collective_head(ddpw_reader *r, uint8_t tag, const char *type, int flags,
+                                        ddpw_head *h, ddpw_error *err)
+{
+    uint64_t data_len, size;
+    size_t left, end;
+
+    TRY(read_u64(r, &h->seq, type, "seq", err));
+    TRY(read_u8(r, &h->kind, type, "kind", err));
+    if (tag == DDPW_COLLECTIVE_REQUEST)
+        TRY(read_u8(r, &h->op, type, "op", err));
+    TRY(read_u8(r, &h->dtype, type, "dtype", err));
+    size = ddpw_dtype_size(h->dtype);
+    if (size == 0)
+        return fail_invalid(err, type, "dtype", h->dtype, "unknown dtype code");
+    if (tag == DDPW_COLLECTIVE_REQUEST)
+        TRY(read_u32(r, &h->root, type, "root", err));
+    TRY(read_u64(r, &h->count, type, "count", err));
+    TRY(read_u64(r, &data_len, type, "data length", err));
+    if (h->count > UINT64_MAX / size)
+        return fail_invalid(err, type, "count", h->count,
+                            "elements whose byte length overflows 64 bits");
+    if (data_len != h->count * size)
+        return fail(err, DDPW_ERR_MISMATCH, type, "data", data_len, h->count * size);
+    left = r->len - r->pos;
+    if (data_len > (uint64_t)left)
+        return fail(err, DDPW_ERR_TRUNCATED, type, "data", left, data_len);
+    end = r->pos + (size_t)data_len;
+    TRY(check_end(r, end, flags, type, err));
+
+    h->has_bulk = 1;
+    h->bulk_offset = r->pos;
+    h->bulk_len = data_len;
+    h->tail_len = 0;
+    h->trailing_len = r->len - end;
+    return DDPW_OK;
+}
+
+static const uint8_t EXT_MAGIC[DDPW_EXT_MAGIC_LEN] = {0x44, 0x44, 0x50, 0x58}; /* "DDPX" */
+
+/* After the last field of JoinRequest / JoinAccepted: nothing, an extension
+ * block that ends exactly at the payload's end, or (without the magic)
+ * trailing bytes as for any other message. */
+static ddpw_status read_ext_block(ddpw_reader *r, int flags, const char *type, ddpw_message *m,
+                                  ddpw_error *err)
+{
+    uint16_t seen[DDPW_EXT_MAX_ENTRIES];
+    const size_t left = r->len - r->pos;
+    size_t body, i, j;
+    uint8_t version;
+    uint16_t count;
+
+    if (left < DDPW_EXT_MAGIC_LEN || memcmp(r->data + r->pos, EXT_MAGIC, DDPW_EXT_MAGIC_LEN) != 0)
+        return check_end(r, r->pos, flags, type, err);
+    /* Checked first: every length below is then small, and a peer cannot
+     * make us walk a long block. */
+    if (left > DDPW_EXT_MAX_BLOCK)
+        return fail_invalid(err, type, "extensions", left, "bytes in the block, at most 4096");
+    r->pos += DDPW_EXT_MAGIC_LEN;
+    TRY(read_u8(r, &version, type, "extensions version", err));
+    if (version != DDPW_EXT_VERSION)
+        return fail_invalid(err, type, "extensions version", version, "this peer reads version 1");
+    TRY(read_u16(r, &count, type, "extensions count", err));
+    if (count > DDPW_EXT_MAX_ENTRIES)
+        return fail_invalid(err, type, "extensions count", count, "at most 64 entries");
+    body = r->pos;
+    for (i = 0; i < count; i++) {
+        uint16_t entry_type;
+        uint32_t n;
+        const uint8_t *value;
+        TRY(read_u16(r, &entry_type, type, "extensions entry type", err));
+        TRY(read_u32(r, &n, type, "extensions entry length", err));
+        TRY(take(r, n, &value, type, "extensions entry value", err));
+        for (j = 0; j < i; j++)
+            if (seen[j] == entry_type)
+                return fail_invalid(err, type, "extensions entry type", entry_type,
+                                    "repeated in the block");
+        seen[i] = entry_type;
+    }
+    /* The block must end where the payload does, even with
+     * DDPW_ALLOW_TRAILING: there is no room for bytes after it. */
+    if (r->pos != r->len)
+        return fail(err, DDPW_ERR_TRAILING, type, "extensions", r->len, r->pos);
+    m->has_ext = 1;
+    m->ext_count = count;
+    m->ext_block = r->data + body;
+    m->ext_block_len = r->pos - body;
+    return DDPW_OK;
+}
+
+int ddpw_ext_next(const uint8_t *block, size_t block_len, size_t *pos, ddpw_ext_entry *entry)
+{
+    const size_t p = *pos;
+    if (p > block_len || block_len - p < DDPW_EXT_ENTRY_HEADER_LEN)
+        return 0;
+    entry->type = load_u16le(block + p);
+    entry->len = load_u32le(block + p + 2);
+    if ((uint64_t)entry->len > (uint64_t)(block_len - p - DDPW_EXT_ENTRY_HEADER_LEN))
+        return 0;
+    entry->value = block + p + DDPW_EXT_ENTRY_HEADER_LEN;
+    *pos = p + DDPW_EXT_ENTRY_HEADER_LEN + entry->len;
+    return 1;
 }
 
 /* Tag byte: NEED_MORE, an error, or the message's type name. */
@@ -459,6 +686,8 @@ ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len,
     st = read_tag(&r, &head->tag, &type, err);
     if (st == DDPW_OK && ddpw_has_gradients(head->tag))
         st = read_gradient_head(&r, head->tag, type, flags, head, err);
+    else if (st == DDPW_OK && is_collective_bulk(head->tag))
+        st = read_collective_head(&r, head->tag, type, flags, head, err);
     if (st == DDPW_NEED_MORE)
         head->need = err->need;
     return st;
@@ -517,15 +746,46 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         return DDPW_OK;
     }
 
+    if (is_collective_bulk(tag)) {
+        ddpw_head h;
+        memset(&h, 0, sizeof h);
+        TRY(read_collective_head(&r, tag, type, flags, &h, err));
+        msg->seq = h.seq;
+        msg->kind = h.kind;
+        msg->op = h.op;
+        msg->dtype = h.dtype;
+        msg->root = h.root;
+        msg->count = h.count;
+        msg->data = p + h.bulk_offset;
+        msg->data_len = h.bulk_len;
+        return DDPW_OK;
+    }
+
     switch (tag) {
     case DDPW_JOIN_REQUEST:
         TRY(read_str(&r, &msg->node_id, type, "node_id", "node_id length", err));
         TRY(read_u32(&r, &msg->gpu_count, type, "gpu_count", err));
         TRY(read_str(&r, &msg->backend, type, "backend", "backend length", err));
-        break;
+        return read_ext_block(&r, flags, type, msg, err);
     case DDPW_JOIN_ACCEPTED:
         TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
         TRY(read_u32(&r, &msg->total_workers, type, "total_workers", err));
+        return read_ext_block(&r, flags, type, msg, err);
+    case DDPW_AUTH_CHALLENGE:
+        TRY(take(&r, DDPW_AUTH_BYTES, &msg->nonce, type, "nonce", err));
+        TRY(take(&r, DDPW_AUTH_BYTES, &msg->proof, type, "proof", err));
+        break;
+    case DDPW_AUTH_PROOF:
+        TRY(take(&r, DDPW_AUTH_BYTES, &msg->proof, type, "proof", err));
+        break;
+    case DDPW_JOIN_REFUSED:
+        TRY(read_u8(&r, &msg->reason, type, "reason", err));
+        TRY(read_str(&r, &msg->detail, type, "detail", "detail length", err));
+        break;
+    case DDPW_COLLECTIVE_ERROR:
+        TRY(read_u64(&r, &msg->seq, type, "seq", err));
+        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
+        TRY(read_str(&r, &msg->detail, type, "detail", "detail length", err));
         break;
     case DDPW_SHARD_ASSIGNMENT:
         TRY(read_u64(&r, &msg->step, type, "step", err));
@@ -572,6 +832,20 @@ static void put_u8(ddpw_writer *w, uint8_t v)
     uint8_t *p = reserve(w, 1);
     if (p)
         p[0] = v;
+}
+
+static void put_u16(ddpw_writer *w, uint16_t v)
+{
+    uint8_t *p = reserve(w, 2);
+    if (p)
+        store_u16le(p, v);
+}
+
+static void put_bytes(ddpw_writer *w, const uint8_t *src, uint64_t n)
+{
+    uint8_t *p = reserve(w, n);
+    if (p && n)
+        memcpy(p, src, (size_t)n);
 }
 
 static void put_u32(ddpw_writer *w, uint32_t v)
@@ -642,15 +916,69 @@ static void put_words(ddpw_writer *w, const void *src, uint64_t count)
 /* Encoding                                                            */
 /* ------------------------------------------------------------------ */
 
-/* Payload bytes before the gradient elements (all of them for a message
- * without gradients). */
+/* Bytes of the extension block (0 without one). Each term is below 2^33
+ * and there are at most 2^16 of them: no overflow. */
+static uint64_t ext_block_size(const ddpw_message *m)
+{
+    uint64_t size = DDPW_EXT_HEADER_LEN;
+    size_t i;
+    if (!m->has_ext)
+        return 0;
+    for (i = 0; i < m->ext_count; i++)
+        size += DDPW_EXT_ENTRY_HEADER_LEN + (uint64_t)m->ext_entries[i].len;
+    return size;
+}
+
+/* The encoder refuses what the decoder would refuse. */
+static ddpw_status check_ext_entries(const ddpw_message *m, const char *type, ddpw_error *err)
+{
+    uint64_t size;
+    size_t i, j;
+    if (!m->has_ext)
+        return DDPW_OK;
+    if (m->ext_count > DDPW_EXT_MAX_ENTRIES) {
+        fail(err, DDPW_ERR_VALUE, type, "extensions", m->ext_count, DDPW_EXT_MAX_ENTRIES);
+        err->value = m->ext_count;
+        err->detail = "entries";
+        return DDPW_ERR_VALUE;
+    }
+    if (m->ext_count > 0 && m->ext_entries == NULL)
+        return fail(err, DDPW_ERR_VALUE, type, "extensions", m->ext_count, 0);
+    for (i = 0; i < m->ext_count; i++)
+        for (j = 0; j < i; j++)
+            if (m->ext_entries[i].type == m->ext_entries[j].type)
+                return fail_invalid(err, type, "extensions entry type", m->ext_entries[i].type,
+                                    "repeated in the block");
+    size = ext_block_size(m);
+    if (size > DDPW_EXT_MAX_BLOCK) {
+        err->value = size;
+        return fail(err, DDPW_ERR_VALUE, type, "extensions", size, DDPW_EXT_MAX_BLOCK);
+    }
+    return DDPW_OK;
+}
+
+/* Payload bytes before the bulk field (all of them for a message without
+ * one). */
 static uint64_t head_fields_size(const ddpw_message *m)
 {
     switch (m->tag) {
     case DDPW_JOIN_REQUEST:
-        return 1 + 4 + (uint64_t)m->node_id.len + 4 + 4 + (uint64_t)m->backend.len;
+        return 1 + 4 + (uint64_t)m->node_id.len + 4 + 4 + (uint64_t)m->backend.len +
+               ext_block_size(m);
     case DDPW_JOIN_ACCEPTED:
-        return 1 + 4 + 4;
+        return 1 + 4 + 4 + ext_block_size(m);
+    case DDPW_AUTH_CHALLENGE:
+        return 1 + 2 * DDPW_AUTH_BYTES;
+    case DDPW_AUTH_PROOF:
+        return 1 + DDPW_AUTH_BYTES;
+    case DDPW_JOIN_REFUSED:
+        return 1 + 1 + 4 + (uint64_t)m->detail.len;
+    case DDPW_COLLECTIVE_REQUEST:
+        return 1 + 8 + 1 + 1 + 1 + 4 + 8 + 8;
+    case DDPW_COLLECTIVE_RESULT:
+        return 1 + 8 + 1 + 1 + 8 + 8;
+    case DDPW_COLLECTIVE_ERROR:
+        return 1 + 8 + 4 + 4 + (uint64_t)m->detail.len;
     case DDPW_SHARD_ASSIGNMENT:
         return 1 + 8 + 8 + 8;
     case DDPW_GRADIENT_PAYLOAD:
@@ -688,14 +1016,37 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
         err->value = m->backend.len;
         return fail(err, DDPW_ERR_VALUE, type, "backend", m->backend.len, UINT32_MAX);
     }
-    head = head_fields_size(m); /* each term < 2^35: no overflow */
-    if (ddpw_has_gradients(m->tag))
-        count = m->gradient_count;
-    if (count > (UINT64_MAX - head - ddpw_tail_len(m->tag)) / 4) {
-        err->value = count;
-        return fail(err, DDPW_ERR_OVERFLOW, type, "gradients", 0, UINT64_MAX);
+    if ((uint64_t)m->detail.len > UINT32_MAX) {
+        err->value = m->detail.len;
+        return fail(err, DDPW_ERR_VALUE, type, "detail", m->detail.len, UINT32_MAX);
     }
-    *size = head + 4 * count + ddpw_tail_len(m->tag);
+    if ((m->tag == DDPW_AUTH_CHALLENGE && m->nonce == NULL) ||
+        ((m->tag == DDPW_AUTH_CHALLENGE || m->tag == DDPW_AUTH_PROOF) && m->proof == NULL))
+        return fail(err, DDPW_ERR_VALUE, type, m->nonce == NULL ? "nonce" : "proof", 0,
+                    DDPW_AUTH_BYTES);
+    TRY(check_ext_entries(m, type, err));
+    head = head_fields_size(m); /* each term < 2^35: no overflow */
+    if (is_collective_bulk(m->tag)) {
+        const size_t item = ddpw_dtype_size(m->dtype);
+        if (item == 0)
+            return fail_invalid(err, type, "dtype", m->dtype, "unknown dtype code");
+        if (m->count > UINT64_MAX / item)
+            return fail_invalid(err, type, "count", m->count,
+                                "elements whose byte length overflows 64 bits");
+        if (m->data_len != m->count * item)
+            return fail(err, DDPW_ERR_MISMATCH, type, "data", m->data_len, m->count * item);
+        if (m->data_len > UINT64_MAX - head)
+            return fail(err, DDPW_ERR_TOO_LARGE, type, NULL, UINT64_MAX, UINT32_MAX);
+        *size = head + m->data_len;
+    } else {
+        if (ddpw_has_gradients(m->tag))
+            count = m->gradient_count;
+        if (count > (UINT64_MAX - head - ddpw_tail_len(m->tag)) / 4) {
+            err->value = count;
+            return fail(err, DDPW_ERR_OVERFLOW, type, "gradients", 0, UINT64_MAX);
+        }
+        *size = head + 4 * count + ddpw_tail_len(m->tag);
+    }
     if (*size > UINT32_MAX)
         return fail(err, DDPW_ERR_TOO_LARGE, type, NULL, *size, UINT32_MAX);
     return DDPW_OK;
@@ -717,6 +1068,21 @@ static ddpw_status finish(const ddpw_writer *w, size_t *written, const char *typ
     return DDPW_OK;
 }
 
+static void write_ext_block(ddpw_writer *w, const ddpw_message *m)
+{
+    size_t i;
+    if (!m->has_ext)
+        return;
+    put_bytes(w, EXT_MAGIC, DDPW_EXT_MAGIC_LEN);
+    put_u8(w, DDPW_EXT_VERSION);
+    put_u16(w, m->ext_count);
+    for (i = 0; i < m->ext_count; i++) {
+        put_u16(w, m->ext_entries[i].type);
+        put_u32(w, m->ext_entries[i].len);
+        put_bytes(w, m->ext_entries[i].value, m->ext_entries[i].len);
+    }
+}
+
 static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_size)
 {
     put_prefix(w, payload_size);
@@ -726,10 +1092,44 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
         put_str(w, m->node_id);
         put_u32(w, m->gpu_count);
         put_str(w, m->backend);
+        write_ext_block(w, m);
         break;
     case DDPW_JOIN_ACCEPTED:
         put_u32(w, m->worker_id);
         put_u32(w, m->total_workers);
+        write_ext_block(w, m);
+        break;
+    case DDPW_AUTH_CHALLENGE:
+        put_bytes(w, m->nonce, DDPW_AUTH_BYTES);
+        put_bytes(w, m->proof, DDPW_AUTH_BYTES);
+        break;
+    case DDPW_AUTH_PROOF:
+        put_bytes(w, m->proof, DDPW_AUTH_BYTES);
+        break;
+    case DDPW_JOIN_REFUSED:
+        put_u8(w, m->reason);
+        put_str(w, m->detail);
+        break;
+    case DDPW_COLLECTIVE_REQUEST:
+        put_u64(w, m->seq);
+        put_u8(w, m->kind);
+        put_u8(w, m->op);
+        put_u8(w, m->dtype);
+        put_u32(w, m->root);
+        put_u64(w, m->count);
+        put_u64(w, m->data_len);
+        break;
+    case DDPW_COLLECTIVE_RESULT:
+        put_u64(w, m->seq);
+        put_u8(w, m->kind);
+        put_u8(w, m->dtype);
+        put_u64(w, m->count);
+        put_u64(w, m->data_len);
+        break;
+    case DDPW_COLLECTIVE_ERROR:
+        put_u64(w, m->seq);
+        put_u32(w, m->worker_id);
+        put_str(w, m->detail);
         break;
     case DDPW_SHARD_ASSIGNMENT:
         put_u64(w, m->step);
@@ -828,6 +1228,8 @@ ddpw_status ddpw_encode_frame(const ddpw_message *m, uint8_t *out, size_t cap, s
     if (ddpw_has_gradients(m->tag)) {
         put_words(&w, m->gradients, m->gradient_count);
         write_tail(&w, m);
+    } else if (is_collective_bulk(m->tag)) {
+        put_bytes(&w, m->data, m->data_len);
     }
     return finish(&w, written, ddpw_message_type(m->tag), DDPW_PREFIX_LEN + size, err);
 }

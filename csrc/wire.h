@@ -37,8 +37,82 @@ typedef enum ddpw_tag {
     DDPW_BLOCK_GRADIENT_PAYLOAD = 0x08,
     DDPW_AVERAGED_BLOCK_GRADIENT = 0x09,
     DDPW_NON_BLOCK_GRADIENT_PAYLOAD = 0x0A,
-    DDPW_AVERAGED_NON_BLOCK_GRADIENT = 0x0B
+    DDPW_AVERAGED_NON_BLOCK_GRADIENT = 0x0B,
+    /* Extension messages (docs/extensions.md): sent only on a connection
+     * where their extension was offered or granted. */
+    DDPW_AUTH_CHALLENGE = 0x40,
+    DDPW_AUTH_PROOF = 0x41,
+    DDPW_JOIN_REFUSED = 0x42,
+    DDPW_COLLECTIVE_REQUEST = 0x43,
+    DDPW_COLLECTIVE_RESULT = 0x44,
+    DDPW_COLLECTIVE_ERROR = 0x45
 } ddpw_tag;
+
+/* The extension block that may follow the last field of JoinRequest and
+ * JoinAccepted: magic "DDPX", u8 version, u16 LE entry count, then entries
+ * of u16 LE type, u32 LE length, value. */
+#define DDPW_EXT_MAGIC "DDPX"
+#define DDPW_EXT_MAGIC_LEN 4u
+#define DDPW_EXT_VERSION 1u
+#define DDPW_EXT_HEADER_LEN 7u       /* magic, version, count */
+#define DDPW_EXT_ENTRY_HEADER_LEN 6u /* type, length */
+#define DDPW_EXT_MAX_ENTRIES 64u
+#define DDPW_EXT_MAX_BLOCK 4096u     /* whole block, header included */
+/* Both auth messages carry fixed-size nonces and HMAC-SHA256 proofs. */
+#define DDPW_AUTH_BYTES 32u
+/* Limit for the payload of a small variable-size message (ddpw_tag_max_payload). */
+#define DDPW_SMALL_MAX_PAYLOAD 65536u
+
+typedef enum ddpw_ext_type {
+    DDPW_EXT_AUTH = 0x0001,
+    DDPW_EXT_SAMPLES = 0x0002,
+    DDPW_EXT_COLLECTIVES = 0x0003
+} ddpw_ext_type;
+
+typedef enum ddpw_refusal {
+    DDPW_REFUSED_FULL = 1,
+    DDPW_REFUSED_TRAINING = 2,
+    DDPW_REFUSED_AUTH_REQUIRED = 3,
+    DDPW_REFUSED_AUTH_FAILED = 4,
+    DDPW_REFUSED_MISMATCH = 5,
+    DDPW_REFUSED_PROTOCOL = 6
+} ddpw_refusal;
+
+typedef enum ddpw_collective_kind {
+    DDPW_COLLECTIVE_ALLREDUCE = 1,
+    DDPW_COLLECTIVE_BROADCAST = 2,
+    DDPW_COLLECTIVE_ALLGATHER = 3,
+    DDPW_COLLECTIVE_REDUCE_SCATTER = 4,
+    DDPW_COLLECTIVE_BARRIER = 5
+} ddpw_collective_kind;
+
+typedef enum ddpw_reduce_op {
+    DDPW_OP_SUM = 0,
+    DDPW_OP_AVG = 1,
+    DDPW_OP_MIN = 2,
+    DDPW_OP_MAX = 3,
+    DDPW_OP_PRODUCT = 4
+} ddpw_reduce_op;
+
+typedef enum ddpw_dtype {
+    DDPW_DTYPE_FLOAT32 = 0,
+    DDPW_DTYPE_FLOAT64 = 1,
+    DDPW_DTYPE_FLOAT16 = 2,
+    DDPW_DTYPE_BFLOAT16 = 3,
+    DDPW_DTYPE_INT32 = 4,
+    DDPW_DTYPE_INT64 = 5,
+    DDPW_DTYPE_UINT8 = 6,
+    DDPW_DTYPE_BOOL = 7
+} ddpw_dtype;
+
+/* Families of codes, for ddpw_code_name. */
+typedef enum ddpw_code_family {
+    DDPW_CODES_EXTENSION = 0,
+    DDPW_CODES_REFUSAL = 1,
+    DDPW_CODES_COLLECTIVE_KIND = 2,
+    DDPW_CODES_REDUCE_OP = 3,
+    DDPW_CODES_DTYPE = 4
+} ddpw_code_family;
 
 typedef enum ddpw_status {
     DDPW_OK = 0,
@@ -53,7 +127,9 @@ typedef enum ddpw_status {
     DDPW_ERR_TRAILING = -6,      /* `have` payload bytes, the last field ends at `need` */
     DDPW_ERR_TOO_LARGE = -7,     /* payload length `have` exceeds the limit `need` */
     DDPW_ERR_VALUE = -8,         /* encoding: field `value` does not fit its wire type */
-    DDPW_ERR_BUFFER = -9         /* encoding: caller buffer of `have` bytes, `need` required */
+    DDPW_ERR_BUFFER = -9,        /* encoding: caller buffer of `have` bytes, `need` required */
+    DDPW_ERR_INVALID = -10,      /* field holds `value`, which `detail` says is not allowed */
+    DDPW_ERR_MISMATCH = -11      /* field is `have` bytes long, its other fields say `need` */
 } ddpw_status;
 
 /* Set by every call that fails, so the caller can say which message, which
@@ -67,6 +143,7 @@ typedef struct ddpw_error {
     uint64_t have;
     uint64_t need;
     uint64_t value;
+    const char *detail;          /* DDPW_ERR_INVALID: why; DDPW_ERR_VALUE: the unit, or NULL for bytes */
 } ddpw_error;
 
 /* Explicit cursors. `len` is where the payload ends (reading past it is
@@ -93,6 +170,13 @@ typedef struct ddpw_str {
     const uint8_t *data;
     size_t len;
 } ddpw_str;
+
+/* One entry of an extension block. */
+typedef struct ddpw_ext_entry {
+    uint16_t type;
+    uint32_t len;
+    const uint8_t *value;
+} ddpw_ext_entry;
 
 /* Every field of every message, flat; `tag` says which are meaningful.
  *
@@ -123,6 +207,27 @@ typedef struct ddpw_message {
     uint64_t correct;          /* GradientPayload */
     uint64_t total;            /* GradientPayload */
     float global_loss;         /* AveragedGradient */
+    /* Extension block (JoinRequest, JoinAccepted). has_ext == 0: no block.
+     * Decoded: ext_block points at the block's first entry, ext_block_len
+     * bytes of entries follow (walk them with ddpw_ext_next); ext_entries is
+     * NULL. Encoding: ext_entries holds ext_count entries. */
+    int has_ext;
+    uint16_t ext_count;
+    const ddpw_ext_entry *ext_entries;
+    const uint8_t *ext_block;
+    size_t ext_block_len;
+    const uint8_t *nonce;      /* AuthChallenge: DDPW_AUTH_BYTES bytes */
+    const uint8_t *proof;      /* AuthChallenge, AuthProof: DDPW_AUTH_BYTES bytes */
+    uint8_t reason;            /* JoinRefused */
+    ddpw_str detail;           /* JoinRefused, CollectiveError */
+    uint64_t seq;              /* Collective* */
+    uint8_t kind;              /* CollectiveRequest, CollectiveResult */
+    uint8_t op;                /* CollectiveRequest */
+    uint8_t dtype;             /* CollectiveRequest, CollectiveResult */
+    uint32_t root;             /* CollectiveRequest */
+    uint64_t count;            /* CollectiveRequest, CollectiveResult: elements */
+    const uint8_t *data;       /* CollectiveRequest, CollectiveResult */
+    uint64_t data_len;         /* bytes at data: count * ddpw_dtype_size(dtype) */
 } ddpw_message;
 
 /* What precedes the gradient elements of a payload, for a reader that
@@ -142,6 +247,20 @@ typedef struct ddpw_head {
     size_t tail_len;           /* bytes after the gradients: 20, 4 or 0 */
     size_t trailing_len;       /* bytes after the last field (only with DDPW_ALLOW_TRAILING) */
     size_t need;               /* with DDPW_NEED_MORE: payload bytes needed to go on */
+    /* Messages with one bulk field a reader may receive straight into its
+     * own buffer: the six gradient messages (bulk = the gradient elements)
+     * and CollectiveRequest/CollectiveResult (bulk = data, tail_len 0; for
+     * these has_gradients stays 0, so a reader that knows only gradients
+     * decodes them whole). */
+    int has_bulk;
+    size_t bulk_offset;        /* payload offset of the first bulk byte */
+    uint64_t bulk_len;         /* bulk bytes */
+    uint64_t seq;              /* Collective*: the fields before data */
+    uint8_t kind;
+    uint8_t op;
+    uint8_t dtype;
+    uint32_t root;
+    uint64_t count;
 } ddpw_head;
 
 /* The fields that follow the gradient elements. */
@@ -160,6 +279,27 @@ const char *ddpw_message_type(uint8_t tag);
 
 /* 1 for the six messages that carry an f32vec of gradients. */
 int ddpw_has_gradients(uint8_t tag);
+
+/* 1 for the messages with a bulk field (ddpw_head.has_bulk): the gradient
+ * messages, CollectiveRequest and CollectiveResult. */
+int ddpw_has_bulk(uint8_t tag);
+
+/* Bytes per element of a collective dtype, 0 for an unknown code. */
+size_t ddpw_dtype_size(uint8_t dtype);
+
+/* Lower-case name of a code ("auth", "full", "allreduce", "sum", "float32"),
+ * or NULL where the family has no such code. */
+const char *ddpw_code_name(ddpw_code_family family, unsigned value);
+
+/* The most payload bytes (tag included) a frame with this tag may carry:
+ * the exact size of a fixed-size message, DDPW_SMALL_MAX_PAYLOAD for a small
+ * variable one, max_frame for a bulk one, 0 for an unknown tag. Lets a reader
+ * refuse a frame from its first five bytes, before allocating its payload. */
+uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame);
+
+/* Walk the entries of a decoded (so already checked) block: *pos starts at
+ * 0; returns 1 and fills *entry while entries remain, 0 after the last. */
+int ddpw_ext_next(const uint8_t *block, size_t block_len, size_t *pos, ddpw_ext_entry *entry);
 
 /* Bytes after the gradient elements for this tag: 20, 4 or 0. */
 size_t ddpw_tail_len(uint8_t tag);
@@ -199,8 +339,9 @@ void ddpw_load_u32s(const uint8_t *src, size_t count, uint32_t *dst);
  * when it cannot be framed (over 2^32 - 1 bytes). */
 ddpw_status ddpw_payload_size(const ddpw_message *msg, uint64_t *size, ddpw_error *err);
 
-/* Bytes of the frame before the gradient elements: prefix + head fields.
- * For a message without gradients this is the whole frame. */
+/* Bytes of the frame before the bulk field (gradient elements, collective
+ * data): prefix + head fields. For a message without one this is the whole
+ * frame. */
 size_t ddpw_head_size(const ddpw_message *msg);
 
 /* Write the whole frame (prefix included) into out[0..cap). */

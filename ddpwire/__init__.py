@@ -19,6 +19,12 @@ from .errors import (
     WorkerLost,
 )
 from .messages import (
+    AuthChallenge,
+    AuthProof,
+    CollectiveError,
+    CollectiveRequest,
+    CollectiveResult,
+    JoinRefused,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
@@ -39,7 +45,9 @@ from ._core import (
     decode_payload,
     encode_frame,
     encode_frame_parts,
+    tag_max_payload,
 )
+from .extensions import CollectiveKind, DType, Extension, RefusalReason, ReduceOp
 from . import reduce
 from .coordinator import Coordinator
 from .worker import Worker
@@ -50,6 +58,18 @@ from .sessioninfo import WorkerInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthChallenge",
+    "AuthProof",
+    "CollectiveError",
+    "CollectiveKind",
+    "CollectiveRequest",
+    "CollectiveResult",
+    "DType",
+    "Extension",
+    "JoinRefused",
+    "RefusalReason",
+    "ReduceOp",
+    "tag_max_payload",
     "AveragedBlockGradient",
     "AveragedGradient",
     "AveragedNonBlockGradient",

@@ -15,7 +15,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.number cimport PyNumber_Index
 from cpython.unicode cimport PyUnicode_DecodeUTF8
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset, strcmp
 
 import sys
@@ -24,6 +24,12 @@ import numpy as np
 
 from ddpwire.errors import FrameTooLarge, ProtocolError
 from ddpwire.messages import (
+    AuthChallenge,
+    AuthProof,
+    CollectiveError,
+    CollectiveRequest,
+    CollectiveResult,
+    JoinRefused,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
@@ -71,7 +77,15 @@ cdef dict _TAGS = {
     AveragedBlockGradient: DDPW_AVERAGED_BLOCK_GRADIENT,
     NonBlockGradientPayload: DDPW_NON_BLOCK_GRADIENT_PAYLOAD,
     AveragedNonBlockGradient: DDPW_AVERAGED_NON_BLOCK_GRADIENT,
+    AuthChallenge: DDPW_AUTH_CHALLENGE,
+    AuthProof: DDPW_AUTH_PROOF,
+    JoinRefused: DDPW_JOIN_REFUSED,
+    CollectiveRequest: DDPW_COLLECTIVE_REQUEST,
+    CollectiveResult: DDPW_COLLECTIVE_RESULT,
+    CollectiveError: DDPW_COLLECTIVE_ERROR,
 }
+
+cdef object _U8 = np.dtype(np.uint8)
 
 
 # ---------------------------------------------------------------------------
@@ -107,7 +121,13 @@ cdef object wire_error(const ddpw_error *err):
         return ProtocolError(
             f"{err.have - err.need} bytes after the last field of {where}")
     if st == DDPW_ERR_VALUE:
-        return ValueError(f"{where}: {err.have} bytes, over the wire limit of {err.need}")
+        unit = "bytes" if err.detail == NULL else _name(err.detail)
+        return ValueError(f"{where}: {err.have} {unit}, over the wire limit of {err.need}")
+    if st == DDPW_ERR_INVALID:
+        return ProtocolError(f"invalid {where}: {err.value} ({_name(err.detail)})")
+    if st == DDPW_ERR_MISMATCH:
+        return ProtocolError(
+            f"{where} length mismatch: {err.have} bytes, count x dtype size is {err.need}")
     if st == DDPW_ERR_BUFFER:
         return ValueError(f"{where}: output buffer of {err.have} bytes, {err.need} needed")
     return ProtocolError(f"wire codec error {<int>st} in {where}")
@@ -262,6 +282,71 @@ cdef inline void _set_component_sizes(ddpw_message *out, object msg, list keep) 
     out.component_count = <uint32_t>sizes.shape[0]
 
 
+cdef HeldBuffer _bytes_buffer(object obj, object owner, str field):
+    """Any C-contiguous buffer, read as its raw bytes."""
+    cdef HeldBuffer buf = HeldBuffer.__new__(HeldBuffer)
+    try:
+        PyObject_GetBuffer(obj, &buf.view, PyBUF_C_CONTIGUOUS)
+        buf.held = True
+    except (TypeError, BufferError, ValueError):
+        raise TypeError(
+            f"{_owner_name(owner)}.{field}: expected a C-contiguous buffer, "
+            f"got {_describe(obj)}") from None
+    return buf
+
+
+cdef const uint8_t *_auth_bytes(object value, object msg, str field, list keep) except NULL:
+    cdef HeldBuffer buf = _bytes_buffer(value, msg, field)
+    if buf.view.len != DDPW_AUTH_BYTES:
+        raise ValueError(
+            f"{type(msg).__name__}.{field}: expected {DDPW_AUTH_BYTES} bytes, got {buf.view.len}")
+    keep.append(buf)
+    return <const uint8_t *>buf.view.buf
+
+
+cdef int _set_extensions(ddpw_message *out, object msg, list keep) except -1:
+    cdef object ext = msg.extensions
+    cdef Py_ssize_t i = 0, n
+    cdef ddpw_ext_entry *entries
+    cdef HeldBuffer buf
+    if ext is None:
+        return 0
+    if not isinstance(ext, dict):
+        raise TypeError(
+            f"{type(msg).__name__}.extensions: expected None or a dict {{int: bytes}}, "
+            f"got {type(ext).__name__}")
+    n = len(ext)
+    # checked before anything is sized from n
+    if n > DDPW_EXT_MAX_ENTRIES:
+        raise ValueError(f"{type(msg).__name__}.extensions: {n} entries, over the wire limit "
+                         f"of {DDPW_EXT_MAX_ENTRIES}")
+    storage = bytearray(max(n, 1) * sizeof(ddpw_ext_entry))
+    keep.append(storage)
+    entries = <ddpw_ext_entry *><char *>storage
+    for key, value in ext.items():
+        entries[i].type = <uint16_t>_uint(key, 0xFFFF, msg, "extensions key")
+        buf = _bytes_buffer(value, msg, f"extensions[{key}]")
+        keep.append(buf)
+        if <size_t>buf.view.len > DDPW_EXT_MAX_BLOCK:
+            raise ValueError(f"{type(msg).__name__}.extensions[{key}]: {buf.view.len} bytes, "
+                             f"over the block limit of {DDPW_EXT_MAX_BLOCK}")
+        entries[i].len = <uint32_t>buf.view.len
+        entries[i].value = <const uint8_t *>buf.view.buf
+        i += 1
+    out.has_ext = 1
+    out.ext_count = <uint16_t>n
+    out.ext_entries = entries
+    return 0
+
+
+cdef int _set_data(ddpw_message *out, object msg, list keep) except -1:
+    cdef HeldBuffer buf = _bytes_buffer(msg.data, msg, "data")
+    keep.append(buf)
+    out.data = <const uint8_t *>buf.view.buf
+    out.data_len = <uint64_t>buf.view.len
+    return 0
+
+
 cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
     cdef object tag_obj = _TAGS.get(type(msg))
     cdef uint8_t tag
@@ -283,9 +368,41 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
         out.node_id = _utf8(node_id, msg, "node_id")
         out.gpu_count = <uint32_t>_uint(msg.gpu_count, 0xFFFFFFFF, msg, "gpu_count")
         out.backend = _utf8(backend, msg, "backend")
+        _set_extensions(out, msg, keep)
     elif tag == DDPW_JOIN_ACCEPTED:
         out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
         out.total_workers = <uint32_t>_uint(msg.total_workers, 0xFFFFFFFF, msg, "total_workers")
+        _set_extensions(out, msg, keep)
+    elif tag == DDPW_AUTH_CHALLENGE:
+        out.nonce = _auth_bytes(msg.nonce, msg, "nonce", keep)
+        out.proof = _auth_bytes(msg.proof, msg, "proof", keep)
+    elif tag == DDPW_AUTH_PROOF:
+        out.proof = _auth_bytes(msg.proof, msg, "proof", keep)
+    elif tag == DDPW_JOIN_REFUSED:
+        out.reason = <uint8_t>_uint(msg.reason, 0xFF, msg, "reason")
+        detail = msg.detail
+        keep.append(detail)
+        out.detail = _utf8(detail, msg, "detail")
+    elif tag == DDPW_COLLECTIVE_REQUEST:
+        out.seq = _uint(msg.seq, 0xFFFFFFFFFFFFFFFF, msg, "seq")
+        out.kind = <uint8_t>_uint(msg.kind, 0xFF, msg, "kind")
+        out.op = <uint8_t>_uint(msg.op, 0xFF, msg, "op")
+        out.dtype = <uint8_t>_uint(msg.dtype, 0xFF, msg, "dtype")
+        out.root = <uint32_t>_uint(msg.root, 0xFFFFFFFF, msg, "root")
+        out.count = _uint(msg.count, 0xFFFFFFFFFFFFFFFF, msg, "count")
+        _set_data(out, msg, keep)
+    elif tag == DDPW_COLLECTIVE_RESULT:
+        out.seq = _uint(msg.seq, 0xFFFFFFFFFFFFFFFF, msg, "seq")
+        out.kind = <uint8_t>_uint(msg.kind, 0xFF, msg, "kind")
+        out.dtype = <uint8_t>_uint(msg.dtype, 0xFF, msg, "dtype")
+        out.count = _uint(msg.count, 0xFFFFFFFFFFFFFFFF, msg, "count")
+        _set_data(out, msg, keep)
+    elif tag == DDPW_COLLECTIVE_ERROR:
+        out.seq = _uint(msg.seq, 0xFFFFFFFFFFFFFFFF, msg, "seq")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        detail = msg.detail
+        keep.append(detail)
+        out.detail = _utf8(detail, msg, "detail")
     elif tag == DDPW_SHARD_ASSIGNMENT:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
@@ -356,6 +473,23 @@ cdef inline object _component_sizes(const ddpw_message *m, object owner, const u
     return _frombuffer(owner, _U32, <Py_ssize_t>m.component_count, offset)
 
 
+cdef object _extensions(const ddpw_message *m):
+    cdef dict out
+    cdef size_t pos = 0
+    cdef ddpw_ext_entry e
+    if not m.has_ext:
+        return None
+    out = {}
+    while ddpw_ext_next(m.ext_block, m.ext_block_len, &pos, &e):
+        out[e.type] = PyBytes_FromStringAndSize(<const char *>e.value, <Py_ssize_t>e.len)
+    return out
+
+
+cdef inline object _data(const ddpw_message *m, object owner, const uint8_t *base):
+    cdef Py_ssize_t offset = m.data - base
+    return _frombuffer(owner, _U8, <Py_ssize_t>m.data_len, offset)
+
+
 cdef inline object _new(object cls):
     # Decoding skips the dataclass __init__ (which only stores the fields)
     # and stores them itself: it halves the cost of a small message.
@@ -370,10 +504,12 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o.node_id = _text(m.node_id)
         o.gpu_count = m.gpu_count
         o.backend = _text(m.backend)
+        o.extensions = _extensions(m)
     elif tag == DDPW_JOIN_ACCEPTED:
         o = _new(JoinAccepted)
         o.worker_id = m.worker_id
         o.total_workers = m.total_workers
+        o.extensions = _extensions(m)
     elif tag == DDPW_SHARD_ASSIGNMENT:
         o = _new(ShardAssignment)
         o.step = m.step
@@ -423,6 +559,38 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o.step = m.step
         o.component = m.component
         o.gradients = _gradients(m, owner, base)
+    elif tag == DDPW_AUTH_CHALLENGE:
+        o = _new(AuthChallenge)
+        o.nonce = PyBytes_FromStringAndSize(<const char *>m.nonce, DDPW_AUTH_BYTES)
+        o.proof = PyBytes_FromStringAndSize(<const char *>m.proof, DDPW_AUTH_BYTES)
+    elif tag == DDPW_AUTH_PROOF:
+        o = _new(AuthProof)
+        o.proof = PyBytes_FromStringAndSize(<const char *>m.proof, DDPW_AUTH_BYTES)
+    elif tag == DDPW_JOIN_REFUSED:
+        o = _new(JoinRefused)
+        o.reason = m.reason
+        o.detail = _text(m.detail)
+    elif tag == DDPW_COLLECTIVE_REQUEST:
+        o = _new(CollectiveRequest)
+        o.seq = m.seq
+        o.kind = m.kind
+        o.op = m.op
+        o.dtype = m.dtype
+        o.root = m.root
+        o.count = m.count
+        o.data = _data(m, owner, base)
+    elif tag == DDPW_COLLECTIVE_RESULT:
+        o = _new(CollectiveResult)
+        o.seq = m.seq
+        o.kind = m.kind
+        o.dtype = m.dtype
+        o.count = m.count
+        o.data = _data(m, owner, base)
+    elif tag == DDPW_COLLECTIVE_ERROR:
+        o = _new(CollectiveError)
+        o.seq = m.seq
+        o.worker_id = m.worker_id
+        o.detail = _text(m.detail)
     else:
         raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
     return o
@@ -556,12 +724,14 @@ def encode_frame(msg, *, max_frame=DEFAULT_MAX_FRAME):
 
 
 def encode_frame_parts(msg, *, max_frame=DEFAULT_MAX_FRAME):
-    """Encode a message as (head, gradients, tail) for a scatter-gather send.
+    """Encode a message as (head, bulk, tail) for a scatter-gather send.
 
-    head is the length prefix and every field before the gradient elements,
-    gradients a byte memoryview on the caller's own float32 buffer (no copy;
-    None for a message without gradients), tail the fields after them.
-    ``head + gradients + tail == encode_frame(msg)``.
+    head is the length prefix and every field before the bulk field, bulk a
+    byte memoryview on the caller's own buffer (no copy): the float32
+    gradients of a gradient message or the ``data`` of CollectiveRequest /
+    CollectiveResult; None for any other message. tail is the fields after
+    the bulk (empty for the collectives).
+    ``head + bulk + tail == encode_frame(msg)``.
     """
     cdef ddpw_message m
     cdef ddpw_error err
@@ -573,6 +743,10 @@ def encode_frame_parts(msg, *, max_frame=DEFAULT_MAX_FRAME):
     head = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>head_len)
     if ddpw_encode_head(&m, <uint8_t *>PyBytes_AS_STRING(head), head_len, &written, &err) != DDPW_OK:
         raise wire_error(&err)
+    if ddpw_has_bulk(m.tag) and not ddpw_has_gradients(m.tag):
+        # raw bytes in the sender's own order: the codes name the dtype, not
+        # its byte order, so nothing is swapped
+        return head, memoryview(msg.data).cast("B"), b""
     if not ddpw_has_gradients(m.tag):
         return head, None, b""
     cdef size_t tail_len = ddpw_tail_len(m.tag)
@@ -584,6 +758,40 @@ def encode_frame_parts(msg, *, max_frame=DEFAULT_MAX_FRAME):
         # the wire is little-endian: only here does sending need a copy
         gradients = memoryview(np.frombuffer(gradients, np.float32).astype(_F32).tobytes())
     return head, gradients, tail
+
+
+def tag_max_payload(tag, max_frame):
+    """The most payload bytes (tag included) a frame with ``tag`` may carry:
+    the exact size of a fixed-size message, 65,536 for a small variable one,
+    ``max_frame`` for a bulk one (gradients, collective data), 0 for an
+    unknown tag."""
+    cdef uint8_t t = <uint8_t>_uint(tag, 0xFF, "tag_max_payload", "tag")
+    return ddpw_tag_max_payload(t, _uint(max_frame, 0xFFFFFFFFFFFFFFFF, "tag_max_payload",
+                                         "max_frame"))
+
+
+def _codes():
+    """{family: [(name, value), ...]} for every code csrc/wire.h defines, and
+    {dtype value: size}: what ddpwire.extensions builds its enums from."""
+    cdef unsigned v
+    cdef const char *name
+    families = {
+        "Extension": (DDPW_CODES_EXTENSION, 0x10000),
+        "RefusalReason": (DDPW_CODES_REFUSAL, 0x100),
+        "CollectiveKind": (DDPW_CODES_COLLECTIVE_KIND, 0x100),
+        "ReduceOp": (DDPW_CODES_REDUCE_OP, 0x100),
+        "DType": (DDPW_CODES_DTYPE, 0x100),
+    }
+    out = {}
+    for family, (code, end) in families.items():
+        names = []
+        for v in range(<unsigned>end):
+            name = ddpw_code_name(<ddpw_code_family>code, v)
+            if name != NULL:
+                names.append((name.decode("ascii"), v))
+        out[family] = names
+    sizes = {v: ddpw_dtype_size(<uint8_t>v) for _, v in out["DType"]}
+    return out, sizes
 
 
 cdef class FrameReader:
@@ -598,19 +806,35 @@ cdef class FrameReader:
     the reader then refuses further input. ``pending`` counts the bytes of an
     unfinished frame; ``close()`` raises ProtocolError when the stream ended
     inside a frame. One reader serves one stream from one thread at a time.
+
+    ``allowed_tags`` (a set of tag values), for a peer not yet trusted:
+    once the length prefix and the tag byte of a frame have arrived, a tag
+    outside the set is a ProtocolError, and a length over that tag's limit
+    (``tag_max_payload``) a FrameTooLarge naming the message, both before
+    the payload buffer is allocated.
     """
     cdef readonly uint64_t max_frame
     cdef readonly bint allow_trailing
-    cdef uint8_t _prefix[4]
+    cdef readonly object allowed_tags
+    cdef uint8_t _prefix[5]
+    cdef Py_ssize_t _want
     cdef Py_ssize_t _prefix_len
     cdef bytearray _payload
     cdef Py_ssize_t _payload_len
     cdef Py_ssize_t _filled
     cdef object _failure
 
-    def __init__(self, max_frame=DEFAULT_MAX_FRAME, *, bint allow_trailing=False):
+    def __init__(self, max_frame=DEFAULT_MAX_FRAME, *, bint allow_trailing=False,
+                 allowed_tags=None):
         self.max_frame = _max_frame(max_frame)
         self.allow_trailing = allow_trailing
+        if allowed_tags is None:
+            self.allowed_tags = None
+            self._want = DDPW_PREFIX_LEN
+        else:
+            self.allowed_tags = frozenset(
+                <int>_uint(t, 0xFF, "FrameReader", "allowed_tags") for t in allowed_tags)
+            self._want = DDPW_PREFIX_LEN + 1
         self._prefix_len = 0
         self._payload = None
         self._payload_len = 0
@@ -633,6 +857,18 @@ cdef class FrameReader:
         self._prefix_len = 0
         return exc
 
+    cdef int _check_tag(self, uint8_t tag, uint32_t length) except -1:
+        cdef const char *name = ddpw_message_type(tag)
+        cdef uint64_t limit
+        if name == NULL:
+            raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
+        if tag not in self.allowed_tags:
+            raise ProtocolError(f"{_name(name)} (tag 0x{tag:02x}) not allowed here")
+        limit = ddpw_tag_max_payload(tag, self.max_frame)
+        if length > limit:
+            raise FrameTooLarge(length, limit, message_type=_name(name))
+        return 0
+
     def feed(self, data):
         """Take the next chunk of the stream; return the messages it completed."""
         if self._failure is not None:
@@ -648,18 +884,29 @@ cdef class FrameReader:
         cdef list out = []
         while pos < n:
             if self._payload is None:
-                take = min(<Py_ssize_t>DDPW_PREFIX_LEN - self._prefix_len, n - pos)
+                take = min(self._want - self._prefix_len, n - pos)
                 memcpy(self._prefix + self._prefix_len, src + pos, <size_t>take)
                 self._prefix_len += take
                 pos += take
                 if self._prefix_len < <Py_ssize_t>DDPW_PREFIX_LEN:
                     break
                 length = ddpw_read_prefix(self._prefix)
+                # checked as soon as the prefix is complete, tag or no tag
                 if ddpw_check_frame_len(length, self.max_frame, &err) != DDPW_OK:
                     raise self._fail(wire_error(&err))
+                if self._prefix_len < self._want:
+                    break
+                if self._want > <Py_ssize_t>DDPW_PREFIX_LEN:
+                    try:
+                        self._check_tag(self._prefix[DDPW_PREFIX_LEN], length)
+                    except ProtocolError as exc:
+                        raise self._fail(exc)
                 self._payload = PyByteArray_FromStringAndSize(NULL, <Py_ssize_t>length)
                 self._payload_len = length
-                self._filled = 0
+                # the tag byte, when it was read ahead, is the payload's first
+                self._filled = self._prefix_len - <Py_ssize_t>DDPW_PREFIX_LEN
+                if self._filled:
+                    (<uint8_t *>PyByteArray_AS_STRING(self._payload))[0] = self._prefix[DDPW_PREFIX_LEN]
                 self._prefix_len = 0
             take = min(self._payload_len - self._filled, n - pos)
             payload = self._payload  # keeps it alive while the GIL is released

@@ -72,10 +72,13 @@ class FrameTooLarge(ProtocolError):
     """A frame whose length prefix exceeds the configured limit (checked before
     anything is allocated)."""
 
-    def __init__(self, length: int, limit: int, **context: Optional[int]) -> None:
+    def __init__(self, length: int, limit: int, *, message_type: Optional[str] = None,
+                 **context: Optional[int]) -> None:
         self.length = length
         self.limit = limit
-        super().__init__(f"frame too large: {length} bytes (limit {limit})", **context)
+        self.message_type = message_type
+        where = "" if message_type is None else f" for {message_type}"
+        super().__init__(f"frame too large: {length} bytes (limit {limit}{where})", **context)
 
 
 class UnexpectedMessage(ProtocolError):

@@ -1,4 +1,5 @@
-"""The eleven messages of the DDP wire protocol, as plain Python objects.
+"""The eleven messages of the DDP wire protocol and ddpwire's six extension
+messages (docs/extensions.md), as plain Python objects.
 
 Field names and order follow the wire layout (see docs/protocol-notes.md).
 Each class carries its wire ``TAG``. The byte layout itself lives in the
@@ -19,6 +20,14 @@ Value types:
   ``'f'``);
 * ``component_sizes`` is decoded as a numpy ``uint32`` view into the buffer;
   for encoding any sequence of ints that fit in u32 works.
+* ``extensions`` (JoinRequest, JoinAccepted) is ``None`` (no extension block:
+  the reference bytes) or a dict ``{entry type: value bytes}``; decoded
+  values are ``bytes``, in wire order. It is not among ``__slots__`` of the
+  class (those are the reference fields) but compares like one.
+* ``nonce`` and ``proof`` are 32 ``bytes``; ``data`` of the collective
+  messages is decoded as a numpy ``uint8`` view into the buffer (no copy;
+  ``.view(DType.X.numpy)`` reinterprets it) and for encoding is any
+  C-contiguous buffer of ``count`` elements of ``dtype``.
 
 Equality is bit-exact: gradients compare by their float32 bit patterns (so a
 NaN equals a NaN with the same bits, and -0.0 differs from 0.0), and the
@@ -28,7 +37,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -45,6 +54,12 @@ __all__ = [
     "AveragedBlockGradient",
     "NonBlockGradientPayload",
     "AveragedNonBlockGradient",
+    "AuthChallenge",
+    "AuthProof",
+    "JoinRefused",
+    "CollectiveRequest",
+    "CollectiveResult",
+    "CollectiveError",
     "MESSAGE_TYPES",
 ]
 
@@ -73,7 +88,13 @@ def _same_float(a: Any, b: Any) -> bool:
     return _double.pack(a) == _double.pack(b)
 
 
+def _same_bytes(a: Any, b: Any) -> bool:
+    # any C-contiguous buffers, compared as their raw bytes
+    return memoryview(a).cast("B") == memoryview(b).cast("B")
+
+
 _COMPARE = {
+    "data": _same_bytes,
     "gradients": _same_gradients,
     "component_sizes": _same_sizes,
     "loss": _same_float,
@@ -104,9 +125,32 @@ class Message:
     __hash__ = None  # type: ignore[assignment]  # mutable, and arrays are unhashable
 
 
-@dataclass(eq=False)
-class JoinRequest(Message):
-    """Worker to coordinator: ask to join (tag 0x01)."""
+Extensions = Optional[Dict[int, bytes]]
+
+
+class _Extensible(Message):
+    """A reference message that may carry the extension block after its last
+    field. ``extensions`` lives in this base's slot so that the subclass's
+    ``__slots__`` stay exactly the reference fields."""
+
+    __slots__ = ("extensions",)
+    extensions: Extensions
+
+    def __eq__(self, other: object) -> bool:
+        same = super().__eq__(other)
+        if same is not True:
+            return same
+        return self.extensions == other.extensions  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"{type(self).__name__}({fields}, extensions={self.extensions!r})"
+
+
+@dataclass(eq=False, init=False, repr=False)
+class JoinRequest(_Extensible):
+    """Worker to coordinator: ask to join (tag 0x01), optionally offering
+    extensions."""
 
     __slots__ = ("node_id", "gpu_count", "backend")
     TAG: ClassVar[int] = 0x01
@@ -114,15 +158,29 @@ class JoinRequest(Message):
     gpu_count: int
     backend: str
 
+    def __init__(self, node_id: str, gpu_count: int, backend: str,
+                 extensions: Extensions = None) -> None:
+        self.node_id = node_id
+        self.gpu_count = gpu_count
+        self.backend = backend
+        self.extensions = extensions
 
-@dataclass(eq=False)
-class JoinAccepted(Message):
-    """Coordinator to worker: the worker's id and the number of workers (0x02)."""
+
+@dataclass(eq=False, init=False, repr=False)
+class JoinAccepted(_Extensible):
+    """Coordinator to worker: the worker's id and the number of workers (0x02),
+    optionally granting extensions."""
 
     __slots__ = ("worker_id", "total_workers")
     TAG: ClassVar[int] = 0x02
     worker_id: int
     total_workers: int
+
+    def __init__(self, worker_id: int, total_workers: int,
+                 extensions: Extensions = None) -> None:
+        self.worker_id = worker_id
+        self.total_workers = total_workers
+        self.extensions = extensions
 
 
 @dataclass(eq=False)
@@ -235,7 +293,82 @@ class AveragedNonBlockGradient(Message):
     gradients: Float32Buffer
 
 
-#: tag -> message class, for every tag the protocol defines
+@dataclass(eq=False)
+class AuthChallenge(Message):
+    """Coordinator to worker: the coordinator's nonce and its proof of the
+    token (0x40). Both are 32 bytes."""
+
+    __slots__ = ("nonce", "proof")
+    TAG: ClassVar[int] = 0x40
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(eq=False)
+class AuthProof(Message):
+    """Worker to coordinator: the worker's proof of the token (0x41), 32 bytes."""
+
+    __slots__ = ("proof",)
+    TAG: ClassVar[int] = 0x41
+    proof: bytes
+
+
+@dataclass(eq=False)
+class JoinRefused(Message):
+    """Coordinator to worker: why the join was refused (0x42); ``reason`` is a
+    :class:`ddpwire.extensions.RefusalReason` code (any u8 is carried)."""
+
+    __slots__ = ("reason", "detail")
+    TAG: ClassVar[int] = 0x42
+    reason: int
+    detail: str
+
+
+@dataclass(eq=False)
+class CollectiveRequest(Message):
+    """Worker to coordinator: one collective operation (0x43).
+
+    ``kind``, ``op`` and ``dtype`` are codes of
+    :mod:`ddpwire.extensions`; ``data`` holds ``count`` elements of ``dtype``.
+    """
+
+    __slots__ = ("seq", "kind", "op", "dtype", "root", "count", "data")
+    TAG: ClassVar[int] = 0x43
+    seq: int
+    kind: int
+    op: int
+    dtype: int
+    root: int
+    count: int
+    data: Any
+
+
+@dataclass(eq=False)
+class CollectiveResult(Message):
+    """Coordinator to worker: the result of collective ``seq`` (0x44)."""
+
+    __slots__ = ("seq", "kind", "dtype", "count", "data")
+    TAG: ClassVar[int] = 0x44
+    seq: int
+    kind: int
+    dtype: int
+    count: int
+    data: Any
+
+
+@dataclass(eq=False)
+class CollectiveError(Message):
+    """Coordinator to worker: collective ``seq`` failed (0x45); ``worker_id``
+    is the worker at fault, 0xFFFFFFFF for none."""
+
+    __slots__ = ("seq", "worker_id", "detail")
+    TAG: ClassVar[int] = 0x45
+    seq: int
+    worker_id: int
+    detail: str
+
+
+#: tag -> message class, for every tag the protocol and its extensions define
 MESSAGE_TYPES = {
     cls.TAG: cls
     for cls in (
@@ -250,5 +383,11 @@ MESSAGE_TYPES = {
         AveragedBlockGradient,
         NonBlockGradientPayload,
         AveragedNonBlockGradient,
+        AuthChallenge,
+        AuthProof,
+        JoinRefused,
+        CollectiveRequest,
+        CollectiveResult,
+        CollectiveError,
     )
 }

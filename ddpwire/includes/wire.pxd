@@ -1,11 +1,19 @@
 # Declarations mirroring csrc/wire.h, in its order.
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 
 cdef extern from "wire.h" nogil:
     const unsigned int DDPW_DEFAULT_MAX_FRAME
     const unsigned int DDPW_PREFIX_LEN
     const int DDPW_ALLOW_TRAILING
+    const unsigned int DDPW_EXT_MAGIC_LEN
+    const unsigned int DDPW_EXT_VERSION
+    const unsigned int DDPW_EXT_HEADER_LEN
+    const unsigned int DDPW_EXT_ENTRY_HEADER_LEN
+    const unsigned int DDPW_EXT_MAX_ENTRIES
+    const unsigned int DDPW_EXT_MAX_BLOCK
+    const unsigned int DDPW_AUTH_BYTES
+    const unsigned int DDPW_SMALL_MAX_PAYLOAD
 
     ctypedef enum ddpw_tag:
         DDPW_JOIN_REQUEST
@@ -19,6 +27,19 @@ cdef extern from "wire.h" nogil:
         DDPW_AVERAGED_BLOCK_GRADIENT
         DDPW_NON_BLOCK_GRADIENT_PAYLOAD
         DDPW_AVERAGED_NON_BLOCK_GRADIENT
+        DDPW_AUTH_CHALLENGE
+        DDPW_AUTH_PROOF
+        DDPW_JOIN_REFUSED
+        DDPW_COLLECTIVE_REQUEST
+        DDPW_COLLECTIVE_RESULT
+        DDPW_COLLECTIVE_ERROR
+
+    ctypedef enum ddpw_code_family:
+        DDPW_CODES_EXTENSION
+        DDPW_CODES_REFUSAL
+        DDPW_CODES_COLLECTIVE_KIND
+        DDPW_CODES_REDUCE_OP
+        DDPW_CODES_DTYPE
 
     ctypedef enum ddpw_status:
         DDPW_OK
@@ -32,6 +53,8 @@ cdef extern from "wire.h" nogil:
         DDPW_ERR_TOO_LARGE
         DDPW_ERR_VALUE
         DDPW_ERR_BUFFER
+        DDPW_ERR_INVALID
+        DDPW_ERR_MISMATCH
 
     ctypedef struct ddpw_error:
         ddpw_status status
@@ -41,6 +64,7 @@ cdef extern from "wire.h" nogil:
         uint64_t have
         uint64_t need
         uint64_t value
+        const char *detail
 
     ctypedef struct ddpw_reader:
         const uint8_t *data
@@ -57,6 +81,11 @@ cdef extern from "wire.h" nogil:
     ctypedef struct ddpw_str:
         const uint8_t *data
         size_t len
+
+    ctypedef struct ddpw_ext_entry:
+        uint16_t type
+        uint32_t len
+        const uint8_t *value
 
     ctypedef struct ddpw_message:
         uint8_t tag
@@ -80,6 +109,23 @@ cdef extern from "wire.h" nogil:
         uint64_t correct
         uint64_t total
         float global_loss
+        int has_ext
+        uint16_t ext_count
+        const ddpw_ext_entry *ext_entries
+        const uint8_t *ext_block
+        size_t ext_block_len
+        const uint8_t *nonce
+        const uint8_t *proof
+        uint8_t reason
+        ddpw_str detail
+        uint64_t seq
+        uint8_t kind
+        uint8_t op
+        uint8_t dtype
+        uint32_t root
+        uint64_t count
+        const uint8_t *data
+        uint64_t data_len
 
     ctypedef struct ddpw_head:
         uint8_t tag
@@ -96,6 +142,15 @@ cdef extern from "wire.h" nogil:
         size_t tail_len
         size_t trailing_len
         size_t need
+        int has_bulk
+        size_t bulk_offset
+        uint64_t bulk_len
+        uint64_t seq
+        uint8_t kind
+        uint8_t op
+        uint8_t dtype
+        uint32_t root
+        uint64_t count
 
     ctypedef struct ddpw_tail:
         float loss
@@ -105,6 +160,11 @@ cdef extern from "wire.h" nogil:
 
     const char *ddpw_message_type(uint8_t tag)
     int ddpw_has_gradients(uint8_t tag)
+    int ddpw_has_bulk(uint8_t tag)
+    size_t ddpw_dtype_size(uint8_t dtype)
+    const char *ddpw_code_name(ddpw_code_family family, unsigned value)
+    uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
+    int ddpw_ext_next(const uint8_t *block, size_t block_len, size_t *pos, ddpw_ext_entry *entry)
     size_t ddpw_tail_len(uint8_t tag)
     uint32_t ddpw_read_prefix(const uint8_t *p)
     ddpw_status ddpw_check_frame_len(uint64_t payload_len, uint64_t max_frame, ddpw_error *err)

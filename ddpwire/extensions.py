@@ -1,0 +1,55 @@
+"""The codes of ddpwire's protocol extensions (docs/extensions.md) as IntEnums.
+
+Every value, name and dtype size is read from the compiled codec, where
+csrc/wire.h defines them once; nothing here restates a number.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Dict
+
+import numpy as np
+
+from ._core import _codes
+
+__all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType"]
+
+_FAMILIES, _DTYPE_SIZES = _codes()
+
+
+def _enum(name: str, doc: str) -> type:
+    members = [(label.upper(), value) for label, value in _FAMILIES[name]]
+    cls = IntEnum(name, members, module=__name__)  # type: ignore[misc]
+    cls.__doc__ = doc
+    return cls
+
+
+Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLES, COLLECTIVES).")
+RefusalReason = _enum("RefusalReason", "JoinRefused.reason codes.")
+CollectiveKind = _enum("CollectiveKind", "CollectiveRequest/CollectiveResult.kind codes.")
+ReduceOp = _enum("ReduceOp", "CollectiveRequest.op codes.")
+
+# numpy has no bfloat16: its elements are handled as raw 16-bit words
+_NUMPY: Dict[str, str] = {
+    "FLOAT32": "<f4", "FLOAT64": "<f8", "FLOAT16": "<f2", "BFLOAT16": "<u2",
+    "INT32": "<i4", "INT64": "<i8", "UINT8": "u1", "BOOL": "?",
+}
+
+
+class _DTypeCodes(IntEnum):
+    """Element types of collective data; ``itemsize`` is the wire size of one
+    element, ``numpy`` a numpy dtype with that layout (``<u2`` for bfloat16)."""
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPE_SIZES[int(self)]
+
+    @property
+    def numpy(self) -> np.dtype:
+        return np.dtype(_NUMPY[self.name])
+
+
+# A member-less enum may be extended: the members come from the codec, the
+# properties from the class above.
+DType = _DTypeCodes(  # type: ignore[call-overload]
+    "DType", [(label.upper(), value) for label, value in _FAMILIES["DType"]], module=__name__)
