@@ -17,19 +17,20 @@ import collections
 import logging
 import threading
 import time
-from enum import IntEnum
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import reduce as _reduce
 from .errors import DdpwireError, NonFiniteGradient, PeerLost, ProtocolError
-from .collective_messages import CollectiveError, CollectiveRequest, CollectiveResult
+from .extensions import CollectiveKind, DType, ReduceOp
+from .messages import CollectiveError, CollectiveRequest, CollectiveResult
 
 __all__ = [
     "Kind",
     "Op",
     "DType",
+    "NO_RANK",
     "NUMPY_DTYPES",
     "CollectiveAborted",
     "CollectiveService",
@@ -43,50 +44,12 @@ log = logging.getLogger(__name__)
 NO_RANK = 0xFFFFFFFF
 
 
-class Kind(IntEnum):
-    """What a collective does (the ``kind`` field)."""
+# The codes live in the codec (ddpwire.extensions); these are their short names here.
+Kind = CollectiveKind
+Op = ReduceOp
 
-    ALLREDUCE = 1
-    BROADCAST = 2
-    ALLGATHER = 3
-    REDUCE_SCATTER = 4
-    BARRIER = 5
-
-
-class Op(IntEnum):
-    """How an allreduce or reduce_scatter combines the ranks' values."""
-
-    SUM = 0
-    AVG = 1
-    MIN = 2
-    MAX = 3
-    PRODUCT = 4
-
-
-class DType(IntEnum):
-    """Element type of the data."""
-
-    FLOAT32 = 0
-    FLOAT64 = 1
-    FLOAT16 = 2
-    BFLOAT16 = 3
-    INT32 = 4
-    INT64 = 5
-    UINT8 = 6
-    BOOL = 7
-
-
-# numpy has no bfloat16: its elements travel and are held as their uint16 bits.
-NUMPY_DTYPES: Dict[DType, np.dtype] = {
-    DType.FLOAT32: np.dtype(np.float32),
-    DType.FLOAT64: np.dtype(np.float64),
-    DType.FLOAT16: np.dtype(np.float16),
-    DType.BFLOAT16: np.dtype(np.uint16),
-    DType.INT32: np.dtype(np.int32),
-    DType.INT64: np.dtype(np.int64),
-    DType.UINT8: np.dtype(np.uint8),
-    DType.BOOL: np.dtype(np.bool_),
-}
+#: the numpy layout of each wire dtype (bfloat16 as its uint16 bits)
+NUMPY_DTYPES: Dict[Any, np.dtype] = {d: d.numpy for d in DType}
 
 _FLOATS = {DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16}
 

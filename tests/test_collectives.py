@@ -18,6 +18,7 @@ from ddpwire.collectives import (
     Op,
     combine,
 )
+from ddpwire import decode_frame, encode_frame
 from ddpwire.errors import CoordinatorLost, WorkerLost
 
 _CLOSED = object()
@@ -33,10 +34,8 @@ class MemChannel:
     def send(self, msg, step=None):
         if self.closed:
             raise self.lost("closed", worker_id=self.peer_id, step=step)
-        data = getattr(msg, "data", None)
-        if data is not None:  # the wire copies: so must we, or aliasing hides bugs
-            msg = type(msg)(**{**msg.__dict__, "data": np.frombuffer(bytes(memoryview(data).cast("B")), np.uint8)})
-        self.outbox.put(msg)
+        # through the real codec: what the wire would carry, and no aliasing
+        self.outbox.put(decode_frame(encode_frame(msg)))
 
     def expect(self, types, step=None):
         try:

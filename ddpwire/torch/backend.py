@@ -131,7 +131,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, world_size: int,
                  timeout: timedelta = timedelta(minutes=30)) -> None:
-        super().__init__(store, rank, world_size)
+        super().__init__(rank, world_size)
         self._rank = rank
         self._world = world_size
         seconds, _, silence = timings(timeout)

@@ -18,6 +18,7 @@ from typing import Any, Optional, Tuple
 from ..collectives import CollectiveClient, CollectiveService
 from ..coordinator import Coordinator
 from ..errors import DdpwireError, JoinTimeout
+from ..extensions import Extension
 from ..launch import PORT_ENV, parse_addr
 from ..worker import Worker
 
@@ -33,10 +34,37 @@ HEARTBEAT_LIMIT = 20.0
 
 _ADDR_KEY = "ddpwire/coordinator"
 
-# Stand-in until the extension codec lands: the collectives entry and its
-# version-1 value.
-_COLLECTIVES = 0x0003
+_COLLECTIVES = int(Extension.COLLECTIVES)
+# the entry's value is the u16 version; this package speaks version 1
 _COLLECTIVES_V1 = (1).to_bytes(2, "little")
+
+
+# ---- stand-in until the negotiation API lands on main (TEMPORARY) ----
+
+def _new_coordinator(bind: Any, world: int, offer: dict, **kw: Any) -> Coordinator:
+    try:
+        return Coordinator(bind, world, extensions=offer, **kw)
+    except TypeError:
+        return Coordinator(bind, world, **kw)
+
+
+def _coordinator_channel(coord: Coordinator, r: int) -> Any:
+    return coord.channel(r) if hasattr(coord, "channel") else coord._channels[r]
+
+
+def _connect(addr: Any, offer: dict, **kw: Any) -> Worker:
+    try:
+        return Worker.connect(addr, extensions=offer, **kw)
+    except TypeError:
+        return Worker.connect(addr, **kw)
+
+
+def _granted(worker: Worker) -> bool:
+    return _COLLECTIVES in getattr(worker, "extensions", {_COLLECTIVES: b""}) or {}
+
+
+def _worker_channel(worker: Worker) -> Any:
+    return getattr(worker, "channel", None) or worker._chan
 
 
 @dataclass
@@ -96,16 +124,16 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
     ready = threading.Event()
     if rank == 0:
         bind, advertised = _bind_and_advertise(store)
-        coordinator = Coordinator(bind, world, timeout=seconds, join_timeout=seconds,
-                                  heartbeat=heartbeat, heartbeat_timeout=silence,
-                                  node_id="ddpwire-rank0", extensions=offer)
+        coordinator = _new_coordinator(bind, world, offer, timeout=seconds, join_timeout=seconds,
+                                       heartbeat=heartbeat, heartbeat_timeout=silence,
+                                       node_id="ddpwire-rank0")
         port = coordinator.local_addr[1]
         host = f"[{advertised}]" if ":" in advertised else advertised
 
         def host_group() -> None:
             try:
                 coordinator.wait_for_workers()
-                channels = [coordinator.channel(r) for r in range(world)]
+                channels = [_coordinator_channel(coordinator, r) for r in range(world)]
                 hosted["service"] = CollectiveService(channels, timeout=seconds).start()
             except BaseException as exc:  # noqa: BLE001 - reported on rank 0's own thread below
                 hosted["error"] = exc
@@ -117,13 +145,13 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
     addr = parse_addr(store.get(_ADDR_KEY).decode())
     if rank > 0:
         store.wait([f"ddpwire/joined/{rank - 1}"], timeout)
-    worker = Worker.connect(addr, timeout=seconds, heartbeat=heartbeat, heartbeat_timeout=silence,
-                            node_id=f"rank{rank}-{os.getpid()}", extensions=offer)
+    worker = _connect(addr, offer, timeout=seconds, heartbeat=heartbeat, heartbeat_timeout=silence,
+                      node_id=f"rank{rank}-{os.getpid()}")
     if worker.worker_id != rank:
         worker.close()
         raise DdpwireError(f"joined as worker {worker.worker_id}, expected rank {rank}: "
                            "another process joined the coordinator", worker_id=rank)
-    if _COLLECTIVES not in (worker.extensions or {}):
+    if not _granted(worker):
         worker.close()
         raise DdpwireError(f"the coordinator at {addr[0]}:{addr[1]} did not grant the collectives "
                            "extension (a reference coordinator?)", worker_id=rank)
@@ -132,5 +160,5 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
         raise JoinTimeout(f"not every rank of {world} joined within {seconds:g} s")
     if "error" in hosted:
         raise hosted["error"]
-    client = CollectiveClient(worker.channel, rank, world)
+    client = CollectiveClient(_worker_channel(worker), rank, world)
     return Rendezvous(rank, world, worker, client, coordinator, hosted.get("service"))

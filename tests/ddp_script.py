@@ -1,0 +1,80 @@
+"""A plain DDP training script, run unchanged on each backend by the tests.
+
+    python tests/ddp_script.py OUT BACKEND [BACKEND ...]
+
+Rank, world size and rendezvous come from the environment as torchrun sets
+them (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or from DDP_INIT
+(``tcp://host:port``) with RANK and WORLD_SIZE. For each backend it trains a
+small model with BatchNorm over several buckets, runs the object and integer
+collectives, and saves what it got to OUT.<backend>.rank<r>.pt.
+DDP_KILL_AT=<rank>:<step> makes that rank exit abruptly at that step.
+"""
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpwire.torch  # noqa: F401  (registers "ddpwire")
+
+STEPS = int(os.environ.get("DDP_STEPS", "6"))
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(20, 64), nn.BatchNorm1d(64), nn.ReLU(),
+        nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(),
+        nn.Linear(64, 5),
+    )
+
+
+def init(backend: str) -> None:
+    timeout = timedelta(seconds=float(os.environ.get("DDP_TIMEOUT", "60")))
+    if "DDP_INIT" in os.environ:
+        dist.init_process_group(backend, init_method=os.environ["DDP_INIT"],
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+
+
+def run(backend: str, out: str) -> None:
+    init(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kill = os.environ.get("DDP_KILL_AT")
+    net = model()
+    # perturb rank != 0 so the initial broadcast matters
+    if rank:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.5)
+    ddp = DDP(net, bucket_cap_mb=0.005)  # several buckets even for this small model
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(STEPS):
+        if kill and kill == f"{rank}:{step}":
+            os._exit(17)
+        x = torch.randn(16, 20, generator=gen)
+        y = torch.randint(0, 5, (16,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "name": f"r{rank}", "sq": [rank] * rank})
+    objs = [f"from {rank}", {"k": rank}] if rank == 1 else [None, None]
+    dist.broadcast_object_list(objs, src=1)
+    dist.barrier()
+    big = torch.tensor([rank * 3 - 4, 2 ** 40 + rank, -rank], dtype=torch.int64)
+    dist.all_reduce(big, op=dist.ReduceOp.MAX)
+    torch.save({"state": net.state_dict(), "gathered": gathered, "objs": objs, "max": big},
+               f"{out}.{backend}.rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    for name in sys.argv[2:]:
+        run(name, sys.argv[1])
