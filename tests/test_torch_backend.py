@@ -1,0 +1,146 @@
+"""The "ddpwire" torch.distributed backend, in real processes against gloo.
+
+Each test starts the ranks of tests/ddp_script.py (a plain DDP script) with
+the environment torchrun gives them, or with a tcp:// init_method, and runs
+gloo and ddpwire in the same processes, one after the other.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "ddp_script.py"
+LIMIT = 120  # seconds a whole run of ranks may take before the test fails (never a hang)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(world, out, backends, *, torchrun_env, extra=None):
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(world),
+                   OMP_NUM_THREADS="1", **(extra or {}))
+        if torchrun_env:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+        else:
+            env["DDP_INIT"] = f"tcp://127.0.0.1:{port}"
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), *backends], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs, limit=LIMIT):
+    outputs = []
+    deadline = time.monotonic() + limit
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"ranks still running after {limit} s")
+        outputs.append(out)
+    return [p.returncode for p in procs], outputs
+
+
+def load(out, backend, rank):
+    return torch.load(f"{out}.{backend}.rank{rank}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("world,torchrun_env", [(2, True), (3, False)],
+                         ids=["2-ranks-torchrun-env", "3-ranks-tcp-init"])
+def test_unmodified_ddp_script_matches_gloo(tmp_path, world, torchrun_env):
+    out = tmp_path / "run"
+    codes, outputs = finish(start_ranks(world, out, ["gloo", "ddpwire"], torchrun_env=torchrun_env))
+    assert codes == [0] * world, "\n".join(outputs)
+    gloo = [load(out, "gloo", r) for r in range(world)]
+    wire = [load(out, "ddpwire", r) for r in range(world)]
+    params = [name for name, v in wire[0]["state"].items()
+              if "running" not in name and "num_batches" not in name]
+    assert len(params) == 10
+    for name in params:
+        for r in range(1, world):  # DDP keeps parameters identical on every rank: bit for bit
+            assert torch.equal(wire[r]["state"][name], wire[0]["state"][name]), (name, r)
+        # gloo sums in its own order: equal within float32 rounding
+        torch.testing.assert_close(wire[0]["state"][name], gloo[0]["state"][name], rtol=1e-5, atol=1e-6)
+    for r in range(world):  # BatchNorm buffers are each rank's own, broadcast from rank 0
+        for name, value in wire[r]["state"].items():
+            torch.testing.assert_close(value, gloo[r]["state"][name], rtol=1e-5, atol=1e-6)
+        assert wire[r]["gathered"] == gloo[r]["gathered"]
+        assert wire[r]["gathered"][world - 1] == {"rank": world - 1, "name": f"r{world - 1}",
+                                                  "sq": [world - 1] * (world - 1)}
+        assert wire[r]["objs"] == gloo[r]["objs"] == ["from 1", {"k": 1}]
+        assert torch.equal(wire[r]["max"], gloo[r]["max"])
+        assert wire[r]["max"].tolist() == [3 * (world - 1) - 4, 2 ** 40 + world - 1, 0]
+
+
+def test_killed_rank_fails_every_other_rank_within_the_timeout(tmp_path):
+    timeout = 30.0
+    procs = start_ranks(3, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                        extra={"DDP_KILL_AT": "2:3", "DDP_TIMEOUT": str(timeout), "DDP_STEPS": "50"})
+    t0 = time.monotonic()
+    procs[2].wait(timeout=LIMIT)  # rank 2 leaves abruptly at step 3
+    died = time.monotonic()
+    codes, outputs = finish(procs, limit=timeout)
+    assert time.monotonic() - died < timeout, "the others outlived the group timeout"
+    assert codes[2] == 17
+    for rank in (0, 1):
+        assert codes[rank] != 0
+        assert "CollectiveAborted" in outputs[rank] and "rank 2 is gone" in outputs[rank], outputs[rank]
+    assert time.monotonic() - t0 < LIMIT
+
+
+def test_stalled_rank_is_named_within_the_timeout(tmp_path):
+    timeout = 4.0
+    procs = start_ranks(2, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                        extra={"DDP_TIMEOUT": str(timeout), "DDP_STEPS": "100000"})
+    try:
+        # let both ranks get into training, then freeze rank 1
+        deadline = time.monotonic() + LIMIT
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if any(p.poll() is not None for p in procs):
+                break
+            if _training(procs[1].pid):
+                break
+        time.sleep(1.0)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        out0, _ = procs[0].communicate(timeout=LIMIT)
+        took = time.monotonic() - stopped
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+    assert procs[0].returncode != 0
+    assert "CollectiveAborted" in out0 and "rank 1" in out0, out0
+    # the group timeout, plus the time to notice: far from gloo's 30 minutes
+    assert took < 3 * timeout, took
+
+
+def _training(pid):
+    """Whether rank ``pid`` has connected (two TCP connections of its own)."""
+    try:
+        import psutil
+    except ImportError:
+        return True
+    try:
+        return len(psutil.Process(pid).net_connections(kind="tcp")) >= 2
+    except psutil.Error:
+        return False
