@@ -4,7 +4,9 @@
 
 Rank, world size and rendezvous come from the environment as torchrun sets
 them (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or from DDP_INIT
-(``tcp://host:port``) with RANK and WORLD_SIZE. For each backend it trains a
+(``tcp://host:port``, one comma-separated address per backend) with RANK and
+WORLD_SIZE. Backend ``gloo+hook`` is gloo with ddpwire's comm hook, its
+coordinator at DDP_HOOK_ADDR. For each backend it trains a
 small model with BatchNorm over several buckets, runs the object and integer
 collectives, and saves what it got to OUT.<backend>.rank<r>.pt.
 DDP_KILL_AT=<rank>:<step> makes that rank exit abruptly at that step.
@@ -32,18 +34,21 @@ def model() -> nn.Module:
     )
 
 
-def init(backend: str) -> None:
+def init(backend: str, run_index: int) -> None:
     timeout = timedelta(seconds=float(os.environ.get("DDP_TIMEOUT", "60")))
     if "DDP_INIT" in os.environ:
-        dist.init_process_group(backend, init_method=os.environ["DDP_INIT"],
+        # gloo cannot rendezvous twice on one port in one process: one port per run
+        method = os.environ["DDP_INIT"].split(",")[run_index]
+        dist.init_process_group(backend, init_method=method,
                                 rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
 
 
-def run(backend: str, out: str) -> None:
-    init(backend)
+def run(backend: str, out: str, run_index: int) -> None:
+    hook = backend == "gloo+hook"
+    init("gloo" if hook else backend, run_index)
     rank, world = dist.get_rank(), dist.get_world_size()
     kill = os.environ.get("DDP_KILL_AT")
     net = model()
@@ -53,6 +58,13 @@ def run(backend: str, out: str) -> None:
             for p in net.parameters():
                 p.add_(0.5)
     ddp = DDP(net, bucket_cap_mb=0.005)  # several buckets even for this small model
+    if hook:  # each bucket averaged by a ddpwire coordinator, the group staying gloo
+        from ddpwire import Worker
+        from ddpwire.launch import parse_addr
+        from ddpwire.torch.comm_hook import CommHookState, comm_hook
+
+        state = CommHookState(Worker.connect(parse_addr(os.environ["DDP_HOOK_ADDR"]), timeout=60))
+        ddp.register_comm_hook(state, comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(STEPS):
@@ -70,11 +82,13 @@ def run(backend: str, out: str) -> None:
     dist.barrier()
     big = torch.tensor([rank * 3 - 4, 2 ** 40 + rank, -rank], dtype=torch.int64)
     dist.all_reduce(big, op=dist.ReduceOp.MAX)
+    if hook:
+        state.close()
     torch.save({"state": net.state_dict(), "gathered": gathered, "objs": objs, "max": big},
                f"{out}.{backend}.rank{rank}.pt")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    for name in sys.argv[2:]:
-        run(name, sys.argv[1])
+    for index, name in enumerate(sys.argv[2:]):
+        run(name, sys.argv[1], index)

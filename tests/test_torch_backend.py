@@ -23,14 +23,21 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_script.py"
 LIMIT = 120  # seconds a whole run of ranks may take before the test fails (never a hang)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n distinct free ports (held open together, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def start_ranks(world, out, backends, *, torchrun_env, extra=None):
-    port = free_port()
+    ports = free_ports(len(backends))
+    port = ports[0]
     procs = []
     for rank in range(world):
         env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(world),
@@ -38,7 +45,7 @@ def start_ranks(world, out, backends, *, torchrun_env, extra=None):
         if torchrun_env:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
         else:
-            env["DDP_INIT"] = f"tcp://127.0.0.1:{port}"
+            env["DDP_INIT"] = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), *backends], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
