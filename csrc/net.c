@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "ddpwire receives float32 elements in place and needs a little-endian host"
@@ -46,6 +47,28 @@ static int wait_fd(int fd, short events, int timeout_ms, int *err)
         return DDPW_NET_EINTR;
     *err = errno;
     return DDPW_NET_ERRNO;
+}
+
+
+int64_t ddpw_net_now_ms(void)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0)
+        return 0;
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* How long the next poll may wait: the inactivity timeout, cut to what is
+ * left before the deadline (none when deadline_ms < 0). -1: already past. */
+static int wait_budget(int timeout_ms, int64_t deadline_ms)
+{
+    int64_t left;
+    if (deadline_ms < 0)
+        return timeout_ms;
+    left = deadline_ms - ddpw_net_now_ms();
+    if (left <= 0)
+        return -1;
+    return left < (int64_t)timeout_ms ? (int)left : timeout_ms;
 }
 
 
@@ -224,7 +247,7 @@ static int recv_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
 }
 
 int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                       int timeout_ms, int *err)
+                       int timeout_ms, int64_t deadline_ms, int *err)
 {
     struct iovec one;
     one.iov_base = buf;
@@ -234,7 +257,10 @@ int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
         if (rc < 0)
             return rc;
         if (rc == 0) {
-            rc = wait_fd(fd, POLLIN, timeout_ms, err);
+            int ms = wait_budget(timeout_ms, deadline_ms);
+            if (ms < 0)
+                return DDPW_NET_TIMEOUT;
+            rc = wait_fd(fd, POLLIN, ms, err);
             if (rc != 1)
                 return rc;
         }
@@ -242,9 +268,29 @@ int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
     return DDPW_NET_OK;
 }
 
+int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err)
+{
+    ssize_t n = recv(fd, buf, len, MSG_PEEK | MSG_DONTWAIT);
+    *got = 0;
+    if (n > 0) {
+        *got = (size_t)n;
+        return DDPW_NET_OK;
+    }
+    if (n == 0)
+        return DDPW_NET_EOF;
+    if (errno == EINTR)
+        return DDPW_NET_EINTR;
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return DDPW_NET_OK;
+    if (errno == ECONNRESET)
+        return DDPW_NET_EOF;
+    *err = errno;
+    return DDPW_NET_ERRNO;
+}
+
 int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
-                     int timeout_ms, int *err)
+                     int timeout_ms, int64_t deadline_ms, int *err)
 {
     size_t out_total, in_total;
     int sending = 1;
@@ -280,7 +326,10 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
         if (sending && *sent < out_total)
             p.events |= POLLOUT;
         p.revents = 0;
-        rc = poll(&p, 1, timeout_ms);
+        rc = wait_budget(timeout_ms, deadline_ms);
+        if (rc < 0)
+            return DDPW_NET_TIMEOUT;
+        rc = poll(&p, 1, rc);
         if (rc == 0)
             return DDPW_NET_TIMEOUT;
         if (rc < 0) {

@@ -37,15 +37,28 @@ enum {
  * here. A send that fails because the peer closed stops sending but not
  * receiving: what the peer wrote before closing (a Shutdown) is still read;
  * the send error comes back from ddpw_net_send_iov. The timeout counts time
- * with no byte moved either way. */
+ * with no byte moved either way; deadline_ms (see ddpw_net_recv_exact) ends
+ * the receive whatever moved. */
 int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
-                     int timeout_ms, int *err);
+                     int timeout_ms, int64_t deadline_ms, int *err);
 
 /* Receive exactly len bytes into buf, resuming from *done.
- * On return *done holds the bytes received so far (also on error). */
+ * On return *done holds the bytes received so far (also on error).
+ * deadline_ms, when >= 0, is a time on ddpw_net_now_ms's clock after which
+ * the call gives up with DDPW_NET_TIMEOUT even if bytes keep trickling in:
+ * waiting for a message is bounded by its deadline, not only by silence. */
 int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                       int timeout_ms, int *err);
+                       int timeout_ms, int64_t deadline_ms, int *err);
+
+/* Milliseconds on a monotonic clock, for deadlines. */
+int64_t ddpw_net_now_ms(void);
+
+/* Copy up to len bytes already received on fd into buf without consuming
+ * them and without waiting (*got is 0 when none are there): lets a reader
+ * decode a whole frame head from one look at the socket, then take exactly
+ * the head's bytes, leaving the elements after it in the socket. */
+int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err);
 
 /* Send the concatenation of iov[0..iovcnt) with scatter-gather writes,
  * resuming from byte offset *done of that concatenation. */

@@ -1,7 +1,7 @@
 """Stubs for ddpwire._core, the compiled core: the wire codec (_wire.pxi),
 the float32 kernels (_reduce.pxi) and the socket layer (_net.pxi)."""
 import socket
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
 
 import numpy
 import numpy.typing
@@ -20,9 +20,17 @@ def encode_frame(msg: Message, *, max_frame: int = ...) -> bytes:
 def encode_frame_parts(
     msg: Message, *, max_frame: int = ...
 ) -> Tuple[bytes, Optional[memoryview], bytes]:
-    """(head, gradients, tail) whose concatenation is ``encode_frame(msg)``;
-    gradients is a byte memoryview on the caller's buffer, None for a message
-    without gradients."""
+    """(head, bulk, tail) whose concatenation is ``encode_frame(msg)``; bulk is
+    a byte memoryview on the caller's buffer (gradients, or collective data),
+    None for a message without a bulk field."""
+
+def tag_max_payload(tag: int, max_frame: int) -> int:
+    """Most payload bytes a frame with ``tag`` may carry: exact for fixed-size
+    messages, 65,536 for small variable ones, ``max_frame`` for bulk ones, 0
+    for an unknown tag."""
+
+def _codes() -> Tuple[Dict[str, List[Tuple[str, int]]], Dict[int, int]]:
+    """The codes of csrc/wire.h by family, and the dtype sizes."""
 
 def decode_payload(buffer: Any, *, allow_trailing: bool = False) -> Message:
     """Decode one payload (tag + body). Arrays are views into ``buffer``."""
@@ -35,7 +43,11 @@ class FrameReader:
 
     max_frame: int
     allow_trailing: bool
-    def __init__(self, max_frame: int = ..., *, allow_trailing: bool = False) -> None: ...
+    allowed_tags: Optional[FrozenSet[int]]
+    def __init__(self, max_frame: int = ..., *, allow_trailing: bool = False,
+                 allowed_tags: Optional[Iterable[int]] = None) -> None:
+        """``allowed_tags``: refuse, before allocating its payload, a frame whose
+        tag is not in the set or whose length exceeds ``tag_max_payload``."""
     @property
     def pending(self) -> int:
         """Bytes received of a frame not yet complete (0 between frames)."""
@@ -97,6 +109,13 @@ class FrameHead:
     component_sizes: List[int]
     gradient_count: int
     tail_len: int
+    bulk_len: int
+    seq: int
+    kind: int
+    op: int
+    dtype: int
+    root: int
+    count: int
 
 def send_many(conns: List[Connection], parts: Iterable[Optional[_Buffer]], timeout: float, *,
               step: Optional[int] = ..., what: str = ...) -> None: ...
@@ -120,9 +139,11 @@ class Exchange:
     def abandon(self) -> None: ...
 
 def read_frame_head(conn: Connection, timeout: float, max_frame: int, *,
-                    step: Optional[int] = ..., what: str = ...) -> Any: ...
+                    step: Optional[int] = ..., what: str = ...,
+                    collective_heads: bool = ...) -> Any: ...
 def exchange_frame_head(exchange: "Exchange", max_frame: int, *, peer_id: Optional[int] = ...,
-                        step: Optional[int] = ..., what: str = ...) -> Any: ...
+                        step: Optional[int] = ..., what: str = ...,
+                        collective_heads: bool = ...) -> Any: ...
 def decode_tail(tag: int, tail: bytes) -> Tuple[float, int, int, float]: ...
 def read_tail(conn: Connection, head: FrameHead, timeout: float, *,
               step: Optional[int] = ...) -> Tuple[float, int, int, float]: ...

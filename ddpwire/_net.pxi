@@ -14,7 +14,11 @@ import os
 import socket as _socket
 
 from ddpwire._buffer cimport acquire_float32
-from .errors import PeerLost, DdpwireError, ProtocolError
+import time as _time
+
+import numpy as _np
+
+from .errors import PeerLost, DdpwireError, ProtocolError, UnexpectedMessage
 
 cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
@@ -29,11 +33,21 @@ cdef int timeout_ms(object timeout) except? -2:
     if timeout is None:
         raise ValueError("timeout must be a number of seconds, not None")
     t = float(timeout)
-    if t < 0:
+    if not t >= 0:  # NaN fails this too: it would wait forever
         raise ValueError(f"timeout must be >= 0, got {timeout!r}")
     if t * 1000.0 > 2147483647:
         return 2147483647
     return <int>(t * 1000.0 + 0.5)
+
+
+cdef int64_t deadline_ms(object deadline) except? -2:
+    """A time.monotonic() deadline (or None: none) on the C layer's clock."""
+    if deadline is None:
+        return -1
+    left = float(deadline) - _time.monotonic()
+    if not left == left:
+        raise ValueError("deadline must be a number, not NaN")
+    return ddpw_net_now_ms() + <int64_t>(max(0.0, min(left, 1e9)) * 1000.0)
 
 
 cdef HeldBuffer get_float32(object obj, str name, bint writable):
@@ -104,8 +118,11 @@ cdef class Connection:
             except OSError:
                 pass
 
-    cdef fail(self, int rc, int err, object step, str what, int ms):
+    cdef fail(self, int rc, int err, object step, str what, int ms, object deadline=None):
         if rc == DDPW_NET_TIMEOUT:
+            if deadline is not None and _time.monotonic() >= deadline - 0.001:
+                raise self.lost(f"{self.peer_name} silent (heartbeats aside) past the deadline "
+                                f"while {what}", worker_id=self.peer_id, step=step)
             raise self.lost(f"{self.peer_name} silent for {ms / 1000.0:g} s while {what}",
                             worker_id=self.peer_id, step=step)
         if rc == DDPW_NET_EOF:
@@ -120,23 +137,44 @@ cdef class Connection:
         if self.fd < 0:
             raise self.lost(f"{self.peer_name} connection is closed", worker_id=self.peer_id)
 
-    def recv_into(self, buf, timeout, *, step=None, str what="receiving"):
-        """Fill the whole writable buffer ``buf`` from the socket (GIL released)."""
+    def recv_into(self, buf, timeout, *, deadline=None, step=None, str what="receiving"):
+        """Fill the whole writable buffer ``buf`` from the socket (GIL released).
+
+        ``timeout`` bounds silence; ``deadline`` (a time.monotonic() value)
+        bounds the whole receive, however the bytes trickle in."""
         cdef HeldBuffer b = get_bytes(buf, "buf")
         cdef size_t done = 0
         cdef int err = 0, rc, ms = timeout_ms(timeout)
+        cdef int64_t until = deadline_ms(deadline)
         if b.view.readonly:
             raise TypeError("buf: expected a writable buffer")
         self.check_open()
         while True:
             with nogil:
-                rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms, &err)
+                rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms,
+                                         until, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
             if rc != DDPW_NET_OK:
-                self.fail(rc, err, step, f"{what} ({done} of {b.view.len} bytes)", ms)
+                self.fail(rc, err, step, f"{what} ({done} of {b.view.len} bytes)", ms, deadline)
             return
+
+    cdef Py_ssize_t peek(self, uint8_t *buf, size_t cap) except -1:
+        """Bytes already received, copied to buf and left in the socket."""
+        cdef size_t got = 0
+        cdef int err = 0, rc
+        self.check_open()
+        while True:
+            rc = ddpw_net_peek(self.fd, buf, cap, &got, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc == DDPW_NET_EOF:
+                return 0  # the receive that follows reports it, with context
+            if rc != DDPW_NET_OK:
+                self.fail(rc, err, None, "receiving", 0)
+            return <Py_ssize_t>got
 
     def recv_exact(self, Py_ssize_t n, timeout, *, step=None, str what="receiving"):
         """Receive exactly n bytes and return them."""
@@ -413,14 +451,16 @@ cdef class Exchange:
         """Whether the whole frame has been sent."""
         return self.sent >= self.total
 
-    def recv_into(self, *bufs, str what="receiving"):
+    def recv_into(self, *bufs, str what="receiving", deadline=None):
         """Fill every writable buffer of ``bufs`` in turn (at most 8) from the
-        connection, sending meanwhile."""
+        connection, sending meanwhile; ``deadline`` (time.monotonic()) bounds
+        the receive however the bytes trickle in."""
         cdef iovec in_iov[MAX_PARTS]
         cdef list held = []
         cdef HeldBuffer b
         cdef int m = 0, err = 0, rc
         cdef size_t received = 0, in_total = 0, sent = self.sent_bytes
+        cdef int64_t until = deadline_ms(deadline)
         for buf in bufs:
             if m == MAX_PARTS:
                 raise ValueError(f"at most {MAX_PARTS} buffers per receive")
@@ -439,7 +479,7 @@ cdef class Exchange:
         while True:
             with nogil:
                 rc = ddpw_net_exchange(self.conn.fd, self.iov, out_k, &sent,
-                                       in_iov, m, &received, self.ms, &err)
+                                       in_iov, m, &received, self.ms, until, &err)
             if self.sender is NULL:
                 self.sent_bytes = sent
             if rc == DDPW_NET_EINTR:
@@ -449,7 +489,7 @@ cdef class Exchange:
                 self.abandon()
                 self.conn.fail(rc, err, self.step,
                                f"{self.what} ({self.sent} of {self.total} bytes) and {what} "
-                               f"({received} of {in_total} bytes)", self.ms)
+                               f"({received} of {in_total} bytes)", self.ms, deadline)
             return
 
     def finish(self):
@@ -490,7 +530,8 @@ cdef class Exchange:
 cdef class FrameHead:
     """What precedes the gradient elements of a frame being received: the
     elements themselves are still in the socket, to be received straight into
-    their final buffer."""
+    their final buffer. ``component_sizes`` is a uint32 array (a compact
+    copy: a hostile count costs 4 bytes an entry, not a Python int each)."""
     cdef readonly int tag
     cdef readonly str message_type
     cdef readonly unsigned long long step
@@ -498,35 +539,118 @@ cdef class FrameHead:
     cdef readonly unsigned int block_idx
     cdef readonly unsigned int num_blocks
     cdef readonly int component
-    cdef readonly list component_sizes
+    cdef readonly object component_sizes
     cdef readonly unsigned long long gradient_count
     cdef readonly size_t tail_len
+    # the bulk field still in the socket: the gradient elements, or the data
+    # of CollectiveRequest/CollectiveResult (read with collective_heads=True)
+    cdef readonly unsigned long long bulk_len
+    cdef readonly unsigned long long seq
+    cdef readonly int kind
+    cdef readonly int op
+    cdef readonly int dtype
+    cdef readonly unsigned int root
+    cdef readonly unsigned long long count
 
     def __repr__(self):
         return (f"FrameHead({self.message_type}, step={self.step}, "
                 f"gradient_count={self.gradient_count})")
 
 
-def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, step=None,
-                    str what="receiving"):
+# A frame head is decoded from one look at the socket when it fits here
+# (every head but a block gradient's with hundreds of components).
+DEF PEEK_BYTES = 512
+
+
+def read_frame_head(Connection conn, timeout, uint64_t max_frame, *, deadline=None, expect=None,
+                    step=None, str what="receiving", bint collective_heads=False):
     """Receive one frame up to its gradient elements (bytes after the last
     field are refused, as everywhere in a session).
 
     Returns a FrameHead for a gradient message, whose elements and tail are
     left in the socket, or the whole decoded message for any other.
+    ``timeout`` bounds silence and ``deadline`` (time.monotonic()) the whole
+    frame head. ``expect``, a sequence of message classes, refuses any other
+    tag (UnexpectedMessage) before a byte of its body is allocated. With
+    ``collective_heads``, CollectiveRequest/CollectiveResult also come back
+    as a FrameHead (seq, kind, op, dtype, root, count), their ``bulk_len``
+    data bytes left in the socket.
     """
-    return read_head_with(lambda view: conn.recv_into(view, timeout, step=step, what=what),
-                          max_frame, conn.peer_id, step)
+    cdef uint8_t look[PEEK_BYTES]
+    cdef Py_ssize_t got = conn.peek(look, PEEK_BYTES)
+    cdef object fast = None
+    if got >= 5:
+        fast = head_from_peek(conn, look, <size_t>got, timeout, max_frame, expect, step, what,
+                              collective_heads)
+    if fast is not None:
+        return fast
+    return read_head_with(lambda view: conn.recv_into(view, timeout, deadline=deadline, step=step,
+                                                      what=what),
+                          max_frame, expect, conn.peer_id, step, collective_heads)
 
 
-def exchange_frame_head(Exchange exchange, uint64_t max_frame, *, peer_id=None, step=None,
-                        str what="receiving"):
+def exchange_frame_head(Exchange exchange, uint64_t max_frame, *, deadline=None, expect=None,
+                        peer_id=None, step=None, str what="receiving",
+                        bint collective_heads=False):
     """read_frame_head for the receiving side of an Exchange (its send goes on
     meanwhile)."""
-    return read_head_with(lambda view: exchange.recv_into(view, what=what), max_frame, peer_id, step)
+    return read_head_with(lambda view: exchange.recv_into(view, what=what, deadline=deadline),
+                          max_frame, expect, peer_id, step, collective_heads)
 
 
-cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, object step):
+cdef int check_tag(uint8_t tag, uint32_t payload_len, uint64_t max_frame, object expect,
+                   object peer_id, object step) except -1:
+    """Refuse a frame by its tag and declared length, before its body is
+    received or allocated: a tag the session does not expect here, or a
+    length over that message's own limit."""
+    cdef ddpw_error err
+    cdef uint64_t limit
+    if expect is not None and tag not in [cls.TAG for cls in expect]:
+        name = ddpw_message_type(tag)
+        got = (<bytes>name).decode("ascii") if name is not NULL else f"unknown message tag 0x{tag:02x}"
+        # Heartbeats are allowed everywhere: naming them would only add noise
+        raise UnexpectedMessage(" or ".join(cls.__name__ for cls in expect
+                                            if cls.TAG != DDPW_HEARTBEAT), got,
+                                worker_id=peer_id, step=step)
+    limit = ddpw_tag_max_payload(tag, max_frame)
+    if limit and payload_len > limit:
+        ddpw_check_frame_len(payload_len, limit, &err)
+        raise with_context(wire_error(&err), peer_id, step)
+    return 0
+
+
+cdef object head_from_peek(Connection conn, const uint8_t *look, size_t got, timeout,
+                           uint64_t max_frame, object expect, object step, str what,
+                           bint collective_heads):
+    """The frame head decoded from bytes peeked at the socket, then taken from
+    it (one receive, exactly the head's bytes); None when the head is not all
+    there yet (the caller reads it piece by piece)."""
+    cdef uint32_t payload_len = ddpw_read_prefix(look)
+    cdef ddpw_error err
+    cdef ddpw_head head
+    cdef ddpw_status st
+    if ddpw_check_frame_len(payload_len, max_frame, &err) != DDPW_OK:
+        raise with_context(wire_error(&err), conn.peer_id, step)
+    check_tag(look[4], payload_len, max_frame, expect, conn.peer_id, step)
+    st = ddpw_decode_head(look + 4, got - 4, payload_len, 0, &head, &err)
+    if st == DDPW_NEED_MORE:
+        return None
+    if st != DDPW_OK:
+        raise with_context(wire_error(&err), conn.peer_id, step)
+    if not head.has_gradients and not (collective_heads and head.has_bulk):
+        if 4 + <size_t>payload_len > got:
+            return None
+        msg = decode_or_raise(bytearray(look[4:4 + payload_len]), conn.peer_id, step)
+        conn.recv_into(bytearray(4 + payload_len), timeout, step=step, what=what)
+        return msg
+    fh = make_head(&head)
+    conn.recv_into(bytearray(4 + (head.gradient_offset if head.has_gradients else head.bulk_offset)),
+                   timeout, step=step, what=what)
+    return fh
+
+
+cdef object read_head_with(object fill, uint64_t max_frame, object expect, object peer_id,
+                           object step, bint collective_heads=False):
     """The frame-head reader over ``fill(view)``, which receives exactly
     len(view) bytes into view: the C decoder says how many bytes it needs
     next, so nothing past the head is taken from the socket."""
@@ -538,9 +662,6 @@ cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, obje
     cdef bytearray buf
     cdef size_t have = 0, need = 1
     cdef const uint8_t *p
-    cdef FrameHead fh
-    cdef uint32_t size
-    cdef Py_ssize_t i
     fill(<uint8_t[:4]>prefix)
     payload_len = ddpw_read_prefix(prefix)
     if ddpw_check_frame_len(payload_len, max_frame, &err) != DDPW_OK:
@@ -551,6 +672,8 @@ cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, obje
             buf.extend(bytes(need - len(buf)))
         if need > have:
             fill(memoryview(buf)[have:need])
+            if have == 0:
+                check_tag(buf[0], payload_len, max_frame, expect, peer_id, step)
             have = need
         p = <const uint8_t *><char *>buf
         st = ddpw_decode_head(p, have, payload_len, 0, &head, &err)
@@ -560,15 +683,24 @@ cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, obje
         if st != DDPW_OK:
             raise with_context(wire_error(&err), peer_id, step)
         break
-    if not head.has_gradients:
+    if not head.has_gradients and not (collective_heads and head.has_bulk):
         if payload_len > have:
             buf.extend(bytes(payload_len - len(buf)))
             fill(memoryview(buf)[have:])
-        try:
-            return decode_payload(buf)
-        except ProtocolError as exc:
-            raise with_context(exc, peer_id, step) from None
-    fh = FrameHead()
+        return decode_or_raise(buf, peer_id, step)
+    return make_head(&head)
+
+
+cdef object decode_or_raise(bytearray payload, object peer_id, object step):
+    try:
+        return decode_payload(payload)
+    except ProtocolError as exc:
+        raise with_context(exc, peer_id, step) from None
+
+
+cdef FrameHead make_head(const ddpw_head *head):
+    cdef FrameHead fh = FrameHead()
+    cdef uint32_t[::1] sizes
     fh.tag = head.tag
     fh.message_type = (<bytes>ddpw_message_type(head.tag)).decode("ascii")
     fh.step = head.step
@@ -576,12 +708,19 @@ cdef object read_head_with(object fill, uint64_t max_frame, object peer_id, obje
     fh.block_idx = head.block_idx
     fh.num_blocks = head.num_blocks
     fh.component = head.component
-    fh.component_sizes = []
-    for i in range(head.component_count):
-        ddpw_load_u32s(head.component_sizes + 4 * i, 1, &size)
-        fh.component_sizes.append(size)
+    fh.component_sizes = _np.empty(head.component_count, dtype=_np.uint32)
+    if head.component_count:
+        sizes = fh.component_sizes
+        ddpw_load_u32s(head.component_sizes, head.component_count, &sizes[0])
     fh.gradient_count = head.gradient_count
     fh.tail_len = head.tail_len
+    fh.bulk_len = head.bulk_len
+    fh.seq = head.seq
+    fh.kind = head.kind
+    fh.op = head.op
+    fh.dtype = head.dtype
+    fh.root = head.root
+    fh.count = head.count
     return fh
 
 

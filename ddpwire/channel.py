@@ -9,6 +9,7 @@ caller's buffer.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -21,9 +22,21 @@ from ._core import encode_frame_parts
 from .errors import GradientMismatch, PeerLost, UnexpectedMessage
 from .messages import Heartbeat
 
+from ._core import DEFAULT_MAX_FRAME
+
 log = logging.getLogger(__name__)
 
-from ._core import DEFAULT_MAX_FRAME
+
+def check_timeout(name: str, value: float) -> float:
+    """A timeout in seconds: finite and positive (NaN would wait forever,
+    zero or less would never wait)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return seconds
 
 
 class Channel:
@@ -78,20 +91,31 @@ class Channel:
         finally:
             self.send_lock.release()
 
-    def read_head(self, *, step: Optional[int] = None, what: str = "receiving") -> Any:
+    def read_head(self, expected: Sequence[type], *, step: Optional[int] = None,
+                  what: str = "receiving", deadline: Optional[float] = None) -> Any:
         """The next frame other than a Heartbeat: a whole message, or the
-        FrameHead of a gradient message whose elements are still to come."""
+        FrameHead of a gradient message whose elements are still to come.
+
+        Any type outside ``expected`` (and Heartbeat) is refused by its tag,
+        before its body is received. It must arrive by ``deadline`` (a
+        time.monotonic() value; default ``timeout`` from now): Heartbeats
+        show the peer is alive but never extend it, and with heartbeats on, a
+        peer silent for ``heartbeat_timeout`` is lost sooner."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        allowed = tuple(expected) + (Heartbeat,)
         while True:
             obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
-                                       step=step, what=what)
+                                        deadline=deadline, expect=allowed, step=step, what=what)
             if isinstance(obj, Heartbeat):
                 continue
             return obj
 
-    def expect(self, expected: Sequence[type], *, step: Optional[int] = None) -> Any:
+    def expect(self, expected: Sequence[type], *, step: Optional[int] = None,
+               deadline: Optional[float] = None) -> Any:
         """The next whole message, which must be one of ``expected``."""
         names = " or ".join(t.__name__ for t in expected)
-        obj = self.read_head(step=step, what=f"waiting for {names}")
+        obj = self.read_head(expected, step=step, what=f"waiting for {names}", deadline=deadline)
         if isinstance(obj, tuple(expected)):
             return obj
         raise UnexpectedMessage(names, message_name(obj), worker_id=self.peer_id, step=step)

@@ -1,31 +1,35 @@
-"""The coordinator: accepts workers, assigns shards, averages their gradients.
+"""The coordinator: admits workers, assigns shards, averages their gradients.
 
 It mirrors the reference coordinator's session (protocol.md, "Session
 semantics") with what the reference leaves undefined made into typed errors,
 and it receives from every worker at once, averaging the bytes as they
 arrive, so memory stays at about one gradient vector whatever the number of
-workers.
+workers. The join itself (concurrent handshakes, tokens, refusals) is
+:mod:`ddpwire.admission`.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import socket
 import threading
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _core
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
-from .channel import DEFAULT_MAX_FRAME, Channel, message_name
+from .admission import Admission, Refuser
+from .auth import normalize_token
+from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name
 from .errors import (
     DdpwireError,
     GradientMismatch,
-    JoinTimeout,
     NonFiniteGradient,
     UnexpectedMessage,
     WorkerLost,
@@ -36,8 +40,6 @@ from .messages import (
     AveragedNonBlockGradient,
     BlockGradientPayload,
     GradientPayload,
-    JoinAccepted,
-    JoinRequest,
     NonBlockGradientPayload,
     ShardAssignment,
     Shutdown,
@@ -63,15 +65,51 @@ def _bind(bind: Tuple[str, int], backlog: int) -> socket.socket:
         raise
 
 
-class Coordinator:
-    """Accepts ``expect_workers`` workers and runs the averaging side of training.
+@dataclass(frozen=True)
+class _Kind:
+    """One kind of gradient message the coordinator averages: what it
+    receives, what identifies one vector of it within a step (None, the
+    block index or the component) and what it answers."""
 
-    ``timeout`` bounds every wait on a worker: a worker silent that long (or
-    gone) raises :class:`~ddpwire.WorkerLost` naming it and the step. With
-    ``heartbeat`` (seconds) set, the coordinator sends Heartbeat frames to
-    idle workers at that interval, and waits only ``heartbeat_timeout`` on a
-    worker that sends none (the reference does not speak heartbeats: leave it
-    off when reference workers join).
+    payload: type
+    key: Optional[str]
+    reply: type
+
+
+_FLAT = _Kind(GradientPayload, None, AveragedGradient)
+_BLOCK = _Kind(BlockGradientPayload, "block_idx", AveragedBlockGradient)
+_NON_BLOCK = _Kind(NonBlockGradientPayload, "component", AveragedNonBlockGradient)
+
+AnyResult = Union[ReduceResult, BlockReduceResult, NonBlockReduceResult]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class Coordinator:
+    """Admits ``expect_workers`` workers and runs the averaging side of training.
+
+    ``timeout`` bounds every wait on a worker: a worker that has not sent the
+    message waited for within that time (Heartbeats do not count), or that
+    goes silent that long while streaming it, raises
+    :class:`~ddpwire.WorkerLost` naming it and the step. With ``heartbeat``
+    (seconds) set, the coordinator sends Heartbeat frames to idle workers at
+    that interval, and declares a worker lost after ``heartbeat_timeout`` of
+    complete silence (the reference does not speak heartbeats: leave it off
+    when reference workers join).
+
+    The join (:meth:`wait_for_workers`) runs every handshake at once, each
+    bounded by ``handshake_timeout``; ``token`` (str or bytes) makes it admit
+    only workers that prove they know the token, and prove the coordinator
+    does too (docs/security.md). ``extensions`` maps extension types
+    (:class:`ddpwire.extensions.Extension`) to the value granted to a worker
+    that offers them; ``samples_per_step``, when known at the join, is handed
+    to ddpwire workers, and a worker that was given another value is
+    refused.
 
     Gradients are averaged as they stream in, through a ring of
     ``ring_bytes`` per worker. ``socket_threads`` gives each worker
@@ -89,35 +127,48 @@ class Coordinator:
         *,
         timeout: float = 120.0,
         join_timeout: float = 300.0,
+        handshake_timeout: float = 10.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         heartbeat: Optional[float] = None,
         heartbeat_timeout: Optional[float] = None,
         ring_bytes: int = 1 << 20,
         socket_threads: Optional[bool] = None,
         node_id: str = "coordinator",
+        token: Union[str, bytes, None] = None,
+        extensions: Optional[Mapping[int, bytes]] = None,
+        samples_per_step: Optional[int] = None,
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
         self.expect_workers = expect_workers
-        self.timeout = timeout
-        self.join_timeout = join_timeout
+        self.timeout = check_timeout("timeout", timeout)
+        self.join_timeout = check_timeout("join_timeout", join_timeout)
+        self.handshake_timeout = check_timeout("handshake_timeout", handshake_timeout)
         self.max_frame = max_frame
         self.ring_bytes = ring_bytes
         self.socket_threads = socket_threads
         self.node_id = node_id
-        self.heartbeat = heartbeat
+        self.heartbeat = None if heartbeat is None else check_timeout("heartbeat", heartbeat)
         self.heartbeat_timeout = (
-            heartbeat_timeout if heartbeat_timeout is not None
-            else (3.0 * heartbeat if heartbeat else None))
+            check_timeout("heartbeat_timeout", heartbeat_timeout) if heartbeat_timeout is not None
+            else (3.0 * self.heartbeat if self.heartbeat else None))
+        self._token = normalize_token(token)
+        self._grants = dict(extensions or {})
+        self.total_samples = 0
+        if samples_per_step is not None:
+            self.set_total_samples(samples_per_step)
         self._listener = _bind(bind, backlog=max(16, expect_workers))
+        if self._token is None and not _is_loopback(bind[0]):
+            log.warning("listening on %s:%d without a token: any host that reaches this port can "
+                        "join as a worker and change the averages (pass token=, --token-file or "
+                        "DDPWIRE_TOKEN; see docs/security.md)", *self.local_addr)
+        self._admission: Optional[Admission] = None
+        self._refuser: Optional[Refuser] = None
         self._channels: List[Channel] = []
         self.workers: List[WorkerInfo] = []
-        self.total_samples = 0
         # Vector lengths are fixed by the first step that sees them: a worker
         # whose model differs is caught on its first gradient.
-        self._flat_len: Optional[int] = None
-        self._block_len: Dict[int, int] = {}
-        self._non_block_len: Dict[int, int] = {}
+        self._lengths: Dict[Tuple[_Kind, Optional[int]], int] = {}
         self._closed = False
         self._stop = threading.Event()
         self._heartbeat_thread: Optional[threading.Thread] = None
@@ -133,52 +184,55 @@ class Coordinator:
     @property
     def worker_count(self) -> int:
         """Workers joined so far."""
+        if self._admission is not None:
+            return sum(slot is not None for slot in self._admission.slots)
         return len(self._channels)
 
-    def wait_for_workers(self, timeout: Optional[float] = None) -> List[WorkerInfo]:
-        """Accept workers until ``expect_workers`` have joined; worker_id is the
-        order of joining. Raises :class:`~ddpwire.JoinTimeout` at the deadline
-        (``timeout`` or the constructor's ``join_timeout``)."""
-        limit = self.join_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        while len(self._channels) < self.expect_workers:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise JoinTimeout(
-                    f"{len(self._channels)} of {self.expect_workers} workers joined within {limit:g} s")
-            self._listener.settimeout(min(remaining, 1.0))
-            try:
-                sock, addr = self._listener.accept()
-            except socket.timeout:
-                continue
-            self._handshake(sock, addr, min(remaining, self.timeout))
+    def channel(self, worker_id: int) -> Channel:
+        """The connection to one joined worker, for extensions that exchange
+        their own messages over it (docs/extensions.md)."""
+        return self._channels[worker_id]
+
+    def wait_for_workers(self, timeout: Optional[float] = None, *,
+                         count: Optional[int] = None) -> List[WorkerInfo]:
+        """Admit workers until ``expect_workers`` have joined (or, with
+        ``count``, return once that many have: call again for the rest).
+
+        Every handshake runs at once, each within ``handshake_timeout``; the
+        join as a whole ends at ``timeout`` (default: the constructor's
+        ``join_timeout``) from this call, with :class:`~ddpwire.JoinTimeout`
+        naming who is missing. worker_id is the order of admission; a worker
+        that disconnects before the join completes frees its id for the next.
+        Afterwards every new connection is refused at once (a ddpwire worker
+        hears that training has started).
+        """
+        limit = self.join_timeout if timeout is None else check_timeout("timeout", timeout)
+        if self._refuser is not None:
+            return list(self.workers)
+        if self._admission is None:
+            self._admission = Admission(
+                self._listener, expect_workers=self.expect_workers, token=self._token,
+                grants=self._grants, samples=self.total_samples or None,
+                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame)
+        until = self.expect_workers if count is None else min(count, self.expect_workers)
+        admitted = self._admission.run(time.monotonic() + limit, limit, until)
+        if len(admitted) < self.expect_workers:
+            return [a.info() for a in admitted]
+        for a in admitted:
+            chan = Channel(a.sock, timeout=self.timeout, lost=WorkerLost, peer_id=a.worker_id,
+                           peer_name=f"worker {a.worker_id} ({a.join.node_id}@{a.address[0]})",
+                           max_frame=self.max_frame, heartbeat_timeout=self.heartbeat_timeout)
+            self._channels.append(chan)
+            self.workers.append(a.info())
+        self._refuser = Refuser(self._listener, self._admission.pending,
+                                detail=f"training has started with {self.expect_workers} workers",
+                                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame)
+        self._admission = None
         if self.heartbeat and self._heartbeat_thread is None:
             self._heartbeat_thread = threading.Thread(
                 target=self._send_heartbeats, name="ddpwire-coordinator-heartbeat", daemon=True)
             self._heartbeat_thread.start()
         return list(self.workers)
-
-    def _handshake(self, sock: socket.socket, addr: Tuple, timeout: float) -> None:
-        worker_id = len(self._channels)
-        chan = Channel(sock, timeout=timeout, peer_name=f"worker at {addr[0]}:{addr[1]}",
-                       lost=WorkerLost, peer_id=worker_id, max_frame=self.max_frame)
-        try:
-            join = chan.expect([JoinRequest])
-            chan.send(JoinAccepted(worker_id=worker_id, total_workers=self.expect_workers))
-        except DdpwireError as exc:
-            # A stray or broken client must not stop the others from joining.
-            log.warning("refused a connection from %s:%s: %s", addr[0], addr[1], exc)
-            chan.close()
-            return
-        chan.timeout = self.timeout
-        chan.heartbeat_timeout = self.heartbeat_timeout
-        chan.conn.peer_name = f"worker {worker_id} ({join.node_id}@{addr[0]})"
-        self._channels.append(chan)
-        self.workers.append(WorkerInfo(worker_id=worker_id, node_id=join.node_id,
-                                       gpu_count=join.gpu_count, backend=join.backend,
-                                       address=f"{addr[0]}:{addr[1]}"))
-        log.info("worker %d joined: %s (%s, %d GPU) from %s:%s", worker_id, join.node_id,
-                 join.backend, join.gpu_count, addr[0], addr[1])
 
     def _send_heartbeats(self) -> None:
         assert self.heartbeat is not None
@@ -195,6 +249,17 @@ class Coordinator:
             return
         self._closed = True
         self._stop.set()
+        if self._heartbeat_thread is not None:
+            # it may be inside a send on a connection about to close
+            self._heartbeat_thread.join(timeout=self.timeout)
+        if self._refuser is not None:
+            self._refuser.close()
+        if self._admission is not None:
+            for p in self._admission.pending.values():
+                p.sock.close()
+            for slot in self._admission.slots:
+                if slot is not None:
+                    slot.sock.close()
         for chan in self._channels:
             chan.close()
         self._listener.close()
@@ -228,90 +293,149 @@ class Coordinator:
             start, end = self.shard_bounds(chan.peer_id)
             chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end), step=step)
 
-    # ---- collect and reduce ----
+    # ---- averaging: one entry per message kind ----
+
+    def allreduce(self, step: int, out: Optional[np.ndarray] = None, *,
+                  reply: bool = True) -> ReduceResult:
+        """Average every worker's GradientPayload for ``step`` into ``out``
+        (float32, the gradient length; allocated when None).
+
+        With ``reply`` (the default) the AveragedGradient streams back while
+        the gradients still arrive: each element range goes out as soon as
+        every worker's elements for it are in and averaged, and global_loss
+        last, once every loss and count is in. Without it nothing is sent:
+        send the result with :meth:`broadcast_averaged` (that is the
+        reference's collect_and_reduce).
+
+        What a failure leaves (docs/sessions.md, "Halting"): errors found in
+        the heads (GradientMismatch, UnexpectedMessage) come before any byte
+        of the average and leave the connections open. With ``reply``, a NaN
+        or +/-inf found later stops every send at once, drains the incoming
+        frames, closes every worker connection and raises NonFiniteGradient:
+        a worker may hold the first part of the average, never a complete
+        AveragedGradient (global_loss, its last field, is only sent once
+        every gradient has been checked), so none can apply it; a lost
+        worker (WorkerLost) closes every connection the same way.
+
+        ``reduce_time`` covers the pass after the heads (transfer in,
+        average, and with ``reply`` the transfer out); ``wait_time`` the
+        wait for the heads.
+        """
+        return self._average(_FLAT, step, None, out, reply)
+
+    def allreduce_block(self, step: int, block_idx: int, out: Optional[np.ndarray] = None, *,
+                        reply: bool = True) -> BlockReduceResult:
+        """:meth:`allreduce` for one block's BlockGradientPayload (the
+        reply carries worker 0's component sizes)."""
+        return self._average(_BLOCK, step, block_idx, out, reply)
+
+    def allreduce_non_block(self, step: int, component: int, out: Optional[np.ndarray] = None, *,
+                            reply: bool = True) -> NonBlockReduceResult:
+        """:meth:`allreduce` for one non-block component's
+        NonBlockGradientPayload (0 lm_head, 1 final_norm, 2 embedding)."""
+        return self._average(_NON_BLOCK, step, component, out, reply)
+
+    # The reference coordinator's names: collect, then broadcast separately.
 
     def collect_and_reduce(self, step: int, out: Optional[np.ndarray] = None) -> ReduceResult:
-        """Receive every worker's GradientPayload for ``step`` and average them.
+        """``allreduce(step, out, reply=False)``."""
+        return self.allreduce(step, out, reply=False)
 
-        ``out`` (float32, the gradient length) receives the average; by
-        default a new array is allocated. Raises GradientMismatch,
-        UnexpectedMessage, NonFiniteGradient or WorkerLost, naming the worker.
-        """
+    def collect_and_reduce_block(self, step: int, block_idx: int,
+                                 out: Optional[np.ndarray] = None) -> BlockReduceResult:
+        """``allreduce_block(step, block_idx, out, reply=False)``."""
+        return self.allreduce_block(step, block_idx, out, reply=False)
+
+    def collect_and_reduce_non_block(self, step: int, component: int,
+                                     out: Optional[np.ndarray] = None) -> NonBlockReduceResult:
+        """``allreduce_non_block(step, component, out, reply=False)``."""
+        return self.allreduce_non_block(step, component, out, reply=False)
+
+    def _average(self, kind: _Kind, step: int, key: Optional[int], out: Optional[np.ndarray],
+                 reply: bool) -> AnyResult:
         t0 = time.perf_counter()
-        heads = self._collect_heads(GradientPayload, step)
+        heads = self._collect_heads(kind, step, key)
         t1 = time.perf_counter()
-        self._check_lengths(heads, step, self._flat_len, "gradients length")
-        avg, tails = self._reduce(heads, out, step)
-        if self._flat_len is None:
-            self._flat_len = len(avg)
-        return self._flat_result(step, avg, tails, reduce_time=time.perf_counter() - t1,
-                                 wait_time=t1 - t0)
+        out = self._out_for(heads, out)
+        done: List[AnyResult] = []
+
+        def finish(tails: List[bytes]) -> AnyResult:
+            decoded = [_core.decode_tail(kind.payload.TAG, t) for t in tails]
+            result = self._result(kind, step, key, heads, out, decoded, t1 - t0)
+            done.append(result)
+            return result
+
+        conns = [chan.conn for chan in self._channels]
+        threads = self._use_socket_threads(heads)
+        what = f"averaging {kind.payload.__name__}"
+        if not reply:
+            tails, bad = _core.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
+                                             ring_bytes=self.ring_bytes, socket_threads=threads,
+                                             step=step, what=what)
+            self._raise_bad(bad, step)
+            finish(tails)
+        else:
+            head = encode_frame_parts(self._reply(kind, step, key, heads, out, 0.0),
+                                      max_frame=self.max_frame)[0]
+
+            def make_tail(tails: List[bytes]) -> bytes:
+                # every worker's tail is in: the result is complete, and for a
+                # flat step its global_loss ends the reply
+                result = finish(tails)
+                loss = getattr(result, "global_loss", 0.0)
+                return encode_frame_parts(self._reply(kind, step, key, heads, out, loss),
+                                          max_frame=self.max_frame)[2]
+
+            with self._sending_to_all():
+                try:
+                    _, bad = _core.allreduce_stream(
+                        conns, out, heads[0].tail_len, head, make_tail, self.timeout,
+                        ring_bytes=self.ring_bytes, socket_threads=threads, step=step,
+                        what=f"{what} into {kind.reply.__name__}")
+                    self._raise_bad(bad, step)
+                except BaseException:
+                    # Some workers hold part of a reply that will never be
+                    # finished: closing is the only way to tell them at once.
+                    self._abandon()
+                    raise
+        self._lengths.setdefault((kind, key), len(out))
+        result = done[0]
+        result.reduce_time = time.perf_counter() - t1
+        return result
 
     @staticmethod
-    def _flat_result(step: int, avg: np.ndarray, tails: list, *, reduce_time: float,
-                     wait_time: float) -> ReduceResult:
+    def _reply(kind: _Kind, step: int, key: Optional[int], heads: list, out: np.ndarray,
+               global_loss: float) -> object:
+        """The averaged message for ``out`` (only the flat one has a tail)."""
+        if kind is _FLAT:
+            return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
+        if kind is _BLOCK:
+            return AveragedBlockGradient(step=step, block_idx=key,
+                                         component_sizes=heads[0].component_sizes, gradients=out)
+        return AveragedNonBlockGradient(step=step, component=key, gradients=out)
+
+    @staticmethod
+    def _result(kind: _Kind, step: int, key: Optional[int], heads: list, avg: np.ndarray,
+                tails: list, wait_time: float) -> AnyResult:
+        if kind is _BLOCK:
+            return BlockReduceResult(step=step, block_idx=key, avg_gradients=avg,
+                                     component_sizes=heads[0].component_sizes, reduce_time=0.0,
+                                     wait_time=wait_time)
+        if kind is _NON_BLOCK:
+            return NonBlockReduceResult(step=step, component=key, avg_gradients=avg,
+                                        reduce_time=0.0, wait_time=wait_time)
         losses = np.array([t[0] for t in tails], dtype=np.float32)
         totals = [t[2] for t in tails]
         total_samples = sum(totals)
-        total_correct = sum(t[1] for t in tails)
         # float32 in worker order, as the reference computes it
         weighted = np.float32(0.0)
         for loss, total in zip(losses, totals):
             weighted = np.float32(weighted + loss * np.float32(total))
         global_loss = float(weighted / np.float32(total_samples)) if total_samples else 0.0
         return ReduceResult(step=step, avg_gradients=avg, global_loss=global_loss,
-                            total_correct=total_correct, total_samples=total_samples,
-                            reduce_time=reduce_time, wait_time=wait_time,
+                            total_correct=sum(t[1] for t in tails), total_samples=total_samples,
+                            reduce_time=0.0, wait_time=wait_time,
                             worker_losses=[float(x) for x in losses])
-
-    def collect_and_reduce_block(self, step: int, block_idx: int,
-                                 out: Optional[np.ndarray] = None) -> BlockReduceResult:
-        """Receive every worker's BlockGradientPayload for (step, block_idx) and
-        average them; the result carries worker 0's component sizes."""
-        t0 = time.perf_counter()
-        heads = self._collect_block_heads(step, block_idx)
-        t1 = time.perf_counter()
-        avg, _ = self._reduce(heads, out, step)
-        self._block_len.setdefault(block_idx, len(avg))
-        return BlockReduceResult(step=step, block_idx=block_idx, avg_gradients=avg,
-                                 component_sizes=list(heads[0].component_sizes),
-                                 reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
-
-    def _collect_block_heads(self, step: int, block_idx: int) -> List["_core.FrameHead"]:
-        heads = self._collect_heads(BlockGradientPayload, step)
-        for wid, head in enumerate(heads):
-            if head.block_idx != block_idx:
-                raise GradientMismatch("block_idx", block_idx, head.block_idx, worker_id=wid, step=step)
-            if sum(head.component_sizes) != head.gradient_count:
-                raise GradientMismatch("sum of component_sizes", head.gradient_count,
-                                       sum(head.component_sizes), worker_id=wid, step=step)
-            if head.component_sizes != heads[0].component_sizes:
-                raise GradientMismatch("component_sizes", heads[0].component_sizes,
-                                       head.component_sizes, worker_id=wid, step=step)
-        self._check_lengths(heads, step, self._block_len.get(block_idx),
-                            f"block {block_idx} gradients length")
-        return heads
-
-    def collect_and_reduce_non_block(self, step: int, component: int,
-                                     out: Optional[np.ndarray] = None) -> NonBlockReduceResult:
-        """Receive every worker's NonBlockGradientPayload for (step, component)
-        and average them (0 lm_head, 1 final_norm, 2 embedding)."""
-        t0 = time.perf_counter()
-        heads = self._collect_non_block_heads(step, component)
-        t1 = time.perf_counter()
-        avg, _ = self._reduce(heads, out, step)
-        self._non_block_len.setdefault(component, len(avg))
-        return NonBlockReduceResult(step=step, component=component, avg_gradients=avg,
-                                    reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
-
-    def _collect_non_block_heads(self, step: int, component: int) -> List["_core.FrameHead"]:
-        heads = self._collect_heads(NonBlockGradientPayload, step)
-        for wid, head in enumerate(heads):
-            if head.component != component:
-                raise GradientMismatch("component", component, head.component, worker_id=wid, step=step)
-        self._check_lengths(heads, step, self._non_block_len.get(component),
-                            f"component {component} gradients length")
-        return heads
 
     def _require_workers(self) -> None:
         if len(self._channels) < self.expect_workers:
@@ -319,29 +443,42 @@ class Coordinator:
                 f"only {len(self._channels)} of {self.expect_workers} workers joined: "
                 "call wait_for_workers() first")
 
-    def _collect_heads(self, expected: type, step: int) -> List["_core.FrameHead"]:
-        """Every worker's frame head, in worker order; the elements stay in the
-        sockets for the streaming reduce."""
+    def _collect_heads(self, kind: _Kind, step: int, key: Optional[int]) -> List["_core.FrameHead"]:
+        """Every worker's frame head, in worker order, checked; the elements
+        stay in the sockets for the streaming reduce. The heads of one step
+        are due within one timeout: a worker's heartbeats do not extend it."""
         self._require_workers()
+        deadline = time.monotonic() + self.timeout
         heads = []
         for chan in self._channels:
-            head = chan.read_head(step=step, what=f"waiting for {expected.__name__}")
-            if not isinstance(head, _core.FrameHead) or head.tag != expected.TAG:
-                raise UnexpectedMessage(expected.__name__, message_name(head),
-                                        worker_id=chan.peer_id, step=step)
+            wid = chan.peer_id
+            head = chan.read_head([kind.payload], step=step, deadline=deadline,
+                                  what=f"waiting for {kind.payload.__name__}")
+            if not isinstance(head, _core.FrameHead):
+                raise UnexpectedMessage(kind.payload.__name__, message_name(head),
+                                        worker_id=wid, step=step)
             if head.step != step:
-                raise GradientMismatch("step", step, head.step, worker_id=chan.peer_id, step=step)
-            if head.worker_id != chan.peer_id:
-                raise GradientMismatch("worker_id", chan.peer_id, head.worker_id,
-                                       worker_id=chan.peer_id, step=step)
+                raise GradientMismatch("step", step, head.step, worker_id=wid, step=step)
+            if head.worker_id != wid:
+                raise GradientMismatch("worker_id", wid, head.worker_id, worker_id=wid, step=step)
+            if kind.key is not None and getattr(head, kind.key) != key:
+                raise GradientMismatch(kind.key, key, getattr(head, kind.key), worker_id=wid,
+                                       step=step)
+            if kind is _BLOCK:
+                total = int(head.component_sizes.sum(dtype=np.uint64))
+                if total != head.gradient_count:
+                    raise GradientMismatch("sum of component_sizes", head.gradient_count, total,
+                                           worker_id=wid, step=step)
+                if heads and not np.array_equal(head.component_sizes, heads[0].component_sizes):
+                    raise GradientMismatch("component_sizes", list(heads[0].component_sizes),
+                                           list(head.component_sizes), worker_id=wid, step=step)
             heads.append(head)
-        return heads
-
-    def _check_lengths(self, heads: list, step: int, expected: Optional[int], what: str) -> None:
-        want = heads[0].gradient_count if expected is None else expected
+        what = "gradients length" if kind.key is None else f"{kind.key.replace('_idx', '')} {key} gradients length"
+        want = self._lengths.get((kind, key), heads[0].gradient_count)
         for wid, head in enumerate(heads):
             if head.gradient_count != want:
                 raise GradientMismatch(what, want, head.gradient_count, worker_id=wid, step=step)
+        return heads
 
     @staticmethod
     def _out_for(heads: list, out: Optional[np.ndarray]) -> np.ndarray:
@@ -352,15 +489,6 @@ class Coordinator:
             raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
         return out
 
-    def _reduce(self, heads: list, out: Optional[np.ndarray], step: int) -> Tuple[np.ndarray, list]:
-        out = self._out_for(heads, out)
-        conns = [chan.conn for chan in self._channels]
-        tails, bad = _core.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
-                                        ring_bytes=self.ring_bytes,
-                                        socket_threads=self._use_socket_threads(heads), step=step)
-        self._raise_bad(bad, step)
-        return out, [_core.decode_tail(heads[0].tag, t) for t in tails]
-
     @staticmethod
     def _raise_bad(bad: Optional[list], step: int) -> None:
         if bad is None:
@@ -369,112 +497,6 @@ class Coordinator:
             if index >= 0:
                 log.error("worker %d sent a non-finite gradient at step %d: halting", wid, step)
                 raise NonFiniteGradient(wid, index, value, worker_id=wid, step=step)
-
-    # ---- collect, average and broadcast in one pass ----
-
-    def allreduce(self, step: int, out: Optional[np.ndarray] = None) -> ReduceResult:
-        """:meth:`collect_and_reduce` and :meth:`broadcast_averaged` in one
-        pipelined pass, with the same result, bit for bit.
-
-        Once every worker's GradientPayload head has been checked, the
-        AveragedGradient goes out to all workers while their gradients are
-        still arriving: each element range is sent as soon as every worker's
-        elements for it are in and averaged (into ``out``), and global_loss
-        last, once every worker's loss and counts are in. Workers may send
-        their whole frame before reading (send_gradients then
-        receive_averaged) or do both at once (:meth:`Worker.allreduce`).
-
-        Averaged bytes already sent cannot be recalled, so a failure after
-        the first byte went out ends the session: on a NaN or +/-inf nothing
-        more is sent, the incoming frames are drained, every worker
-        connection is closed (the workers see CoordinatorLost and never hold
-        a complete AveragedGradient, so none applies a partial average) and
-        NonFiniteGradient is raised naming the worker and step. A lost worker
-        (WorkerLost) closes every connection the same way. Errors found in the
-        heads (GradientMismatch, UnexpectedMessage) come before anything is
-        sent and leave the connections open, as collect_and_reduce does.
-
-        ``reduce_time`` covers the whole pass after the heads (transfer in,
-        average, transfer out); ``wait_time`` the wait for the heads.
-        """
-        t0 = time.perf_counter()
-        heads = self._collect_heads(GradientPayload, step)
-        t1 = time.perf_counter()
-        self._check_lengths(heads, step, self._flat_len, "gradients length")
-        out = self._out_for(heads, out)
-        done: List[ReduceResult] = []
-
-        def make_tail(tails: List[bytes]) -> bytes:
-            # every worker's loss and counts are in: the result is complete
-            # but for its time, and global_loss ends the reply
-            decoded = [_core.decode_tail(GradientPayload.TAG, t) for t in tails]
-            result = self._flat_result(step, out, decoded, reduce_time=0.0, wait_time=t1 - t0)
-            done.append(result)
-            return encode_frame_parts(AveragedGradient(step=step, gradients=out,
-                                                       global_loss=result.global_loss),
-                                      max_frame=self.max_frame)[2]
-
-        head = encode_frame_parts(AveragedGradient(step=step, gradients=out, global_loss=0.0),
-                                  max_frame=self.max_frame)[0]
-        self._stream(heads, out, head, make_tail, step, "AveragedGradient")
-        if self._flat_len is None:
-            self._flat_len = len(out)
-        result = done[0]
-        result.reduce_time = time.perf_counter() - t1
-        return result
-
-    def allreduce_block(self, step: int, block_idx: int,
-                        out: Optional[np.ndarray] = None) -> BlockReduceResult:
-        """:meth:`collect_and_reduce_block` and :meth:`broadcast_averaged_block`
-        in one pipelined pass; failures end the session as in :meth:`allreduce`."""
-        t0 = time.perf_counter()
-        heads = self._collect_block_heads(step, block_idx)
-        t1 = time.perf_counter()
-        out = self._out_for(heads, out)
-        sizes = list(heads[0].component_sizes)
-        head = encode_frame_parts(AveragedBlockGradient(step=step, block_idx=block_idx,
-                                                        component_sizes=sizes, gradients=out),
-                                  max_frame=self.max_frame)[0]
-        self._stream(heads, out, head, lambda tails: b"", step, "AveragedBlockGradient")
-        self._block_len.setdefault(block_idx, len(out))
-        return BlockReduceResult(step=step, block_idx=block_idx, avg_gradients=out,
-                                 component_sizes=sizes, reduce_time=time.perf_counter() - t1,
-                                 wait_time=t1 - t0)
-
-    def allreduce_non_block(self, step: int, component: int,
-                            out: Optional[np.ndarray] = None) -> NonBlockReduceResult:
-        """:meth:`collect_and_reduce_non_block` and
-        :meth:`broadcast_averaged_non_block` in one pipelined pass; failures
-        end the session as in :meth:`allreduce`."""
-        t0 = time.perf_counter()
-        heads = self._collect_non_block_heads(step, component)
-        t1 = time.perf_counter()
-        out = self._out_for(heads, out)
-        head = encode_frame_parts(AveragedNonBlockGradient(step=step, component=component,
-                                                           gradients=out),
-                                  max_frame=self.max_frame)[0]
-        self._stream(heads, out, head, lambda tails: b"", step, "AveragedNonBlockGradient")
-        self._non_block_len.setdefault(component, len(out))
-        return NonBlockReduceResult(step=step, component=component, avg_gradients=out,
-                                    reduce_time=time.perf_counter() - t1, wait_time=t1 - t0)
-
-    def _stream(self, heads: list, out: np.ndarray, head: bytes, make_tail, step: int,
-                reply: str) -> None:
-        """Average the elements left in the sockets into ``out`` while sending
-        ``head`` + ``out`` + make_tail(tails) to every worker."""
-        conns = [chan.conn for chan in self._channels]
-        with self._sending_to_all():
-            try:
-                _, bad = _core.allreduce_stream(conns, out, heads[0].tail_len, head, make_tail,
-                                               self.timeout, ring_bytes=self.ring_bytes,
-                                               socket_threads=self._use_socket_threads(heads), step=step,
-                                               what=f"averaging {heads[0].message_type} into {reply}")
-                self._raise_bad(bad, step)
-            except BaseException:
-                # Some workers hold part of a reply that will never be finished:
-                # closing is the only way to tell them at once.
-                self._abandon()
-                raise
 
     def _use_socket_threads(self, heads: list) -> bool:
         """Whether the vectors these heads announce stream on threads."""
@@ -493,7 +515,7 @@ class Coordinator:
         parts = encode_frame_parts(msg, max_frame=self.max_frame)
         with self._sending_to_all():
             _core.send_many([c.conn for c in self._channels], parts, self.timeout, step=step,
-                           what=f"sending {type(msg).__name__}")
+                            what=f"sending {type(msg).__name__}")
 
     @contextlib.contextmanager
     def _sending_to_all(self) -> Iterator[None]:

@@ -19,6 +19,8 @@ __all__ = [
     "WorkerLost",
     "CoordinatorLost",
     "JoinTimeout",
+    "JoinRefusedError",
+    "AuthenticationFailed",
     "ShutdownDuringReduce",
     "DeviceUnavailable",
 ]
@@ -102,10 +104,13 @@ class GradientMismatch(ProtocolError):
 
 
 class NonFiniteGradient(DdpwireError, ValueError):
-    """A NaN or +/-inf in a gradient. Training halts: nothing is broadcast.
+    """A NaN or +/-inf in a gradient (or, on a worker, in the average it
+    received). Training halts: no worker applies an average holding it
+    (docs/sessions.md, "Halting").
 
     ``input`` is the position of the offending buffer among the inputs (for the
     coordinator, the worker_id) and ``index`` the element index inside it.
+    ``source`` is "gradient", or "average" for an average a worker received.
     """
 
     def __init__(
@@ -116,11 +121,13 @@ class NonFiniteGradient(DdpwireError, ValueError):
         *,
         worker_id: Optional[int] = None,
         step: Optional[int] = None,
+        source: str = "gradient",
     ) -> None:
         self.input = input
         self.index = index
         self.value = value
-        where = f"input {input}" if worker_id is None else "gradient"
+        self.source = source
+        where = f"input {input}" if worker_id is None else source
         super().__init__(
             f"non-finite gradient: {value!r} at element {index} of {where}",
             worker_id=worker_id,
@@ -143,6 +150,24 @@ class CoordinatorLost(PeerLost):
 class JoinTimeout(DdpwireError, TimeoutError):
     """Not every expected worker joined (or the coordinator never answered)
     before the join deadline."""
+
+
+class JoinRefusedError(DdpwireError, ConnectionRefusedError):
+    """The coordinator refused this worker: every slot is taken, training has
+    started, the token is missing or wrong, or an offered value (such as the
+    samples per step) disagrees. ``reason`` is the JoinRefused reason code
+    (:class:`ddpwire.extensions.RefusalReason`), ``detail`` the coordinator's
+    words."""
+
+    def __init__(self, reason: int, detail: str, **context: Optional[int]) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"the coordinator refused to admit this worker: {detail}", **context)
+
+
+class AuthenticationFailed(JoinRefusedError):
+    """Token authentication failed: this side has no token or the wrong one,
+    or the peer could not prove that it knows the token."""
 
 
 class ShutdownDuringReduce(DdpwireError):

@@ -12,7 +12,8 @@ import numpy as np
 
 from ._core import _codes
 
-__all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType"]
+__all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType", "decode_u64",
+           "encode_u64"]
 
 _FAMILIES, _DTYPE_SIZES = _codes()
 
@@ -53,3 +54,17 @@ class _DTypeCodes(IntEnum):
 # properties from the class above.
 DType = _DTypeCodes(  # type: ignore[call-overload]
     "DType", [(label.upper(), value) for label, value in _FAMILIES["DType"]], module=__name__)
+
+
+def encode_u64(value: int) -> bytes:
+    """An entry value that is one u64 (the samples entry), little-endian like
+    every field after the frame's length prefix."""
+    return int(value).to_bytes(8, "little")
+
+
+def decode_u64(value: bytes) -> int:
+    """The u64 in an entry value; a value of another size is a ProtocolError."""
+    from .errors import ProtocolError
+    if len(value) != 8:
+        raise ProtocolError(f"extension entry: a u64 value has 8 bytes, got {len(value)}")
+    return int.from_bytes(value, "little")

@@ -34,12 +34,13 @@ class ReduceResult:
 @dataclass
 class BlockReduceResult:
     """The average of one transformer block's gradient (v2 per-block mode);
-    times as in :class:`ReduceResult`."""
+    times as in :class:`ReduceResult`. ``component_sizes`` (worker 0's) is a
+    uint32 array."""
 
     step: int
     block_idx: int
     avg_gradients: np.ndarray
-    component_sizes: List[int]
+    component_sizes: np.ndarray
     reduce_time: float
     wait_time: float = 0.0
 

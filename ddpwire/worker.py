@@ -14,23 +14,30 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Deque, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _core
+from . import _core, auth
 from . import socket_threads as _socket_threads
-from ._core import encode_frame_parts
-from .channel import DEFAULT_MAX_FRAME, Channel, message_name
+from ._core import encode_frame_parts, first_non_finite
+from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name
 from .errors import (
+    AuthenticationFailed,
     CoordinatorLost,
     DdpwireError,
     GradientMismatch,
+    JoinRefusedError,
     JoinTimeout,
+    NonFiniteGradient,
+    ProtocolError,
     ShutdownDuringReduce,
     UnexpectedMessage,
 )
+from .extensions import Extension, RefusalReason, decode_u64, encode_u64
 from .messages import (
+    AuthChallenge,
+    AuthProof,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
@@ -38,6 +45,7 @@ from .messages import (
     GradientPayload,
     Heartbeat,
     JoinAccepted,
+    JoinRefused,
     JoinRequest,
     NonBlockGradientPayload,
     ShardAssignment,
@@ -76,12 +84,58 @@ def _dial(addr: Tuple[str, int], deadline: float) -> socket.socket:
         delay = min(delay * 2, 1.0)
 
 
+def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes) -> JoinAccepted:
+    """The coordinator's answer to our JoinRequest, through the token
+    handshake when we have a token (docs/extensions.md, "Authentication")."""
+    reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused])
+    if isinstance(reply, AuthChallenge):
+        if token is None:
+            raise AuthenticationFailed(RefusalReason.AUTH_REQUIRED,
+                                       "the coordinator requires a token and this worker has none")
+        expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
+        if not auth.proof_matches(expected, bytes(reply.proof)):
+            # a peer that does not know the token learns nothing from us
+            raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
+                                       "the coordinator could not prove it knows the token")
+        chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
+        reply = chan.expect([JoinAccepted, JoinRefused])
+    elif token is not None and isinstance(reply, JoinAccepted):
+        raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
+                                   "the coordinator admitted this worker without proving the token "
+                                   "(it has no token, or it is not a ddpwire coordinator)")
+    if isinstance(reply, JoinRefused):
+        cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
+                                                       RefusalReason.AUTH_FAILED) else JoinRefusedError
+        raise cls(reply.reason, reply.detail)
+    return reply
+
+
+def _check_accepted(accepted: JoinAccepted) -> None:
+    if accepted.total_workers == 0:
+        raise ProtocolError("JoinAccepted.total_workers is 0")
+    if accepted.worker_id >= accepted.total_workers:
+        raise ProtocolError(f"JoinAccepted.worker_id {accepted.worker_id} is not below "
+                            f"total_workers {accepted.total_workers}")
+
+
+def _check_samples(granted: Mapping[int, bytes], ours: Optional[int]) -> None:
+    value = granted.get(Extension.SAMPLES)
+    if value is None or not ours:
+        return
+    theirs = decode_u64(value)
+    if theirs and theirs != ours:
+        raise JoinRefusedError(RefusalReason.MISMATCH,
+                               f"samples per step differ: coordinator {theirs}, worker {ours}")
+
+
 class Worker:
     """A connected, joined worker. Create it with :meth:`connect`."""
 
     def __init__(self, channel: Channel, worker_id: int, total_workers: int, node_id: str,
-                 heartbeat: Optional[float], socket_threads: Optional[bool] = None) -> None:
+                 heartbeat: Optional[float], socket_threads: Optional[bool] = None,
+                 extensions: Optional[Mapping[int, bytes]] = None) -> None:
         self._chan = channel
+        self.extensions: Dict[int, bytes] = dict(extensions or {})
         self.socket_threads = socket_threads
         self._worker_id = worker_id
         self._total_workers = total_workers
@@ -111,30 +165,60 @@ class Worker:
         heartbeat_timeout: Optional[float] = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         socket_threads: Optional[bool] = None,
+        token: Union[str, bytes, None] = None,
+        extensions: Optional[Mapping[int, bytes]] = None,
+        samples_per_step: Optional[int] = None,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
 
         Connecting is retried until ``connect_timeout`` (default ``timeout``)
         so workers may start before the coordinator. ``timeout`` then bounds
-        every wait on the coordinator: silence that long raises
+        every wait on the coordinator: no awaited message within it raises
         :class:`~ddpwire.CoordinatorLost`. ``heartbeat`` (seconds) turns on
         Heartbeat frames both ways (a ddpwire coordinator only; the reference
         coordinator rejects them). ``socket_threads`` makes :meth:`allreduce`
         send from a thread of its own while it receives, so the two kernel
         copies run on two cores; None (the default) does so for gradients of
         a megabyte or more when the machine has two cores or more.
+
+        ``token`` authenticates both ways (docs/security.md): this worker
+        proves it knows the token and refuses a coordinator that cannot prove
+        it too (:class:`~ddpwire.AuthenticationFailed`). ``extensions``
+        (type -> value) are offered to the coordinator; what it granted is
+        :attr:`extensions` afterwards. ``samples_per_step``, the value this
+        worker was given, lets a ddpwire coordinator refuse a mismatch.
+        Anything offered travels in the JoinRequest's extension block, which
+        the reference coordinator ignores. A refusal raises
+        :class:`~ddpwire.JoinRefusedError` saying why.
         """
+        timeout = check_timeout("timeout", timeout)
+        connect_limit = timeout if connect_timeout is None else check_timeout(
+            "connect_timeout", connect_timeout)
+        if heartbeat is not None:
+            heartbeat = check_timeout("heartbeat", heartbeat)
+        if heartbeat_timeout is not None:
+            heartbeat_timeout = check_timeout("heartbeat_timeout", heartbeat_timeout)
+        secret = auth.normalize_token(token)
         if node_id is None:
             node_id = f"{socket.gethostname()}-{os.getpid()}"
-        deadline = time.monotonic() + (timeout if connect_timeout is None else connect_timeout)
-        sock = _dial(addr, deadline)
+        offer: Dict[int, bytes] = dict(extensions or {})
+        if samples_per_step:
+            offer[Extension.SAMPLES] = encode_u64(samples_per_step)
+        nonce = auth.new_nonce() if secret is not None else b""
+        if secret is not None:
+            offer[Extension.AUTH] = nonce
+        sock = _dial(addr, time.monotonic() + connect_limit)
         hb_timeout = heartbeat_timeout if heartbeat_timeout is not None else (
             3.0 * heartbeat if heartbeat else None)
         chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
                        lost=CoordinatorLost, max_frame=max_frame)
         try:
-            chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend))
-            accepted = chan.expect([JoinAccepted])
+            chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
+                                  extensions=offer or None))
+            accepted = _await_admission(chan, secret, nonce)
+            _check_accepted(accepted)
+            granted = dict(accepted.extensions or {})
+            _check_samples(granted, samples_per_step)
         except BaseException:
             chan.close()
             raise
@@ -142,7 +226,13 @@ class Worker:
         log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
                  accepted.worker_id, accepted.total_workers)
         return cls(chan, accepted.worker_id, accepted.total_workers, node_id, heartbeat,
-                   socket_threads)
+                   socket_threads, granted)
+
+    @property
+    def channel(self) -> Channel:
+        """The connection to the coordinator, for extensions that exchange
+        their own messages over it (docs/extensions.md)."""
+        return self._chan
 
     @property
     def worker_id(self) -> int:
@@ -170,6 +260,10 @@ class Worker:
         if isinstance(msg, Shutdown):
             log.info("worker %d: shutdown from the coordinator", self._worker_id)
             return None
+        if msg.shard_start > msg.shard_end:
+            raise ProtocolError(f"ShardAssignment.shard_start {msg.shard_start} is past "
+                                f"shard_end {msg.shard_end}", worker_id=self._worker_id,
+                                step=msg.step)
         return msg
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
@@ -235,9 +329,12 @@ class Worker:
         payload goes out; returns global_loss."""
         chan = self._chan
         ctx = dict(worker_id=self._worker_id, step=step)
+        deadline = time.monotonic() + chan.timeout
         while True:
-            head = _core.exchange_frame_head(exchange, chan.max_frame, peer_id=self._worker_id,
-                                            step=step, what="receiving AveragedGradient")
+            head = _core.exchange_frame_head(exchange, chan.max_frame, deadline=deadline,
+                                             expect=(AveragedGradient, Shutdown, Heartbeat),
+                                             peer_id=self._worker_id, step=step,
+                                             what="receiving AveragedGradient")
             if not isinstance(head, Heartbeat):
                 break
         if isinstance(head, Shutdown):
@@ -250,7 +347,16 @@ class Worker:
             raise GradientMismatch("step", step, head.step, **ctx)
         tail = bytearray(head.tail_len)
         exchange.recv_into(out, tail, what="receiving AveragedGradient.gradients")
+        self._check_finite(out, step)
         return _core.decode_tail(head.tag, bytes(tail))[3]
+
+    def _check_finite(self, average: np.ndarray, step: Optional[int]) -> None:
+        """A coordinator must never send a non-finite average; applying one
+        would ruin the model, so it is an error here too."""
+        index = first_non_finite(average)
+        if index is not None:
+            raise NonFiniteGradient(self._worker_id, index, float(average[index]),
+                                    worker_id=self._worker_id, step=step, source="average")
 
     # ---- per-block steps (v2) ----
 
@@ -285,7 +391,8 @@ class Worker:
         # before its bytes go out, so any reply finds it).
         step = self._owed[0][1] if self._owed else None
         try:
-            head = self._chan.read_head(step=step, what=f"waiting for {expected.__name__}")
+            head = self._chan.read_head([expected, Shutdown], step=step,
+                                        what=f"waiting for {expected.__name__}")
         except DdpwireError as exc:
             if self._owed:
                 exc.add_context(step=self._owed[0][1])
@@ -303,6 +410,7 @@ class Worker:
             self._owed.popleft()
             self._check_owed(owed, expected, head)
         gradients, tail = self._chan.recv_gradients(head, out, step=head.step)
+        self._check_finite(gradients, head.step)
         if expected is AveragedGradient:
             return AveragedGradient(step=head.step, gradients=gradients, global_loss=tail[3])
         if expected is AveragedBlockGradient:

@@ -76,12 +76,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def join_up_to(coord, k: int) -> None:
     """Let the coordinator accept workers until k have joined, so that
     worker ids follow the order in which a test starts them."""
-    saved = coord.expect_workers
-    coord.expect_workers = k
-    try:
-        coord.wait_for_workers()
-    finally:
-        coord.expect_workers = saved
+    coord.wait_for_workers(count=k)
 
 
 def start_workers(coord, n: int, body: Callable[[Any], Any], timeout: float = 30,

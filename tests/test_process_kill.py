@@ -19,13 +19,13 @@ from session_helpers import join_up_to, spawn
 def test_coordinator_process_killed_mid_step():
     script = textwrap.dedent("""
         import sys, time
-        from ddpwire import Coordinator
+        from ddpwire import Coordinator, GradientPayload
         coord = Coordinator(("127.0.0.1", 0), expect_workers=1)
         print(coord.local_addr[1], flush=True)
         coord.wait_for_workers()
         coord.set_total_samples(8)
         coord.send_shard_assignments(0)
-        head = coord._channels[0].read_head(step=0)   # the gradients started arriving
+        head = coord.channel(0).read_head([GradientPayload], step=0)   # the gradients started arriving
         print("collecting", flush=True)
         time.sleep(600)
     """)

@@ -163,7 +163,7 @@ def test_fused_block_and_non_block():
         got = [t.join_result() for t in threads]
     want_b = exact_mean([b[: sum(sizes)] for b in blocks])
     want_c = exact_mean(non_blocks)
-    assert np.array_equal(bits(rb.avg_gradients), bits(want_b)) and rb.component_sizes == sizes
+    assert np.array_equal(bits(rb.avg_gradients), bits(want_b)) and list(rb.component_sizes) == sizes
     assert np.array_equal(bits(rc.avg_gradients), bits(want_c)) and rc.component == 1
     for b, c in got:
         assert (b.step, b.block_idx, list(b.component_sizes)) == (5, 2, sizes)

@@ -17,12 +17,14 @@ cdef extern from "net.h" nogil:
         DDPW_NET_NONFINITE
 
     int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                           int timeout_ms, int *err)
+                           int timeout_ms, int64_t deadline_ms, int *err)
+    int64_t ddpw_net_now_ms()
+    int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err)
     int ddpw_net_send_iov(int fd, const iovec *iov, int iovcnt, size_t *done,
                          int timeout_ms, int *err)
     int ddpw_net_exchange(int fd, const iovec *out_iov, int out_cnt, size_t *sent,
                          const iovec *in_iov, int in_cnt, size_t *received,
-                         int timeout_ms, int *err)
+                         int timeout_ms, int64_t deadline_ms, int *err)
     int ddpw_net_send_many(const int *fds, size_t n, const iovec *iov, int iovcnt,
                           size_t *done, int timeout_ms, size_t *failed, int *err)
 
