@@ -43,6 +43,15 @@ log = logging.getLogger(__name__)
 #: CollectiveError.worker_id when no rank is at fault
 NO_RANK = 0xFFFFFFFF
 
+# A rank may compute for as long as it likes between collectives: waits for
+# the next message rest on the service's own deadline (first rank + timeout)
+# and on heartbeat silence, not on a per-read limit.
+_IDLE = 10.0 * 365 * 24 * 3600
+
+
+def _idle_deadline() -> float:
+    return time.monotonic() + _IDLE
+
 
 # The codes live in the codec (ddpwire.extensions); these are their short names here.
 Kind = CollectiveKind
@@ -251,7 +260,7 @@ class CollectiveService:
     def _read(self, rank: int, chan: Any) -> None:
         while True:
             try:
-                msg = chan.expect([CollectiveRequest])
+                msg = chan.expect([CollectiveRequest], deadline=_idle_deadline())
             except BaseException as exc:  # noqa: BLE001 - any end of the stream is this rank's end
                 with self._cond:
                     self._lost[rank] = exc
@@ -446,7 +455,7 @@ class CollectiveClient:
     def _receive_loop(self) -> None:
         while True:
             try:
-                msg = self._chan.expect([CollectiveResult, CollectiveError])
+                msg = self._chan.expect([CollectiveResult, CollectiveError], deadline=_idle_deadline())
             except BaseException as exc:  # noqa: BLE001
                 self._end(exc)
                 return

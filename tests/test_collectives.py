@@ -37,7 +37,7 @@ class MemChannel:
         # through the real codec: what the wire would carry, and no aliasing
         self.outbox.put(decode_frame(encode_frame(msg)))
 
-    def expect(self, types, step=None):
+    def expect(self, types, step=None, deadline=None):
         try:
             msg = self.inbox.get(timeout=self.timeout)
         except queue.Empty:

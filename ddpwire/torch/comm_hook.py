@@ -141,8 +141,7 @@ class CommHookState:
         self.worker.close()
 
     def worker_timeout(self) -> float:
-        chan = getattr(self.worker, "channel", None) or getattr(self.worker, "_chan", None)
-        return float(getattr(chan, "timeout", 30.0))
+        return float(self.worker.channel.timeout)
 
 
 def comm_hook(state: CommHookState, bucket: "dist.GradBucket") -> torch.futures.Future:
@@ -160,11 +159,6 @@ comm_hook.__annotations__.update(bucket=dist.GradBucket, state=CommHookState,
                                  **{"return": torch.futures.Future[torch.Tensor]})
 
 
-def _channel(coord: Coordinator, worker_id: int) -> Any:
-    # the negotiation API gives coord.channel(); before it, the list itself
-    return coord.channel(worker_id) if hasattr(coord, "channel") else coord._channels[worker_id]
-
-
 def serve_comm_hook(coord: Coordinator, *, steps: Optional[int] = None) -> int:
     """Average the buckets :func:`comm_hook` sends, on a coordinator whose
     workers have joined, until every worker leaves (or ``steps`` iterations);
@@ -176,13 +170,14 @@ def serve_comm_hook(coord: Coordinator, *, steps: Optional[int] = None) -> int:
     average is the reference's, bit for bit ((x0 + x1) + …) / n.
     """
     world = coord.worker_count
-    channels = [_channel(coord, w) for w in range(world)]
+    channels = [coord.channel(w) for w in range(world)]
     step, served = None, 0
     while True:
         heads = []
         for w, chan in enumerate(channels):
             try:
-                head = chan.read_head(step=step, what="waiting for BlockGradientPayload")
+                head = chan.read_head([BlockGradientPayload], step=step,
+                                      what="waiting for BlockGradientPayload")
             except PeerLost:
                 if w == 0 and not heads:
                     return served + (step is not None)  # workers leave at the end of training

@@ -22,10 +22,12 @@ from ..extensions import Extension
 from ..launch import PORT_ENV, parse_addr
 from ..worker import Worker
 
-__all__ = ["Rendezvous", "join_group", "HOST_ENV", "HEARTBEAT_LIMIT"]
+__all__ = ["Rendezvous", "join_group", "HOST_ENV", "TOKEN_ENV", "HEARTBEAT_LIMIT"]
 
 log = logging.getLogger(__name__)
 
+#: a shared secret every rank knows: joins are then authenticated (docs/security.md)
+TOKEN_ENV = "DDPWIRE_TOKEN"
 #: the address other ranks reach rank 0 at, when the store's host is not it
 HOST_ENV = "DDPWIRE_HOST"
 #: longest silence (no byte, heartbeats included) from a live peer, in seconds;
@@ -38,33 +40,6 @@ _COLLECTIVES = int(Extension.COLLECTIVES)
 # the entry's value is the u16 version; this package speaks version 1
 _COLLECTIVES_V1 = (1).to_bytes(2, "little")
 
-
-# ---- stand-in until the negotiation API lands on main (TEMPORARY) ----
-
-def _new_coordinator(bind: Any, world: int, offer: dict, **kw: Any) -> Coordinator:
-    try:
-        return Coordinator(bind, world, extensions=offer, **kw)
-    except TypeError:
-        return Coordinator(bind, world, **kw)
-
-
-def _coordinator_channel(coord: Coordinator, r: int) -> Any:
-    return coord.channel(r) if hasattr(coord, "channel") else coord._channels[r]
-
-
-def _connect(addr: Any, offer: dict, **kw: Any) -> Worker:
-    try:
-        return Worker.connect(addr, extensions=offer, **kw)
-    except TypeError:
-        return Worker.connect(addr, **kw)
-
-
-def _granted(worker: Worker) -> bool:
-    return _COLLECTIVES in getattr(worker, "extensions", {_COLLECTIVES: b""}) or {}
-
-
-def _worker_channel(worker: Worker) -> Any:
-    return getattr(worker, "channel", None) or worker._chan
 
 
 @dataclass
@@ -118,22 +93,23 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
     """Connect this rank (hosting the coordinator on rank 0); every wait is
     bounded by ``timeout``."""
     seconds, heartbeat, silence = timings(timeout)
+    token = os.environ.get(TOKEN_ENV) or None
     offer = {_COLLECTIVES: _COLLECTIVES_V1}
     coordinator = None
     hosted: dict = {}
     ready = threading.Event()
     if rank == 0:
         bind, advertised = _bind_and_advertise(store)
-        coordinator = _new_coordinator(bind, world, offer, timeout=seconds, join_timeout=seconds,
-                                       heartbeat=heartbeat, heartbeat_timeout=silence,
-                                       node_id="ddpwire-rank0")
+        coordinator = Coordinator(bind, world, timeout=seconds, join_timeout=seconds,
+                                  heartbeat=heartbeat, heartbeat_timeout=silence,
+                                  node_id="ddpwire-rank0", token=token, extensions=offer)
         port = coordinator.local_addr[1]
         host = f"[{advertised}]" if ":" in advertised else advertised
 
         def host_group() -> None:
             try:
                 coordinator.wait_for_workers()
-                channels = [_coordinator_channel(coordinator, r) for r in range(world)]
+                channels = [coordinator.channel(r) for r in range(world)]
                 hosted["service"] = CollectiveService(channels, timeout=seconds).start()
             except BaseException as exc:  # noqa: BLE001 - reported on rank 0's own thread below
                 hosted["error"] = exc
@@ -145,13 +121,13 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
     addr = parse_addr(store.get(_ADDR_KEY).decode())
     if rank > 0:
         store.wait([f"ddpwire/joined/{rank - 1}"], timeout)
-    worker = _connect(addr, offer, timeout=seconds, heartbeat=heartbeat, heartbeat_timeout=silence,
-                      node_id=f"rank{rank}-{os.getpid()}")
+    worker = Worker.connect(addr, timeout=seconds, heartbeat=heartbeat, heartbeat_timeout=silence,
+                            node_id=f"rank{rank}-{os.getpid()}", token=token, extensions=offer)
     if worker.worker_id != rank:
         worker.close()
         raise DdpwireError(f"joined as worker {worker.worker_id}, expected rank {rank}: "
                            "another process joined the coordinator", worker_id=rank)
-    if not _granted(worker):
+    if _COLLECTIVES not in worker.extensions:
         worker.close()
         raise DdpwireError(f"the coordinator at {addr[0]}:{addr[1]} did not grant the collectives "
                            "extension (a reference coordinator?)", worker_id=rank)
@@ -160,5 +136,5 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
         raise JoinTimeout(f"not every rank of {world} joined within {seconds:g} s")
     if "error" in hosted:
         raise hosted["error"]
-    client = CollectiveClient(_worker_channel(worker), rank, world)
+    client = CollectiveClient(worker.channel, rank, world)
     return Rendezvous(rank, world, worker, client, coordinator, hosted.get("service"))
