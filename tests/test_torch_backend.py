@@ -112,29 +112,56 @@ def test_killed_rank_fails_every_other_rank_within_the_timeout(tmp_path):
     assert time.monotonic() - t0 < LIMIT
 
 
+def test_ctrl_c_on_rank_0_ends_every_rank(tmp_path):
+    timeout = 60.0
+    procs = start_ranks(3, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                        extra={"DDP_TIMEOUT": str(timeout), "DDP_STEPS": "100000"})
+    try:
+        _wait_training(procs, 0)
+        os.kill(procs[0].pid, signal.SIGINT)  # rank 0 hosts the coordinator: the hard case
+        interrupted = time.monotonic()
+        codes, outputs = finish(procs, limit=timeout)
+        took = time.monotonic() - interrupted
+    finally:
+        _kill_all(procs)
+    assert "KeyboardInterrupt" in outputs[0], outputs[0]
+    for rank in (1, 2):
+        assert codes[rank] != 0
+        assert "CollectiveAborted" in outputs[rank] and "rank 0" in outputs[rank], outputs[rank]
+    assert took < timeout / 2, took
+
+
+def _wait_training(procs, rank):
+    deadline = time.monotonic() + LIMIT
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if any(p.poll() is not None for p in procs):
+            return
+        if _training(procs[rank].pid):
+            break
+    time.sleep(1.0)
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def test_stalled_rank_is_named_within_the_timeout(tmp_path):
     timeout = 4.0
     procs = start_ranks(2, tmp_path / "run", ["ddpwire"], torchrun_env=False,
                         extra={"DDP_TIMEOUT": str(timeout), "DDP_STEPS": "100000"})
     try:
-        # let both ranks get into training, then freeze rank 1
-        deadline = time.monotonic() + LIMIT
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            if any(p.poll() is not None for p in procs):
-                break
-            if _training(procs[1].pid):
-                break
-        time.sleep(1.0)
+        _wait_training(procs, 1)  # let both ranks get into training, then freeze rank 1
         os.kill(procs[1].pid, signal.SIGSTOP)
         stopped = time.monotonic()
         out0, _ = procs[0].communicate(timeout=LIMIT)
         took = time.monotonic() - stopped
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
+        _kill_all(procs)
     assert procs[0].returncode != 0
     assert "CollectiveAborted" in out0 and "rank 1" in out0, out0
     # the group timeout, plus the time to notice: far from gloo's 30 minutes
