@@ -28,6 +28,9 @@ __all__ = ["BACKEND", "DdpwireProcessGroup", "register"]
 
 BACKEND = "ddpwire"
 
+#: largest piece of an allreduce or broadcast in one CollectiveRequest
+PIECE_BYTES = 8 << 20
+
 _DTYPES = {
     torch.float32: DType.FLOAT32,
     torch.float64: DType.FLOAT64,
@@ -171,29 +174,54 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"ddpwire {what}: the process group is closed")
         data, ready, release = self._staging.outgoing(inputs) if inputs else (
             np.empty(0, dtype=np.uint8), None, _nothing)
-        future: torch.futures.Future = torch.futures.Future()
-        work_ref: List[DdpwireWork] = []
+        work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})")
+        # element-wise collectives travel in pieces: the service reduces one
+        # while the next arrives, and no frame nears the size limit
+        pieces = [(0, data.nbytes)]
+        if (kind in (Kind.ALLREDUCE, Kind.BROADCAST) and len(outputs) == 1
+                and outputs[0].is_contiguous() and data.nbytes > PIECE_BYTES):
+            pieces = [(a, min(a + PIECE_BYTES, data.nbytes)) for a in range(0, data.nbytes, PIECE_BYTES)]
+        state = {"left": len(pieces), "error": None}
+        lock = threading.Lock()
         staging = self._staging
 
-        def done(result: Optional[np.ndarray], error: Optional[BaseException]) -> None:
+        def piece_done(offset: int, result: Optional[np.ndarray], error: Optional[BaseException]) -> None:
             try:
                 if error is None:
-                    staging.incoming(outputs, result)
+                    if len(pieces) == 1:
+                        staging.incoming(outputs, result)
+                    else:
+                        staging.incoming_at(outputs[0], offset, result)
             except BaseException as exc:  # noqa: BLE001 - the caller sees it from wait()
                 error = exc
-            finally:
+            with lock:
+                if error is not None and state["error"] is None:
+                    state["error"] = error
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
                 release()
-            work_ref[0]._finish(value, error)
+                work._finish(value, state["error"])
 
-        work = DdpwireWork(future, self._limit, -1, f"{what} (rank {self._rank})")
-        work_ref.append(work)
+        submitted = 0
         try:
-            work.seq = self._group.client.submit(kind, op, dtype, root, data, done, before_send=ready)
-        except BaseException:
-            release()
-            raise
-        # ``inputs`` must outlive the send: the closure over ``data`` keeps
-        # the host view, and this keeps the tensors themselves.
+            for a, b in pieces:
+                seq = self._group.client.submit(
+                    kind, op, dtype, root, data[a:b],
+                    lambda result, error, a=a: piece_done(a, result, error),
+                    before_send=ready if a == 0 else None)
+                if work.seq < 0:
+                    work.seq = seq
+                submitted += 1
+        except BaseException as exc:
+            if submitted == 0:
+                release()
+                raise
+            # the pieces already queued will fail with the group; count the rest as failed
+            for a, _ in pieces[submitted:]:
+                piece_done(a, None, exc)
+        # ``inputs`` must outlive the send: the pieces hold views of the host
+        # bytes, and this holds the tensors themselves.
         work._keep = (inputs, outputs)
         return work
 

@@ -156,6 +156,27 @@ class Staging:
             raise ValueError(f"the result has {raw.size} bytes, the outputs hold {offset}")
 
 
+    def incoming_at(self, output: torch.Tensor, byte_offset: int, data: np.ndarray) -> None:
+        """Write ``data`` into the bytes of contiguous ``output`` starting at
+        ``byte_offset`` (one piece of a collective sent in pieces)."""
+        raw = data.view(np.uint8).reshape(-1)
+        size = output.element_size()
+        if byte_offset % size or raw.size % size or byte_offset + raw.size > output.numel() * size:
+            raise ValueError(f"{raw.size} result bytes at offset {byte_offset} do not fit "
+                             f"{output.numel()} elements of {output.dtype}")
+        if output.device.type == "cpu":
+            np.copyto(byte_view(output)[byte_offset:byte_offset + raw.size], raw)
+            return
+        copies, pool = self._for(output.device.type)
+        host = pool.take(raw.size)
+        np.copyto(host.numpy(), raw)
+        try:
+            start = byte_offset // size
+            copies.from_host(output.view(-1)[start:start + raw.size // size], host.view(output.dtype))
+        finally:
+            pool.give(host)
+
+
 def _nothing() -> None:
     return None
 
