@@ -21,10 +21,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _core
 from . import reduce as _reduce
 from .errors import DdpwireError, NonFiniteGradient, PeerLost, ProtocolError
 from .extensions import CollectiveKind, DType, ReduceOp
-from .messages import CollectiveError, CollectiveRequest, CollectiveResult
+from .messages import CollectiveError, CollectiveRequest, CollectiveResult, Heartbeat
 
 __all__ = [
     "Kind",
@@ -401,7 +402,7 @@ class CollectiveClient:
         self.world = world
         self._seq = 0
         self._lock = threading.Lock()
-        self._pending: Deque[Tuple[int, int, int, Done]] = collections.deque()
+        self._pending: Deque[Tuple[int, int, int, Done, Optional[np.ndarray]]] = collections.deque()
         self._outbox: Deque[Any] = collections.deque()
         self._wake = threading.Condition(self._lock)
         self.failure: Optional[BaseException] = None
@@ -414,11 +415,15 @@ class CollectiveClient:
         self._receiver.start()
 
     def submit(self, kind: Kind, op: Op, dtype: DType, root: int, data: Any, done: Done,
-               *, before_send: Optional[Callable[[], None]] = None) -> int:
+               *, before_send: Optional[Callable[[], None]] = None,
+               into: Optional[np.ndarray] = None) -> int:
         """Queue one collective; returns its sequence number. ``data`` (a
         buffer of ``dtype`` elements) must stay unchanged until ``done``
         runs; ``before_send`` runs on the sending thread first (a device
-        copy to wait for)."""
+        copy to wait for). A result of exactly ``into``'s size (writable
+        uint8) is received straight into it, and ``done`` gets a view of it;
+        ``into`` may be ``data`` itself, since no answer can come before the
+        service has every byte of the request."""
         view = memoryview(data).cast("B")
         itemsize = NUMPY_DTYPES[DType(dtype)].itemsize
         if view.nbytes % itemsize:
@@ -432,7 +437,7 @@ class CollectiveClient:
             self._seq += 1
             req = CollectiveRequest(seq=seq, kind=int(kind), op=int(op), dtype=int(dtype),
                                     root=root, count=view.nbytes // itemsize, data=data)
-            self._pending.append((seq, int(kind), int(dtype), done))
+            self._pending.append((seq, int(kind), int(dtype), done, into))
             self._outbox.append((req, before_send))
             self._wake.notify_all()
         return seq
@@ -454,9 +459,15 @@ class CollectiveClient:
                 return
 
     def _receive_loop(self) -> None:
+        streaming = hasattr(self._chan, "conn")  # a socket Channel, not the in-process link
         while True:
             try:
-                msg = self._chan.expect([CollectiveResult, CollectiveError], deadline=_idle_deadline())
+                if streaming:
+                    msg = self._read_streaming()
+                else:
+                    msg = self._chan.expect([CollectiveResult, CollectiveError], deadline=_idle_deadline())
+                    if isinstance(msg, CollectiveResult):
+                        msg = (msg.seq, msg.kind, msg.dtype, msg.data)
             except BaseException as exc:  # noqa: BLE001
                 self._end(exc)
                 return
@@ -464,17 +475,42 @@ class CollectiveClient:
                 rank = None if msg.worker_id == NO_RANK else msg.worker_id
                 self._end(CollectiveAborted(msg.detail, rank=rank, seq=msg.seq))
                 return
+            seq, kind, dtype, data = msg
             with self._lock:
                 entry = self._pending.popleft() if self._pending else None
-            if entry is None or (entry[0], entry[1], entry[2]) != (msg.seq, msg.kind, msg.dtype):
+            if entry is None or (entry[0], entry[1], entry[2]) != (seq, kind, dtype):
                 want = "nothing" if entry is None else f"collective {entry[0]}"
-                self._end(ProtocolError(f"result for collective {msg.seq} while {want} was due",
-                                        worker_id=self.rank, step=msg.seq))
+                self._end(ProtocolError(f"result for collective {seq} while {want} was due",
+                                        worker_id=self.rank, step=seq))
                 return
             try:
-                entry[3](_as_array(msg.data, DType(msg.dtype)), None)
+                entry[3](_as_array(data, DType(dtype)), None)
             except BaseException:  # noqa: BLE001 - a failing callback must not stop the others
-                log.exception("collective %d: completion failed", msg.seq)
+                log.exception("collective %d: completion failed", seq)
+
+    def _read_streaming(self) -> Any:
+        """The next result as (seq, kind, dtype, data), its data received
+        straight into the waiting collective's ``into`` when it fits, or a
+        CollectiveError."""
+        chan = self._chan
+        allowed = (CollectiveResult, CollectiveError, Heartbeat)
+        deadline = _idle_deadline()
+        while True:
+            head = _core.read_frame_head(chan.conn, chan.read_timeout, chan.max_frame,
+                                        deadline=deadline, expect=allowed, collective_heads=True,
+                                        what="waiting for CollectiveResult")
+            if not isinstance(head, Heartbeat):
+                break
+        if isinstance(head, CollectiveError):
+            return head
+        with self._lock:
+            into = self._pending[0][4] if self._pending else None
+        if into is None or into.nbytes != head.bulk_len:
+            into = np.empty(head.bulk_len, dtype=np.uint8)
+        if head.bulk_len:
+            chan.conn.recv_into(into, chan.read_timeout, step=head.seq,
+                                what="receiving CollectiveResult.data")
+        return head.seq, head.kind, head.dtype, into
 
     def _end(self, exc: BaseException) -> None:
         with self._lock:

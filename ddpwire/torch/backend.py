@@ -181,6 +181,8 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         if (kind in (Kind.ALLREDUCE, Kind.BROADCAST) and len(outputs) == 1
                 and outputs[0].is_contiguous() and data.nbytes > PIECE_BYTES):
             pieces = [(a, min(a + PIECE_BYTES, data.nbytes)) for a in range(0, data.nbytes, PIECE_BYTES)]
+        # results land in the output tensor itself where it is one contiguous CPU tensor
+        out_bytes = sum(t.numel() * t.element_size() for t in outputs)
         state = {"left": len(pieces), "error": None}
         lock = threading.Lock()
         staging = self._staging
@@ -209,7 +211,9 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                 seq = self._group.client.submit(
                     kind, op, dtype, root, data[a:b],
                     lambda result, error, a=a: piece_done(a, result, error),
-                    before_send=ready if a == 0 else None)
+                    before_send=ready if a == 0 else None,
+                    into=(staging.landing(outputs, a, b - a) if len(pieces) > 1
+                          else staging.landing(outputs, 0, out_bytes)))
                 if work.seq < 0:
                     work.seq = seq
                 submitted += 1

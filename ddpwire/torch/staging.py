@@ -141,7 +141,9 @@ class Staging:
             offset += n
             if t.device.type == "cpu":
                 if t.is_contiguous():
-                    np.copyto(byte_view(t), chunk)
+                    dst = byte_view(t)
+                    if dst.ctypes.data != chunk.ctypes.data:  # else it was received in place
+                        np.copyto(dst, chunk)
                 else:
                     t.copy_(_host_like(t, chunk))
                 continue
@@ -156,6 +158,17 @@ class Staging:
             raise ValueError(f"the result has {raw.size} bytes, the outputs hold {offset}")
 
 
+    def landing(self, outputs: Sequence[torch.Tensor], byte_offset: int, nbytes: int) -> Optional[np.ndarray]:
+        """Where a result of ``nbytes`` at ``byte_offset`` of ``outputs`` can
+        be received in place: the bytes of a single contiguous CPU output;
+        None otherwise (it is received elsewhere and copied)."""
+        if len(outputs) != 1 or outputs[0].device.type != "cpu" or not outputs[0].is_contiguous():
+            return None
+        view = byte_view(outputs[0])
+        if byte_offset + nbytes > view.size:
+            return None
+        return view[byte_offset:byte_offset + nbytes]
+
     def incoming_at(self, output: torch.Tensor, byte_offset: int, data: np.ndarray) -> None:
         """Write ``data`` into the bytes of contiguous ``output`` starting at
         ``byte_offset`` (one piece of a collective sent in pieces)."""
@@ -165,7 +178,9 @@ class Staging:
             raise ValueError(f"{raw.size} result bytes at offset {byte_offset} do not fit "
                              f"{output.numel()} elements of {output.dtype}")
         if output.device.type == "cpu":
-            np.copyto(byte_view(output)[byte_offset:byte_offset + raw.size], raw)
+            dst = byte_view(output)[byte_offset:byte_offset + raw.size]
+            if dst.ctypes.data != raw.ctypes.data:  # else it was received in place
+                np.copyto(dst, raw)
             return
         copies, pool = self._for(output.device.type)
         host = pool.take(raw.size)
