@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-ROUNDS = 8
+ROUNDS = int(os.environ.get("DDPWIRE_BENCH_ROUNDS", "8"))
 WARMUP = 2  # DDP rebuilds its buckets after the first step
 RANKS = [int(x) for x in os.environ.get("DDPWIRE_BENCH_RANKS", "2,3,4").split(",") if x.strip()]
 BACKENDS = ("gloo", "ddpwire")

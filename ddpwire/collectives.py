@@ -98,8 +98,11 @@ def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
 
 
 def _float32_sum(inputs: Sequence[np.ndarray]) -> np.ndarray:
-    out = np.array(inputs[0], dtype=np.float32, copy=True)
-    for src in inputs[1:]:
+    if len(inputs) == 1:
+        return np.array(inputs[0], dtype=np.float32, copy=True)
+    # x0 + x1 in one pass (IEEE addition: the same bits as the kernel's), then the kernel
+    out = np.add(inputs[0], inputs[1], dtype=np.float32)
+    for src in inputs[2:]:
         try:
             _reduce.accumulate(out, src)
         except NonFiniteGradient:
