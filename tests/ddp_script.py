@@ -9,7 +9,8 @@ WORLD_SIZE. Backend ``gloo+hook`` is gloo with ddpwire's comm hook, its
 coordinator at DDP_HOOK_ADDR. For each backend it trains a
 small model with BatchNorm over several buckets, runs the object and integer
 collectives, and saves what it got to OUT.<backend>.rank<r>.pt.
-DDP_KILL_AT=<rank>:<step> makes that rank exit abruptly at that step.
+DDP_KILL_AT=<rank>:<step> makes that rank exit abruptly at that step;
+DDP_DEVICE=cuda DDP_DEVICE_RANKS=0 trains rank 0 on that device, the rest on CPU.
 """
 import os
 import sys
@@ -51,12 +52,16 @@ def run(backend: str, out: str, run_index: int) -> None:
     init("gloo" if hook else backend, run_index)
     rank, world = dist.get_rank(), dist.get_world_size()
     kill = os.environ.get("DDP_KILL_AT")
+    # DDP_DEVICE=cuda:0 DDP_DEVICE_RANKS=0 puts rank 0 on a GPU, the others on CPU
+    on_device = str(rank) in os.environ.get("DDP_DEVICE_RANKS", "").split(",")
+    device = torch.device(os.environ.get("DDP_DEVICE", "cpu") if on_device else "cpu")
     net = model()
     # perturb rank != 0 so the initial broadcast matters
     if rank:
         with torch.no_grad():
             for p in net.parameters():
                 p.add_(0.5)
+    net.to(device)
     ddp = DDP(net, bucket_cap_mb=0.005)  # several buckets even for this small model
     if hook:  # each bucket averaged by a ddpwire coordinator, the group staying gloo
         from ddpwire import Worker
@@ -70,8 +75,8 @@ def run(backend: str, out: str, run_index: int) -> None:
     for step in range(STEPS):
         if kill and kill == f"{rank}:{step}":
             os._exit(17)
-        x = torch.randn(16, 20, generator=gen)
-        y = torch.randint(0, 5, (16,), generator=gen)
+        x = torch.randn(16, 20, generator=gen).to(device)
+        y = torch.randint(0, 5, (16,), generator=gen).to(device)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -84,7 +89,7 @@ def run(backend: str, out: str, run_index: int) -> None:
     dist.all_reduce(big, op=dist.ReduceOp.MAX)
     if hook:
         state.close()
-    torch.save({"state": net.state_dict(), "gathered": gathered, "objs": objs, "max": big},
+    torch.save({"state": {k: v.cpu() for k, v in net.state_dict().items()}, "gathered": gathered, "objs": objs, "max": big},
                f"{out}.{backend}.rank{rank}.pt")
     dist.destroy_process_group()
 
