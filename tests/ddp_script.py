@@ -47,6 +47,39 @@ def init(backend: str, run_index: int) -> None:
         dist.init_process_group(backend, timeout=timeout)
 
 
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.uint8, torch.bool]
+OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+       "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.AVG}
+
+
+def collectives(rank: int, world: int) -> dict:
+    """Every op on every dtype, plus the tensor forms of allgather and
+    reduce_scatter: the result, or the name of the error raised."""
+    got = {}
+    gen = torch.Generator().manual_seed(7 + rank)
+    for dtype in DTYPES:
+        base = torch.randint(0, 4, (6,), generator=gen)
+        for name, op in OPS.items():
+            t = base.to(dtype, copy=True) if dtype != torch.bool else base > 1
+            try:
+                dist.all_reduce(t, op=op)
+                got[(str(dtype), name)] = t
+            except Exception as exc:  # noqa: BLE001 - which ops a backend refuses is compared too
+                got[(str(dtype), name)] = type(exc).__name__
+        t = base.to(dtype, copy=True) if dtype != torch.bool else base > 1
+        dist.broadcast(t, src=world - 1)
+        got[(str(dtype), "broadcast")] = t
+        out = torch.empty(6 * world, dtype=t.dtype)
+        dist.all_gather_into_tensor(out, t)
+        got[(str(dtype), "all_gather_into_tensor")] = out
+    src = torch.arange(4 * world, dtype=torch.float32) * (rank + 1)
+    out = torch.empty(4)
+    dist.reduce_scatter_tensor(out, src)
+    got[("torch.float32", "reduce_scatter_tensor")] = out
+    return got
+
+
 def run(backend: str, out: str, run_index: int) -> None:
     hook = backend == "gloo+hook"
     init("gloo" if hook else backend, run_index)
@@ -89,7 +122,8 @@ def run(backend: str, out: str, run_index: int) -> None:
     dist.all_reduce(big, op=dist.ReduceOp.MAX)
     if hook:
         state.close()
-    torch.save({"state": {k: v.cpu() for k, v in net.state_dict().items()}, "gathered": gathered, "objs": objs, "max": big},
+    torch.save({"collectives": collectives(rank, world),
+                "state": {k: v.cpu() for k, v in net.state_dict().items()}, "gathered": gathered, "objs": objs, "max": big},
                f"{out}.{backend}.rank{rank}.pt")
     dist.destroy_process_group()
 

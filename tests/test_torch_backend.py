@@ -93,7 +93,28 @@ def test_unmodified_ddp_script_matches_gloo(tmp_path, world, torchrun_env):
                                                   "sq": [world - 1] * (world - 1)}
         assert wire[r]["objs"] == gloo[r]["objs"] == ["from 1", {"k": 1}]
         assert torch.equal(wire[r]["max"], gloo[r]["max"])
+        _same_collectives(wire[r]["collectives"], gloo[r]["collectives"])
         assert wire[r]["max"].tolist() == [3 * (world - 1) - 4, 2 ** 40 + world - 1, 0]
+
+
+def _same_collectives(wire, gloo):
+    """ddpwire answers every op on every dtype (but AVG on integers and
+    bool, which it refuses by name), and gives gloo's answer wherever gloo
+    gives one: exactly, or within one rounding of the half types."""
+    assert len(wire) == 8 * 7 + 1
+    for key, value in wire.items():
+        dtype, op = key
+        if op == "avg" and dtype in ("torch.int32", "torch.int64", "torch.uint8", "torch.bool"):
+            assert value == "NotImplementedError", key
+            continue
+        assert isinstance(value, torch.Tensor), (key, value)
+        theirs = gloo[key]
+        if not isinstance(theirs, torch.Tensor):
+            continue  # gloo refuses it (AVG, some dtypes): nothing to compare with
+        if dtype in ("torch.float16", "torch.bfloat16"):
+            torch.testing.assert_close(value.float(), theirs.float(), rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(value, theirs), key
 
 
 def test_killed_rank_fails_every_other_rank_within_the_timeout(tmp_path):

@@ -264,6 +264,15 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                            _dtype_of([input, output], "all_gather_into_tensor"), 0, [input], [output],
                            [output])
 
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> DdpwireWork:
+        """``all_gather_into_tensor`` (torch 2.13 calls it by this name)."""
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> DdpwireWork:
+        """``reduce_scatter_tensor`` (torch 2.13 calls it by this name)."""
+        return self._reduce_scatter_base(output, input, opts)
+
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> DdpwireWork:
         return self._allgather_base(_one(outputs, "allgather_into_tensor_coalesced"),
@@ -305,7 +314,8 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         return method
 
     for _name in ("send", "recv", "recv_anysource", "reduce", "gather", "scatter", "alltoall",
-                  "alltoall_base", "allreduce_coalesced", "allgather_coalesced",
+                  "alltoall_base", "all_to_all_single", "allreduce_coalesced",
+                  "all_gather_single_coalesced", "reduce_scatter_single_coalesced", "allgather_coalesced",
                   "reduce_scatter_tensor_coalesced", "monitored_barrier"):
         locals()[_name] = _unsupported(_name)
     del _name, _unsupported
