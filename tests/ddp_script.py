@@ -3,16 +3,18 @@
     python tests/ddp_script.py OUT BACKEND [BACKEND ...]
 
 Rank, world size and rendezvous come from the environment as torchrun sets
-them (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or from DDP_INIT
-(``tcp://host:port``, one comma-separated address per backend) with RANK and
-WORLD_SIZE. Backend ``gloo+hook`` is gloo with ddpwire's comm hook, its
+them (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or from DDP_INIT (one
+comma-separated init_method per backend: ``env://``, ``tcp://host:port``,
+``file://path``) with RANK and WORLD_SIZE. Backend ``gloo+hook`` is gloo with ddpwire's comm hook, its
 coordinator at DDP_HOOK_ADDR. For each backend it trains a
 small model with BatchNorm over several buckets, runs the object and integer
 collectives, and saves what it got to OUT.<backend>.rank<r>.pt.
 DDP_KILL_AT=<rank>:<step> makes that rank exit abruptly at that step;
 DDP_DEVICE=cuda DDP_DEVICE_RANKS=0 trains rank 0 on that device, the rest on CPU.
 """
+import faulthandler
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -24,6 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpwire.torch  # noqa: F401  (registers "ddpwire")
 
 STEPS = int(os.environ.get("DDP_STEPS", "6"))
+# a test that gives up on this rank asks it where every thread stands first
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def model() -> nn.Module:
@@ -38,7 +42,7 @@ def model() -> nn.Module:
 def init(backend: str, run_index: int) -> None:
     timeout = timedelta(seconds=float(os.environ.get("DDP_TIMEOUT", "60")))
     if "DDP_INIT" in os.environ:
-        # gloo cannot rendezvous twice on one port in one process: one port per run
+        # one rendezvous per run: gloo cannot meet twice on one store in one process
         method = os.environ["DDP_INIT"].split(",")[run_index]
         dist.init_process_group(backend, init_method=method,
                                 rank=int(os.environ["RANK"]),
@@ -101,7 +105,8 @@ def run(backend: str, out: str, run_index: int) -> None:
         from ddpwire.launch import parse_addr
         from ddpwire.torch.comm_hook import CommHookState, comm_hook
 
-        state = CommHookState(Worker.connect(parse_addr(os.environ["DDP_HOOK_ADDR"]), timeout=60))
+        state = CommHookState(Worker.connect(parse_addr(os.environ["DDP_HOOK_ADDR"]), timeout=30,
+                                             token=os.environ.get("DDPWIRE_TOKEN")))
         ddp.register_comm_hook(state, comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)

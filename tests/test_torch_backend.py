@@ -36,16 +36,21 @@ def free_ports(n):
 
 
 def start_ranks(world, out, backends, *, torchrun_env, extra=None):
-    ports = free_ports(len(backends))
-    port = ports[0]
+    """Start ``world`` ranks of the DDP script, running ``backends`` in turn.
+
+    The first run rendezvouses through torchrun's environment or tcp://;
+    later ones through a file store, because a port picked now may be taken
+    by the first run's gloo sockets by the time a later run binds it.
+    """
+    port = free_ports(1)[0]
+    first = "env://" if torchrun_env else f"tcp://127.0.0.1:{port}"
+    methods = [first] + [f"file://{out}.store{i}" for i in range(1, len(backends))]
     procs = []
     for rank in range(world):
         env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(world),
-                   OMP_NUM_THREADS="1", **(extra or {}))
+                   OMP_NUM_THREADS="1", DDP_INIT=",".join(methods), **(extra or {}))
         if torchrun_env:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-        else:
-            env["DDP_INIT"] = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), *backends], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
@@ -58,9 +63,15 @@ def finish(procs, limit=LIMIT):
         try:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            stacks = []
+            for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack
+            time.sleep(1.0)
             for q in procs:
                 q.kill()
-            pytest.fail(f"ranks still running after {limit} s")
+                stacks.append(q.communicate()[0])
+            pytest.fail(f"ranks still running after {limit} s:\n" + "\n".join(stacks))
         outputs.append(out)
     return [p.returncode for p in procs], outputs
 
@@ -73,7 +84,7 @@ def load(out, backend, rank):
                          ids=["2-ranks-torchrun-env", "3-ranks-tcp-init"])
 def test_unmodified_ddp_script_matches_gloo(tmp_path, world, torchrun_env):
     out = tmp_path / "run"
-    codes, outputs = finish(start_ranks(world, out, ["gloo", "ddpwire"], torchrun_env=torchrun_env))
+    codes, outputs = finish(start_ranks(world, out, ["ddpwire", "gloo"], torchrun_env=torchrun_env))
     assert codes == [0] * world, "\n".join(outputs)
     gloo = [load(out, "gloo", r) for r in range(world)]
     wire = [load(out, "ddpwire", r) for r in range(world)]

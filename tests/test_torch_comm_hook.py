@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 def test_comm_hook_on_gloo_matches_plain_gloo(tmp_path):
     world = 2
-    coord = Coordinator(("127.0.0.1", 0), world, timeout=60, join_timeout=120)
+    token = "comm-hook-test"  # no stray process may take a worker's slot
+    coord = Coordinator(("127.0.0.1", 0), world, timeout=30, join_timeout=60, token=token)
     served = {}
 
     def serve():
@@ -30,7 +31,8 @@ def test_comm_hook_on_gloo_matches_plain_gloo(tmp_path):
     out = tmp_path / "run"
     host, port = coord.local_addr
     codes, outputs = finish(start_ranks(world, out, ["gloo", "gloo+hook"], torchrun_env=False,
-                                        extra={"DDP_HOOK_ADDR": f"{host}:{port}"}))
+                                        extra={"DDP_HOOK_ADDR": f"{host}:{port}",
+                                               "DDPWIRE_TOKEN": token, "DDP_TIMEOUT": "30"}))
     thread.join(30)
     coord.close()
     assert codes == [0] * world, "\n".join(outputs)

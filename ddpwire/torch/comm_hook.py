@@ -169,8 +169,17 @@ def serve_comm_hook(coord: Coordinator, *, steps: Optional[int] = None) -> int:
     step, block_idx and sizes (else GradientMismatch naming the worker); the
     average is the reference's, bit for bit ((x0 + x1) + …) / n.
     """
-    world = coord.worker_count
-    channels = [coord.channel(w) for w in range(world)]
+    channels = [coord.channel(w) for w in range(coord.worker_count)]
+    try:
+        return _serve(channels, steps)
+    except BaseException:
+        # workers waiting for an average that will not come hear it at once
+        for chan in channels:
+            chan.close()
+        raise
+
+
+def _serve(channels: List[Any], steps: Optional[int]) -> int:
     step, served = None, 0
     while True:
         heads = []
