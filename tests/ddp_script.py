@@ -28,6 +28,7 @@ import ddpwire.torch  # noqa: F401  (registers "ddpwire")
 STEPS = int(os.environ.get("DDP_STEPS", "6"))
 # a test that gives up on this rank asks it where every thread stands first
 faulthandler.register(signal.SIGUSR1, all_threads=True)
+faulthandler.enable()  # a crash prints every thread's stack too
 
 
 def model() -> nn.Module:
@@ -113,6 +114,8 @@ def run(backend: str, out: str, run_index: int) -> None:
     for step in range(STEPS):
         if kill and kill == f"{rank}:{step}":
             os._exit(17)
+        if step == 2 and "DDP_MARK" in os.environ:  # tells a test that this rank is training
+            open(f"{os.environ['DDP_MARK']}.rank{rank}", "w").close()
         x = torch.randn(16, 20, generator=gen).to(device)
         y = torch.randint(0, 5, (16,), generator=gen).to(device)
         opt.zero_grad()

@@ -11,6 +11,7 @@ backward.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import threading
 import weakref
 from datetime import timedelta
@@ -78,24 +79,34 @@ def _one(tensors: Sequence[Any], what: str) -> Any:
 
 class DdpwireWork(dist._Work):
     """A collective in flight; ``wait`` raises the typed error that ended the
-    group (CollectiveAborted naming the rank) if it failed."""
+    group (CollectiveAborted naming the rank) if it failed.
 
-    def __init__(self, future: torch.futures.Future, limit: float, seq: int, what: str) -> None:
+    Its future is never failed: torch 2.13's DDP crashes the process
+    (SIGSEGV) when a bucket's future completes with an exception during
+    backward. A failed collective whose future was taken (DDP takes them)
+    completes it with the tensors unchanged and raises the error in the main
+    thread instead, which sees it as soon as backward returns, before the
+    optimizer can step.
+    """
+
+    def __init__(self, future: torch.futures.Future, limit: float, seq: int, what: str,
+                 on_error: Callable[[BaseException], None]) -> None:
         super().__init__()
         self._future = future
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._limit = limit
+        self._future_taken = False
+        self._on_error = on_error
         self.seq = seq
         self.what = what
 
     def _finish(self, value: Any, error: Optional[BaseException]) -> None:
         self._error = error
         self._done.set()
-        if error is None:
-            self._future.set_result(value)
-        else:
-            self._future.set_exception(error)
+        if error is not None and self._future_taken:
+            self._on_error(error)
+        self._future.set_result(value)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         limit = self._limit
@@ -118,7 +129,24 @@ class DdpwireWork(dist._Work):
         return self._error
 
     def get_future(self) -> torch.futures.Future:
+        self._future_taken = True
         return self._future
+
+
+def _raise_in_main_thread(error: BaseException) -> None:
+    """Make the main thread raise CollectiveAborted carrying ``error`` at its
+    next Python instruction (as Ctrl-C would)."""
+    main = threading.main_thread()
+    if main.ident is None or threading.get_ident() == main.ident:
+        return
+    rank, seq = getattr(error, "rank", None), getattr(error, "seq", None)
+
+    def init(self: CollectiveAborted) -> None:
+        CollectiveAborted.__init__(self, getattr(error, "detail", str(error)), rank=rank, seq=seq)
+
+    # an asynchronous exception is raised from its class: this one fills itself in
+    cls = type("CollectiveAborted", (CollectiveAborted,), {"__init__": init, "__module__": __name__})
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident), ctypes.py_object(cls))
 
 
 class DdpwireProcessGroup(dist.ProcessGroup):
@@ -142,6 +170,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         # needs to notice a silent rank and say so
         self._limit = seconds + silence + 5.0
         self._staging = Staging()
+        self._reported = False
         self._group: Rendezvous = join_group(store, rank, world_size, timeout)
         self._close_timeout = min(seconds, 10.0)
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -166,6 +195,12 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self.close()
 
+    def _report(self, error: BaseException) -> None:
+        # once per group: the main thread learns of the failure a single time
+        if not self._reported:
+            self._reported = True
+            _raise_in_main_thread(error)
+
     # ---- the one path every collective takes ----
 
     def _issue(self, what: str, kind: Kind, op: Op, dtype: DType, root: int,
@@ -174,7 +209,8 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"ddpwire {what}: the process group is closed")
         data, ready, release = self._staging.outgoing(inputs) if inputs else (
             np.empty(0, dtype=np.uint8), None, _nothing)
-        work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})")
+        work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
+                           self._report)
         # element-wise collectives travel in pieces: the service reduces one
         # while the next arrives, and no frame nears the size limit
         pieces = [(0, data.nbytes)]
@@ -221,7 +257,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             if submitted == 0:
                 release()
                 raise
-            # the pieces already queued will fail with the group; count the rest as failed
+            # the pieces already queued fail with the group; count the rest as failed
             for a, _ in pieces[submitted:]:
                 piece_done(a, None, exc)
         # ``inputs`` must outlive the send: the pieces hold views of the host
