@@ -3,7 +3,6 @@
 Needs the optional ``[torch]`` extra (torch and scikit-learn); the core
 ``ddpwire`` package never imports this one.
 """
-from .backend import BACKEND, DdpwireProcessGroup, DdpwireWork, register
 from .buffer import (
     BLOCK_COMPONENTS,
     NON_BLOCK_COMPONENTS,
@@ -25,7 +24,14 @@ from .trainer import (
     evaluate,
 )
 
-register()
+import torch.distributed as _dist
+
+# torch builds without distributed support (some mobile and minimal wheels)
+# still get the trainer; the backend needs torch.distributed
+if _dist.is_available():
+    from .backend import BACKEND, DdpwireProcessGroup, DdpwireWork, register
+
+    register()
 
 __all__ = [
     "BACKEND",
