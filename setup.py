@@ -4,8 +4,10 @@ C unit in csrc/ once (so process-wide C state really is process-wide).
 Wheels must stay portable, so nothing here targets the build machine's CPU
 (no -march=native); faster instruction sets are chosen at run time in C.
 """
+import hashlib
 import os
 import sys
+import tempfile
 
 import numpy
 from Cython.Build import cythonize
@@ -28,6 +30,19 @@ if sys.platform != "win32":
         san = [f"-fsanitize={kinds}", "-fno-omit-frame-pointer", "-g", "-O1"]
         extra_compile_args += san
         extra_link_args += san
+    elif not os.environ.get("DDPWIRE_DEBUG"):
+        # Release builds ship without debug info: it tripled the wheel's size.
+        # DDPWIRE_DEBUG=1 keeps it for a debugger.
+        extra_compile_args += ["-g0"]
+        extra_link_args += ["-Wl,-S,-x"] if sys.platform == "darwin" else ["-s"]
+
+# Intermediate objects go outside the source tree, so that `pip wheel .` or
+# `python -m build` leave no build/ behind; the path is stable per checkout so
+# `build_ext --inplace` stays incremental. `--build-base` still overrides it.
+_BUILD_BASE = os.path.join(
+    tempfile.gettempdir(),
+    "ddpwire-build-" + hashlib.sha256(os.path.abspath(os.path.dirname(__file__) or ".").encode()).hexdigest()[:12],
+)
 
 extensions = [
     Extension(
@@ -41,6 +56,7 @@ extensions = [
 ]
 
 setup(
+    options={"build": {"build_base": _BUILD_BASE}},
     ext_modules=cythonize(
         extensions,
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},

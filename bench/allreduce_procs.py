@@ -9,6 +9,11 @@ second figure free of the pipe round trip.
 
 torch is imported only inside the gloo processes: the ddpwire coordinator's
 peak RSS must not include it.
+
+The kind "ddpwire-baseline" runs the "ddpwire" path from another built
+checkout of ddpwire, named by $DDPWIRE_BASELINE (e.g. a worktree of an older
+commit with its extension built in place), so a change is measured against
+what it replaced in the same run.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import multiprocessing as mp
 import os
 import resource
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -81,13 +87,25 @@ def _serve(conn, setup: Callable[[], Any], step: Callable[[Any], None],
 
 # ---- ddpwire ----
 
+BASELINE_ENV = "DDPWIRE_BASELINE"
+
+
+def use_baseline(path: Optional[str]) -> None:
+    """Import ddpwire from ``path`` in this (spawned) process, not from here."""
+    if path:
+        sys.path.insert(0, path)
+
+
 def _ddpwire_coordinator(conn, n: int, size: int, steps: int, pipelined: bool = True,
-                         socket_threads: bool = False) -> None:
+                         socket_threads: bool = False, baseline: Optional[str] = None,
+                         host: str = "127.0.0.1") -> None:
     try:
+        use_baseline(baseline)
         from ddpwire import Coordinator
 
         count = size // 4
-        coord = Coordinator(("127.0.0.1", 0), expect_workers=n, timeout=REPLY_TIMEOUT,
+        # host: bench/cluster binds the coordinator's address in its own namespace
+        coord = Coordinator((host, 0), expect_workers=n, timeout=REPLY_TIMEOUT,
                             max_frame=size + 4096, socket_threads=socket_threads)
         conn.send(("addr", coord.local_addr))
         coord.wait_for_workers()
@@ -115,8 +133,10 @@ def _ddpwire_coordinator(conn, n: int, size: int, steps: int, pipelined: bool = 
 
 
 def _ddpwire_worker(conn, addr: Tuple[str, int], rank: int, n: int, size: int,
-                    pipelined: bool = True, socket_threads: bool = False) -> None:
+                    pipelined: bool = True, socket_threads: bool = False,
+                    baseline: Optional[str] = None) -> None:
     def setup():
+        use_baseline(baseline)
         from ddpwire import Worker
 
         count = size // 4
@@ -145,15 +165,17 @@ def _ddpwire_worker(conn, addr: Tuple[str, int], rank: int, n: int, size: int,
 
 # ---- gloo ----
 
-def _gloo_worker(conn, port: int, rank: int, n: int, size: int) -> None:
+def _gloo_worker(conn, port: int, rank: int, n: int, size: int,
+                 host: str = "127.0.0.1") -> None:
     def setup():
+        # bench/cluster sets its own interface; rank 0's store listens on host
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist
 
         # n processes share two cores: more intra-op threads would only contend
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}",
                                 rank=rank, world_size=n)
         tensor = torch.from_numpy(worker_gradients(rank, size // 4))
         dist.barrier()
@@ -174,9 +196,9 @@ def _gloo_worker(conn, port: int, rank: int, n: int, size: int) -> None:
 
 # ---- raw loopback TCP ----
 
-def _tcp_receiver(conn, size: int) -> None:
+def _tcp_receiver(conn, size: int, host: str = "127.0.0.1") -> None:
     def setup():
-        listener = socket.create_server(("127.0.0.1", 0))
+        listener = socket.create_server((host, 0))
         conn.send(("addr", listener.getsockname()))
         sock, _ = listener.accept()
         listener.close()
@@ -265,7 +287,7 @@ class ProcessGroup:
         return parent, proc
 
     def _start(self) -> None:
-        if self.kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic"):
+        if self.kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic", "ddpwire-baseline"):
             # "ddpwire-classic": the two-call path (collect_and_reduce then
             # broadcast_averaged; send_gradients then receive_averaged);
             # "ddpwire-threads": the pipelined path with socket threads (the
@@ -274,13 +296,19 @@ class ProcessGroup:
             # loop per process
             pipelined = self.kind != "ddpwire-classic"
             threads = self.kind == "ddpwire-threads"
+            baseline = None
+            if self.kind == "ddpwire-baseline":
+                baseline = os.environ.get(BASELINE_ENV)
+                if not baseline:
+                    raise ValueError(f"kind ddpwire-baseline needs ${BASELINE_ENV}")
             conn, proc = self._spawn(_ddpwire_coordinator,
-                                     (self.n, self.size, self.steps, pipelined, threads),
+                                     (self.n, self.size, self.steps, pipelined, threads, baseline),
                                      "ddpwire-coordinator")
             self.coordinator = (conn, proc)
             addr = _reply(conn, proc, "addr")
             for rank in range(self.n):
-                self._add(_ddpwire_worker, (addr, rank, self.n, self.size, pipelined, threads),
+                self._add(_ddpwire_worker,
+                          (addr, rank, self.n, self.size, pipelined, threads, baseline),
                           f"ddpwire-worker-{rank}")
         elif self.kind == "gloo":
             port = _free_port()

@@ -9,7 +9,12 @@ broadcast_averaged, send_gradients + receive_averaged).
     python -m pytest bench/test_bench_allreduce.py --benchmark-json=bench/allreduce.json
     python bench/plot_allreduce.py bench/allreduce.json
 
-DDPWIRE_BENCH_SIZES="1,16" (MiB) restricts the sweep for a quick run.
+DDPWIRE_BENCH_SIZES="1,16" (MiB) restricts the sweep for a quick run,
+DDPWIRE_BENCH_WORKERS="2" the worker counts, DDPWIRE_BENCH_KINDS="ddpwire,gloo"
+the kinds and DDPWIRE_BENCH_ROUNDS=20 the rounds at every size. With DDPWIRE_BASELINE set to another built checkout, the kind
+"ddpwire-baseline" runs the default path from there, in the same run:
+
+    DDPWIRE_BASELINE=/path/to/old/checkout python -m pytest bench/test_bench_allreduce.py ...
 Each round is one step of all workers at once; its time runs from the
 parent's "step" command to the last worker holding the average. The
 workers' own monotonic stamps (first start to last end) are kept in
@@ -25,21 +30,38 @@ import pytest
 import allreduce_procs as procs
 
 MiB = procs.MiB
-WORKER_COUNTS = (2, 3, 4)
+KINDS = ("ddpwire", "ddpwire-threads", "ddpwire-classic", "gloo")
+
+
+def _ints(name: str, default: str, least: int):
+    raw = os.environ.get(name, default)
+    try:
+        values = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise pytest.UsageError(f"{name} must be numbers like '1,16', got {raw!r}")
+    if not values or min(values) < least:
+        raise pytest.UsageError(f"{name} must name values of at least {least}, got {raw!r}")
+    return values
 
 
 def _sizes_mib():
-    raw = os.environ.get("DDPWIRE_BENCH_SIZES", "1,16,64,256")
-    try:
-        sizes = [int(x) for x in raw.split(",") if x.strip()]
-    except ValueError:
-        raise pytest.UsageError(f"DDPWIRE_BENCH_SIZES must be MiB counts like '1,16', got {raw!r}")
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError(f"DDPWIRE_BENCH_SIZES must name sizes of at least 1 MiB, got {raw!r}")
-    return sizes
+    return _ints("DDPWIRE_BENCH_SIZES", "1,16,64,256", 1)
+
+
+def _kinds():
+    kinds = [k.strip() for k in os.environ.get("DDPWIRE_BENCH_KINDS", ",".join(KINDS)).split(",")
+             if k.strip()]
+    if os.environ.get(procs.BASELINE_ENV) and "ddpwire-baseline" not in kinds:
+        kinds.insert(1, "ddpwire-baseline")
+    return kinds
+
+
+WORKER_COUNTS = _ints("DDPWIRE_BENCH_WORKERS", "2,3,4", 1)
 
 
 def _rounds(size_mib: int) -> int:
+    if os.environ.get("DDPWIRE_BENCH_ROUNDS"):
+        return _ints("DDPWIRE_BENCH_ROUNDS", "", 1)[0]
     # the big sizes take seconds a step on two shared cores: fewer rounds keep the sweep short
     if size_mib <= 4:
         return 20
@@ -60,7 +82,7 @@ for _mib in SIZES_MIB:
     for _n in WORKER_COUNTS:
         # ddpwire-classic: the two-call path, as a baseline for the pipelined one;
         # ddpwire-threads: the pipelined one with socket threads
-        for _kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic", "gloo"):
+        for _kind in _kinds():
             CASES.append(pytest.param(_kind, _n, _mib, id=f"{_mib}MiB-N{_n}-{_kind}"))
 
 

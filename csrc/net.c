@@ -246,14 +246,34 @@ static int recv_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
     return DDPW_NET_ERRNO;
 }
 
+/* Check the watched elements that have fully arrived (received bytes of
+ * the stream so far). */
+static void watch_advance(ddpw_finite_watch *w, size_t received)
+{
+    size_t upto;
+    int64_t found;
+    if (w == NULL || w->bad >= 0)
+        return;
+    upto = received < w->len ? received : w->len;
+    upto -= upto % 4;
+    if (upto <= w->checked)
+        return;
+    found = ddpw_first_non_finite((const float *)(const void *)(w->base + w->checked),
+                                  (upto - w->checked) / 4);
+    if (found >= 0)
+        w->bad = (int64_t)(w->checked / 4) + found;
+    w->checked = upto;
+}
+
 int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                       int timeout_ms, int64_t deadline_ms, int *err)
+                       int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err)
 {
     struct iovec one;
     one.iov_base = buf;
     one.iov_len = len;
     while (*done < len) {
         int rc = recv_some(fd, &one, 1, len, done, err);
+        watch_advance(watch, *done);
         if (rc < 0)
             return rc;
         if (rc == 0) {
@@ -290,7 +310,7 @@ int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err)
 
 int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
-                     int timeout_ms, int64_t deadline_ms, int *err)
+                     int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err)
 {
     size_t out_total, in_total;
     int sending = 1;
@@ -304,6 +324,7 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
         /* drain first: the reply must never wait behind our own bytes */
         do {
             rc = recv_some(fd, in_iov, in_cnt, in_total, received, err);
+            watch_advance(watch, *received);
             if (rc < 0)
                 return rc;
         } while (rc == 1 && *received < in_total);
@@ -434,42 +455,44 @@ void ddpw_net_note_bad(int64_t *bad_index, float *bad_value, size_t i, size_t el
     }
 }
 
-static void note_bad(ddpw_net_reduce_state *st, size_t i, size_t elem,
-                     const float *src, int64_t found)
+int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ring_off,
+                          size_t elem, size_t count, int halted, int64_t *bad_index,
+                          float *bad_value)
 {
-    ddpw_net_note_bad(st->bad_index, st->bad_value, i, elem, src, found);
+    size_t i;
+    int bad = 0;
+    if (!halted) {
+        /* socket 0's elements were received into out: check them before
+         * anything is added to them */
+        ddpw_net_note_bad(bad_index, bad_value, 0, elem, acc, ddpw_first_non_finite(acc, count));
+        for (i = 1; i < st->n; i++) {
+            const float *src = (const float *)(st->rings[i] + ring_off);
+            ddpw_net_note_bad(bad_index, bad_value, i, elem, src, ddpw_accumulate(acc, src, count));
+        }
+        for (i = 0; i < st->n; i++)
+            bad |= bad_index[i] >= 0;
+        if (!bad)
+            ddpw_scale(acc, (float)st->n, count);
+        return bad;
+    }
+    /* halted: keep draining, and find each socket's first bad element */
+    for (i = 0; i < st->n; i++) {
+        const float *src = i == 0 ? acc : (const float *)(st->rings[i] + ring_off);
+        if (bad_index[i] < 0)
+            ddpw_net_note_bad(bad_index, bad_value, i, elem, src, ddpw_first_non_finite(src, count));
+    }
+    return 1;
 }
 
 /* Reduce stream bytes [from, to) of every socket into out. */
 static void reduce_range(ddpw_net_reduce_state *st, float *out, size_t from, size_t to)
 {
-    const float divisor = (float)st->n;
     while (from < to) {
         size_t off = from % st->ring_bytes;
         size_t len = min_sz(min_sz(to - from, DDPW_REDUCE_SLICE), st->ring_bytes - off);
-        size_t elem = from / 4, count = len / 4, i;
-        float *acc = out + elem;
-        if (!st->nonfinite) {
-            /* socket 0's elements were received into out: check them before
-             * anything is added to them */
-            note_bad(st, 0, elem, acc, ddpw_first_non_finite(acc, count));
-            for (i = 1; i < st->n; i++) {
-                const float *src = (const float *)(st->rings[i] + off);
-                note_bad(st, i, elem, src, ddpw_accumulate(acc, src, count));
-            }
-            for (i = 0; i < st->n; i++)
-                if (st->bad_index[i] >= 0)
-                    st->nonfinite = 1;
-            if (!st->nonfinite)
-                ddpw_scale(acc, divisor, count);
-        } else {
-            /* halted: keep draining, and find each socket's first bad element */
-            for (i = 0; i < st->n; i++) {
-                const float *src = i == 0 ? acc : (const float *)(st->rings[i] + off);
-                if (st->bad_index[i] < 0)
-                    note_bad(st, i, elem, src, ddpw_first_non_finite(src, count));
-            }
-        }
+        if (ddpw_net_reduce_slice(st, out + from / 4, off, from / 4, len / 4, st->nonfinite,
+                                  st->bad_index, st->bad_value))
+            st->nonfinite = 1;
         from += len;
     }
 }

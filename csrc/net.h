@@ -26,6 +26,18 @@ enum {
     DDPW_NET_NONFINITE = -6 /* ddpw_net_reduce_stream: data received, non-finite found */
 };
 
+/* Checks float32 elements for NaN and +/-inf as they are received, in the
+ * same pass (the bytes are still in cache): the elements are the first `len`
+ * bytes of what the receive fills, starting at `base`. `bad` is the index
+ * of the first non-finite element, or -1; `checked` the bytes looked at.
+ * Start with checked = 0 and bad = -1; keep it across resumed calls. */
+typedef struct ddpw_finite_watch {
+    const uint8_t *base;
+    size_t len;
+    size_t checked;
+    int64_t bad;
+} ddpw_finite_watch;
+
 /* Send and receive on one socket at once, in one poll loop.
  *
  * Sends the concatenation of out_iov from byte *sent while receiving into the
@@ -41,15 +53,16 @@ enum {
  * the receive whatever moved. */
 int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
-                     int timeout_ms, int64_t deadline_ms, int *err);
+                     int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err);
 
 /* Receive exactly len bytes into buf, resuming from *done.
  * On return *done holds the bytes received so far (also on error).
  * deadline_ms, when >= 0, is a time on ddpw_net_now_ms's clock after which
  * the call gives up with DDPW_NET_TIMEOUT even if bytes keep trickling in:
- * waiting for a message is bounded by its deadline, not only by silence. */
+ * waiting for a message is bounded by its deadline, not only by silence.
+ * With a watch (else NULL), the elements are checked as they land. */
 int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                       int timeout_ms, int64_t deadline_ms, int *err);
+                       int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err);
 
 /* Milliseconds on a monotonic clock, for deadlines. */
 int64_t ddpw_net_now_ms(void);
@@ -125,6 +138,17 @@ int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out
 size_t ddpw_net_reduce_window(const ddpw_net_reduce_state *st, size_t i, size_t pos,
                               size_t reduced, size_t ring, float *out, uint8_t *tails,
                               uint8_t **dst);
+
+/* The one reduce core of both stream engines (this file's poll loop and
+ * csrc/threaded.c): average `count` elements starting at element `elem`,
+ * whose socket-0 values are already in acc and whose other sockets' values
+ * are at ring_off in their rings: a float32 sum in socket order, then a
+ * division by n, unless a non-finite value is found (recorded in bad_index /
+ * bad_value, per socket). With `halted`, only look for each socket's first
+ * bad element. Returns 1 when any socket has a bad element recorded. */
+int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ring_off,
+                          size_t elem, size_t count, int halted, int64_t *bad_index,
+                          float *bad_value);
 
 /* Keep bad_index[i] / bad_value[i] at the first non-finite element seen:
  * found is an index into src (which starts at element elem), or -1. */

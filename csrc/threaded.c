@@ -90,40 +90,14 @@ static size_t window(const struct ddpw_threaded *h, size_t i, size_t pos, size_t
     return ddpw_net_reduce_window(h->st, i, pos, reduced, h->ring, h->out, h->tails, dst);
 }
 
-static void note_bad(socket_thread *t, size_t j, size_t elem, const float *src, int64_t found)
-{
-    ddpw_net_note_bad(t->bad_index, t->bad_value, j, elem, src, found);
-}
-
 /* Reduce chunk c of every socket into out (no lock held: nobody else
  * touches this chunk of out or of the rings until it is marked done). */
 static void reduce_chunk(socket_thread *t, size_t c, int halted)
 {
     struct ddpw_threaded *h = t->h;
-    const ddpw_net_reduce_state *st = h->st;
-    size_t from = c * h->chunk, to = min_sz(from + h->chunk, st->grad_bytes);
-    size_t off = from % h->ring, elem = from / 4, count = (to - from) / 4, j;
-    float *acc = h->out + elem;
-    int bad = 0;
-    if (!halted) {
-        /* socket 0's elements are already in out: check them before adding */
-        note_bad(t, 0, elem, acc, ddpw_first_non_finite(acc, count));
-        for (j = 1; j < st->n; j++) {
-            const float *src = (const float *)(st->rings[j] + off);
-            note_bad(t, j, elem, src, ddpw_accumulate(acc, src, count));
-        }
-        for (j = 0; j < st->n; j++)
-            bad |= t->bad_index[j] >= 0;
-        if (!bad)
-            ddpw_scale(acc, (float)st->n, count);
-        return;
-    }
-    /* halted: nothing more goes out; find each socket's first bad element */
-    for (j = 0; j < st->n; j++) {
-        const float *src = j == 0 ? acc : (const float *)(st->rings[j] + off);
-        if (t->bad_index[j] < 0)
-            note_bad(t, j, elem, src, ddpw_first_non_finite(src, count));
-    }
+    size_t from = c * h->chunk, to = min_sz(from + h->chunk, h->st->grad_bytes);
+    ddpw_net_reduce_slice(h->st, h->out + from / 4, from % h->ring, from / 4, (to - from) / 4,
+                          halted, t->bad_index, t->bad_value);
 }
 
 /* Socket i now has pos bytes of its stream: reduce every chunk that all

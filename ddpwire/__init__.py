@@ -5,11 +5,13 @@ and averages float32 gradients in place; thin Python classes on top run a
 coordinator and its workers.
 """
 from .errors import (
+    AuthenticationFailed,
     CoordinatorLost,
     DdpwireError,
     DeviceUnavailable,
     FrameTooLarge,
     GradientMismatch,
+    JoinRefusedError,
     JoinTimeout,
     NonFiniteGradient,
     PeerLost,
@@ -53,11 +55,11 @@ from .coordinator import Coordinator
 from .worker import Worker
 from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
-
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
+    "AuthenticationFailed",
+    "JoinRefusedError",
     "AuthChallenge",
     "AuthProof",
     "CollectiveError",

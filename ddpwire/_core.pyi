@@ -91,8 +91,12 @@ class Connection:
                  lost: Type[PeerLost] = ..., peer_name: str = ...) -> None: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
-    def recv_into(self, buf: _Buffer, timeout: float, *, step: Optional[int] = ...,
-                  what: str = ...) -> None: ...
+    def recv_into(self, buf: _Buffer, timeout: float, *, deadline: Optional[float] = ...,
+                  check_finite: bool = ..., step: Optional[int] = ...,
+                  what: str = ...) -> Optional[int]:
+        """Fill ``buf``; ``timeout`` bounds silence, ``deadline`` (time.monotonic())
+        the whole receive. With ``check_finite``: the first non-finite element's
+        index, checked as the bytes land, or None."""
     def recv_exact(self, n: int, timeout: float, *, step: Optional[int] = ...,
                    what: str = ...) -> bytes: ...
     def send_parts(self, parts: Iterable[Optional[_Buffer]], timeout: float, *,
@@ -106,7 +110,7 @@ class FrameHead:
     block_idx: int
     num_blocks: int
     component: int
-    component_sizes: List[int]
+    component_sizes: numpy.typing.NDArray[numpy.uint32]
     gradient_count: int
     tail_len: int
     bulk_len: int
@@ -134,15 +138,21 @@ class Exchange:
     done: bool
     def __init__(self, conn: Connection, parts: Iterable[Optional[_Buffer]], timeout: float, *,
                  step: Optional[int] = ..., what: str = ..., send_thread: bool = ...) -> None: ...
-    def recv_into(self, *bufs: _Buffer, what: str = ...) -> None: ...
+    def recv_into(self, *bufs: _Buffer, what: str = ..., deadline: Optional[float] = ...,
+                  check_finite: bool = ...) -> Optional[int]: ...
     def finish(self) -> None: ...
     def abandon(self) -> None: ...
 
 def read_frame_head(conn: Connection, timeout: float, max_frame: int, *,
+                    deadline: Optional[float] = ..., expect: Optional[Sequence[type]] = ...,
                     step: Optional[int] = ..., what: str = ...,
-                    collective_heads: bool = ...) -> Any: ...
-def exchange_frame_head(exchange: "Exchange", max_frame: int, *, peer_id: Optional[int] = ...,
-                        step: Optional[int] = ..., what: str = ...,
+                    collective_heads: bool = ...) -> Any:
+    """One frame up to its bulk field: a FrameHead, or a whole message.
+    A tag outside ``expect`` or over its own limit is refused before its
+    body is allocated; ``deadline`` bounds the whole head."""
+def exchange_frame_head(exchange: "Exchange", max_frame: int, *,
+                        deadline: Optional[float] = ..., expect: Optional[Sequence[type]] = ...,
+                        peer_id: Optional[int] = ..., step: Optional[int] = ..., what: str = ...,
                         collective_heads: bool = ...) -> Any: ...
 def decode_tail(tag: int, tail: bytes) -> Tuple[float, int, int, float]: ...
 def read_tail(conn: Connection, head: FrameHead, timeout: float, *,

@@ -97,10 +97,16 @@ cdef class Connection:
     cdef public object peer_id
     cdef public object lost
     cdef public str peer_name
+    # GIL-free calls using fd right now (this thread or others); close()
+    # defers the real close until the last one has left
+    cdef int busy
+    cdef bint closing
 
     def __init__(self, sock, *, peer_id=None, lost=PeerLost, peer_name="peer"):
         self.sock = sock
         self.fd = sock.fileno()
+        self.busy = 0
+        self.closing = False
         self.peer_id = peer_id
         self.lost = lost
         self.peer_name = peer_name
@@ -111,12 +117,38 @@ cdef class Connection:
         return self.fd
 
     def close(self):
-        if self.fd >= 0:
-            self.fd = -1
-            try:
-                self.sock.close()
-            except OSError:
-                pass
+        """Close the connection. A call blocked on it in another thread (the
+        GIL is released there) is woken by a shutdown and fails with the
+        ``lost`` error; the descriptor itself is closed only when the last
+        such call has returned, so its number cannot be reused under it."""
+        if self.fd < 0 or self.closing:
+            return
+        if self.busy == 0:
+            self.close_now()
+            return
+        self.closing = True
+        try:
+            self.sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    cdef close_now(self):
+        self.fd = -1
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    cdef int enter(self) except -1:
+        """Before a call uses fd without the GIL; pair with leave()."""
+        self.check_open()
+        self.busy += 1
+        return 0
+
+    cdef leave(self):
+        self.busy -= 1
+        if self.closing and self.busy == 0:
+            self.close_now()
 
     cdef fail(self, int rc, int err, object step, str what, int ms, object deadline=None):
         if rc == DDPW_NET_TIMEOUT:
@@ -134,37 +166,49 @@ cdef class Connection:
                         worker_id=self.peer_id, step=step)
 
     cdef check_open(self):
-        if self.fd < 0:
+        if self.fd < 0 or self.closing:
             raise self.lost(f"{self.peer_name} connection is closed", worker_id=self.peer_id)
 
-    def recv_into(self, buf, timeout, *, deadline=None, step=None, str what="receiving"):
+    def recv_into(self, buf, timeout, *, deadline=None, bint check_finite=False, step=None,
+                  str what="receiving"):
         """Fill the whole writable buffer ``buf`` from the socket (GIL released).
 
         ``timeout`` bounds silence; ``deadline`` (a time.monotonic() value)
-        bounds the whole receive, however the bytes trickle in."""
+        bounds the whole receive, however the bytes trickle in. With
+        ``check_finite`` the buffer's float32 elements are checked as they
+        land, and the index of the first NaN or +/-inf (or None) is returned."""
         cdef HeldBuffer b = get_bytes(buf, "buf")
         cdef size_t done = 0
         cdef int err = 0, rc, ms = timeout_ms(timeout)
         cdef int64_t until = deadline_ms(deadline)
+        cdef ddpw_finite_watch watch
         if b.view.readonly:
             raise TypeError("buf: expected a writable buffer")
-        self.check_open()
-        while True:
-            with nogil:
-                rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms,
-                                         until, &err)
-            if rc == DDPW_NET_EINTR:
-                PyErr_CheckSignals()
-                continue
-            if rc != DDPW_NET_OK:
-                self.fail(rc, err, step, f"{what} ({done} of {b.view.len} bytes)", ms, deadline)
-            return
+        watch.base = <const uint8_t *>b.view.buf
+        watch.len = <size_t>b.view.len if check_finite else 0
+        watch.checked = 0
+        watch.bad = -1
+        self.enter()
+        try:
+            while True:
+                with nogil:
+                    rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms,
+                                             until, &watch, &err)
+                if rc == DDPW_NET_EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                if rc != DDPW_NET_OK:
+                    self.fail(rc, err, step, f"{what} ({done} of {b.view.len} bytes)", ms,
+                              deadline)
+                return watch.bad if watch.bad >= 0 else None
+        finally:
+            self.leave()
 
     cdef Py_ssize_t peek(self, uint8_t *buf, size_t cap) except -1:
         """Bytes already received, copied to buf and left in the socket."""
         cdef size_t got = 0
         cdef int err = 0, rc
-        self.check_open()
+        self.check_open()  # no wait: nothing to enter
         while True:
             rc = ddpw_net_peek(self.fd, buf, cap, &got, &err)
             if rc == DDPW_NET_EINTR:
@@ -190,16 +234,19 @@ cdef class Connection:
         cdef size_t done = 0
         cdef list held = []
         k = fill_iov(parts, iov, held)
-        self.check_open()
-        while True:
-            with nogil:
-                rc = ddpw_net_send_iov(self.fd, iov, k, &done, ms, &err)
-            if rc == DDPW_NET_EINTR:
-                PyErr_CheckSignals()
-                continue
-            if rc != DDPW_NET_OK:
-                self.fail(rc, err, step, what, ms)
-            return
+        self.enter()
+        try:
+            while True:
+                with nogil:
+                    rc = ddpw_net_send_iov(self.fd, iov, k, &done, ms, &err)
+                if rc == DDPW_NET_EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                if rc != DDPW_NET_OK:
+                    self.fail(rc, err, step, what, ms)
+                return
+        finally:
+            self.leave()
 
 
 def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting"):
@@ -213,6 +260,7 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
     cdef Connection c
     cdef int *fds = NULL
     cdef size_t *done = NULL
+    cdef size_t entered = 0
     k = fill_iov(parts, iov, held)
     if n == 0:
         return
@@ -223,7 +271,8 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
             raise MemoryError()
         for i in range(n):
             c = conns[i]
-            c.check_open()
+            c.enter()
+            entered += 1
             fds[i] = c.fd
             done[i] = 0
         while True:
@@ -236,6 +285,8 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
                 (<Connection>conns[failed]).fail(rc, err, step, what, ms)
             return
     finally:
+        for i in range(entered):
+            (<Connection>conns[i]).leave()
         free(fds)
         free(done)
 
@@ -288,6 +339,7 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     cdef ddpw_net_reduce_state st
     cdef int *fds = NULL
     cdef size_t *sent = NULL
+    cdef size_t entered = 0
     cdef bytearray tails = bytearray(n * tail_len)
     cdef uint8_t *tails_p = <uint8_t *>(<char *>tails) if n * tail_len > 0 else NULL
     cdef float *out_p = <float *>o.view.buf
@@ -305,7 +357,8 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
         if fds is NULL or sent is NULL:
             raise MemoryError()
         for i in range(n):
-            (<Connection>conns[i]).check_open()
+            (<Connection>conns[i]).enter()
+            entered += 1
             fds[i] = (<Connection>conns[i]).fd
         if socket_threads:
             rc = run_threaded(&st, fds, out_p, tails_p, head_p, head_len,
@@ -346,6 +399,8 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
                 (<Connection>conns[failed]).fail(rc, err, step, f"{what} (sending the end of the reply)", ms)
             return tail_list, None
     finally:
+        for i in range(entered):
+            (<Connection>conns[i]).leave()
         free(fds)
         free(sent)
         ddpw_net_reduce_free(&st)
@@ -402,6 +457,7 @@ cdef class Exchange:
     cdef object step
     cdef str what
     cdef ddpw_sender *sender
+    cdef bint holding  # the sending thread uses conn's fd: conn.enter() taken for it
 
     def __init__(self, Connection conn, parts, timeout, *, step=None, str what="sending",
                  bint send_thread=False):
@@ -417,9 +473,12 @@ cdef class Exchange:
         self.step = step
         self.what = what
         if send_thread:
-            conn.check_open()
+            conn.enter()
+            self.holding = True
             with nogil:
                 rc = ddpw_sender_start(&self.sender, conn.fd, self.iov, self.k, 0, self.ms, &err)
+            if rc != DDPW_NET_OK:
+                self.release()
             if rc == DDPW_NET_NOMEM:
                 raise MemoryError("Exchange: could not start the sending thread")
             if rc != DDPW_NET_OK:
@@ -430,6 +489,12 @@ cdef class Exchange:
             with nogil:
                 ddpw_sender_stop(self.sender)
             self.sender = NULL
+        self.release()
+
+    cdef release(self):
+        if self.holding:
+            self.holding = False
+            self.conn.leave()
 
     def abandon(self):
         """Stop sending (the frame stays cut short): the connection may then be closed."""
@@ -438,6 +503,7 @@ cdef class Exchange:
             with nogil:
                 ddpw_sender_stop(self.sender)
             self.sender = NULL
+        self.release()
 
     @property
     def sent(self):
@@ -451,10 +517,13 @@ cdef class Exchange:
         """Whether the whole frame has been sent."""
         return self.sent >= self.total
 
-    def recv_into(self, *bufs, str what="receiving", deadline=None):
+    def recv_into(self, *bufs, str what="receiving", deadline=None, bint check_finite=False):
         """Fill every writable buffer of ``bufs`` in turn (at most 8) from the
         connection, sending meanwhile; ``deadline`` (time.monotonic()) bounds
-        the receive however the bytes trickle in."""
+        the receive however the bytes trickle in. With ``check_finite`` the
+        float32 elements of the first buffer are checked as they land, and
+        the index of the first NaN or +/-inf (or None) is returned."""
+        cdef ddpw_finite_watch watch
         cdef iovec in_iov[MAX_PARTS]
         cdef list held = []
         cdef HeldBuffer b
@@ -472,25 +541,32 @@ cdef class Exchange:
             in_iov[m].iov_len = <size_t>b.view.len
             in_total += in_iov[m].iov_len
             m += 1
-        self.conn.check_open()
+        watch.base = <const uint8_t *>in_iov[0].iov_base if m else NULL
+        watch.len = in_iov[0].iov_len if (m and check_finite) else 0
+        watch.checked = 0
+        watch.bad = -1
         # with a sending thread this loop only receives: it sends nothing
         # (an empty frame), and the thread's progress is reported instead
         cdef int out_k = 0 if self.sender is not NULL else self.k
-        while True:
-            with nogil:
-                rc = ddpw_net_exchange(self.conn.fd, self.iov, out_k, &sent,
-                                       in_iov, m, &received, self.ms, until, &err)
-            if self.sender is NULL:
-                self.sent_bytes = sent
-            if rc == DDPW_NET_EINTR:
-                PyErr_CheckSignals()
-                continue
-            if rc != DDPW_NET_OK:
-                self.abandon()
-                self.conn.fail(rc, err, self.step,
-                               f"{self.what} ({self.sent} of {self.total} bytes) and {what} "
-                               f"({received} of {in_total} bytes)", self.ms, deadline)
-            return
+        self.conn.enter()
+        try:
+            while True:
+                with nogil:
+                    rc = ddpw_net_exchange(self.conn.fd, self.iov, out_k, &sent,
+                                           in_iov, m, &received, self.ms, until, &watch, &err)
+                if self.sender is NULL:
+                    self.sent_bytes = sent
+                if rc == DDPW_NET_EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                if rc != DDPW_NET_OK:
+                    self.abandon()
+                    self.conn.fail(rc, err, self.step,
+                                   f"{self.what} ({self.sent} of {self.total} bytes) and {what} "
+                                   f"({received} of {in_total} bytes)", self.ms, deadline)
+                return watch.bad if watch.bad >= 0 else None
+        finally:
+            self.conn.leave()
 
     def finish(self):
         """Send what is left of the frame (nothing, normally, once the reply is in)."""
@@ -512,17 +588,21 @@ cdef class Exchange:
         sent = self.sent_bytes
         if sent >= self.total:
             return
-        self.conn.check_open()
-        while True:
-            with nogil:
-                rc = ddpw_net_send_iov(self.conn.fd, self.iov, self.k, &sent, self.ms, &err)
-            self.sent_bytes = sent
-            if rc == DDPW_NET_EINTR:
-                PyErr_CheckSignals()
-                continue
-            if rc != DDPW_NET_OK:
-                self.conn.fail(rc, err, self.step, f"{self.what} ({sent} of {self.total} bytes)", self.ms)
-            return
+        self.conn.enter()
+        try:
+            while True:
+                with nogil:
+                    rc = ddpw_net_send_iov(self.conn.fd, self.iov, self.k, &sent, self.ms, &err)
+                self.sent_bytes = sent
+                if rc == DDPW_NET_EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                if rc != DDPW_NET_OK:
+                    self.conn.fail(rc, err, self.step,
+                                   f"{self.what} ({sent} of {self.total} bytes)", self.ms)
+                return
+        finally:
+            self.conn.leave()
 
 
 # ---- frames over a connection ----

@@ -23,12 +23,12 @@ import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from . import auth
 from ._core import FrameReader, encode_frame, tag_max_payload
-from .errors import DdpwireError, JoinTimeout, ProtocolError
+from .errors import JoinTimeout, ProtocolError
 from .extensions import Extension, RefusalReason, decode_u64, encode_u64
 from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
 from .sessioninfo import WorkerInfo
@@ -100,6 +100,89 @@ def _close(sock: socket.socket) -> None:
         pass
 
 
+class _Handshakes:
+    """Connections not yet admitted, in one selector: accepted up to
+    MAX_PENDING, read into each one's bounded FrameReader, ended at their
+    deadline. The join and the refuser differ only in what they answer."""
+
+    def __init__(self, listener: socket.socket, handshake_timeout: float, max_frame: int) -> None:
+        self.listener = listener
+        self.handshake_timeout = handshake_timeout
+        self.max_frame = max_frame
+        self.pending: Dict[socket.socket, _Pending] = {}
+
+    def accept(self, sel: selectors.BaseSelector,
+               refusal: Optional[Tuple[int, str]] = None) -> None:
+        """Take every connection waiting on the listener."""
+        while True:
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            if len(self.pending) >= MAX_PENDING:
+                log.warning("refused a connection from %s:%s: %d connections already handshaking",
+                            addr[0], addr[1], MAX_PENDING)
+                _close(sock)
+                continue
+            p = _Pending(sock, addr[:2], time.monotonic() + self.handshake_timeout,
+                         _reader_for(JoinRequest, self.max_frame), refusal=refusal)
+            self.pending[sock] = p
+            sel.register(sock, selectors.EVENT_READ, p)
+
+    def read(self, sel: selectors.BaseSelector, p: _Pending) -> list:
+        """The messages that the bytes now waiting complete; a connection
+        that closed, failed or sent bytes that are not the message expected
+        is ended here (and gives no messages)."""
+        try:
+            data = p.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError as exc:
+            self.end(sel, p, f"connection failed: {exc}")
+            return []
+        if not data:
+            self.end(sel, p, "disconnected during the handshake")
+            return []
+        try:
+            return p.reader.feed(data)
+        except ProtocolError as exc:
+            self.end(sel, p, str(exc), (RefusalReason.PROTOCOL, str(exc)))
+            return []
+
+    def end(self, sel: Optional[selectors.BaseSelector], p: _Pending, why: str,
+            refusal: Optional[Tuple[int, str]] = None) -> None:
+        """End a handshake, logged by address: a ddpwire worker (one that
+        offered an extension block) hears why; anything else is just closed."""
+        log.warning("refused a connection from %s: %s", p.name, why)
+        refusal = refusal or p.refusal
+        if refusal is not None and p.join is not None and p.join.extensions is not None:
+            _send_small(p.sock, JoinRefused(reason=int(refusal[0]), detail=refusal[1]))
+        self.pending.pop(p.sock, None)
+        if sel is not None:
+            try:
+                sel.unregister(p.sock)
+            except (KeyError, ValueError):
+                pass
+        _close(p.sock)
+
+    def expire(self, sel: selectors.BaseSelector, now: float) -> None:
+        for p in [p for p in self.pending.values() if now >= p.deadline]:
+            step = "JoinRequest" if p.join is None else "AuthProof"
+            self.end(sel, p, f"no complete {step} within {self.handshake_timeout:g} s")
+
+    def next_deadline(self, default: float) -> float:
+        return min([default] + [p.deadline for p in self.pending.values()])
+
+    def close_all(self) -> None:
+        for p in list(self.pending.values()):
+            _close(p.sock)
+        self.pending.clear()
+
+
 class Admission:
     """Runs the join for a Coordinator (see the module's docstring)."""
 
@@ -111,24 +194,23 @@ class Admission:
         self.token = token
         self.grants = dict(grants)
         self.samples = samples
-        self.handshake_timeout = handshake_timeout
         self.max_frame = max_frame
         self.slots: List[Optional[Admitted]] = [None] * expect_workers
-        self.pending: Dict[socket.socket, _Pending] = {}
+        self.handshakes = _Handshakes(listener, handshake_timeout, max_frame)
 
     # ---- the loop ----
 
     def run(self, deadline: float, limit: float, until: int) -> List[Admitted]:
         """Admit workers until ``until`` slots are filled; JoinTimeout at
         ``deadline``. The connections still handshaking then stay in
-        ``self.pending`` (for a later call, or a Refuser)."""
+        ``self.handshakes`` (for a later call, or a Refuser)."""
         sel = selectors.DefaultSelector()
         self.listener.setblocking(False)
         sel.register(self.listener, selectors.EVENT_READ, None)
         for slot in self.slots:
             if slot is not None:
                 sel.register(slot.sock, selectors.EVENT_READ, slot)
-        for p in self.pending.values():
+        for p in self.handshakes.pending.values():
             sel.register(p.sock, selectors.EVENT_READ, p)
         next_report = time.monotonic() + PROGRESS_EVERY
         try:
@@ -141,15 +223,15 @@ class Admission:
                     log.info("waiting for workers: %d of %d joined%s; %.0f s left", self._joined(),
                              self.expect_workers, self._describe_joined(), deadline - now)
                     next_report = now + PROGRESS_EVERY
-                wake = min([deadline, next_report] + [p.deadline for p in self.pending.values()])
+                wake = self.handshakes.next_deadline(min(deadline, next_report))
                 for key, _ in sel.select(max(0.0, wake - now)):
                     if key.data is None:
-                        self._accept(sel)
+                        self.handshakes.accept(sel)
                     elif isinstance(key.data, Admitted):
                         self._check_alive(sel, key.data)
                     else:
                         self._on_readable(sel, key.data)
-                self._expire(sel, time.monotonic())
+                self.handshakes.expire(sel, time.monotonic())
             # A worker whose own timeout ran out while others were still
             # joining is gone: find it now, not at step 0.
             for slot in list(self.slots):
@@ -169,66 +251,16 @@ class Admission:
         return f" ({', '.join(joined)})" if joined else ""
 
     def _describe_pending(self) -> str:
-        if not self.pending:
+        pending = self.handshakes.pending
+        if not pending:
             return ""
-        return f"; still handshaking: {', '.join(p.name for p in self.pending.values())}"
+        return f"; still handshaking: {', '.join(p.name for p in pending.values())}"
 
-    # ---- connections ----
-
-    def _accept(self, sel: selectors.BaseSelector) -> None:
-        while True:
-            try:
-                sock, addr = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                log.warning("accept failed: %s", exc)
-                return
-            sock.setblocking(False)
-            if len(self.pending) >= MAX_PENDING:
-                log.warning("refused a connection from %s:%s: %d connections already handshaking",
-                            addr[0], addr[1], MAX_PENDING)
-                _close(sock)
-                continue
-            p = _Pending(sock, addr[:2], time.monotonic() + self.handshake_timeout,
-                         _reader_for(JoinRequest, self.max_frame))
-            self.pending[sock] = p
-            sel.register(sock, selectors.EVENT_READ, p)
-
-    def _drop(self, sel: selectors.BaseSelector, p: _Pending, why: str,
-              refusal: Optional[Tuple[int, str]] = None) -> None:
-        """End a handshake: a ddpwire worker (one that offered an extension
-        block) hears why; anything else is just closed."""
-        log.warning("refused a connection from %s: %s", p.name, why)
-        if refusal is not None and p.join is not None and p.join.extensions is not None:
-            _send_small(p.sock, JoinRefused(reason=int(refusal[0]), detail=refusal[1]))
-        self.pending.pop(p.sock, None)
-        sel.unregister(p.sock)
-        _close(p.sock)
-
-    def _expire(self, sel: selectors.BaseSelector, now: float) -> None:
-        for p in [p for p in self.pending.values() if now >= p.deadline]:
-            step = "JoinRequest" if p.join is None else "AuthProof"
-            self._drop(sel, p, f"no complete {step} within {self.handshake_timeout:g} s")
+    # ---- handshakes ----
 
     def _on_readable(self, sel: selectors.BaseSelector, p: _Pending) -> None:
-        try:
-            data = p.sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._drop(sel, p, f"connection failed: {exc}")
-            return
-        if not data:
-            self._drop(sel, p, "disconnected during the handshake")
-            return
-        try:
-            messages = p.reader.feed(data)
-        except ProtocolError as exc:
-            self._drop(sel, p, str(exc), (RefusalReason.PROTOCOL, str(exc)))
-            return
-        for msg in messages:
-            if p.sock not in self.pending:
+        for msg in self.handshakes.read(sel, p):
+            if p.sock not in self.handshakes.pending:
                 return
             if isinstance(msg, JoinRequest):
                 self._on_join(sel, p, msg)
@@ -240,24 +272,24 @@ class Admission:
         offered = join.extensions or {}
         why = self._mismatch(offered)
         if why is not None:
-            self._drop(sel, p, why, (RefusalReason.MISMATCH, why))
+            self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
             return
         if self.token is None:
             self._admit(sel, p)
             return
         nonce = offered.get(Extension.AUTH)
         if nonce is None:
-            self._drop(sel, p, "no token offered (this coordinator requires one)",
+            self.handshakes.end(sel, p, "no token offered (this coordinator requires one)",
                        (RefusalReason.AUTH_REQUIRED, "this coordinator requires a token"))
             return
         if len(nonce) != auth.NONCE_BYTES:
-            self._drop(sel, p, f"auth offer of {len(nonce)} bytes, not {auth.NONCE_BYTES}",
+            self.handshakes.end(sel, p, f"auth offer of {len(nonce)} bytes, not {auth.NONCE_BYTES}",
                        (RefusalReason.PROTOCOL, "malformed auth offer"))
             return
         p.coordinator_nonce = auth.new_nonce()
         proof = auth.coordinator_proof(self.token, nonce, p.coordinator_nonce)
         if not _send_small(p.sock, AuthChallenge(nonce=p.coordinator_nonce, proof=proof)):
-            self._drop(sel, p, "could not send AuthChallenge")
+            self.handshakes.end(sel, p, "could not send AuthChallenge")
             return
         p.reader = _reader_for(AuthProof, self.max_frame)
 
@@ -275,7 +307,7 @@ class Admission:
         expected = auth.worker_proof(self.token, p.join.extensions[Extension.AUTH],
                                      p.coordinator_nonce)
         if not auth.proof_matches(expected, bytes(msg.proof)):
-            self._drop(sel, p, "wrong token (its proof did not match)",
+            self.handshakes.end(sel, p, "wrong token (its proof did not match)",
                        (RefusalReason.AUTH_FAILED, "authentication failed"))
             return
         self._admit(sel, p)
@@ -296,9 +328,9 @@ class Admission:
         reply = JoinAccepted(worker_id=worker_id, total_workers=self.expect_workers,
                              extensions=granted if offered is not None else None)
         if not _send_small(p.sock, reply):
-            self._drop(sel, p, "could not send JoinAccepted")
+            self.handshakes.end(sel, p, "could not send JoinAccepted")
             return
-        del self.pending[p.sock]
+        del self.handshakes.pending[p.sock]
         admitted = Admitted(p.sock, p.address, p.join, granted, worker_id)
         sel.modify(p.sock, selectors.EVENT_READ, admitted)
         self.slots[worker_id] = admitted
@@ -339,93 +371,44 @@ class Refuser:
     """After the join: refuses every connection on a thread of its own, so a
     late or surplus worker learns at once that it cannot join."""
 
-    def __init__(self, listener: socket.socket, pending: Mapping[socket.socket, _Pending], *,
-                 detail: str, handshake_timeout: float, max_frame: int) -> None:
-        self.listener = listener
-        self.detail = detail
-        self.handshake_timeout = handshake_timeout
-        self.max_frame = max_frame
-        self.pending: Dict[socket.socket, _Pending] = dict(pending)
-        for p in self.pending.values():
+    def __init__(self, handshakes: _Handshakes, *, detail: str) -> None:
+        self.handshakes = handshakes
+        self.refusal = (RefusalReason.TRAINING, detail)
+        # those still handshaking when the slots filled: there is no slot left
+        for p in list(handshakes.pending.values()):
             p.refusal = (RefusalReason.FULL, "every worker slot is taken")
+            if p.join is not None:  # past its JoinRequest: it hears at once
+                handshakes.end(None, p, "every worker slot is taken")
         self._stop = threading.Event()
-        # those already past their JoinRequest hear at once
-        for p in [p for p in self.pending.values() if p.join is not None]:
-            self._refuse(None, p, "every worker slot is taken")
         self._thread = threading.Thread(target=self._run, name="ddpwire-refuser", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the thread and close what it still holds (not the listener)."""
+        """Stop the thread, closing what it still holds (not the listener)."""
         self._stop.set()
         self._thread.join(timeout=5.0)
 
     def _run(self) -> None:
+        hs = self.handshakes
         sel = selectors.DefaultSelector()
         try:
-            sel.register(self.listener, selectors.EVENT_READ, None)
-            for p in self.pending.values():
+            sel.register(hs.listener, selectors.EVENT_READ, None)
+            for p in hs.pending.values():
                 sel.register(p.sock, selectors.EVENT_READ, p)
             while not self._stop.is_set():
                 for key, _ in sel.select(0.2):
                     if key.data is None:
-                        self._accept(sel)
-                    else:
-                        self._on_readable(sel, key.data)
-                now = time.monotonic()
-                for p in [p for p in self.pending.values() if now >= p.deadline]:
-                    self._refuse(sel, p, "no JoinRequest within the handshake timeout")
+                        hs.accept(sel, refusal=self.refusal)
+                        continue
+                    p = key.data
+                    for msg in hs.read(sel, p):
+                        if isinstance(msg, JoinRequest):
+                            p.join = msg
+                        hs.end(sel, p, p.refusal[1] if p.refusal else self.refusal[1])
+                        break
+                hs.expire(sel, time.monotonic())
         except (OSError, ValueError) as exc:  # the listener was closed under us
             log.debug("refuser stopped: %s", exc)
         finally:
-            for p in list(self.pending.values()):
-                _close(p.sock)
+            hs.close_all()
             sel.close()
-
-    def _accept(self, sel: selectors.BaseSelector) -> None:
-        while True:
-            try:
-                sock, addr = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            sock.setblocking(False)
-            if len(self.pending) >= MAX_PENDING:
-                log.warning("refused a connection from %s:%s: training (%s)", addr[0], addr[1],
-                            self.detail)
-                _close(sock)
-                continue
-            p = _Pending(sock, addr[:2], time.monotonic() + self.handshake_timeout,
-                         _reader_for(JoinRequest, self.max_frame),
-                         refusal=(RefusalReason.TRAINING, self.detail))
-            self.pending[sock] = p
-            sel.register(sock, selectors.EVENT_READ, p)
-
-    def _on_readable(self, sel: selectors.BaseSelector, p: _Pending) -> None:
-        try:
-            data = p.sock.recv(4096)
-            messages = p.reader.feed(data) if data else []
-        except (BlockingIOError, InterruptedError):
-            return
-        except (OSError, DdpwireError) as exc:
-            self._refuse(sel, p, str(exc))
-            return
-        if not data:
-            self._refuse(sel, p, "disconnected")
-            return
-        for msg in messages:
-            if isinstance(msg, JoinRequest):
-                p.join = msg
-            self._refuse(sel, p, p.refusal[1] if p.refusal else self.detail)
-            return
-
-    def _refuse(self, sel: Optional[selectors.BaseSelector], p: _Pending, why: str) -> None:
-        log.warning("refused a connection from %s: %s", p.name, why)
-        if p.join is not None and p.join.extensions is not None and p.refusal is not None:
-            _send_small(p.sock, JoinRefused(reason=int(p.refusal[0]), detail=p.refusal[1]))
-        self.pending.pop(p.sock, None)
-        if sel is not None:
-            try:
-                sel.unregister(p.sock)
-            except (KeyError, ValueError):
-                pass
-        _close(p.sock)

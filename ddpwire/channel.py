@@ -121,9 +121,11 @@ class Channel:
         raise UnexpectedMessage(names, message_name(obj), worker_id=self.peer_id, step=step)
 
     def recv_gradients(self, head: "_core.FrameHead", out: Optional[np.ndarray], *,
-                       step: Optional[int] = None) -> Tuple[np.ndarray, Any]:
+                       step: Optional[int] = None) -> Tuple[np.ndarray, Any, Optional[int]]:
         """Receive the elements announced by ``head`` into ``out`` (allocated
-        when None) and then the fields after them. Returns (gradients, tail)."""
+        when None) and then the fields after them. Returns (gradients, tail,
+        the index of the first non-finite element or None), the elements
+        checked in the same pass that receives them."""
         count = head.gradient_count
         if out is None:
             out = np.empty(count, dtype=np.float32)
@@ -132,10 +134,10 @@ class Channel:
             self.close()
             raise GradientMismatch("gradients length", len(out), count,
                                    worker_id=self.peer_id, step=step)
-        self.conn.recv_into(out, self.read_timeout, step=step,
-                            what=f"receiving {head.message_type}.gradients")
+        bad = self.conn.recv_into(out, self.read_timeout, check_finite=True, step=step,
+                                  what=f"receiving {head.message_type}.gradients")
         tail = _core.read_tail(self.conn, head, self.read_timeout, step=step)
-        return out, tail
+        return out, tail, bad
 
     def close(self) -> None:
         self.conn.close()

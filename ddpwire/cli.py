@@ -1,22 +1,27 @@
-"""The ``ddpwire`` command: ``coordinator``, ``worker`` and ``demo``.
+"""The ddpwire command: coordinator, worker and demo.
 
-``ddpwire coordinator`` needs no torch; ``ddpwire worker`` and the demo's
-workers need the ``[torch]`` extra.
+`ddpwire coordinator` needs no torch; `ddpwire worker` and the demo's
+workers need the [torch] extra.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 from typing import List, Optional
 
+from ._version import __version__
+from .auth import TOKEN_ENV, load_token
 from .coordinator import Coordinator
 from .errors import DdpwireError
 from .launch import from_environment, parse_addr
-from .progress import ProgressBar
+from .progress import ProgressBar, break_line
 from .serve import serve
+from .threads import default_threads
+from .torch_check import require_torch
 
 __all__ = ["main"]
 
@@ -27,6 +32,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a peer may stay silent before it counts as lost (default 120)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def _token(p: argparse.ArgumentParser) -> None:
+    # a file or the environment, never the token itself: command lines are
+    # visible to every user of the machine
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help=f"file holding the shared token: only workers that prove they know it "
+                        f"join, and they check the coordinator knows it too (default: "
+                        f"${TOKEN_ENV} if set, else no token)")
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -46,10 +60,16 @@ def _worker_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="cuda, cuda:N, mps or cpu (default: CUDA, else MPS, else CPU; env DDPWIRE_DEVICE)")
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker process (default: the usable cores divided by "
+                        "the workers on this machine, unless OMP_NUM_THREADS is set; 0 leaves "
+                        "torch's own default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddpwire", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ddpwire", description="Data-parallel training over plain TCP: a coordinator and its workers.")
+    parser.add_argument("--version", action="version", version=f"ddpwire {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run a standalone coordinator (no torch needed)")
@@ -61,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream each step on a receiving and a sending thread per worker: on, off, "
                         "or auto (default: on for gradients of 1 MiB or more with a core per worker "
                         "plus one)")
+    c.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds one connection has to complete its join handshake (default 10)")
+    _token(c)
     _training(c)
     _common(c)
 
@@ -69,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordinator HOST:PORT (default under torchrun: MASTER_ADDR, MASTER_PORT+1)")
     w.add_argument("--node-id", default=None, help="name reported to the coordinator")
     w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
+    _token(w)
     _worker_model(w)
     _training(w)
     _common(w)
@@ -86,18 +110,24 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
     with Coordinator((host, port), expect_workers=args.workers, timeout=args.timeout,
                      join_timeout=getattr(args, "join_timeout", 600.0),
-                     socket_threads=socket_threads) as coord:
+                     handshake_timeout=getattr(args, "handshake_timeout", 10.0),
+                     socket_threads=socket_threads, samples_per_step=args.samples,
+                     token=load_token(getattr(args, "token_file", None))) as coord:
         h, p = coord.local_addr
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()
         bar = ProgressBar(args.steps)
-        serve(coord, steps=args.steps, total_samples=args.samples, per_block=args.per_block,
-              num_blocks=args.blocks, on_step=bar.update)
+        try:
+            serve(coord, steps=args.steps, total_samples=args.samples, per_block=args.per_block,
+                  num_blocks=args.blocks, on_step=bar.update)
+        finally:
+            bar.close()
         log.info("done: %d steps, %.0f samples/s", args.steps, bar.throughput)
         return []
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    require_torch("ddpwire worker")
     from .torch.job import train_worker  # torch only here
 
     launch = from_environment(args.connect)
@@ -118,10 +148,19 @@ def run_worker(args: argparse.Namespace) -> int:
     if node_id is None and launch.rank is not None:
         import socket
         node_id = f"{socket.gethostname()}-rank{launch.rank}"
+    join_turn = None
+    if launch.rank is not None and launch.world_size is not None:
+        # worker ids are the order of joining: join in rank order so id == rank
+        from .torch.rank_order import RankOrder
+        join_turn = RankOrder.from_environment(launch.rank, launch.world_size, args.timeout)
+    # torchrun's LOCAL_WORLD_SIZE workers share this machine's cores
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    threads = default_threads(local) if args.threads is None else args.threads
     report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           device=args.device, node_id=node_id, timeout=args.timeout,
-                          seed=args.seed)
+                          seed=args.seed, threads=threads, join_turn=join_turn,
+                          token=load_token(args.token_file))
     if hosted is not None:
         hosted.join(args.timeout)
         if failure:
@@ -130,8 +169,21 @@ def run_worker(args: argparse.Namespace) -> int:
         with open(args.report, "w") as f:
             json.dump(report.to_dict(), f)
     else:
-        print(json.dumps(report.to_dict()))
+        write_line(json.dumps(report.to_dict(per_step=False)))
     return 0
+
+
+def write_line(text: str) -> None:
+    """One line on stdout in a single write(2): under torchrun every rank
+    shares one pipe and runs `python -u`, where print() writes the text and
+    then its newline: two ranks' lines could land on one. A pipe keeps a write
+    of up to PIPE_BUF bytes (512 or more; 4096 on Linux) whole, and the
+    report line stays well under that."""
+    sys.stdout.flush()
+    data = (text + "\n").encode()
+    fd = sys.stdout.fileno()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _model(args: argparse.Namespace) -> str:
@@ -155,8 +207,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .demo import run_demo
         return run_demo(args, model=_model(args))
     except (DdpwireError, OSError, ValueError) as exc:
+        break_line()
         print(f"ddpwire: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        break_line()
         print("ddpwire: interrupted", file=sys.stderr)
         return 130

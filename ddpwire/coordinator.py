@@ -224,9 +224,8 @@ class Coordinator:
                            max_frame=self.max_frame, heartbeat_timeout=self.heartbeat_timeout)
             self._channels.append(chan)
             self.workers.append(a.info())
-        self._refuser = Refuser(self._listener, self._admission.pending,
-                                detail=f"training has started with {self.expect_workers} workers",
-                                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame)
+        self._refuser = Refuser(self._admission.handshakes,
+                                detail=f"training has started with {self.expect_workers} workers")
         self._admission = None
         if self.heartbeat and self._heartbeat_thread is None:
             self._heartbeat_thread = threading.Thread(
@@ -248,15 +247,13 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
+        # the heartbeat thread may be inside a send on a connection closed
+        # below: Connection.close() then waits for it to leave the descriptor
         self._stop.set()
-        if self._heartbeat_thread is not None:
-            # it may be inside a send on a connection about to close
-            self._heartbeat_thread.join(timeout=self.timeout)
         if self._refuser is not None:
             self._refuser.close()
         if self._admission is not None:
-            for p in self._admission.pending.values():
-                p.sock.close()
+            self._admission.handshakes.close_all()
             for slot in self._admission.slots:
                 if slot is not None:
                     slot.sock.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import math
 import os
 import socket
 import threading
@@ -20,7 +21,7 @@ import numpy as np
 
 from . import _core, auth
 from . import socket_threads as _socket_threads
-from ._core import encode_frame_parts, first_non_finite
+from ._core import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name
 from .errors import (
     AuthenticationFailed,
@@ -60,11 +61,14 @@ _RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
 
 
-def _dial(addr: Tuple[str, int], deadline: float) -> socket.socket:
-    """Connect, retrying while the coordinator is not up yet, until the deadline."""
+def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> socket.socket:
+    """Connect, retrying while the coordinator is not up yet, until the deadline;
+    says at the first failure and then every ``report_every`` seconds what it
+    waits for and how long is left."""
     host, port = addr
     delay = 0.05
     last: Optional[BaseException] = None
+    next_report = time.monotonic()
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -80,6 +84,12 @@ def _dial(addr: Tuple[str, int], deadline: float) -> socket.socket:
             if exc.errno not in _RETRYABLE:
                 raise
             last = exc
+        now = time.monotonic()
+        if now >= next_report:
+            why = last.strerror if isinstance(last, OSError) and last.strerror else "timed out"
+            log.info("coordinator at %s:%d not reachable yet (%s); retrying, %d s left",
+                     host, port, why, math.ceil(max(0.0, deadline - now)))
+            next_report = now + report_every
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 1.0)
 
@@ -213,8 +223,11 @@ class Worker:
         chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
                        lost=CoordinatorLost, max_frame=max_frame)
         try:
+            # Always a block, empty when there is nothing to offer: the
+            # reference coordinator ignores it, and a ddpwire one then knows
+            # it may tell this worker why it is refused.
             chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
-                                  extensions=offer or None))
+                                  extensions=offer))
             accepted = _await_admission(chan, secret, nonce)
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
@@ -346,16 +359,18 @@ class Worker:
         if head.step != step:
             raise GradientMismatch("step", step, head.step, **ctx)
         tail = bytearray(head.tail_len)
-        exchange.recv_into(out, tail, what="receiving AveragedGradient.gradients")
-        self._check_finite(out, step)
+        bad = exchange.recv_into(out, tail, what="receiving AveragedGradient.gradients",
+                                 check_finite=True)
+        self._refuse_non_finite(out, bad, step)
         return _core.decode_tail(head.tag, bytes(tail))[3]
 
-    def _check_finite(self, average: np.ndarray, step: Optional[int]) -> None:
-        """A coordinator must never send a non-finite average; applying one
-        would ruin the model, so it is an error here too."""
-        index = first_non_finite(average)
-        if index is not None:
-            raise NonFiniteGradient(self._worker_id, index, float(average[index]),
+    def _refuse_non_finite(self, average: np.ndarray, bad: Optional[int],
+                           step: Optional[int]) -> None:
+        """A coordinator must never send a non-finite average (the receive
+        checked each element as it landed); applying one would ruin the
+        model, so it is an error here too."""
+        if bad is not None:
+            raise NonFiniteGradient(self._worker_id, bad, float(average[bad]),
                                     worker_id=self._worker_id, step=step, source="average")
 
     # ---- per-block steps (v2) ----
@@ -409,8 +424,8 @@ class Worker:
         if owed is not None:
             self._owed.popleft()
             self._check_owed(owed, expected, head)
-        gradients, tail = self._chan.recv_gradients(head, out, step=head.step)
-        self._check_finite(gradients, head.step)
+        gradients, tail, bad = self._chan.recv_gradients(head, out, step=head.step)
+        self._refuse_non_finite(gradients, bad, head.step)
         if expected is AveragedGradient:
             return AveragedGradient(step=head.step, gradients=gradients, global_loss=tail[3])
         if expected is AveragedBlockGradient:

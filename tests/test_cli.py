@@ -1,20 +1,30 @@
 """The ddpwire command: demo, standalone coordinator, worker, torchrun launch, errors."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 
+import ddpwire
+from ddpwire import cli
 from ddpwire.launch import Launch, from_environment, parse_addr
 from ddpwire.progress import ProgressBar
 from ddpwire.serve import StepReport
+from ddpwire.threads import default_threads, threads_per_worker, usable_cores
 
 PY = [sys.executable, "-m", "ddpwire"]
+
+# the worker side and the demo train with torch (the [torch] extra); a wheel
+# tested without it (cibuildwheel) runs the rest
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="needs the [torch] extra (PyTorch, scikit-learn)")
 
 
 def free_port() -> int:
@@ -27,41 +37,171 @@ def run(args, timeout=240, **kw):
     return subprocess.run(PY + args, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+@needs_torch
 def test_demo_trains_two_workers_to_identical_weights():
-    proc = run(["demo", "--workers", "2", "--steps", "6", "--samples", "128"])
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = run(["demo", "--workers", "2", "--steps", "6", "--samples", "128"], env=env)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "step 6/6" in out and "allreduce" in out and "loss" in out and "acc" in out
     assert "held-out accuracy" in out and "samples/s" in out
     assert "weights identical on all 2 workers" in out
+    # two workers share the cores instead of each taking them all
+    assert out.splitlines()[0].endswith(f"torch threads per worker: {threads_per_worker(2)}")
 
 
+@needs_torch
+def test_per_block_demo_shows_loss_and_accuracy():
+    proc = run(["demo", "--workers", "2", "--steps", "4", "--samples", "64", "--per-block"])
+    assert proc.returncode == 0, proc.stderr
+    curve = [line for line in proc.stdout.splitlines() if "train loss" in line]
+    assert curve and curve[-1].startswith("step 4/4")
+    assert all(" acc " in line and "%" in line for line in curve)
+    assert "weights identical on all 2 workers" in proc.stdout
+
+
+@needs_torch
+def test_demo_stops_when_a_worker_process_dies():
+    # no CUDA here: the workers exit at once; the demo must say so, not wait
+    # out its join timeout and then report that nobody joined
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA, where --device cuda fails")
+    proc = run(["demo", "--workers", "2", "--steps", "3", "--device", "cuda", "--timeout", "3600"])
+    assert proc.returncode == 1
+    assert "ddpwire: error: worker process" in proc.stderr
+    assert "before training ended" in proc.stderr
+    assert "joined within" not in proc.stderr
+
+
+@needs_torch
+def test_ctrl_c_in_the_demo_says_interrupted_once():
+    # as a terminal's Ctrl-C does: SIGINT to the demo's whole process group
+    demo = subprocess.Popen(PY + ["demo", "--workers", "3", "--steps", "100000000", "--samples", "48"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in demo.stderr:  # the demo logs each worker once all have joined
+            if "worker 2:" in line:
+                break
+        else:
+            pytest.fail("the demo ended before its workers joined: " + demo.stdout.read())
+        os.killpg(demo.pid, signal.SIGINT)
+        out, err = demo.communicate(timeout=120)
+    finally:
+        demo.kill()
+    assert demo.returncode == 130
+    assert (out + err).count("interrupted") == 1, err
+
+
+def test_version_is_the_package_version():
+    proc = run(["--version"])
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"ddpwire {ddpwire.__version__}"
+
+
+@pytest.mark.parametrize("command", [[], ["coordinator"], ["worker"], ["demo"]])
+def test_help_has_no_markup(command):
+    proc = run([*command, "--help"])
+    assert proc.returncode == 0 and "usage: ddpwire" in proc.stdout
+    assert "`" not in proc.stdout
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_an_error_starts_on_a_fresh_line(capsys):
+    term = FakeTerminal()
+    bar = ProgressBar(10, stream=term)
+    bar.update(StepReport(0, 1.0, 0.5, 32, 0.001, 0.01))
+    assert not term.getvalue().endswith("\n")
+    assert cli.main(["coordinator", "--bind", "nohost", "--workers", "1"]) == 1
+    assert term.getvalue().endswith("\n") and term.getvalue().count("\n") == 1
+    assert "ddpwire: error: bad address" in capsys.readouterr().err
+    bar.close()  # a finished line is not broken twice
+    assert term.getvalue().count("\n") == 1
+
+
+def test_missing_torch_is_one_line_with_the_install_hint():
+    code = ("import sys; sys.modules['torch'] = None; from ddpwire.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    for command in (["worker", "--connect", "127.0.0.1:9"], ["demo", "--workers", "2"]):
+        proc = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"ddpwire: error: ddpwire {command[0]} needs PyTorch")
+        assert "pip install 'ddpwire[torch]'" in lines[0] and "whl/cpu" in lines[0]
+
+
+@needs_torch
+def test_a_retrying_worker_says_what_it_waits_for():
+    port = free_port()
+    proc = run(["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "2"])
+    assert proc.returncode == 1
+    assert f"coordinator at 127.0.0.1:{port} not reachable yet" in proc.stderr
+    assert "s left" in proc.stderr
+
+
+def test_threads_per_worker_split_the_cores():
+    cores = usable_cores()
+    assert threads_per_worker(1) == cores
+    assert threads_per_worker(cores) == 1
+    assert threads_per_worker(cores * 4) == 1
+    assert threads_per_worker(2) == max(1, cores // 2)
+    with pytest.raises(ValueError):
+        threads_per_worker(0)
+    # OMP_NUM_THREADS (torchrun sets it) is left to torch; else the split
+    assert default_threads(2, {"OMP_NUM_THREADS": "3"}) == 0
+    assert default_threads(2, {}) == threads_per_worker(2)
+
+
+@needs_torch
 def test_standalone_coordinator_and_workers(tmp_path):
     port = free_port()
+    token = tmp_path / "token"
+    token.write_text("a-shared-secret-for-this-test\n")
     # socket threads forced on: the default would not use them for the demo's small model
     coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
                                    "--steps", "3", "--samples", "64", "--timeout", "60",
-                                   "--socket-threads", "on"],
+                                   "--socket-threads", "on", "--token-file", str(token)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    reports = [tmp_path / f"w{i}.json" for i in range(2)]
-    workers = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--samples", "64",
-                                      "--report", str(r), "--timeout", "60"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for r in reports]
+    worker = PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60"]
+    env = {k: v for k, v in os.environ.items() if k != "DDPWIRE_TOKEN"}
     try:
+        # refused before they take a slot, each with one line saying why
+        no_token = run(worker[len(PY):] + ["--samples", "64"], env=env)
+        wrong_samples = run(worker[len(PY):] + ["--samples", "32", "--token-file", str(token)], env=env)
+        reports = [tmp_path / f"w{i}.json" for i in range(2)]
+        # one worker reads the token file, the other $DDPWIRE_TOKEN
+        workers = [subprocess.Popen(worker + ["--samples", "64", "--report", str(r)] + how,
+                                    env=dict(env, **extra), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+                   for r, how, extra in zip(reports, [["--token-file", str(token)], []],
+                                            [{}, {"DDPWIRE_TOKEN": token.read_text().strip()}])]
         for p in workers + [coord]:
             p.wait(timeout=240)
     finally:
-        for p in workers + [coord]:
+        for p in [coord] + (workers if "workers" in locals() else []):
             p.kill()
+    assert no_token.returncode == 1
+    assert no_token.stderr.strip().splitlines()[-1].startswith("ddpwire: error: ")
+    assert "requires a token" in no_token.stderr
+    assert wrong_samples.returncode == 1
+    assert "samples per step differ: coordinator 64, worker 32" in wrong_samples.stderr
     assert coord.returncode == 0, coord.stderr.read()
     assert all(p.returncode == 0 for p in workers)
     results = [json.loads(r.read_text()) for r in reports]
     assert sorted(r["worker_id"] for r in results) == [0, 1]
     assert all(r["steps"] == 3 for r in results)
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+    assert "a-shared-secret" not in " ".join(coord.args)
 
 
+@needs_torch
 def test_torchrun_rank0_hosts_the_coordinator():
     # `python -m torch.distributed.run` is what the torchrun script runs
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
@@ -70,13 +210,17 @@ def test_torchrun_rank0_hosts_the_coordinator():
                            "--steps", "3", "--samples", "64", "--timeout", "60", "--log-level", "WARNING"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # every rank's report is one whole line of its own
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 2
     assert sorted(r["worker_id"] for r in results) == [0, 1]
-    assert "rank0" in " ".join(r["node_id"] for r in results)
+    # ranks join in order, so worker id and node name agree
+    for r in results:
+        assert r["node_id"].endswith(f"-rank{r['worker_id']}"), results
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
 
 
+@needs_torch
 def test_refused_connection_is_one_clear_line():
     proc = run(["worker", "--connect", f"127.0.0.1:{free_port()}", "--timeout", "0.5"])
     assert proc.returncode == 1
@@ -84,6 +228,7 @@ def test_refused_connection_is_one_clear_line():
     assert "Traceback" not in proc.stderr
 
 
+@needs_torch
 def test_wrong_address_is_one_clear_line():
     proc = run(["worker", "--connect", "no-such-host.invalid:29400", "--timeout", "5"])
     assert proc.returncode == 1
@@ -141,3 +286,16 @@ def test_progress_bar_off_a_terminal_prints_a_tenth_of_the_steps():
     assert lines[-1].startswith("step 20/20 [########################]")
     assert "loss 0.0500" in lines[-1] and "acc  50.0%" in lines[-1] and "allreduce   1.00 ms" in lines[-1]
     assert bar.throughput > 0
+
+
+def test_report_line_goes_out_in_one_write(monkeypatch, tmp_path):
+    # torchrun starts every rank with `python -u`: unbuffered, print() writes
+    # the text and then its newline, and two ranks' lines could merge
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
+    with open(tmp_path / "out", "w") as f:
+        monkeypatch.setattr(sys, "stdout", f)
+        cli.write_line('{"worker_id": 1}')
+    assert writes == [b'{"worker_id": 1}\n']
+    assert (tmp_path / "out").read_text() == '{"worker_id": 1}\n'

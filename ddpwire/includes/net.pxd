@@ -7,6 +7,12 @@ cdef extern from "<sys/uio.h>":
         size_t iov_len
 
 cdef extern from "net.h" nogil:
+    ctypedef struct ddpw_finite_watch:
+        const uint8_t *base
+        size_t len
+        size_t checked
+        int64_t bad
+
     enum:
         DDPW_NET_OK
         DDPW_NET_TIMEOUT
@@ -17,14 +23,16 @@ cdef extern from "net.h" nogil:
         DDPW_NET_NONFINITE
 
     int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
-                           int timeout_ms, int64_t deadline_ms, int *err)
+                           int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch,
+                           int *err)
     int64_t ddpw_net_now_ms()
     int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err)
     int ddpw_net_send_iov(int fd, const iovec *iov, int iovcnt, size_t *done,
                          int timeout_ms, int *err)
     int ddpw_net_exchange(int fd, const iovec *out_iov, int out_cnt, size_t *sent,
                          const iovec *in_iov, int in_cnt, size_t *received,
-                         int timeout_ms, int64_t deadline_ms, int *err)
+                         int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch,
+                         int *err)
     int ddpw_net_send_many(const int *fds, size_t n, const iovec *iov, int iovcnt,
                           size_t *done, int timeout_ms, size_t *failed, int *err)
 

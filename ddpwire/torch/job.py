@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,6 +18,8 @@ from ..worker import Worker
 from .data import ArrayDataset, digits_split, token_sequences
 from .device import choose_device
 from .models import DigitsMLP, TinyTransformer
+from .rank_order import RankOrder
+from ..threads import apply_threads
 from .trainer import DataParallelTrainer, evaluate
 
 __all__ = ["WorkerReport", "build_task", "weights_digest", "train_worker"]
@@ -37,9 +39,21 @@ class WorkerReport:
     held_out_accuracy: float
     weights_sha256: str
     mean_exposed_comm_s: float
+    threads: int = 0
+    # per step, this worker's shard: mean loss, correct and total samples
+    # (the per-block protocol carries no loss, so the demo reads them here)
+    train_loss: List[float] = field(default_factory=list)
+    train_correct: List[int] = field(default_factory=list)
+    train_total: List[int] = field(default_factory=list)
 
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+    def to_dict(self, per_step: bool = True) -> Dict[str, Any]:
+        """The report as JSON-ready values; ``per_step=False`` leaves out the
+        per-step lists, for a line that stays short however long the run."""
+        d = asdict(self)
+        if not per_step:
+            for key in ("train_loss", "train_correct", "train_total"):
+                del d[key]
+        return d
 
 
 def build_task(model: str, *, seed: int = 0, blocks: int = 4) -> Tuple[nn.Module, ArrayDataset, ArrayDataset]:
@@ -79,15 +93,30 @@ def train_worker(
     node_id: Optional[str] = None,
     timeout: float = 120.0,
     seed: int = 0,
+    threads: int = 0,
+    join_turn: Optional[RankOrder] = None,
+    token: Optional[bytes] = None,
 ) -> WorkerReport:
-    """Join the coordinator at ``addr`` and train until it shuts training down."""
+    """Join the coordinator at ``addr`` and train until it shuts training down.
+
+    ``threads``: torch's intra-op threads (0 keeps torch's default).
+    ``join_turn``: under torchrun, join only after the previous rank did.
+    ``token``: authenticate both ways (docs/security.md)."""
+    used_threads = apply_threads(threads)
     choice = choose_device(device)
     net, train, held = build_task(model, seed=seed, blocks=blocks)
     net = net.to(choice.device)
     # plain SGD with momentum: deterministic, so equal averages keep equal weights
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    if join_turn is not None:
+        join_turn.wait_turn()
+    # samples_per_step goes along so that a coordinator given another value
+    # refuses this worker instead of training a different model
     worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
-                            node_id=node_id, timeout=timeout)
+                            node_id=node_id, timeout=timeout, token=token,
+                            samples_per_step=samples_per_step)
+    if join_turn is not None:
+        join_turn.joined()
     with worker:
         trainer = DataParallelTrainer(worker, net, optimizer, train, device=choice.device,
                                       samples_per_step=samples_per_step, seed=seed,
@@ -102,7 +131,10 @@ def train_worker(
             worker_id=worker.worker_id, node_id=worker.node_id, backend=choice.backend,
             steps=len(results), held_out_loss=loss, held_out_accuracy=accuracy,
             weights_sha256=weights_digest(net),
-            mean_exposed_comm_s=sum(exposed) / len(exposed) if exposed else 0.0)
+            mean_exposed_comm_s=sum(exposed) / len(exposed) if exposed else 0.0,
+            threads=used_threads,
+            train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
+            train_total=[r.total for r in results])
     log.info("worker %d done: %d steps, held-out accuracy %.1f%%", report.worker_id,
              report.steps, 100 * accuracy)
     return report

@@ -1,0 +1,125 @@
+"""One averaging step over an emulated cluster: ddpwire's star against gloo's ring.
+
+Every machine is a network namespace whose link to a common bridge is
+shaped with tc tbf in both directions (see cluster/plan.py and
+cluster/shaping.py); the coordinator has a namespace of its own and each
+worker (and gloo rank) one of its own. Needs root and iproute2; skips
+otherwise. Not part of the default test run (testpaths = tests):
+
+    python -m pytest bench/cluster/test_bench_cluster.py \\
+        --benchmark-json=docs/cluster-1g.json
+    DDPWIRE_CLUSTER_COORD_RATE=10gbit DDPWIRE_CLUSTER_SIZES=16 \\
+        python -m pytest bench/cluster/test_bench_cluster.py \\
+        --benchmark-json=docs/cluster-10g-coord.json
+    python bench/cluster/report.py docs/cluster-1g.json docs/cluster-10g-coord.json
+    python bench/cluster/plot.py docs/cluster.png docs/cluster-1g.json docs/cluster-10g-coord.json
+
+Parameters (environment): DDPWIRE_CLUSTER_SIZES (MiB, default "16,64"),
+DDPWIRE_CLUSTER_WORKERS ("2,4"), DDPWIRE_CLUSTER_COORD_RATE and
+DDPWIRE_CLUSTER_WORKER_RATE (tc rates, default "1gbit"),
+DDPWIRE_CLUSTER_ROUNDS (timed steps per case, default 3, after one warm-up)
+and DDPWIRE_CLUSTER_KINDS (default "ddpwire,ddpwire-classic,gloo"; also
+"ddpwire-threads" and "ddpwire-auto", the latter socket_threads=None).
+
+Per size, a raw TCP transfer from worker 0's namespace to the
+coordinator's ("tcp") checks that the shaping gives the rate asked for.
+The time of a step is from the first worker's start to the last worker
+holding the average (the workers' CLOCK_MONOTONIC stamps), as in
+bench/test_bench_allreduce.py, whose process bodies run here unchanged.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import statistics
+
+import pytest
+
+from . import net, params, plan, shaping
+from .nodes import ClusterGroup
+
+MiB = 1 << 20
+WARMUP = 1
+
+try:
+    PARAMS = params.ClusterParams.from_env(os.environ)
+except ValueError as exc:
+    raise pytest.UsageError(str(exc))
+
+CASES = []
+for _mib in PARAMS.sizes_mib:
+    CASES.append(pytest.param("tcp", 1, _mib, id=f"{_mib}MiB-tcp"))
+    for _n in PARAMS.workers:
+        for _kind in PARAMS.kinds:
+            CASES.append(pytest.param(_kind, _n, _mib, id=f"{_mib}MiB-N{_n}-{_kind}"))
+
+
+@pytest.fixture(scope="session")
+def cluster_plan():
+    """The emulated network for the whole run, removed at the end whatever happens."""
+    reason = net.why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    p = plan.make_plan(PARAMS.max_workers, PARAMS.coord_rate, PARAMS.worker_rate)
+    cluster = net.Cluster(p)
+    try:
+        cluster.__enter__()
+    except net.NetworkUnavailable as exc:
+        pytest.skip(f"cannot build the emulated cluster: {exc}")
+    # should the fixture's teardown itself be skipped (a second Ctrl-C)
+    atexit.register(cluster.close)
+    try:
+        yield p
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("kind,n,size_mib", CASES)
+def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
+    if kind == "gloo" and importlib.util.find_spec("torch") is None:
+        pytest.skip("gloo needs torch")
+    size = size_mib * MiB
+    rounds = PARAMS.rounds
+    benchmark.group = f"{size_mib} MiB"
+    group = ClusterGroup(kind, n, size, WARMUP + rounds, cluster_plan)
+    try:
+        benchmark.pedantic(group.step, rounds=rounds, warmup_rounds=WARMUP, iterations=1)
+        # --benchmark-disable runs the target once; the coordinator still expects every step
+        while len(group.step_stamps) < WARMUP + rounds:
+            group.step()
+    except BaseException:
+        group.kill()
+        raise
+    summary = group.stop()
+    spans = group_spans(group)
+    median = statistics.median(spans)
+    coord_rate, worker_rate = PARAMS.coord_rate, PARAMS.worker_rate
+    info = benchmark.extra_info
+    info.update(kind=kind, workers=n, size_bytes=size, rounds=rounds, warmup=WARMUP,
+                step_spans=spans, step_span_median=median,
+                coord_rate_bps=coord_rate, worker_rate_bps=worker_rate,
+                tbf_burst_coord=shaping.burst_bytes(coord_rate),
+                tbf_burst_worker=shaping.burst_bytes(worker_rate),
+                tbf_latency_ms=shaping.LATENCY_MS)
+    if kind == "tcp":
+        # worker 0's link out, then the coordinator's link in
+        info["path_rate_bps"] = min(coord_rate, worker_rate)
+        info["goodput_bps"] = size * 8 / median
+        info["shaping_accuracy"] = info["goodput_bps"] / info["path_rate_bps"]
+        return
+    assert all(w["average_ok"] for w in summary["workers"]), summary["workers"]
+    # the star: every worker's vector into the coordinator, the average out to each
+    info["coord_link_bytes_each_way"] = n * size
+    info["coord_link_utilisation"] = n * size * 8 / median / coord_rate
+    coord = summary["coordinator"]
+    if coord is not None:
+        assert coord["average_ok"], "the coordinator's average is wrong"
+        info["coordinator_step_times"] = [(e - s) / 1e9 for s, _, e in coord["times"][WARMUP:]]
+
+
+def group_spans(group: ClusterGroup):
+    """Seconds from the first worker's start to the last one's end, timed steps only."""
+    import allreduce_procs
+
+    return allreduce_procs.step_spans(group.step_stamps[WARMUP:])

@@ -1,0 +1,264 @@
+"""The join under hostile clients: silent, trickling, garbage and oversized
+connections beside real workers; slots freed by workers that leave; surplus
+and late workers refused at once; bounded memory before admission."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import ddpwire
+from ddpwire import Coordinator, Worker, encode_frame
+from ddpwire.extensions import RefusalReason
+
+from session_helpers import recv_exact, spawn
+
+ADDR = ("127.0.0.1", 0)
+
+
+def connect(coord) -> socket.socket:
+    return socket.create_connection(coord.local_addr, timeout=10)
+
+
+def worker(coord, **kw):
+    return spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", timeout=10, **kw))
+
+
+def peer_closed(sock: socket.socket, within: float = 10.0) -> bool:
+    """True once the coordinator has closed its end (EOF or reset)."""
+    sock.settimeout(within)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_silent_and_trickling_clients_do_not_hold_up_the_join():
+    """Two silent clients and one trickling a JoinRequest connect first; the
+    two real workers still join, while the stray clients are still there
+    (their handshake_timeout is far longer than the join took)."""
+    stop = threading.Event()
+    with Coordinator(ADDR, expect_workers=2, handshake_timeout=120, join_timeout=60) as coord:
+        silent = [connect(coord), connect(coord)]
+        trickler = connect(coord)
+        frame = encode_frame(ddpwire.JoinRequest(node_id="slow" * 50, gpu_count=0, backend="cpu"))
+
+        def trickle():
+            for b in frame[:-1]:
+                if stop.wait(0.05):
+                    return
+                try:
+                    trickler.send(bytes([b]))
+                except OSError:
+                    return
+        t = spawn(trickle)
+        time.sleep(0.2)  # the strays are accepted first
+        workers = [worker(coord), worker(coord)]
+        infos = coord.wait_for_workers()
+        joined = [w.join_result() for w in workers]
+        assert sorted(i.worker_id for i in infos) == [0, 1]
+        assert sorted(w.worker_id for w in joined) == [0, 1]
+        # the strays were neither admitted nor dropped: the join never waited on them
+        assert t.is_alive()
+        for s in silent:
+            s.settimeout(0.01)
+            with pytest.raises(socket.timeout):
+                s.recv(1)
+        stop.set()
+        t.join_result()
+        for w in joined:
+            w.close()
+    for s in silent + [trickler]:
+        s.close()
+
+
+def test_trickling_cannot_extend_the_handshake_or_the_join():
+    """A client that keeps sending one byte at a time is dropped at its
+    handshake deadline, and the join ends at its own deadline."""
+    stop = threading.Event()
+    with Coordinator(ADDR, expect_workers=1, handshake_timeout=0.5) as coord:
+        trickler = connect(coord)
+        frame = encode_frame(ddpwire.JoinRequest(node_id="x" * 4000, gpu_count=0, backend="cpu"))
+
+        def trickle():
+            for i, b in enumerate(frame[:-1]):
+                if stop.wait(0.02):
+                    return i
+                try:
+                    trickler.send(bytes([b]))
+                except OSError:
+                    return i
+            return len(frame)
+        t = spawn(trickle)
+        with pytest.raises(ddpwire.JoinTimeout, match="0 of 1 workers joined within 1.5 s"):
+            coord.wait_for_workers(timeout=1.5)
+        assert peer_closed(trickler)
+        stop.set()
+        sent = t.join_result()
+        assert sent < len(frame) - 1  # cut off long before it finished
+    trickler.close()
+
+
+def test_garbage_clients_are_dropped_and_logged_by_address(caplog):
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    with Coordinator(ADDR, expect_workers=1) as coord:
+        garbage = connect(coord)
+        garbage.sendall(b"\x00\x00\x00\x05\xff\x00\x00\x00\x00")  # unknown tag
+        w = worker(coord)
+        coord.wait_for_workers()
+        w.join_result().close()
+        assert peer_closed(garbage)
+    port = garbage.getsockname()[1]
+    garbage.close()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert any(f"127.0.0.1:{port}" in m and "0xff" in m for m in refused), refused
+    assert not any("worker 0" in m for m in refused)
+
+
+@pytest.mark.parametrize("first_frame", [
+    # a block gradient declaring 99,999,997 bytes as a client's first frame
+    (99_999_997).to_bytes(4, "big") + bytes([0x08]) + b"\x00" * 60,
+    # a JoinRequest declaring 99,999,999 bytes
+    (99_999_999).to_bytes(4, "big") + bytes([0x01]) + b"\x00" * 3,
+    # a Heartbeat declaring 99,999,999 bytes
+    (99_999_999).to_bytes(4, "big") + bytes([0x06]) + b"\x00" * 3,
+], ids=["block-gradient", "join-request", "heartbeat"])
+def test_memory_bombs_before_admission_allocate_nothing_big(first_frame):
+    """Nothing is allocated for a frame from a client not yet admitted until
+    its tag is the one expected and its length fits that message's limit."""
+    with Coordinator(ADDR, expect_workers=1) as coord:
+        bomb = connect(coord)
+        bomb.sendall(first_frame)
+        w = worker(coord)
+        tracemalloc.start()
+        try:
+            coord.wait_for_workers()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        w.join_result().close()
+        assert peer_closed(bomb)
+    bomb.close()
+    assert peak < 1 << 20, peak
+
+
+def test_admitted_worker_heartbeat_over_its_limit_is_refused_by_its_tag():
+    with Coordinator(ADDR, expect_workers=1, timeout=5) as coord:
+        from session_helpers import raw_join
+        t = spawn(lambda: raw_join(coord.local_addr))
+        coord.wait_for_workers()
+        raw = t.join_result()
+        raw.sendall((99_999_999).to_bytes(4, "big") + bytes([0x06]))
+        tracemalloc.start()
+        try:
+            with pytest.raises(ddpwire.FrameTooLarge) as info:
+                coord.collect_and_reduce(0)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        raw.close()
+    assert info.value.worker_id == 0 and info.value.step == 0
+    assert info.value.limit == 65536
+    assert peak < 1 << 20
+
+
+def test_a_worker_that_leaves_before_the_join_completes_frees_its_slot():
+    with Coordinator(ADDR, expect_workers=2) as coord:
+        leaving = worker(coord)  # admitted, then leaves
+        coord.wait_for_workers(count=1)
+        gone = leaving.join_result()
+        gone_id = gone.worker_id
+        gone.close()
+        time.sleep(0.1)
+        a, b = worker(coord, node_id="a"), worker(coord, node_id="b")
+        infos = coord.wait_for_workers()
+        wa, wb = a.join_result(), b.join_result()
+        assert {i.node_id for i in infos} == {"a", "b"}
+        assert sorted(i.worker_id for i in infos) == [0, 1]
+        assert gone_id in (wa.worker_id, wb.worker_id)  # its id was handed on
+        # and the session works with them
+        coord.set_total_samples(4)
+        coord.send_shard_assignments(0)
+        for w in (wa, wb):
+            assert w.receive_shard() is not None
+        wa.close()
+        wb.close()
+
+
+def test_late_and_surplus_workers_are_refused_at_once(caplog):
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    with Coordinator(ADDR, expect_workers=1, timeout=30) as coord:
+        first = worker(coord)
+        coord.wait_for_workers()
+        w0 = first.join_result()
+        # a ddpwire worker is told why, long before its 30 s timeout
+        with pytest.raises(ddpwire.JoinRefusedError) as info:
+            Worker.connect(coord.local_addr, timeout=30)
+        assert info.value.reason == RefusalReason.TRAINING
+        assert "training has started" in str(info.value)
+        # a peer that offered no extension block (the reference) is just closed
+        plain = connect(coord)
+        plain.sendall(encode_frame(ddpwire.JoinRequest(node_id="ref", gpu_count=0, backend="cpu")))
+        plain.settimeout(10)
+        assert plain.recv(4096) == b""
+        plain.close()
+        w0.close()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection from 127.0.0.1:" in r.getMessage()]
+    assert len(refused) >= 2 and not any("(worker" in m for m in refused)
+
+
+def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full():
+    token = "s3cret-token"
+    with Coordinator(ADDR, expect_workers=1, token=token) as coord:
+        join = spawn(coord.wait_for_workers)
+        # a ddpwire peer that offers the token handshake, then stalls
+        stalled = connect(coord)
+        stalled.sendall(encode_frame(ddpwire.JoinRequest(
+            node_id="stall", gpu_count=0, backend="cpu",
+            extensions={int(ddpwire.extensions.Extension.AUTH): b"n" * 32})))
+        head = recv_exact(stalled, 4)
+        challenge = ddpwire.decode_frame(head + recv_exact(stalled, int.from_bytes(head, "big")))
+        assert isinstance(challenge, ddpwire.AuthChallenge)
+        w = worker(coord, token=token)
+        join.join_result()
+        w.join_result().close()
+        head = recv_exact(stalled, 4)
+        refusal = ddpwire.decode_frame(head + recv_exact(stalled, int.from_bytes(head, "big")))
+        assert isinstance(refusal, ddpwire.JoinRefused) and refusal.reason == RefusalReason.FULL
+    stalled.close()
+
+
+def test_samples_per_step_must_agree():
+    with Coordinator(ADDR, expect_workers=1, samples_per_step=256) as coord:
+        join = spawn(coord.wait_for_workers)
+        with pytest.raises(ddpwire.JoinRefusedError, match="coordinator 256, worker 128") as info:
+            Worker.connect(coord.local_addr, timeout=10, samples_per_step=128)
+        assert info.value.reason == RefusalReason.MISMATCH
+        ok = worker(coord, samples_per_step=256)
+        join.join_result()
+        w = ok.join_result()
+        assert ddpwire.extensions.decode_u64(w.extensions[ddpwire.extensions.Extension.SAMPLES]) == 256
+        w.close()
+
+
+def test_binding_beyond_loopback_without_a_token_warns(caplog):
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    with Coordinator(("0.0.0.0", 0), expect_workers=1):
+        pass
+    assert any("without a token" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with Coordinator(("0.0.0.0", 0), expect_workers=1, token="t"):
+        pass
+    with Coordinator(ADDR, expect_workers=1):
+        pass
+    assert not any("without a token" in r.getMessage() for r in caplog.records)
