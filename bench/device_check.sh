@@ -28,3 +28,6 @@ python3 -m pytest -q -p no:cacheprovider bench/test_bench_allreduce.py \
     --benchmark-json="$OUT/allreduce.json" 2>&1 | tail -3
 python3 bench/plot_allreduce.py "$OUT/allreduce.json" --png "$OUT/allreduce.png" \
     | tee "$OUT/allreduce.md"
+
+# one CUDA rank and one CPU rank train one DDP model on backend "ddpwire"
+OUT="$OUT" DEVICE="$DEVICE" bash bench/ddp_mixed_devices.sh

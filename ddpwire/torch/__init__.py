@@ -24,7 +24,20 @@ from .trainer import (
     evaluate,
 )
 
+import torch.distributed as _dist
+
+# torch builds without distributed support (some mobile and minimal wheels)
+# still get the trainer; the backend needs torch.distributed
+if _dist.is_available():
+    from .backend import BACKEND, DdpwireProcessGroup, DdpwireWork, register
+
+    register()
+
 __all__ = [
+    "BACKEND",
+    "DdpwireProcessGroup",
+    "DdpwireWork",
+    "register",
     "BLOCK_COMPONENTS",
     "NON_BLOCK_COMPONENTS",
     "Component",

@@ -1,0 +1,388 @@
+"""The ``"ddpwire"`` torch.distributed backend.
+
+``import ddpwire.torch`` registers it for cpu, cuda and mps, after which
+``dist.init_process_group("ddpwire")`` works wherever ``"gloo"`` would
+(torchrun's environment, ``init_method="tcp://…"``, ``rank=``,
+``world_size=``, ``timeout=``). Collectives travel as the collectives
+extension to a coordinator hosted by rank 0; each returns a Work at once and
+completes from the transport's thread, so DDP overlaps its buckets with
+backward.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..collectives import CollectiveAborted, DType, Kind, Op, check_op
+from .rendezvous import Rendezvous, join_group, timings
+from .staging import Staging
+
+__all__ = ["BACKEND", "DdpwireProcessGroup", "register"]
+
+BACKEND = "ddpwire"
+
+#: largest piece of an allreduce or broadcast in one CollectiveRequest
+PIECE_BYTES = 8 << 20
+
+_DTYPES = {
+    torch.float32: DType.FLOAT32,
+    torch.float64: DType.FLOAT64,
+    torch.float16: DType.FLOAT16,
+    torch.bfloat16: DType.BFLOAT16,
+    torch.int32: DType.INT32,
+    torch.int64: DType.INT64,
+    torch.uint8: DType.UINT8,
+    torch.bool: DType.BOOL,
+}
+
+_OPS = {
+    dist.ReduceOp.SUM: Op.SUM,
+    dist.ReduceOp.AVG: Op.AVG,
+    dist.ReduceOp.MIN: Op.MIN,
+    dist.ReduceOp.MAX: Op.MAX,
+    dist.ReduceOp.PRODUCT: Op.PRODUCT,
+}
+
+
+def _dtype_of(tensors: Sequence[torch.Tensor], what: str) -> DType:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise TypeError(f"ddpwire {what}: tensors of several dtypes {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop()
+    if dtype not in _DTYPES:
+        raise NotImplementedError(f"ddpwire {what}: dtype {dtype} is not supported "
+                                  f"(supported: {', '.join(str(d) for d in _DTYPES)})")
+    return _DTYPES[dtype]
+
+
+def _op_of(reduce_op: Any, what: str) -> Op:
+    for known, op in _OPS.items():
+        if reduce_op == known:
+            return op
+    raise NotImplementedError(f"ddpwire {what}: reduce op {reduce_op} is not supported "
+                              "(SUM, AVG, MIN, MAX, PRODUCT)")
+
+
+def _one(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise NotImplementedError(f"ddpwire {what}: one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+class DdpwireWork(dist._Work):
+    """A collective in flight; ``wait`` raises the typed error that ended the
+    group (CollectiveAborted naming the rank) if it failed.
+
+    Its future is never failed: torch 2.13's DDP crashes the process
+    (SIGSEGV) when a bucket's future completes with an exception during
+    backward. A failed collective whose future was taken (DDP takes them)
+    completes it with the tensors unchanged and raises the error in the main
+    thread instead, which sees it as soon as backward returns, before the
+    optimizer can step.
+    """
+
+    def __init__(self, future: torch.futures.Future, limit: float, seq: int, what: str,
+                 on_error: Callable[[BaseException], None]) -> None:
+        super().__init__()
+        self._future = future
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._limit = limit
+        self._future_taken = False
+        self._on_error = on_error
+        self.seq = seq
+        self.what = what
+
+    def _finish(self, value: Any, error: Optional[BaseException]) -> None:
+        self._error = error
+        self._done.set()
+        if error is not None and self._future_taken:
+            self._on_error(error)
+        self._future.set_result(value)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        limit = self._limit
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            limit = timeout.total_seconds()
+        if not self._done.wait(limit):
+            raise CollectiveAborted(f"{self.what} got no answer within {limit:g} s", rank=None,
+                                    seq=self.seq)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        self._future_taken = True
+        return self._future
+
+
+def _raise_in_main_thread(error: BaseException) -> None:
+    """Make the main thread raise CollectiveAborted carrying ``error`` at its
+    next Python instruction (as Ctrl-C would)."""
+    main = threading.main_thread()
+    if main.ident is None or threading.get_ident() == main.ident:
+        return
+    rank, seq = getattr(error, "rank", None), getattr(error, "seq", None)
+
+    def init(self: CollectiveAborted) -> None:
+        CollectiveAborted.__init__(self, getattr(error, "detail", str(error)), rank=rank, seq=seq)
+
+    # an asynchronous exception is raised from its class: this one fills itself in
+    cls = type("CollectiveAborted", (CollectiveAborted,), {"__init__": init, "__module__": __name__})
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident), ctypes.py_object(cls))
+
+
+class DdpwireProcessGroup(dist.ProcessGroup):
+    """A process group whose collectives go through a ddpwire coordinator.
+
+    Built by ``init_process_group("ddpwire")`` (or directly, given a store
+    every rank shares). Supports allreduce (SUM, AVG, MIN, MAX, PRODUCT),
+    broadcast, allgather (also into one tensor), reduce_scatter and barrier
+    on float32, float64, float16, bfloat16, int32, int64, uint8 and bool
+    tensors on cpu, cuda and mps; anything else raises NotImplementedError
+    naming it.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int,
+                 timeout: timedelta = timedelta(minutes=30)) -> None:
+        super().__init__(rank, world_size)
+        self._rank = rank
+        self._world = world_size
+        seconds, _, silence = timings(timeout)
+        # a Work waits past the group timeout only by the time the service
+        # needs to notice a silent rank and say so
+        self._limit = seconds + silence + 5.0
+        self._staging = Staging()
+        self._reported = False
+        self._group: Rendezvous = join_group(store, rank, world_size, timeout)
+        self._close_timeout = min(seconds, 10.0)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---- identity ----
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"DdpwireProcessGroup(rank={self._rank}, world_size={self._world})"
+
+    def close(self) -> None:
+        """Leave the group (rank 0 first waits for the others to leave)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.close(self._close_timeout)
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        self.close()
+
+    def _report(self, error: BaseException) -> None:
+        # once per group: the main thread learns of the failure a single time
+        if not self._reported:
+            self._reported = True
+            _raise_in_main_thread(error)
+
+    # ---- the one path every collective takes ----
+
+    def _issue(self, what: str, kind: Kind, op: Op, dtype: DType, root: int,
+               inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], value: Any) -> DdpwireWork:
+        if self._group is None:
+            raise RuntimeError(f"ddpwire {what}: the process group is closed")
+        data, ready, release = self._staging.outgoing(inputs) if inputs else (
+            np.empty(0, dtype=np.uint8), None, _nothing)
+        work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
+                           self._report)
+        # element-wise collectives travel in pieces: the service reduces one
+        # while the next arrives, and no frame nears the size limit
+        pieces = [(0, data.nbytes)]
+        if (kind in (Kind.ALLREDUCE, Kind.BROADCAST) and len(outputs) == 1
+                and outputs[0].is_contiguous() and data.nbytes > PIECE_BYTES):
+            pieces = [(a, min(a + PIECE_BYTES, data.nbytes)) for a in range(0, data.nbytes, PIECE_BYTES)]
+        # results land in the output tensor itself where it is one contiguous CPU tensor
+        out_bytes = sum(t.numel() * t.element_size() for t in outputs)
+        state = {"left": len(pieces), "error": None}
+        lock = threading.Lock()
+        staging = self._staging
+
+        def piece_done(offset: int, result: Optional[np.ndarray], error: Optional[BaseException]) -> None:
+            try:
+                if error is None:
+                    if len(pieces) == 1:
+                        staging.incoming(outputs, result)
+                    else:
+                        staging.incoming_at(outputs[0], offset, result)
+            except BaseException as exc:  # noqa: BLE001 - the caller sees it from wait()
+                error = exc
+            with lock:
+                if error is not None and state["error"] is None:
+                    state["error"] = error
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                release()
+                work._finish(value, state["error"])
+
+        submitted = 0
+        try:
+            for a, b in pieces:
+                seq = self._group.client.submit(
+                    kind, op, dtype, root, data[a:b],
+                    lambda result, error, a=a: piece_done(a, result, error),
+                    before_send=ready if a == 0 else None,
+                    into=(staging.landing(outputs, a, b - a) if len(pieces) > 1
+                          else staging.landing(outputs, 0, out_bytes)))
+                if work.seq < 0:
+                    work.seq = seq
+                submitted += 1
+        except BaseException as exc:
+            if submitted == 0:
+                release()
+                raise
+            # the pieces already queued fail with the group; count the rest as failed
+            for a, _ in pieces[submitted:]:
+                piece_done(a, None, exc)
+        # ``inputs`` must outlive the send: the pieces hold views of the host
+        # bytes, and this holds the tensors themselves.
+        work._keep = (inputs, outputs)
+        return work
+
+    # ---- collectives ----
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
+        t = _one(tensors, "allreduce")
+        dtype = _dtype_of([t], "allreduce")
+        op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
+        check_op(op, dtype)
+        return self._issue("allreduce", Kind.ALLREDUCE, op, dtype, 0, [t], [t], tensors)
+
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
+        t = _one(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        if not 0 <= root < self._world:
+            raise ValueError(f"ddpwire broadcast: root {root} is not a rank of {self._world}")
+        return self._issue("broadcast", Kind.BROADCAST, Op.SUM, _dtype_of([t], "broadcast"), root,
+                           [t], [t], tensors)
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+                  opts: Any = None) -> DdpwireWork:
+        t = _one(input_tensors, "allgather")
+        outs = _one(output_tensors, "allgather")
+        if len(outs) != self._world or any(o.numel() != t.numel() for o in outs):
+            raise ValueError(f"ddpwire allgather: {self._world} outputs of {t.numel()} elements "
+                             f"needed, got {[o.numel() for o in outs]}")
+        return self._issue("allgather", Kind.ALLGATHER, Op.SUM, _dtype_of([t, *outs], "allgather"),
+                           0, [t], outs, output_tensors)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> DdpwireWork:
+        if output.numel() != input.numel() * self._world:
+            raise ValueError(f"ddpwire all_gather_into_tensor: output has {output.numel()} elements, "
+                             f"{self._world} x {input.numel()} needed")
+        return self._issue("all_gather_into_tensor", Kind.ALLGATHER, Op.SUM,
+                           _dtype_of([input, output], "all_gather_into_tensor"), 0, [input], [output],
+                           [output])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> DdpwireWork:
+        """``all_gather_into_tensor`` (torch 2.13 calls it by this name)."""
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> DdpwireWork:
+        """``reduce_scatter_tensor`` (torch 2.13 calls it by this name)."""
+        return self._reduce_scatter_base(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> DdpwireWork:
+        return self._allgather_base(_one(outputs, "allgather_into_tensor_coalesced"),
+                                    _one(inputs, "allgather_into_tensor_coalesced"), opts)
+
+    def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+                       opts: Any = None) -> DdpwireWork:
+        out = _one(output_tensors, "reduce_scatter")
+        ins = _one(input_tensors, "reduce_scatter")
+        if len(ins) != self._world or any(i.numel() != out.numel() for i in ins):
+            raise ValueError(f"ddpwire reduce_scatter: {self._world} inputs of {out.numel()} elements "
+                             f"needed, got {[i.numel() for i in ins]}")
+        dtype = _dtype_of([out, *ins], "reduce_scatter")
+        op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        check_op(op, dtype)
+        return self._issue("reduce_scatter", Kind.REDUCE_SCATTER, op, dtype, 0, ins, [out],
+                           output_tensors)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> DdpwireWork:
+        if input.numel() != output.numel() * self._world:
+            raise ValueError(f"ddpwire reduce_scatter_tensor: input has {input.numel()} elements, "
+                             f"{self._world} x {output.numel()} needed")
+        dtype = _dtype_of([output, input], "reduce_scatter_tensor")
+        op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        check_op(op, dtype)
+        return self._issue("reduce_scatter_tensor", Kind.REDUCE_SCATTER, op, dtype, 0, [input],
+                           [output], [output])
+
+    def barrier(self, opts: Any = None) -> DdpwireWork:
+        return self._issue("barrier", Kind.BARRIER, Op.SUM, DType.UINT8, 0, [], [], None)
+
+    # ---- everything else: named, not silently wrong ----
+
+    def _unsupported(name: str) -> Callable[..., Any]:  # type: ignore[misc]
+        def method(self: "DdpwireProcessGroup", *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(f"the ddpwire backend does not implement {name}")
+        method.__name__ = name
+        return method
+
+    for _name in ("send", "recv", "recv_anysource", "reduce", "gather", "scatter", "alltoall",
+                  "alltoall_base", "all_to_all_single", "allreduce_coalesced",
+                  "all_gather_single_coalesced", "reduce_scatter_single_coalesced", "allgather_coalesced",
+                  "reduce_scatter_tensor_coalesced", "monitored_barrier"):
+        locals()[_name] = _unsupported(_name)
+    del _name, _unsupported
+
+
+def _nothing() -> None:
+    return None
+
+
+def _close_at_exit(ref: "weakref.ReferenceType[DdpwireProcessGroup]") -> None:
+    pg = ref()
+    if pg is not None:
+        try:
+            pg.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
+def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> DdpwireProcessGroup:
+    return DdpwireProcessGroup(store, rank, world_size, timeout)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the backend ``"ddpwire"`` for cpu, cuda and mps (idempotent;
+    ``import ddpwire.torch`` calls it)."""
+    global _registered
+    if _registered or BACKEND.upper() in dist.Backend._plugins:
+        _registered = True
+        return
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda", "mps"])
+    _registered = True

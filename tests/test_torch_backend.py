@@ -1,0 +1,205 @@
+"""The "ddpwire" torch.distributed backend, in real processes against gloo.
+
+Each test starts the ranks of tests/ddp_script.py (a plain DDP script) with
+the environment torchrun gives them, or with a tcp:// init_method, and runs
+gloo and ddpwire in the same processes, one after the other.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "ddp_script.py"
+LIMIT = 120  # seconds a whole run of ranks may take before the test fails (never a hang)
+
+
+def free_ports(n):
+    """n distinct free ports (held open together, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start_ranks(world, out, backends, *, torchrun_env, extra=None):
+    """Start ``world`` ranks of the DDP script, running ``backends`` in turn.
+
+    The first run rendezvouses through torchrun's environment or tcp://;
+    later ones through a file store, because a port picked now may be taken
+    by the first run's gloo sockets by the time a later run binds it.
+    """
+    port = free_ports(1)[0]
+    first = "env://" if torchrun_env else f"tcp://127.0.0.1:{port}"
+    methods = [first] + [f"file://{out}.store{i}" for i in range(1, len(backends))]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(world),
+                   OMP_NUM_THREADS="1", DDP_INIT=",".join(methods), **(extra or {}))
+        if torchrun_env:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out), *backends], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs, limit=LIMIT):
+    outputs = []
+    deadline = time.monotonic() + limit
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stacks = []
+            for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack
+            time.sleep(1.0)
+            for q in procs:
+                q.kill()
+                stacks.append(q.communicate()[0])
+            pytest.fail(f"ranks still running after {limit} s:\n" + "\n".join(stacks))
+        outputs.append(out)
+    return [p.returncode for p in procs], outputs
+
+
+def load(out, backend, rank):
+    return torch.load(f"{out}.{backend}.rank{rank}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("world,torchrun_env", [(2, True), (3, False)],
+                         ids=["2-ranks-torchrun-env", "3-ranks-tcp-init"])
+def test_unmodified_ddp_script_matches_gloo(tmp_path, world, torchrun_env):
+    out = tmp_path / "run"
+    codes, outputs = finish(start_ranks(world, out, ["ddpwire", "gloo"], torchrun_env=torchrun_env))
+    assert codes == [0] * world, "\n".join(outputs)
+    gloo = [load(out, "gloo", r) for r in range(world)]
+    wire = [load(out, "ddpwire", r) for r in range(world)]
+    params = [name for name, v in wire[0]["state"].items()
+              if "running" not in name and "num_batches" not in name]
+    assert len(params) == 10
+    for name in params:
+        for r in range(1, world):  # DDP keeps parameters identical on every rank: bit for bit
+            assert torch.equal(wire[r]["state"][name], wire[0]["state"][name]), (name, r)
+        # gloo sums in its own order: equal within float32 rounding
+        torch.testing.assert_close(wire[0]["state"][name], gloo[0]["state"][name], rtol=1e-5, atol=1e-6)
+    for r in range(world):  # BatchNorm buffers are each rank's own, broadcast from rank 0
+        for name, value in wire[r]["state"].items():
+            torch.testing.assert_close(value, gloo[r]["state"][name], rtol=1e-5, atol=1e-6)
+        assert wire[r]["gathered"] == gloo[r]["gathered"]
+        assert wire[r]["gathered"][world - 1] == {"rank": world - 1, "name": f"r{world - 1}",
+                                                  "sq": [world - 1] * (world - 1)}
+        assert wire[r]["objs"] == gloo[r]["objs"] == ["from 1", {"k": 1}]
+        assert torch.equal(wire[r]["max"], gloo[r]["max"])
+        _same_collectives(wire[r]["collectives"], gloo[r]["collectives"])
+        assert wire[r]["max"].tolist() == [3 * (world - 1) - 4, 2 ** 40 + world - 1, 0]
+
+
+def _same_collectives(wire, gloo):
+    """ddpwire answers every op on every dtype (but AVG on integers and
+    bool, which it refuses by name), and gives gloo's answer wherever gloo
+    gives one: exactly, or within one rounding of the half types."""
+    assert len(wire) == 8 * 7 + 1
+    for key, value in wire.items():
+        dtype, op = key
+        if op == "avg" and dtype in ("torch.int32", "torch.int64", "torch.uint8", "torch.bool"):
+            assert value == "NotImplementedError", key
+            continue
+        assert isinstance(value, torch.Tensor), (key, value)
+        theirs = gloo[key]
+        if not isinstance(theirs, torch.Tensor):
+            continue  # gloo refuses it (AVG, some dtypes): nothing to compare with
+        if dtype in ("torch.float16", "torch.bfloat16"):
+            torch.testing.assert_close(value.float(), theirs.float(), rtol=1e-2, atol=1e-2)
+        else:
+            assert torch.equal(value, theirs), key
+
+
+def test_killed_rank_fails_every_other_rank_within_the_timeout(tmp_path):
+    timeout = 30.0
+    procs = start_ranks(3, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                        extra={"DDP_KILL_AT": "2:3", "DDP_TIMEOUT": str(timeout), "DDP_STEPS": "50"})
+    t0 = time.monotonic()
+    procs[2].wait(timeout=LIMIT)  # rank 2 leaves abruptly at step 3
+    died = time.monotonic()
+    codes, outputs = finish(procs, limit=timeout)
+    assert time.monotonic() - died < timeout, "the others outlived the group timeout"
+    assert codes[2] == 17
+    for rank in (0, 1):
+        assert codes[rank] != 0
+        assert "CollectiveAborted" in outputs[rank] and "rank 2 is gone" in outputs[rank], outputs[rank]
+    assert time.monotonic() - t0 < LIMIT
+
+
+def test_ctrl_c_on_rank_0_ends_every_rank(tmp_path):
+    timeout = 60.0
+    procs = start_ranks(3, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                        extra={"DDP_TIMEOUT": str(timeout), "DDP_STEPS": "100000",
+                               "DDP_MARK": str(tmp_path / "mark")})
+    try:
+        _wait_training(procs, 0, tmp_path / "mark")
+        os.kill(procs[0].pid, signal.SIGINT)  # rank 0 hosts the coordinator: the hard case
+        interrupted = time.monotonic()
+        codes, outputs = finish(procs, limit=timeout)
+        took = time.monotonic() - interrupted
+    finally:
+        _kill_all(procs)
+    assert "KeyboardInterrupt" in outputs[0], outputs[0]
+    for rank in (1, 2):
+        assert codes[rank] != 0
+        assert "CollectiveAborted" in outputs[rank] and "rank 0" in outputs[rank], (codes, outputs[rank])
+    assert took < timeout / 2, took
+
+
+def _wait_training(procs, rank, mark):
+    """Wait until ``rank`` has trained two steps (it leaves a file then)."""
+    deadline = time.monotonic() + LIMIT
+    while time.monotonic() < deadline:
+        if Path(f"{mark}.rank{rank}").exists():
+            return
+        if any(p.poll() is not None for p in procs):
+            pytest.fail("a rank ended before training:\n" + "\n".join(finish(procs)[1]))
+        time.sleep(0.2)
+    pytest.fail(f"rank {rank} did not start training within {LIMIT} s")
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_stalled_rank_is_named_within_the_timeout(tmp_path):
+    # short, but long enough for every rank to start and join on a loaded machine
+    timeout = 10.0
+    procs = start_ranks(2, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                        extra={"DDP_TIMEOUT": str(timeout), "DDP_STEPS": "100000",
+                               "DDP_MARK": str(tmp_path / "mark")})
+    try:
+        # let both ranks get into training, then freeze rank 1
+        _wait_training(procs, 1, tmp_path / "mark")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        out0, _ = procs[0].communicate(timeout=LIMIT)
+        took = time.monotonic() - stopped
+    finally:
+        _kill_all(procs)
+    assert procs[0].returncode != 0
+    assert "CollectiveAborted" in out0 and "rank 1" in out0, out0
+    # the group timeout, plus the time to notice: far from gloo's 30 minutes
+    assert took < 3 * timeout, took
