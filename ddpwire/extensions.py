@@ -12,8 +12,8 @@ import numpy as np
 
 from ._core import _codes
 
-__all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType", "decode_u64",
-           "encode_u64"]
+__all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType", "decode_u16",
+           "decode_u64", "encode_u16", "encode_u64"]
 
 _FAMILIES, _DTYPE_SIZES = _codes()
 
@@ -56,15 +56,33 @@ DType = _DTypeCodes(  # type: ignore[call-overload]
     "DType", [(label.upper(), value) for label, value in _FAMILIES["DType"]], module=__name__)
 
 
+# Entry values that are one integer (the samples entry's u64, the
+# collectives entry's u16 version), little-endian like every field after the
+# frame's length prefix.
+
 def encode_u64(value: int) -> bytes:
-    """An entry value that is one u64 (the samples entry), little-endian like
-    every field after the frame's length prefix."""
+    """The value of an entry holding one u64."""
     return int(value).to_bytes(8, "little")
+
+
+def encode_u16(value: int) -> bytes:
+    """The value of an entry holding one u16."""
+    return int(value).to_bytes(2, "little")
 
 
 def decode_u64(value: bytes) -> int:
     """The u64 in an entry value; a value of another size is a ProtocolError."""
+    return _decode_uint(value, 8)
+
+
+def decode_u16(value: bytes) -> int:
+    """The u16 in an entry value; a value of another size is a ProtocolError."""
+    return _decode_uint(value, 2)
+
+
+def _decode_uint(value: bytes, size: int) -> int:
     from .errors import ProtocolError
-    if len(value) != 8:
-        raise ProtocolError(f"extension entry: a u64 value has 8 bytes, got {len(value)}")
+    if len(value) != size:
+        raise ProtocolError(f"extension entry: a u{8 * size} value has {size} bytes, "
+                            f"got {len(value)}")
     return int.from_bytes(value, "little")

@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 from ..collectives import CollectiveClient, CollectiveService, local_link
 from ..coordinator import Coordinator
 from ..errors import DdpwireError
-from ..extensions import Extension
+from ..extensions import Extension, encode_u16
 from ..launch import PORT_ENV, parse_addr
 from ..worker import Worker
 
@@ -38,7 +38,7 @@ _ADDR_KEY = "ddpwire/coordinator"
 
 _COLLECTIVES = int(Extension.COLLECTIVES)
 # the entry's value is the u16 version; this package speaks version 1
-_COLLECTIVES_V1 = (1).to_bytes(2, "little")
+_COLLECTIVES_V1 = encode_u16(1)
 
 
 
