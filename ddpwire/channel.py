@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import select
 import socket
 import threading
 import time
@@ -138,6 +139,23 @@ class Channel:
                                   what=f"receiving {head.message_type}.gradients")
         tail = _core.read_tail(self.conn, head, self.read_timeout, step=step)
         return out, tail, bad
+
+    def wait_for_frame(self, timeout: float) -> bool:
+        """Wait until the peer has started its next frame (True) or has
+        closed the connection (False), for at most ``timeout`` seconds
+        (then the peer's ``lost`` error): for a server whose peers decide
+        when training ends."""
+        sock = self.conn.sock
+        ready, _, _ = select.select([sock], [], [], check_timeout("timeout", timeout))
+        if not ready:
+            raise self.conn.lost(f"{self.conn.peer_name} silent for {timeout:g} s",
+                                 worker_id=self.peer_id)
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except ConnectionError:
+            return False
 
     def close(self) -> None:
         self.conn.close()

@@ -320,10 +320,15 @@ class Coordinator:
         """
         return self._average(_FLAT, step, None, out, reply)
 
-    def allreduce_block(self, step: int, block_idx: int, out: Optional[np.ndarray] = None, *,
+    def allreduce_block(self, step: Optional[int], block_idx: Optional[int],
+                        out: Optional[np.ndarray] = None, *,
                         reply: bool = True) -> BlockReduceResult:
         """:meth:`allreduce` for one block's BlockGradientPayload (the
-        reply carries worker 0's component sizes)."""
+        reply carries worker 0's component sizes). With ``step`` or
+        ``block_idx`` None, the block is whichever worker 0 sends next, and
+        every other worker must send the same (the order is the workers'
+        to choose, as with DDP's buckets, whose sizes may change from one
+        step to the next: a followed block's length is not pinned)."""
         return self._average(_BLOCK, step, block_idx, out, reply)
 
     def allreduce_non_block(self, step: int, component: int, out: Optional[np.ndarray] = None, *,
@@ -351,7 +356,10 @@ class Coordinator:
     def _average(self, kind: _Kind, step: int, key: Optional[int], out: Optional[np.ndarray],
                  reply: bool) -> AnyResult:
         t0 = time.perf_counter()
-        heads = self._collect_heads(kind, step, key)
+        # a vector named by the caller keeps its length from step to step;
+        # one the workers choose (step or key None) may change it
+        pinned = step is not None and (kind.key is None or key is not None)
+        heads, step, key = self._collect_heads(kind, step, key, pinned)
         t1 = time.perf_counter()
         out = self._out_for(heads, out)
         done: List[AnyResult] = []
@@ -395,7 +403,8 @@ class Coordinator:
                     # finished: closing is the only way to tell them at once.
                     self._abandon()
                     raise
-        self._lengths.setdefault((kind, key), len(out))
+        if pinned:
+            self._lengths.setdefault((kind, key), len(out))
         result = done[0]
         result.reduce_time = time.perf_counter() - t1
         return result
@@ -440,10 +449,12 @@ class Coordinator:
                 f"only {len(self._channels)} of {self.expect_workers} workers joined: "
                 "call wait_for_workers() first")
 
-    def _collect_heads(self, kind: _Kind, step: int, key: Optional[int]) -> List["_core.FrameHead"]:
+    def _collect_heads(self, kind: _Kind, step: Optional[int], key: Optional[int],
+                       pinned: bool = True) -> Tuple[List["_core.FrameHead"], int, Optional[int]]:
         """Every worker's frame head, in worker order, checked; the elements
         stay in the sockets for the streaming reduce. The heads of one step
-        are due within one timeout: a worker's heartbeats do not extend it."""
+        are due within one timeout: a worker's heartbeats do not extend it.
+        A step or key of None is worker 0's. Returns (heads, step, key)."""
         self._require_workers()
         deadline = time.monotonic() + self.timeout
         heads = []
@@ -454,6 +465,10 @@ class Coordinator:
             if not isinstance(head, _core.FrameHead):
                 raise UnexpectedMessage(kind.payload.__name__, message_name(head),
                                         worker_id=wid, step=step)
+            if not heads:
+                step = head.step if step is None else step
+                if kind.key is not None and key is None:
+                    key = getattr(head, kind.key)
             if head.step != step:
                 raise GradientMismatch("step", step, head.step, worker_id=wid, step=step)
             if head.worker_id != wid:
@@ -471,11 +486,12 @@ class Coordinator:
                                            list(head.component_sizes), worker_id=wid, step=step)
             heads.append(head)
         what = "gradients length" if kind.key is None else f"{kind.key.replace('_idx', '')} {key} gradients length"
-        want = self._lengths.get((kind, key), heads[0].gradient_count)
+        want = self._lengths.get((kind, key), heads[0].gradient_count) if pinned \
+            else heads[0].gradient_count
         for wid, head in enumerate(heads):
             if head.gradient_count != want:
                 raise GradientMismatch(what, want, head.gradient_count, worker_id=wid, step=step)
-        return heads
+        return heads, step, key
 
     @staticmethod
     def _out_for(heads: list, out: Optional[np.ndarray]) -> np.ndarray:

@@ -9,7 +9,6 @@ import threading
 import time
 import tracemalloc
 
-import numpy as np
 import pytest
 
 import ddpwire

@@ -35,7 +35,7 @@ def test_comm_hook_on_gloo_matches_plain_gloo(tmp_path):
                                                "DDPWIRE_TOKEN": token, "DDP_TIMEOUT": "30"}))
     thread.join(30)
     coord.close()
-    assert codes == [0] * world, "\n".join(outputs)
+    assert codes == [0] * world, "\n".join(outputs) + repr(served)
     assert "error" not in served, served
     assert served["steps"] == 6  # DDP_STEPS iterations, every bucket of each
     plain = [load(out, "gloo", r) for r in range(world)]

@@ -15,16 +15,14 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..coordinator import Coordinator
-from ..errors import DdpwireError, GradientMismatch, PeerLost, UnexpectedMessage
-from ..messages import AveragedBlockGradient, BlockGradientPayload
-from .. import reduce as _reduce
+from ..errors import GradientMismatch
 from .staging import Staging
 
 __all__ = ["CommHookState", "comm_hook", "serve_comm_hook"]
@@ -159,60 +157,30 @@ comm_hook.__annotations__.update(bucket=dist.GradBucket, state=CommHookState,
                                  **{"return": torch.futures.Future[torch.Tensor]})
 
 
-def serve_comm_hook(coord: Coordinator, *, steps: Optional[int] = None) -> int:
+def serve_comm_hook(coord: Coordinator) -> int:
     """Average the buckets :func:`comm_hook` sends, on a coordinator whose
-    workers have joined, until every worker leaves (or ``steps`` iterations);
-    returns the iterations served.
+    workers have joined, until the workers leave; returns the iterations
+    served.
 
     Blocks come in the order DDP launches them: block_idx 0, 1, … of one
-    step, then block 0 of the next. Every worker's block must agree in
-    step, block_idx and sizes (else GradientMismatch naming the worker); the
-    average is the reference's, bit for bit ((x0 + x1) + …) / n.
+    step, then block 0 of the next; each is averaged by the coordinator's
+    own streaming engine (:meth:`Coordinator.allreduce_block`, following
+    worker 0's step and block_idx), so every worker's block must agree in
+    step, block_idx and sizes (else GradientMismatch naming the worker) and
+    the average is the reference's, bit for bit ((x0 + x1) + …) / n.
     """
-    channels = [coord.channel(w) for w in range(coord.worker_count)]
+    first = coord.channel(0)
+    step, served = None, 0
     try:
-        return _serve(channels, steps)
+        # worker 0 leaving between blocks ends training; anything else is an error
+        while first.wait_for_frame(coord.timeout):
+            result = coord.allreduce_block(None, None)
+            if result.step != step:
+                served += step is not None
+                step = result.step
     except BaseException:
         # workers waiting for an average that will not come hear it at once
-        for chan in channels:
-            chan.close()
+        for w in range(coord.worker_count):
+            coord.channel(w).close()
         raise
-
-
-def _serve(channels: List[Any], steps: Optional[int]) -> int:
-    step, served = None, 0
-    while True:
-        heads = []
-        for w, chan in enumerate(channels):
-            try:
-                head = chan.read_head([BlockGradientPayload], step=step,
-                                      what="waiting for BlockGradientPayload")
-            except PeerLost:
-                if w == 0 and not heads:
-                    return served + (step is not None)  # workers leave at the end of training
-                raise
-            if getattr(head, "tag", None) != BlockGradientPayload.TAG:
-                raise UnexpectedMessage("BlockGradientPayload", type(head).__name__, worker_id=w, step=step)
-            heads.append(head)
-        first = heads[0]
-        for w, head in enumerate(heads):
-            for field in ("step", "block_idx", "gradient_count"):
-                if getattr(head, field) != getattr(first, field):
-                    raise GradientMismatch(field, getattr(first, field), getattr(head, field),
-                                           worker_id=w, step=first.step)
-            if head.worker_id != w:
-                raise GradientMismatch("worker_id", w, head.worker_id, worker_id=w, step=first.step)
-        if step is not None and first.step != step:
-            served += 1
-            if steps is not None and served >= steps:
-                raise UnexpectedMessage(f"nothing after step {step}", f"step {first.step}",
-                                        step=first.step)
-        step = first.step
-        bufs: List[np.ndarray] = [chan.recv_gradients(head, None, step=step)[0]
-                                  for chan, head in zip(channels, heads)]
-        avg = _reduce.mean(bufs)
-        reply = AveragedBlockGradient(step=step, block_idx=first.block_idx,
-                                      component_sizes=list(first.component_sizes), gradients=avg)
-        for chan in channels:
-            chan.send(reply, step=step)
-    return served
+    return served + (step is not None)
