@@ -391,3 +391,38 @@ def test_allreduce_refuses_a_mismatched_out():
         w.allreduce(0, np.ones(10, np.float32), 1.0, 1, 1, out=np.empty(9, np.float32))
     w.close()
     lsock.close()
+
+
+def test_block_chosen_by_the_workers_is_followed_and_its_length_may_change():
+    """allreduce_block(None, None) averages whichever block worker 0 sends
+    next, and does not pin its length (DDP rebuilds its buckets)."""
+    sizes = [(0, [3, 2]), (1, [4]), (0, [6])]  # (block_idx, component sizes) in order
+    grads = {w: [np.arange(sum(s), dtype=np.float32) * (w + 1) for _, s in sizes] for w in range(2)}
+    with Coordinator(ADDR, expect_workers=2) as coord:
+        def body(w):
+            out = []
+            for step, ((idx, s), g) in enumerate(zip(sizes, grads[w.worker_id])):
+                w.send_block_gradient(step, idx, 2, g, s)
+                out.append(w.receive_averaged_block())
+            return out
+        threads = start_workers(coord, 2, body)
+        results = [coord.allreduce_block(None, None) for _ in sizes]
+        got = [t.join_result() for t in threads]
+    for step, ((idx, s), r) in enumerate(zip(sizes, results)):
+        want = exact_mean([grads[0][step], grads[1][step]])
+        assert (r.step, r.block_idx, list(r.component_sizes)) == (step, idx, s)
+        assert np.array_equal(bits(r.avg_gradients), bits(want))
+        for per_worker in got:
+            assert np.array_equal(bits(per_worker[step].gradients), bits(want))
+
+
+def test_a_followed_block_must_be_the_same_block_on_every_worker():
+    with Coordinator(ADDR, expect_workers=2, timeout=5) as coord:
+        def body(w):
+            w.send_block_gradient(0, w.worker_id, 2, np.ones(4, np.float32), [4])
+        threads = start_workers(coord, 2, body)
+        with pytest.raises(ddpwire.GradientMismatch, match="block_idx") as info:
+            coord.allreduce_block(None, None)
+        for t in threads:
+            t.join_result()
+    assert (info.value.worker_id, info.value.step) == (1, 0)
