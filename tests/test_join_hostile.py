@@ -261,3 +261,16 @@ def test_binding_beyond_loopback_without_a_token_warns(caplog):
     with Coordinator(ADDR, expect_workers=1):
         pass
     assert not any("without a token" in r.getMessage() for r in caplog.records)
+
+
+def test_the_join_says_every_few_seconds_who_has_joined_and_how_long_is_left(caplog, monkeypatch):
+    from ddpwire import admission
+    monkeypatch.setattr(admission, "PROGRESS_EVERY", 0.2)
+    caplog.set_level(logging.INFO, logger="ddpwire.coordinator")
+    with Coordinator(ADDR, expect_workers=2) as coord:
+        first = worker(coord, node_id="early")
+        with pytest.raises(ddpwire.JoinTimeout, match="1 of 2 workers joined within 1 s"):
+            coord.wait_for_workers(timeout=1.0)
+        first.join_result().close()
+    progress = [r.getMessage() for r in caplog.records if "waiting for workers" in r.getMessage()]
+    assert any("1 of 2 joined (worker 0 early@127.0.0.1)" in m and "s left" in m for m in progress)
