@@ -85,6 +85,15 @@ def collectives(rank: int, world: int) -> dict:
     return got
 
 
+# torch 2.13's gloo can deadlock when its process group is freed: the freeing
+# thread holds the GIL while it joins gloo's work threads, and one of them may
+# still be dropping a finished work's tensors, which needs the GIL (seen here:
+# ~ProcessGroupGloo joining pt_gloo_runloop blocked in ~AsyncAllreduceWork).
+# So nothing that holds a gloo group is ever freed: the models stay here and
+# the process ends with os._exit once its results are saved.
+_KEEP = []
+
+
 def run(backend: str, out: str, run_index: int) -> None:
     hook = backend == "gloo+hook"
     init("gloo" if hook else backend, run_index)
@@ -134,8 +143,12 @@ def run(backend: str, out: str, run_index: int) -> None:
                 "state": {k: v.cpu() for k, v in net.state_dict().items()}, "gathered": gathered, "objs": objs, "max": big},
                f"{out}.{backend}.rank{rank}.pt")
     dist.destroy_process_group()
+    _KEEP.append(ddp)
 
 
 if __name__ == "__main__":
     for index, name in enumerate(sys.argv[2:]):
         run(name, sys.argv[1], index)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

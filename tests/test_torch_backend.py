@@ -5,6 +5,7 @@ the environment torchrun gives them, or with a tcp:// init_method, and runs
 gloo and ddpwire in the same processes, one after the other.
 """
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,6 +57,18 @@ def start_ranks(world, out, backends, *, torchrun_env, extra=None):
     return procs
 
 
+def native_stacks(pid: int) -> str:
+    """Every thread's C stack of a hung rank, when gdb is there: a hang in
+    torch's or gloo's C++ shows no Python frame."""
+    if shutil.which("gdb") is None:
+        return ""
+    try:
+        return subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
+                              capture_output=True, text=True, timeout=60).stdout
+    except subprocess.TimeoutExpired:
+        return f"gdb timed out on {pid}"
+
+
 def finish(procs, limit=LIMIT):
     outputs = []
     deadline = time.monotonic() + limit
@@ -67,6 +80,7 @@ def finish(procs, limit=LIMIT):
             for q in procs:
                 if q.poll() is None:
                     q.send_signal(signal.SIGUSR1)  # faulthandler: every thread's stack
+                    stacks.append(native_stacks(q.pid))
             time.sleep(1.0)
             for q in procs:
                 q.kill()
