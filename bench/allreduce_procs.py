@@ -359,6 +359,21 @@ class ProcessGroup:
                 proc.join(10)
 
 
+def run_rounds(benchmark, group: Any, rounds: int, warmup: int) -> Dict[str, Any]:
+    """Time ``rounds`` steps of ``group`` after ``warmup`` with
+    pytest-benchmark, then stop it; returns its summary. On any failure every
+    child is killed (the failing child's traceback is in the exception)."""
+    try:
+        benchmark.pedantic(group.step, rounds=rounds, warmup_rounds=warmup, iterations=1)
+        # --benchmark-disable runs the target once; the coordinator still expects every step
+        while len(group.step_stamps) < warmup + rounds:
+            group.step()
+    except BaseException:
+        group.kill()
+        raise
+    return group.stop()
+
+
 def step_spans(step_stamps: List[List[Tuple[int, int]]]) -> List[float]:
     """Seconds from the first worker's start to the last worker's end, per step."""
     return [(max(e for _, e in stamps) - min(s for s, _ in stamps)) / 1e9

@@ -92,16 +92,7 @@ def test_allreduce_step(benchmark, kind, n, size_mib):
     rounds = _rounds(size_mib)
     benchmark.group = f"{size_mib} MiB"
     group = procs.ProcessGroup(kind, n, size, steps=WARMUP + rounds)
-    try:
-        benchmark.pedantic(group.step, rounds=rounds, warmup_rounds=WARMUP, iterations=1)
-        # --benchmark-disable runs the target once; the coordinator still expects every step
-        while len(group.step_stamps) < WARMUP + rounds:
-            group.step()
-    except BaseException:
-        # the failing child's traceback is in this exception: do not bury it under the others'
-        group.kill()
-        raise
-    summary = group.stop()
+    summary = procs.run_rounds(benchmark, group, rounds, WARMUP)
     spans = procs.step_spans(group.step_stamps[WARMUP:])
     info = benchmark.extra_info
     info.update(kind=kind, workers=n, size_bytes=size, rounds=rounds, warmup=WARMUP,

@@ -28,6 +28,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from . import auth
 from ._core import FrameReader, encode_frame, tag_max_payload
+from .channel import still_open
 from .errors import JoinTimeout, ProtocolError
 from .extensions import Extension, RefusalReason, decode_u64, encode_u64
 from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
@@ -228,14 +229,14 @@ class Admission:
                     if key.data is None:
                         self.handshakes.accept(sel)
                     elif isinstance(key.data, Admitted):
-                        self._check_alive(sel, key.data)
+                        self._checkstill_open(sel, key.data)
                     else:
                         self._on_readable(sel, key.data)
                 self.handshakes.expire(sel, time.monotonic())
             # A worker whose own timeout ran out while others were still
             # joining is gone: find it now, not at step 0.
             for slot in list(self.slots):
-                if slot is not None and not _alive(slot.sock):
+                if slot is not None and not still_open(slot.sock):
                     self._free(sel, slot, "disconnected")
             if self._joined() < until:
                 return self.run(deadline, limit, until)
@@ -337,8 +338,8 @@ class Admission:
         log.info("worker %d joined: %s (%s, %d GPU) from %s", worker_id, p.join.node_id,
                  p.join.backend, p.join.gpu_count, p.name)
 
-    def _check_alive(self, sel: selectors.BaseSelector, a: Admitted) -> None:
-        if _alive(a.sock):
+    def _checkstill_open(self, sel: selectors.BaseSelector, a: Admitted) -> None:
+        if still_open(a.sock):
             # bytes are waiting (a Heartbeat): it is alive, and the session
             # reads them; stop watching so the loop does not spin on them
             sel.unregister(a.sock)
@@ -354,17 +355,6 @@ class Admission:
         except (KeyError, ValueError):
             pass
         _close(a.sock)
-
-
-def _alive(sock: socket.socket) -> bool:
-    """False when the peer has closed (or reset) the connection; True while
-    it is open, with or without bytes waiting."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
-        return False
 
 
 class Refuser:

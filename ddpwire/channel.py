@@ -150,15 +150,21 @@ class Channel:
         if not ready:
             raise self.conn.lost(f"{self.conn.peer_name} silent for {timeout:g} s",
                                  worker_id=self.peer_id)
-        try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except (BlockingIOError, InterruptedError):
-            return True
-        except ConnectionError:
-            return False
+        return still_open(sock)
 
     def close(self) -> None:
         self.conn.close()
+
+
+def still_open(sock: socket.socket) -> bool:
+    """False when the peer has closed (or reset) the connection; True while
+    it is open, with or without bytes waiting. Takes nothing from the socket."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
 
 
 def message_name(obj: Any) -> str:

@@ -37,7 +37,7 @@ import statistics
 import pytest
 
 from . import net, params, plan, shaping
-from .nodes import ClusterGroup
+from .nodes import ClusterGroup, procs
 
 MiB = 1 << 20
 WARMUP = 1
@@ -83,15 +83,7 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
     rounds = PARAMS.rounds
     benchmark.group = f"{size_mib} MiB"
     group = ClusterGroup(kind, n, size, WARMUP + rounds, cluster_plan)
-    try:
-        benchmark.pedantic(group.step, rounds=rounds, warmup_rounds=WARMUP, iterations=1)
-        # --benchmark-disable runs the target once; the coordinator still expects every step
-        while len(group.step_stamps) < WARMUP + rounds:
-            group.step()
-    except BaseException:
-        group.kill()
-        raise
-    summary = group.stop()
+    summary = procs.run_rounds(benchmark, group, rounds, WARMUP)
     spans = group_spans(group)
     median = statistics.median(spans)
     coord_rate, worker_rate = PARAMS.coord_rate, PARAMS.worker_rate
@@ -120,6 +112,4 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
 
 def group_spans(group: ClusterGroup):
     """Seconds from the first worker's start to the last one's end, timed steps only."""
-    import allreduce_procs
-
-    return allreduce_procs.step_spans(group.step_stamps[WARMUP:])
+    return procs.step_spans(group.step_stamps[WARMUP:])
