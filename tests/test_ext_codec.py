@@ -102,8 +102,33 @@ def test_frame_reader_any_chunking(msg, chunk):
 def test_every_cut_is_refused(msg, data):
     payload = ddpwire.encode_frame(msg)[4:]
     cut = data.draw(st.integers(0, len(payload) - 1))
+    plain = _without_block(msg)
+    if plain is not None and cut == len(ddpwire.encode_frame(plain)) - 4:
+        # cut exactly where its extension block starts, a join message is the
+        # reference message: valid, and without extensions
+        assert ddpwire.decode_payload(payload[:cut]) == plain
+        return
     with pytest.raises(ProtocolError):
         ddpwire.decode_payload(payload[:cut])
+
+
+def test_a_join_message_cut_at_its_block_is_the_reference_message():
+    """The one cut that is not an error (found by the property above)."""
+    msg = JoinRequest("00", 0, "0" * 15, {})
+    payload = ddpwire.encode_frame(msg)[4:]
+    assert ddpwire.decode_payload(payload[:-7]) == JoinRequest("00", 0, "0" * 15)
+    with pytest.raises(ProtocolError):
+        ddpwire.decode_payload(payload[:-1])
+
+
+def _without_block(msg):
+    """The same join message without its extension block (None for any
+    message that has no block)."""
+    if isinstance(msg, JoinRequest) and msg.extensions is not None:
+        return JoinRequest(msg.node_id, msg.gpu_count, msg.backend)
+    if isinstance(msg, JoinAccepted) and msg.extensions is not None:
+        return JoinAccepted(msg.worker_id, msg.total_workers)
+    return None
 
 
 def test_extensions_none_is_the_reference_bytes():
