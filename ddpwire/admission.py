@@ -30,7 +30,7 @@ from . import auth
 from ._core import FrameReader, encode_frame, tag_max_payload
 from .channel import still_open
 from .errors import JoinTimeout, ProtocolError
-from .extensions import Extension, RefusalReason, decode_u64, encode_u64
+from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
 from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
 from .sessioninfo import WorkerInfo
 
@@ -271,7 +271,7 @@ class Admission:
     def _on_join(self, sel: selectors.BaseSelector, p: _Pending, join: JoinRequest) -> None:
         p.join = join
         offered = join.extensions or {}
-        why = self._mismatch(offered)
+        why = samples_mismatch(self.samples, offered)
         if why is not None:
             self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
             return
@@ -293,15 +293,6 @@ class Admission:
             self.handshakes.end(sel, p, "could not send AuthChallenge")
             return
         p.reader = _reader_for(AuthProof, self.max_frame)
-
-    def _mismatch(self, offered: Mapping[int, bytes]) -> Optional[str]:
-        value = offered.get(Extension.SAMPLES)
-        if value is None or not self.samples:
-            return None
-        theirs = decode_u64(value)
-        if theirs and theirs != self.samples:
-            return f"samples per step differ: coordinator {self.samples}, worker {theirs}"
-        return None
 
     def _on_proof(self, sel: selectors.BaseSelector, p: _Pending, msg: AuthProof) -> None:
         assert self.token is not None and p.join is not None

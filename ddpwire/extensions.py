@@ -6,14 +6,14 @@ csrc/wire.h defines them once; nothing here restates a number.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Dict
+from typing import Dict, Mapping, Optional
 
 import numpy as np
 
 from ._core import _codes
 
 __all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType", "decode_u16",
-           "decode_u64", "encode_u16", "encode_u64"]
+           "decode_u64", "encode_u16", "encode_u64", "samples_mismatch"]
 
 _FAMILIES, _DTYPE_SIZES = _codes()
 
@@ -86,3 +86,22 @@ def _decode_uint(value: bytes, size: int) -> int:
         raise ProtocolError(f"extension entry: a u{8 * size} value has {size} bytes, "
                             f"got {len(value)}")
     return int.from_bytes(value, "little")
+
+
+def samples_mismatch(coordinator: Optional[int], entries: Mapping[int, bytes],
+                     worker: Optional[int] = None) -> Optional[str]:
+    """Why the samples per step of the two sides disagree, or None. One side's
+    value is known locally; the other's is the samples entry in ``entries``
+    (the offer, on the coordinator; the grant, on a worker). Zero or absent
+    means "not given" and agrees with anything."""
+    value = entries.get(Extension.SAMPLES)
+    if value is None:
+        return None
+    theirs = decode_u64(value)
+    if coordinator is None:
+        coordinator = theirs
+    else:
+        worker = theirs
+    if coordinator and worker and coordinator != worker:
+        return f"samples per step differ: coordinator {coordinator}, worker {worker}"
+    return None

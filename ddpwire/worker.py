@@ -35,7 +35,7 @@ from .errors import (
     ShutdownDuringReduce,
     UnexpectedMessage,
 )
-from .extensions import Extension, RefusalReason, decode_u64, encode_u64
+from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
 from .messages import (
     AuthChallenge,
     AuthProof,
@@ -129,13 +129,9 @@ def _check_accepted(accepted: JoinAccepted) -> None:
 
 
 def _check_samples(granted: Mapping[int, bytes], ours: Optional[int]) -> None:
-    value = granted.get(Extension.SAMPLES)
-    if value is None or not ours:
-        return
-    theirs = decode_u64(value)
-    if theirs and theirs != ours:
-        raise JoinRefusedError(RefusalReason.MISMATCH,
-                               f"samples per step differ: coordinator {theirs}, worker {ours}")
+    why = samples_mismatch(None, granted, ours)
+    if why is not None:
+        raise JoinRefusedError(RefusalReason.MISMATCH, why)
 
 
 class Worker:

@@ -274,3 +274,15 @@ def test_the_join_says_every_few_seconds_who_has_joined_and_how_long_is_left(cap
         first.join_result().close()
     progress = [r.getMessage() for r in caplog.records if "waiting for workers" in r.getMessage()]
     assert any("1 of 2 joined (worker 0 early@127.0.0.1)" in m and "s left" in m for m in progress)
+
+
+def test_samples_mismatch_reads_the_same_from_either_side():
+    from ddpwire.extensions import Extension, encode_u64, samples_mismatch
+    offer = {int(Extension.SAMPLES): encode_u64(128)}
+    grant = {int(Extension.SAMPLES): encode_u64(256)}
+    want = "samples per step differ: coordinator 256, worker 128"
+    assert samples_mismatch(256, offer) == want          # the coordinator, reading the offer
+    assert samples_mismatch(None, grant, 128) == want    # a worker, reading the grant
+    assert samples_mismatch(256, {int(Extension.SAMPLES): encode_u64(0)}) is None
+    assert samples_mismatch(None, {int(Extension.SAMPLES): encode_u64(256)}, 256) is None
+    assert samples_mismatch(256, {}) is None
