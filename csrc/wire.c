@@ -25,20 +25,24 @@ static const char *const TYPE_NAMES[12] = {
     "AveragedNonBlockGradient",
 };
 
-static const char *const EXT_TYPE_NAMES[6] = {
+static const char *const EXT_TYPE_NAMES[10] = {
     "AuthChallenge",
     "AuthProof",
     "JoinRefused",
     "CollectiveRequest",
     "CollectiveResult",
     "CollectiveError",
+    "MeshPeers",
+    "PeerHello",
+    "StepReport",
+    "StepCommit",
 };
 
 const char *ddpw_message_type(uint8_t tag)
 {
     if (tag < 12)
         return TYPE_NAMES[tag];
-    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_COLLECTIVE_ERROR)
+    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_STEP_COMMIT)
         return EXT_TYPE_NAMES[tag - DDPW_AUTH_CHALLENGE];
     return NULL;
 }
@@ -66,6 +70,7 @@ static const char *const DTYPE_NAMES[8] = {
     "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool",
 };
 static const uint8_t DTYPE_SIZES[8] = {4, 8, 2, 2, 4, 8, 1, 1};
+static const char *const CODEC_NAMES[3] = {"float32", "bf16", "fp16"};
 
 size_t ddpw_dtype_size(uint8_t dtype)
 {
@@ -82,6 +87,8 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "samples";
         if (value == DDPW_EXT_COLLECTIVES)
             return "collectives";
+        if (value == DDPW_EXT_MESH)
+            return "mesh";
         return NULL;
     case DDPW_CODES_REFUSAL:
         return value < 7 ? REFUSAL_NAMES[value] : NULL;
@@ -91,6 +98,8 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
         return value < 5 ? OP_NAMES[value] : NULL;
     case DDPW_CODES_DTYPE:
         return value < 8 ? DTYPE_NAMES[value] : NULL;
+    case DDPW_CODES_CODEC:
+        return value < 3 ? CODEC_NAMES[value] : NULL;
     }
     return NULL;
 }
@@ -106,6 +115,13 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
         return 1 + 2 * DDPW_AUTH_BYTES;
     case DDPW_AUTH_PROOF:
         return 1 + DDPW_AUTH_BYTES;
+    case DDPW_PEER_HELLO:
+        return 1 + 4 + DDPW_AUTH_BYTES;
+    case DDPW_STEP_REPORT:
+        return 1 + 8 + 4 + 8 + 4 + 8 + 8 + 4 + 8 + 4;
+    case DDPW_STEP_COMMIT:
+        return 1 + 8 + 4 + 4 + 8 + 4;
+    case DDPW_MESH_PEERS:
     case DDPW_JOIN_REQUEST:
     case DDPW_JOIN_ACCEPTED:
     case DDPW_HEARTBEAT:
@@ -451,6 +467,17 @@ static ddpw_status read_str(ddpw_reader *r, ddpw_str *v, const char *type, const
     return DDPW_OK;
 }
 
+/* The (bad_worker, bad_index, bad_value) triple ending StepReport and StepCommit. */
+static ddpw_status read_bad(ddpw_reader *r, ddpw_message *m, const char *type, ddpw_error *err)
+{
+    ddpw_status st = read_u32(r, &m->bad_worker, type, "bad_worker", err);
+    if (st == DDPW_OK)
+        st = read_u64(r, &m->bad_index, type, "bad_index", err);
+    if (st == DDPW_OK)
+        st = read_f32(r, &m->bad_value, type, "bad_value", err);
+    return st;
+}
+
 /* Bytes after the last field: an error unless the caller accepts them. */
 static ddpw_status check_end(const ddpw_reader *r, size_t end, int flags, const char *type,
                              ddpw_error *err)
@@ -787,6 +814,31 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
         TRY(read_str(&r, &msg->detail, type, "detail", "detail length", err));
         break;
+    case DDPW_MESH_PEERS:
+        TRY(take(&r, DDPW_AUTH_BYTES, &msg->key, type, "key", err));
+        TRY(read_u8(&r, &msg->codec, type, "codec", err));
+        if (ddpw_code_name(DDPW_CODES_CODEC, msg->codec) == NULL)
+            return fail_invalid(err, type, "codec", msg->codec, "unknown codec");
+        TRY(read_str(&r, &msg->peers, type, "peers", "peers length", err));
+        break;
+    case DDPW_PEER_HELLO:
+        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
+        TRY(take(&r, DDPW_AUTH_BYTES, &msg->proof, type, "proof", err));
+        break;
+    case DDPW_STEP_REPORT:
+        TRY(read_u64(&r, &msg->step, type, "step", err));
+        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
+        TRY(read_u64(&r, &msg->count, type, "count", err));
+        TRY(read_f32(&r, &msg->loss, type, "loss", err));
+        TRY(read_u64(&r, &msg->correct, type, "correct", err));
+        TRY(read_u64(&r, &msg->total, type, "total", err));
+        TRY(read_bad(&r, msg, type, err));
+        break;
+    case DDPW_STEP_COMMIT:
+        TRY(read_u64(&r, &msg->step, type, "step", err));
+        TRY(read_f32(&r, &msg->global_loss, type, "global_loss", err));
+        TRY(read_bad(&r, msg, type, err));
+        break;
     case DDPW_SHARD_ASSIGNMENT:
         TRY(read_u64(&r, &msg->step, type, "step", err));
         TRY(read_u64(&r, &msg->shard_start, type, "shard_start", err));
@@ -979,6 +1031,14 @@ static uint64_t head_fields_size(const ddpw_message *m)
         return 1 + 8 + 1 + 1 + 8 + 8;
     case DDPW_COLLECTIVE_ERROR:
         return 1 + 8 + 4 + 4 + (uint64_t)m->detail.len;
+    case DDPW_MESH_PEERS:
+        return 1 + DDPW_AUTH_BYTES + 1 + 4 + (uint64_t)m->peers.len;
+    case DDPW_PEER_HELLO:
+        return 1 + 4 + DDPW_AUTH_BYTES;
+    case DDPW_STEP_REPORT:
+        return 1 + 8 + 4 + 8 + 4 + 8 + 8 + 4 + 8 + 4;
+    case DDPW_STEP_COMMIT:
+        return 1 + 8 + 4 + 4 + 8 + 4;
     case DDPW_SHARD_ASSIGNMENT:
         return 1 + 8 + 8 + 8;
     case DDPW_GRADIENT_PAYLOAD:
@@ -1020,10 +1080,19 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
         err->value = m->detail.len;
         return fail(err, DDPW_ERR_VALUE, type, "detail", m->detail.len, UINT32_MAX);
     }
+    if ((uint64_t)m->peers.len > UINT32_MAX) {
+        err->value = m->peers.len;
+        return fail(err, DDPW_ERR_VALUE, type, "peers", m->peers.len, UINT32_MAX);
+    }
     if ((m->tag == DDPW_AUTH_CHALLENGE && m->nonce == NULL) ||
-        ((m->tag == DDPW_AUTH_CHALLENGE || m->tag == DDPW_AUTH_PROOF) && m->proof == NULL))
+        ((m->tag == DDPW_AUTH_CHALLENGE || m->tag == DDPW_AUTH_PROOF ||
+          m->tag == DDPW_PEER_HELLO) && m->proof == NULL))
         return fail(err, DDPW_ERR_VALUE, type, m->nonce == NULL ? "nonce" : "proof", 0,
                     DDPW_AUTH_BYTES);
+    if (m->tag == DDPW_MESH_PEERS && m->key == NULL)
+        return fail(err, DDPW_ERR_VALUE, type, "key", 0, DDPW_AUTH_BYTES);
+    if (m->tag == DDPW_MESH_PEERS && ddpw_code_name(DDPW_CODES_CODEC, m->codec) == NULL)
+        return fail_invalid(err, type, "codec", m->codec, "unknown codec");
     TRY(check_ext_entries(m, type, err));
     head = head_fields_size(m); /* each term < 2^35: no overflow */
     if (is_collective_bulk(m->tag)) {
@@ -1130,6 +1199,33 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
         put_u64(w, m->seq);
         put_u32(w, m->worker_id);
         put_str(w, m->detail);
+        break;
+    case DDPW_MESH_PEERS:
+        put_bytes(w, m->key, DDPW_AUTH_BYTES);
+        put_u8(w, m->codec);
+        put_str(w, m->peers);
+        break;
+    case DDPW_PEER_HELLO:
+        put_u32(w, m->worker_id);
+        put_bytes(w, m->proof, DDPW_AUTH_BYTES);
+        break;
+    case DDPW_STEP_REPORT:
+        put_u64(w, m->step);
+        put_u32(w, m->worker_id);
+        put_u64(w, m->count);
+        put_f32(w, m->loss);
+        put_u64(w, m->correct);
+        put_u64(w, m->total);
+        put_u32(w, m->bad_worker);
+        put_u64(w, m->bad_index);
+        put_f32(w, m->bad_value);
+        break;
+    case DDPW_STEP_COMMIT:
+        put_u64(w, m->step);
+        put_f32(w, m->global_loss);
+        put_u32(w, m->bad_worker);
+        put_u64(w, m->bad_index);
+        put_f32(w, m->bad_value);
         break;
     case DDPW_SHARD_ASSIGNMENT:
         put_u64(w, m->step);

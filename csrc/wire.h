@@ -45,7 +45,12 @@ typedef enum ddpw_tag {
     DDPW_JOIN_REFUSED = 0x42,
     DDPW_COLLECTIVE_REQUEST = 0x43,
     DDPW_COLLECTIVE_RESULT = 0x44,
-    DDPW_COLLECTIVE_ERROR = 0x45
+    DDPW_COLLECTIVE_ERROR = 0x45,
+    /* The mesh extension (docs/extensions.md, "The mesh"). */
+    DDPW_MESH_PEERS = 0x46,
+    DDPW_PEER_HELLO = 0x47,
+    DDPW_STEP_REPORT = 0x48,
+    DDPW_STEP_COMMIT = 0x49
 } ddpw_tag;
 
 /* The extension block that may follow the last field of JoinRequest and
@@ -66,8 +71,19 @@ typedef enum ddpw_tag {
 typedef enum ddpw_ext_type {
     DDPW_EXT_AUTH = 0x0001,
     DDPW_EXT_SAMPLES = 0x0002,
-    DDPW_EXT_COLLECTIVES = 0x0003
+    DDPW_EXT_COLLECTIVES = 0x0003,
+    DDPW_EXT_MESH = 0x0004
 } ddpw_ext_type;
+
+/* MeshPeers.codec: how gradient slices travel between mesh peers. */
+typedef enum ddpw_codec {
+    DDPW_CODEC_FLOAT32 = 0,
+    DDPW_CODEC_BF16 = 1,
+    DDPW_CODEC_FP16 = 2
+} ddpw_codec;
+
+/* StepReport.bad_worker / StepCommit.bad_worker when nothing is wrong. */
+#define DDPW_NO_WORKER 0xFFFFFFFFu
 
 typedef enum ddpw_refusal {
     DDPW_REFUSED_FULL = 1,
@@ -111,7 +127,8 @@ typedef enum ddpw_code_family {
     DDPW_CODES_REFUSAL = 1,
     DDPW_CODES_COLLECTIVE_KIND = 2,
     DDPW_CODES_REDUCE_OP = 3,
-    DDPW_CODES_DTYPE = 4
+    DDPW_CODES_DTYPE = 4,
+    DDPW_CODES_CODEC = 5
 } ddpw_code_family;
 
 typedef enum ddpw_status {
@@ -190,9 +207,10 @@ typedef struct ddpw_message {
     ddpw_str node_id;          /* JoinRequest, Heartbeat */
     uint32_t gpu_count;        /* JoinRequest */
     ddpw_str backend;          /* JoinRequest */
-    uint32_t worker_id;        /* JoinAccepted, GradientPayload, Block-/NonBlockGradientPayload */
+    uint32_t worker_id;        /* JoinAccepted, GradientPayload, Block-/NonBlockGradientPayload,
+                                  PeerHello, StepReport */
     uint32_t total_workers;    /* JoinAccepted */
-    uint64_t step;             /* ShardAssignment, every gradient message */
+    uint64_t step;             /* ShardAssignment, every gradient message, Step* */
     uint64_t shard_start;      /* ShardAssignment */
     uint64_t shard_end;        /* ShardAssignment */
     uint64_t timestamp_ms;     /* Heartbeat */
@@ -203,10 +221,10 @@ typedef struct ddpw_message {
     uint32_t component_count;
     const void *gradients;
     uint64_t gradient_count;
-    float loss;                /* GradientPayload */
-    uint64_t correct;          /* GradientPayload */
-    uint64_t total;            /* GradientPayload */
-    float global_loss;         /* AveragedGradient */
+    float loss;                /* GradientPayload, StepReport */
+    uint64_t correct;          /* GradientPayload, StepReport */
+    uint64_t total;            /* GradientPayload, StepReport */
+    float global_loss;         /* AveragedGradient, StepCommit */
     /* Extension block (JoinRequest, JoinAccepted). has_ext == 0: no block.
      * Decoded: ext_block points at the block's first entry, ext_block_len
      * bytes of entries follow (walk them with ddpw_ext_next); ext_entries is
@@ -217,7 +235,7 @@ typedef struct ddpw_message {
     const uint8_t *ext_block;
     size_t ext_block_len;
     const uint8_t *nonce;      /* AuthChallenge: DDPW_AUTH_BYTES bytes */
-    const uint8_t *proof;      /* AuthChallenge, AuthProof: DDPW_AUTH_BYTES bytes */
+    const uint8_t *proof;      /* AuthChallenge, AuthProof, PeerHello: DDPW_AUTH_BYTES bytes */
     uint8_t reason;            /* JoinRefused */
     ddpw_str detail;           /* JoinRefused, CollectiveError */
     uint64_t seq;              /* Collective* */
@@ -225,9 +243,15 @@ typedef struct ddpw_message {
     uint8_t op;                /* CollectiveRequest */
     uint8_t dtype;             /* CollectiveRequest, CollectiveResult */
     uint32_t root;             /* CollectiveRequest */
-    uint64_t count;            /* CollectiveRequest, CollectiveResult: elements */
+    uint64_t count;            /* CollectiveRequest, CollectiveResult, StepReport: elements */
     const uint8_t *data;       /* CollectiveRequest, CollectiveResult */
     uint64_t data_len;         /* bytes at data: count * ddpw_dtype_size(dtype) */
+    const uint8_t *key;        /* MeshPeers: DDPW_AUTH_BYTES bytes */
+    uint8_t codec;             /* MeshPeers */
+    ddpw_str peers;            /* MeshPeers: "host:port" per worker, comma-separated */
+    uint32_t bad_worker;       /* StepReport, StepCommit: DDPW_NO_WORKER when none */
+    uint64_t bad_index;        /* StepReport, StepCommit: element of the whole vector */
+    float bad_value;           /* StepReport, StepCommit */
 } ddpw_message;
 
 /* What precedes the gradient elements of a payload, for a reader that

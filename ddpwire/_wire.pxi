@@ -30,6 +30,10 @@ from ddpwire.messages import (
     CollectiveRequest,
     CollectiveResult,
     JoinRefused,
+    MeshPeers,
+    PeerHello,
+    StepCommit,
+    StepReport,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
@@ -83,6 +87,10 @@ cdef dict _TAGS = {
     CollectiveRequest: DDPW_COLLECTIVE_REQUEST,
     CollectiveResult: DDPW_COLLECTIVE_RESULT,
     CollectiveError: DDPW_COLLECTIVE_ERROR,
+    MeshPeers: DDPW_MESH_PEERS,
+    PeerHello: DDPW_PEER_HELLO,
+    StepReport: DDPW_STEP_REPORT,
+    StepCommit: DDPW_STEP_COMMIT,
 }
 
 cdef object _U8 = np.dtype(np.uint8)
@@ -347,6 +355,13 @@ cdef int _set_data(ddpw_message *out, object msg, list keep) except -1:
     return 0
 
 
+cdef int _set_bad(ddpw_message *out, object msg) except -1:
+    out.bad_worker = <uint32_t>_uint(msg.bad_worker, 0xFFFFFFFF, msg, "bad_worker")
+    out.bad_index = _uint(msg.bad_index, 0xFFFFFFFFFFFFFFFF, msg, "bad_index")
+    out.bad_value = _f32(msg.bad_value, msg, "bad_value")
+    return 0
+
+
 cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
     cdef object tag_obj = _TAGS.get(type(msg))
     cdef uint8_t tag
@@ -403,6 +418,27 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
         detail = msg.detail
         keep.append(detail)
         out.detail = _utf8(detail, msg, "detail")
+    elif tag == DDPW_MESH_PEERS:
+        out.key = _auth_bytes(msg.key, msg, "key", keep)
+        out.codec = <uint8_t>_uint(msg.codec, 0xFF, msg, "codec")
+        peers = msg.peers
+        keep.append(peers)
+        out.peers = _utf8(peers, msg, "peers")
+    elif tag == DDPW_PEER_HELLO:
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.proof = _auth_bytes(msg.proof, msg, "proof", keep)
+    elif tag == DDPW_STEP_REPORT:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.count = _uint(msg.count, 0xFFFFFFFFFFFFFFFF, msg, "count")
+        out.loss = _f32(msg.loss, msg, "loss")
+        out.correct = _uint(msg.correct, 0xFFFFFFFFFFFFFFFF, msg, "correct")
+        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, msg, "total")
+        _set_bad(out, msg)
+    elif tag == DDPW_STEP_COMMIT:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.global_loss = _f32(msg.global_loss, msg, "global_loss")
+        _set_bad(out, msg)
     elif tag == DDPW_SHARD_ASSIGNMENT:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
@@ -591,6 +627,33 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o.seq = m.seq
         o.worker_id = m.worker_id
         o.detail = _text(m.detail)
+    elif tag == DDPW_MESH_PEERS:
+        o = _new(MeshPeers)
+        o.key = PyBytes_FromStringAndSize(<const char *>m.key, DDPW_AUTH_BYTES)
+        o.codec = m.codec
+        o.peers = _text(m.peers)
+    elif tag == DDPW_PEER_HELLO:
+        o = _new(PeerHello)
+        o.worker_id = m.worker_id
+        o.proof = PyBytes_FromStringAndSize(<const char *>m.proof, DDPW_AUTH_BYTES)
+    elif tag == DDPW_STEP_REPORT:
+        o = _new(StepReport)
+        o.step = m.step
+        o.worker_id = m.worker_id
+        o.count = m.count
+        o.loss = m.loss
+        o.correct = m.correct
+        o.total = m.total
+        o.bad_worker = m.bad_worker
+        o.bad_index = m.bad_index
+        o.bad_value = m.bad_value
+    elif tag == DDPW_STEP_COMMIT:
+        o = _new(StepCommit)
+        o.step = m.step
+        o.global_loss = m.global_loss
+        o.bad_worker = m.bad_worker
+        o.bad_index = m.bad_index
+        o.bad_value = m.bad_value
     else:
         raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
     return o
@@ -781,6 +844,7 @@ def _codes():
         "CollectiveKind": (DDPW_CODES_COLLECTIVE_KIND, 0x100),
         "ReduceOp": (DDPW_CODES_REDUCE_OP, 0x100),
         "DType": (DDPW_CODES_DTYPE, 0x100),
+        "Codec": (DDPW_CODES_CODEC, 0x100),
     }
     out = {}
     for family, (code, end) in families.items():

@@ -12,7 +12,8 @@ import numpy as np
 
 from ._core import _codes
 
-__all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType", "decode_u16",
+__all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType", "Codec",
+           "decode_u16",
            "decode_u64", "encode_u16", "encode_u64", "samples_mismatch"]
 
 _FAMILIES, _DTYPE_SIZES = _codes()
@@ -29,6 +30,8 @@ Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLE
 RefusalReason = _enum("RefusalReason", "JoinRefused.reason codes.")
 CollectiveKind = _enum("CollectiveKind", "CollectiveRequest/CollectiveResult.kind codes.")
 ReduceOp = _enum("ReduceOp", "CollectiveRequest.op codes.")
+Codec = _enum("Codec", "MeshPeers.codec: how gradient slices travel between mesh workers "
+                       "(FLOAT32, BF16, FP16).")
 
 # numpy has no bfloat16: its elements are handled as raw 16-bit words
 _NUMPY: Dict[str, str] = {

@@ -60,6 +60,11 @@ __all__ = [
     "CollectiveRequest",
     "CollectiveResult",
     "CollectiveError",
+    "MeshPeers",
+    "PeerHello",
+    "StepReport",
+    "StepCommit",
+    "NO_WORKER",
     "MESSAGE_TYPES",
 ]
 
@@ -99,6 +104,7 @@ _COMPARE = {
     "component_sizes": _same_sizes,
     "loss": _same_float,
     "global_loss": _same_float,
+    "bad_value": _same_float,
 }
 
 
@@ -368,6 +374,73 @@ class CollectiveError(Message):
     detail: str
 
 
+#: StepReport.bad_worker / StepCommit.bad_worker when every value was finite
+NO_WORKER = 0xFFFFFFFF
+
+
+@dataclass(eq=False)
+class MeshPeers(Message):
+    """Coordinator to worker, once after the join: where the other workers
+    of a mesh session listen (0x46). ``peers`` is ``host:port`` per worker in
+    worker order, comma-separated (an IPv6 host in brackets); empty means the
+    session keeps the star. ``key`` (32 bytes) authenticates the links
+    between workers; ``codec`` is a :class:`ddpwire.extensions.Codec` code."""
+
+    __slots__ = ("key", "codec", "peers")
+    TAG: ClassVar[int] = 0x46
+    key: bytes
+    codec: int
+    peers: str
+
+
+@dataclass(eq=False)
+class PeerHello(Message):
+    """Worker to worker, first on a mesh link, both ways (0x47): the
+    sender's worker_id and its proof of the session's mesh key."""
+
+    __slots__ = ("worker_id", "proof")
+    TAG: ClassVar[int] = 0x47
+    worker_id: int
+    proof: bytes
+
+
+@dataclass(eq=False)
+class StepReport(Message):
+    """Worker to coordinator in a mesh step (0x48): the worker has averaged
+    its slice. ``count`` is its gradient length; loss, correct and total are
+    GradientPayload's; ``bad_worker`` (NO_WORKER when none) names the first
+    worker whose elements in this slice were NaN or +/-inf, ``bad_index``
+    the element in the whole vector, ``bad_value`` its value."""
+
+    __slots__ = ("step", "worker_id", "count", "loss", "correct", "total", "bad_worker",
+                 "bad_index", "bad_value")
+    TAG: ClassVar[int] = 0x48
+    step: int
+    worker_id: int
+    count: int
+    loss: float
+    correct: int
+    total: int
+    bad_worker: int
+    bad_index: int
+    bad_value: float
+
+
+@dataclass(eq=False)
+class StepCommit(Message):
+    """Coordinator to worker, ending a mesh step (0x49). With ``bad_worker``
+    NO_WORKER every slice was finite: exchange the averaged slices and apply
+    them. Otherwise the session halts: no worker applies any of it."""
+
+    __slots__ = ("step", "global_loss", "bad_worker", "bad_index", "bad_value")
+    TAG: ClassVar[int] = 0x49
+    step: int
+    global_loss: float
+    bad_worker: int
+    bad_index: int
+    bad_value: float
+
+
 #: tag -> message class, for every tag the protocol and its extensions define
 MESSAGE_TYPES = {
     cls.TAG: cls
@@ -389,5 +462,9 @@ MESSAGE_TYPES = {
         CollectiveRequest,
         CollectiveResult,
         CollectiveError,
+        MeshPeers,
+        PeerHello,
+        StepReport,
+        StepCommit,
     )
 }

@@ -15,6 +15,10 @@ from ddpwire import (
     AuthChallenge,
     AuthProof,
     CollectiveError,
+    MeshPeers,
+    PeerHello,
+    StepCommit,
+    StepReport,
     CollectiveKind,
     CollectiveRequest,
     CollectiveResult,
@@ -37,6 +41,8 @@ U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
 TEXT = st.text(max_size=40)
 B32 = st.binary(min_size=32, max_size=32)
+# every float32 bit pattern, NaN payloads included: the codec moves bits
+F32 = st.integers(0, 2**32 - 1).map(lambda b: float(np.array([b], np.uint32).view(np.float32)[0]))
 # at most 64 unique types, block under 4096 bytes: 64 * (6 + 40) + 7 < 4096
 EXTENSIONS = st.one_of(st.none(), st.dictionaries(st.integers(0, 0xFFFF),
                                                   st.binary(max_size=40), max_size=64))
@@ -72,6 +78,10 @@ MESSAGES = st.one_of(
     collective_request(),
     collective_result(),
     st.builds(CollectiveError, U64, U32, TEXT),
+    st.builds(MeshPeers, B32, st.integers(0, 2), TEXT),
+    st.builds(PeerHello, U32, B32),
+    st.builds(StepReport, U64, U32, U64, F32, U64, U64, U32, U64, F32),
+    st.builds(StepCommit, U64, F32, U32, U64, F32),
 )
 
 
@@ -190,7 +200,7 @@ def test_encoder_type_errors_name_the_field():
 
 def test_codes_come_from_the_codec():
     families, sizes = _codes()
-    assert {name for name, _ in families["Extension"]} == {"auth", "samples", "collectives"}
+    assert {name for name, _ in families["Extension"]} == {"auth", "samples", "collectives", "mesh"}
     assert [(m.name.lower(), int(m)) for m in Extension] == families["Extension"]
     for enum, family in ((RefusalReason, "RefusalReason"), (CollectiveKind, "CollectiveKind"),
                          (ReduceOp, "ReduceOp"), (DType, "DType")):
@@ -202,7 +212,7 @@ def test_codes_come_from_the_codec():
 
 
 def test_tag_max_payload():
-    limits = {0x03: 25, 0x07: 1, 0x40: 65, 0x41: 33}
+    limits = {0x03: 25, 0x07: 1, 0x40: 65, 0x41: 33, 0x47: 37, 0x48: 57, 0x49: 29}
     for tag in range(256):
         got = tag_max_payload(tag, 1000)
         cls = ddpwire.messages.MESSAGE_TYPES.get(tag)
@@ -210,13 +220,16 @@ def test_tag_max_payload():
             assert got == 0, tag
         elif tag in limits:
             assert got == limits[tag]
-        elif tag in (0x01, 0x02, 0x06, 0x42, 0x45):
+        elif tag in (0x01, 0x02, 0x06, 0x42, 0x45, 0x46):
             assert got == 65536
         else:
             assert got == 1000, cls.__name__  # gradient and collective messages
     # a fixed size is exact: the encoder produces exactly that many bytes
     assert len(ddpwire.encode_frame(AuthChallenge(bytes(32), bytes(32)))) - 4 == 65
     assert len(ddpwire.encode_frame(AuthProof(bytes(32)))) - 4 == 33
+    assert len(ddpwire.encode_frame(PeerHello(0, bytes(32)))) - 4 == 37
+    assert len(ddpwire.encode_frame(StepReport(0, 0, 0, 0.0, 0, 0, 0, 0, 0.0))) - 4 == 57
+    assert len(ddpwire.encode_frame(StepCommit(0, 0.0, 0, 0, 0.0))) - 4 == 29
 
 
 def test_allowed_tags_refuse_an_oversized_join_before_allocating():
@@ -241,8 +254,8 @@ def test_allowed_tags_refuse_other_tags():
     frame = ddpwire.encode_frame(ddpwire.Heartbeat("w", 5))
     with pytest.raises(ProtocolError, match=r"^Heartbeat \(tag 0x06\) not allowed here$"):
         reader.feed(frame)
-    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x46$"):
-        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x46")
+    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x4a$"):
+        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x4a")
     # a frame over a fixed size is refused too
     with pytest.raises(FrameTooLarge, match=r"34 bytes \(limit 33 for AuthProof\)"):
         FrameReader(allowed_tags=[0x41]).feed((34).to_bytes(4, "big") + b"\x41")

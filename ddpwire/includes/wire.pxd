@@ -33,6 +33,10 @@ cdef extern from "wire.h" nogil:
         DDPW_COLLECTIVE_REQUEST
         DDPW_COLLECTIVE_RESULT
         DDPW_COLLECTIVE_ERROR
+        DDPW_MESH_PEERS
+        DDPW_PEER_HELLO
+        DDPW_STEP_REPORT
+        DDPW_STEP_COMMIT
 
     ctypedef enum ddpw_code_family:
         DDPW_CODES_EXTENSION
@@ -40,6 +44,7 @@ cdef extern from "wire.h" nogil:
         DDPW_CODES_COLLECTIVE_KIND
         DDPW_CODES_REDUCE_OP
         DDPW_CODES_DTYPE
+        DDPW_CODES_CODEC
 
     ctypedef enum ddpw_status:
         DDPW_OK
@@ -126,6 +131,12 @@ cdef extern from "wire.h" nogil:
         uint64_t count
         const uint8_t *data
         uint64_t data_len
+        const uint8_t *key
+        uint8_t codec
+        ddpw_str peers
+        uint32_t bad_worker
+        uint64_t bad_index
+        float bad_value
 
     ctypedef struct ddpw_head:
         uint8_t tag

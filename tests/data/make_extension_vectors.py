@@ -19,6 +19,8 @@ MAGIC = b"DDPX"
 # tag bytes of the extension messages (docs/extensions.md, "Extension messages")
 AUTH_CHALLENGE, AUTH_PROOF, JOIN_REFUSED = 0x40, 0x41, 0x42
 COLLECTIVE_REQUEST, COLLECTIVE_RESULT, COLLECTIVE_ERROR = 0x43, 0x44, 0x45
+MESH_PEERS, PEER_HELLO, STEP_REPORT, STEP_COMMIT = 0x46, 0x47, 0x48, 0x49
+NO_WORKER = 0xFFFFFFFF
 # the spec's dtype table: code -> (struct format, size)
 DTYPES = {0: ("<f", 4), 1: ("<d", 8), 2: ("<e", 2), 3: ("<H", 2), 4: ("<i", 4),
           5: ("<q", 8), 6: ("<B", 1), 7: ("<?", 1)}
@@ -153,6 +155,26 @@ def vectors() -> List[Dict[str, Any]]:
             struct.pack("<BQI", COLLECTIVE_ERROR, 11, worker) + string(detail),
             {"type": "CollectiveError", "tag": COLLECTIVE_ERROR, "seq": 11,
              "worker_id": worker, "detail": string_json(detail)})))
+    key = bytes(range(0x40, 0x60))
+    for codec, peers in ((0, "10.0.0.2:41000,10.0.0.3:41001"), (1, "[fe80::1]:5000,h\u00f6st:1"),
+                         (2, "")):
+        shapes.append((f"mesh_peers_codec{codec}", "key, codec, peers", (
+            bytes([MESH_PEERS]) + key + bytes([codec]) + string(peers),
+            {"type": "MeshPeers", "tag": MESH_PEERS, "key_hex": key.hex(), "codec": codec,
+             "peers": string_json(peers)})))
+    shapes.append(("peer_hello", "worker_id, proof", (
+        struct.pack("<BI", PEER_HELLO, 3) + PROOF,
+        {"type": "PeerHello", "tag": PEER_HELLO, "worker_id": 3, "proof_hex": PROOF.hex()})))
+    for bad, index, value in ((NO_WORKER, 0, 0.0), (1, 2**33 + 5, -2.5)):
+        shapes.append((f"step_report_{bad:x}", "step .. total, then the first bad element", (
+            struct.pack("<BQIQfQQIQf", STEP_REPORT, 7, 2, 1000, 0.75, 30, 64, bad, index, value),
+            {"type": "StepReport", "tag": STEP_REPORT, "step": 7, "worker_id": 2, "count": 1000,
+             "loss": 0.75, "correct": 30, "total": 64, "bad_worker": bad, "bad_index": index,
+             "bad_value": value})))
+        shapes.append((f"step_commit_{bad:x}", "step, global_loss, the first bad element", (
+            struct.pack("<BQfIQf", STEP_COMMIT, 7, 0.5, bad, index, value),
+            {"type": "StepCommit", "tag": STEP_COMMIT, "step": 7, "global_loss": 0.5,
+             "bad_worker": bad, "bad_index": index, "bad_value": value})))
     out = []
     for name, note, (payload, message) in shapes:
         out.append({"name": name, "note": note, "message": message,
@@ -210,6 +232,20 @@ def malformed() -> List[Dict[str, Any]]:
         ("data_trailing", "one float32 and 2 bytes more",
          struct.pack("<BQBBQQ", COLLECTIVE_RESULT, 1, 1, 0, 1, 4) + bytes(6),
          r"^2 bytes after the last field of CollectiveResult$"),
+        ("mesh_peers_unknown_codec", "codec 3",
+         bytes([MESH_PEERS]) + bytes(32) + b"\x03" + string(""),
+         r"^invalid MeshPeers\.codec: 3 \(unknown codec\)$"),
+        ("mesh_peers_short_key", "16 key bytes", bytes([MESH_PEERS]) + bytes(16),
+         r"^truncated MeshPeers\.key: 16 of 32 bytes$"),
+        ("peer_hello_trailing", "PeerHello with a byte more",
+         struct.pack("<BI", PEER_HELLO, 0) + PROOF + b"\x00",
+         r"^1 bytes after the last field of PeerHello$"),
+        ("step_report_cut", "StepReport without bad_value",
+         struct.pack("<BQIQfQQIQ", STEP_REPORT, 1, 0, 4, 0.0, 0, 0, NO_WORKER, 0),
+         r"^truncated StepReport\.bad_value: 0 of 4 bytes$"),
+        ("step_commit_trailing", "StepCommit with 2 bytes more",
+         struct.pack("<BQfIQf", STEP_COMMIT, 1, 0.0, NO_WORKER, 0, 0.0) + b"\x00\x00",
+         r"^2 bytes after the last field of StepCommit$"),
         ("truncated_nonce", "AuthChallenge with 31 nonce bytes",
          bytes([AUTH_CHALLENGE]) + NONCE_C[:31],
          r"^truncated AuthChallenge\.nonce: 31 of 32 bytes$"),
@@ -232,8 +268,8 @@ def malformed() -> List[Dict[str, Any]]:
         ("collective_error_cut", "CollectiveError without its worker_id",
          struct.pack("<BQ", COLLECTIVE_ERROR, 1),
          r"^truncated CollectiveError\.worker_id: 0 of 4 bytes$"),
-        ("unknown_tag_0x46", "first tag after the extension messages", b"\x46",
-         r"^unknown message tag: 0x46$"),
+        ("unknown_tag_0x4a", "first tag after the extension messages", b"\x4a",
+         r"^unknown message tag: 0x4a$"),
     ]
     return [{"name": n, "description": d, "input_hex": p.hex(), "input_len": len(p),
              "error": e} for n, d, p, e in cases]
