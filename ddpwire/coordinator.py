@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from . import _core
+from . import mesh as _mesh
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from .admission import Admission, Refuser
@@ -31,18 +32,24 @@ from .errors import (
     DdpwireError,
     GradientMismatch,
     NonFiniteGradient,
+    ProtocolError,
     UnexpectedMessage,
     WorkerLost,
 )
+from .extensions import Extension
 from .messages import (
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
     BlockGradientPayload,
     GradientPayload,
+    MeshPeers,
+    NO_WORKER,
     NonBlockGradientPayload,
     ShardAssignment,
     Shutdown,
+    StepCommit,
+    StepReport,
 )
 from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
@@ -118,6 +125,20 @@ class Coordinator:
     running on one; None (the default) chooses threads for vectors of a
     megabyte or more when the machine has a core for each worker plus one.
     The result is bit-identical either way.
+
+    ``topology`` chooses how flat steps (:meth:`allreduce`) are averaged:
+    "auto" (the default) lets the workers average among themselves, the
+    mesh of :mod:`ddpwire.mesh`, when every worker is a ddpwire worker that
+    offers it, and keeps the star through this coordinator whenever a
+    reference worker takes part; "star" always keeps the star; "mesh"
+    refuses a session where some worker cannot join the mesh. Either way
+    the bits of the average are the reference's, and a NaN or +/-inf halts
+    the step before any worker applies any of it. In a mesh session the
+    average never passes through the coordinator (``avg_gradients`` is
+    None). ``compression`` ("bf16" or "fp16", mesh only) sends gradients and
+    averages as 16-bit words, summed in float32 in worker order (see
+    docs/sessions.md for the error this adds). Block and non-block messages
+    always take the star.
     """
 
     def __init__(
@@ -137,9 +158,20 @@ class Coordinator:
         token: Union[str, bytes, None] = None,
         extensions: Optional[Mapping[int, bytes]] = None,
         samples_per_step: Optional[int] = None,
+        topology: str = "auto",
+        compression: Optional[str] = None,
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
+        if topology not in ("auto", "star", "mesh"):
+            raise ValueError(f"topology must be 'auto', 'star' or 'mesh', got {topology!r}")
+        self.codec = _mesh.codec_of(compression)
+        if compression is not None and topology == "star":
+            raise ValueError("compression travels on the mesh: it needs topology 'auto' or 'mesh'")
+        self.topology = topology
+        self.compression = compression
+        #: whether flat steps run on the mesh (decided when the join completes)
+        self.mesh = False
         self.expect_workers = expect_workers
         self.timeout = check_timeout("timeout", timeout)
         self.join_timeout = check_timeout("join_timeout", join_timeout)
@@ -154,6 +186,8 @@ class Coordinator:
             else (3.0 * self.heartbeat if self.heartbeat else None))
         self._token = normalize_token(token)
         self._grants = dict(extensions or {})
+        if topology != "star":
+            self._grants[Extension.MESH] = b""
         self.total_samples = 0
         if samples_per_step is not None:
             self.set_total_samples(samples_per_step)
@@ -227,11 +261,45 @@ class Coordinator:
         self._refuser = Refuser(self._admission.handshakes,
                                 detail=f"training has started with {self.expect_workers} workers")
         self._admission = None
+        self._announce_topology(admitted)
         if self.heartbeat and self._heartbeat_thread is None:
             self._heartbeat_thread = threading.Thread(
                 target=self._send_heartbeats, name="ddpwire-coordinator-heartbeat", daemon=True)
             self._heartbeat_thread.start()
         return list(self.workers)
+
+    def _announce_topology(self, admitted: list) -> None:
+        """Choose the star or the mesh for flat steps and tell every worker
+        that was granted the mesh which (an empty MeshPeers keeps the star)."""
+        addresses: List[Optional[Tuple[str, int]]] = []
+        for a in admitted:
+            value = a.granted.get(Extension.MESH) is not None and \
+                (a.join.extensions or {}).get(Extension.MESH)
+            try:
+                addresses.append((a.address[0], _mesh.peer_port(value)) if value else None)
+            except ProtocolError as exc:
+                log.warning("worker %d: %s; it takes the star", a.worker_id, exc)
+                addresses.append(None)
+        outsiders = [a.worker_id for a, addr in zip(admitted, addresses) if addr is None]
+        if self.topology == "mesh" and outsiders:
+            raise DdpwireError(f"topology 'mesh': worker {outsiders[0]} "
+                               f"({admitted[outsiders[0]].join.node_id}) did not offer the mesh")
+        self.mesh = not outsiders
+        if self.mesh:
+            table = MeshPeers(key=_mesh.new_key(), codec=int(self.codec),
+                              peers=_mesh.format_peers(addresses))  # type: ignore[arg-type]
+            log.info("flat steps run on the mesh between the %d workers (%s)",
+                     len(admitted), self.compression or "float32")
+        else:
+            table = MeshPeers(key=bytes(32), codec=0, peers="")
+            log.info("flat steps run on the star: worker %d does not take part in a mesh",
+                     outsiders[0])
+            if self.compression:
+                log.warning("compression=%r is off: it travels on the mesh only",
+                            self.compression)
+        for chan, addr, a in zip(self._channels, addresses, admitted):
+            if Extension.MESH in a.granted:
+                chan.send(table)
 
     def _send_heartbeats(self) -> None:
         assert self.heartbeat is not None
@@ -318,7 +386,62 @@ class Coordinator:
         average, and with ``reply`` the transfer out); ``wait_time`` the
         wait for the heads.
         """
+        if self.mesh:
+            if not reply:
+                raise DdpwireError("in a mesh session the average never passes through the "
+                                   "coordinator: use allreduce(step), or Coordinator(topology="
+                                   "'star') for collect_and_reduce", step=step)
+            if out is not None:
+                raise ValueError("out: in a mesh session the average stays on the workers "
+                                 "(topology='star' keeps a copy here)")
+            return self._mesh_step(step)
         return self._average(_FLAT, step, None, out, reply)
+
+    def _mesh_step(self, step: int) -> ReduceResult:
+        """One flat step on the mesh: every worker's StepReport, then the
+        same StepCommit to all, a go-ahead only when every slice was finite."""
+        t0 = time.perf_counter()
+        self._require_workers()
+        deadline = time.monotonic() + self.timeout
+        reports: List[StepReport] = []
+        for chan in self._channels:
+            wid = chan.peer_id
+            msg = chan.expect([StepReport], step=step, deadline=deadline)
+            if msg.step != step:
+                raise GradientMismatch("step", step, msg.step, worker_id=wid, step=step)
+            if msg.worker_id != wid:
+                raise GradientMismatch("worker_id", wid, msg.worker_id, worker_id=wid, step=step)
+            want = self._lengths.get((_FLAT, None), reports[0].count if reports else msg.count)
+            if msg.count != want:
+                self._abandon()
+                raise GradientMismatch("gradients length", want, msg.count, worker_id=wid,
+                                       step=step)
+            reports.append(msg)
+        t1 = time.perf_counter()
+        bad = [r for r in reports if r.bad_worker != NO_WORKER]
+        if bad:
+            first = min(bad, key=lambda r: (r.bad_worker, r.bad_index))
+            commit = StepCommit(step=step, global_loss=0.0, bad_worker=first.bad_worker,
+                                bad_index=first.bad_index, bad_value=first.bad_value)
+        else:
+            result = self._result(_FLAT, step, None, [], None,  # type: ignore[arg-type]
+                                  [(r.loss, r.correct, r.total) for r in reports], t1 - t0)
+            commit = StepCommit(step=step, global_loss=result.global_loss, bad_worker=NO_WORKER,
+                                bad_index=0, bad_value=0.0)
+        try:
+            self._broadcast(commit, step)
+        except BaseException:
+            self._abandon()
+            raise
+        if bad:
+            log.error("worker %d sent a non-finite gradient at step %d: halting",
+                      first.bad_worker, step)
+            self._abandon()
+            raise NonFiniteGradient(first.bad_worker, first.bad_index, first.bad_value,
+                                    worker_id=first.bad_worker, step=step)
+        self._lengths.setdefault((_FLAT, None), reports[0].count)
+        result.reduce_time = time.perf_counter() - t1
+        return result
 
     def allreduce_block(self, step: Optional[int], block_idx: Optional[int],
                         out: Optional[np.ndarray] = None, *,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -14,7 +14,8 @@ class ReduceResult:
     """The average of one flat step.
 
     ``avg_gradients`` is the element-wise float32 sum in worker order divided
-    by the number of workers; ``global_loss`` is sum(loss_i * total_i) /
+    by the number of workers (None in a mesh session, where it stays on the
+    workers); ``global_loss`` is sum(loss_i * total_i) /
     sum(total_i) in float32 (0.0 when no samples were counted).
     ``wait_time`` is the seconds spent waiting for every worker's frame to
     start (their compute, seen from the coordinator) and ``reduce_time`` the
@@ -22,7 +23,7 @@ class ReduceResult:
     """
 
     step: int
-    avg_gradients: np.ndarray
+    avg_gradients: Optional[np.ndarray]
     global_loss: float
     total_correct: int
     total_samples: int

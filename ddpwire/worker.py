@@ -20,6 +20,7 @@ from typing import Any, Deque, Dict, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core, auth
+from . import mesh as _mesh
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name
@@ -48,9 +49,13 @@ from .messages import (
     JoinAccepted,
     JoinRefused,
     JoinRequest,
+    MeshPeers,
+    NO_WORKER,
     NonBlockGradientPayload,
     ShardAssignment,
     Shutdown,
+    StepCommit,
+    StepReport,
 )
 
 __all__ = ["Worker"]
@@ -139,7 +144,8 @@ class Worker:
 
     def __init__(self, channel: Channel, worker_id: int, total_workers: int, node_id: str,
                  heartbeat: Optional[float], socket_threads: Optional[bool] = None,
-                 extensions: Optional[Mapping[int, bytes]] = None) -> None:
+                 extensions: Optional[Mapping[int, bytes]] = None,
+                 mesh_listener: Optional[socket.socket] = None) -> None:
         self._chan = channel
         self.extensions: Dict[int, bytes] = dict(extensions or {})
         self.socket_threads = socket_threads
@@ -149,6 +155,14 @@ class Worker:
         # (type, step, block_idx or component) of each reply still owed, so a
         # reply for something else is caught instead of applied.
         self._owed: Deque[Tuple[type, int, Optional[int]]] = collections.deque()
+        # The mesh (docs/extensions.md): granted at the join, its peer table
+        # arrives once every worker has joined, ahead of anything else; the
+        # links open at the first flat step.
+        self._mesh_listener = mesh_listener
+        self._mesh_table: Optional[MeshPeers] = None
+        self._mesh: Optional[_mesh.Mesh] = None
+        self._mesh_sent: Optional[Tuple[int, int]] = None  # (step, length) reduced, not gathered
+        self._topology_lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat_thread: Optional[threading.Thread] = None
         if heartbeat:
@@ -174,6 +188,7 @@ class Worker:
         token: Union[str, bytes, None] = None,
         extensions: Optional[Mapping[int, bytes]] = None,
         samples_per_step: Optional[int] = None,
+        mesh: bool = True,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
 
@@ -193,7 +208,10 @@ class Worker:
         (type -> value) are offered to the coordinator; what it granted is
         :attr:`extensions` afterwards. ``samples_per_step``, the value this
         worker was given, lets a ddpwire coordinator refuse a mismatch.
-        Anything offered travels in the JoinRequest's extension block, which
+        ``mesh`` offers to average flat steps with the other workers
+        directly (:mod:`ddpwire.mesh`; the coordinator decides): this worker
+        then listens on a port of its own, on the address it reaches the
+        coordinator from, for links from the other workers. Anything offered travels in the JoinRequest's extension block, which
         the reference coordinator ignores. A refusal raises
         :class:`~ddpwire.JoinRefusedError` saying why.
         """
@@ -218,7 +236,11 @@ class Worker:
             3.0 * heartbeat if heartbeat else None)
         chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
                        lost=CoordinatorLost, max_frame=max_frame)
+        listener: Optional[socket.socket] = None
         try:
+            if mesh:
+                listener = _mesh.listen(sock.getsockname()[0])
+                offer[Extension.MESH] = _mesh.offer(listener)
             # Always a block, empty when there is nothing to offer: the
             # reference coordinator ignores it, and a ddpwire one then knows
             # it may tell this worker why it is refused.
@@ -228,14 +250,19 @@ class Worker:
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
             _check_samples(granted, samples_per_step)
+            if listener is not None and Extension.MESH not in granted:
+                listener.close()
+                listener = None
         except BaseException:
+            if listener is not None:
+                listener.close()
             chan.close()
             raise
         chan.heartbeat_timeout = hb_timeout
         log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
                  accepted.worker_id, accepted.total_workers)
         return cls(chan, accepted.worker_id, accepted.total_workers, node_id, heartbeat,
-                   socket_threads, granted)
+                   socket_threads, granted, listener)
 
     @property
     def channel(self) -> Channel:
@@ -265,6 +292,7 @@ class Worker:
 
     def receive_shard(self) -> Optional[ShardAssignment]:
         """The next ShardAssignment, or None when the coordinator shuts training down."""
+        self._settle_topology()
         msg = self._chan.expect([ShardAssignment, Shutdown])
         if isinstance(msg, Shutdown):
             log.info("worker %d: shutdown from the coordinator", self._worker_id)
@@ -277,7 +305,12 @@ class Worker:
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
         """Send this step's gradients (any C-contiguous float32 buffer, sent
-        from where it lies) with the shard's mean loss and counts."""
+        from where it lies) with the shard's mean loss and counts. In a mesh
+        session this is the reduce-scatter and the StepReport."""
+        self._settle_topology()
+        if self.uses_mesh:
+            self._mesh_send(step, gradients, loss, correct, total)
+            return
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
         self._owed.append((AveragedGradient, step, None))
@@ -286,6 +319,9 @@ class Worker:
     def receive_averaged(self, out: Optional[np.ndarray] = None) -> AveragedGradient:
         """The averaged gradients; with ``out`` (float32, the gradient length)
         the elements are received straight into it, allocating nothing."""
+        self._settle_topology()
+        if self.uses_mesh:
+            return self._mesh_receive(out)
         return self._receive(AveragedGradient, out, "AllReduce")
 
     def allreduce(self, step: int, gradients: Any, loss: float, correct: int, total: int,
@@ -307,7 +343,17 @@ class Worker:
         UnexpectedMessage, GradientMismatch (step or length), ProtocolError,
         CoordinatorLost. Any of them closes the connection, since it leaves
         a frame cut short in one direction or the other.
+
+        In a mesh session (:mod:`ddpwire.mesh`) the same call averages with
+        the other workers directly, with the same result bits and errors,
+        plus WorkerLost naming a worker whose link failed, and
+        NonFiniteGradient when the coordinator halts the step (no element of
+        ``out`` is written then).
         """
+        self._settle_topology()
+        if self.uses_mesh:
+            self._mesh_send(step, gradients, loss, correct, total)
+            return self._mesh_receive(out)
         if self._owed:
             raise DdpwireError(f"allreduce: {len(self._owed)} earlier average(s) not yet received",
                                worker_id=self._worker_id, step=step)
@@ -369,11 +415,96 @@ class Worker:
             raise NonFiniteGradient(self._worker_id, bad, float(average[bad]),
                                     worker_id=self._worker_id, step=step, source="average")
 
+    # ---- the mesh ----
+
+    @property
+    def uses_mesh(self) -> bool:
+        """Whether flat steps run on the mesh (known once the first call
+        after the join has read the coordinator's peer table)."""
+        table = self._mesh_table
+        return table is not None and bool(table.peers)
+
+    def _settle_topology(self) -> None:
+        """Read the MeshPeers a coordinator that granted the mesh sends
+        before anything else (once; the per-block threads may race here)."""
+        if self._mesh_listener is None or self._mesh_table is not None:
+            return
+        with self._topology_lock:
+            if self._mesh_table is not None:
+                return
+            table = self._chan.expect([MeshPeers])
+            if not table.peers:
+                self._mesh_listener.close()
+                self._mesh_listener = None
+            self._mesh_table = table
+
+    def _links(self) -> _mesh.Mesh:
+        if self._mesh is None:
+            assert self._mesh_table is not None and self._mesh_listener is not None
+            listener, self._mesh_listener = self._mesh_listener, None
+            self._mesh = _mesh.Mesh.connect(listener, self._mesh_table, self._worker_id,
+                                            self._total_workers, timeout=self._chan.timeout,
+                                            max_frame=self._chan.max_frame)
+        return self._mesh
+
+    def _mesh_send(self, step: int, gradients: Any, loss: float, correct: int,
+                   total: int) -> None:
+        if self._mesh_sent is not None:
+            raise DdpwireError(f"step {self._mesh_sent[0]}'s average not yet received",
+                               worker_id=self._worker_id, step=step)
+        grads = np.frombuffer(gradients, dtype=np.float32)
+        try:
+            links = self._links()
+            outcome = links.reduce_scatter(step, grads, time.monotonic() + self._chan.timeout)
+            self._chan.send(StepReport(step=step, worker_id=self._worker_id, count=len(grads),
+                                       loss=loss, correct=correct, total=total,
+                                       bad_worker=outcome.bad_worker, bad_index=outcome.bad_index,
+                                       bad_value=outcome.bad_value), step=step)
+        except BaseException:
+            self._break_session()
+            raise
+        self._mesh_sent = (step, len(grads))
+
+    def _mesh_receive(self, out: Optional[np.ndarray]) -> AveragedGradient:
+        if self._mesh_sent is None:
+            raise DdpwireError("receive_averaged before send_gradients", worker_id=self._worker_id)
+        step, count = self._mesh_sent
+        if out is None:
+            out = np.empty(count, dtype=np.float32)
+        elif len(out) != count:
+            raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
+        ctx = dict(worker_id=self._worker_id, step=step)
+        try:
+            commit = self._chan.expect([StepCommit, Shutdown], step=step)
+            if isinstance(commit, Shutdown):
+                raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
+            if commit.step != step:
+                raise GradientMismatch("step", step, commit.step, **ctx)
+            if commit.bad_worker != NO_WORKER:
+                raise NonFiniteGradient(commit.bad_worker, commit.bad_index, commit.bad_value,
+                                        worker_id=commit.bad_worker, step=step)
+            assert self._mesh is not None
+            self._mesh.allgather(step, out, time.monotonic() + self._chan.timeout)
+        except BaseException:
+            self._break_session()
+            raise
+        finally:
+            self._mesh_sent = None
+        return AveragedGradient(step=step, gradients=out, global_loss=commit.global_loss)
+
+    def _break_session(self) -> None:
+        """A mesh step that failed leaves frames cut short on some link: the
+        session cannot go on, and closing tells every peer at once."""
+        if self._mesh is not None:
+            self._mesh.close()
+        self._chan.close()
+
     # ---- per-block steps (v2) ----
 
     def send_block_gradient(self, step: int, block_idx: int, num_blocks: int, gradients: Any,
                             component_sizes: Sequence[int]) -> None:
         """Send one block's gradient: its components concatenated, with their sizes."""
+        self._settle_topology()
         msg = BlockGradientPayload(step=step, worker_id=self._worker_id, block_idx=block_idx,
                                    num_blocks=num_blocks, component_sizes=component_sizes,
                                    gradients=gradients)
@@ -382,10 +513,12 @@ class Worker:
 
     def receive_averaged_block(self, out: Optional[np.ndarray] = None) -> AveragedBlockGradient:
         """The next averaged block gradient (into ``out`` when given)."""
+        self._settle_topology()
         return self._receive(AveragedBlockGradient, out, "block AllReduce")
 
     def send_non_block_gradient(self, step: int, component: int, gradients: Any) -> None:
         """Send a non-block component's gradient (0 lm_head, 1 final_norm, 2 embedding)."""
+        self._settle_topology()
         msg = NonBlockGradientPayload(step=step, worker_id=self._worker_id, component=component,
                                       gradients=gradients)
         self._owed.append((AveragedNonBlockGradient, step, component))
@@ -393,6 +526,7 @@ class Worker:
 
     def receive_averaged_non_block(self, out: Optional[np.ndarray] = None) -> AveragedNonBlockGradient:
         """The next averaged non-block gradient (into ``out`` when given)."""
+        self._settle_topology()
         return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
 
     def _receive(self, expected: type, out: Optional[np.ndarray], what: str) -> Any:
@@ -448,6 +582,10 @@ class Worker:
     def close(self) -> None:
         """Close the connection (the coordinator sees the worker leave)."""
         self._stop.set()
+        if self._mesh is not None:
+            self._mesh.close()
+        if self._mesh_listener is not None:
+            self._mesh_listener.close()
         self._chan.close()
 
     def __enter__(self) -> "Worker":

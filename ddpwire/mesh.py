@@ -1,0 +1,414 @@
+"""The mesh: workers average a flat step among themselves, the coordinator
+only decides whether the result may be applied.
+
+The star moves N vectors through the coordinator's link each way; the mesh
+moves 2·(N−1)/N of one vector through each worker's link, as a ring does,
+in two hops. Worker w owns slice w of the vector (N contiguous, near-equal
+element ranges):
+
+1. reduce-scatter: every worker sends slice j of its gradient to worker j
+   and receives its own slice from every other; the owner averages it as
+   the reference does (float32 sum in worker order, then a true division);
+2. each worker sends the coordinator a StepReport (its loss and counts, and
+   the first non-finite element found in its slice); the coordinator answers
+   every worker the same StepCommit, which either lets the step go on or
+   halts it, naming the worker and element at fault;
+3. allgather: only after a go-ahead, every worker sends its averaged slice
+   to every other, straight into their output buffers.
+
+So every worker ends with the bits the star gives, and no worker holds any
+averaged element before the coordinator has seen that the whole vector is
+finite. The links between workers are ddpwire-only: each opens with a
+PeerHello both ways proving the session's mesh key (sent by the coordinator
+in MeshPeers), and slices travel as CollectiveRequest frames (seq = step,
+kind reduce_scatter or allgather, root = the sender). docs/extensions.md
+has the bytes; docs/sessions.md the timeouts and failures.
+
+With a 16-bit codec (compression="bf16" or "fp16" on the coordinator) the
+slices travel as 16-bit words: each worker rounds its gradient once, owners
+widen, sum in float32 in worker order, divide, and round the average back,
+and every worker widens the same 16-bit average.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import secrets
+import selectors
+import socket
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _core
+from . import reduce as _reduce
+from .channel import Channel, check_timeout
+from .errors import GradientMismatch, NonFiniteGradient, ProtocolError, WorkerLost
+from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
+from .messages import NO_WORKER, CollectiveRequest, MeshPeers, PeerHello
+
+__all__ = ["CODECS", "Mesh", "SliceOutcome", "codec_of", "format_peers", "listen",
+           "parse_peers", "offer", "peer_port", "slice_bounds"]
+
+log = logging.getLogger(__name__)
+
+#: the coordinator's ``compression`` names and their codes
+CODECS: Dict[Optional[str], Codec] = {None: Codec.FLOAT32, "bf16": Codec.BF16,
+                                      "fp16": Codec.FP16}
+_WIRE_DTYPE = {Codec.FLOAT32: DType.FLOAT32, Codec.BF16: DType.BFLOAT16,
+               Codec.FP16: DType.FLOAT16}
+_HALF_NAME = {Codec.BF16: "bf16", Codec.FP16: "fp16"}
+_HELLO_LABEL = b"ddpwire mesh hello v1"
+MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
+
+
+def codec_of(compression: Optional[str]) -> Codec:
+    """The Codec for a ``compression`` argument (None, "bf16" or "fp16")."""
+    try:
+        return CODECS[compression]
+    except (KeyError, TypeError):
+        raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}") \
+            from None
+
+
+# ---- join: the offer, the peer table ----
+
+def listen(local_host: str, backlog: int = 64) -> socket.socket:
+    """A listening socket for links from other workers, on the address this
+    worker reaches the coordinator from (the one the coordinator will hand
+    out), on a port of the kernel's choosing."""
+    family = socket.AF_INET6 if ":" in local_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((local_host, 0))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def offer(listener: socket.socket) -> bytes:
+    """The mesh entry of a JoinRequest: the u16 port other workers dial."""
+    return encode_u16(listener.getsockname()[1])
+
+
+def peer_port(value: bytes) -> int:
+    """The port in a worker's mesh offer (a ProtocolError when malformed or 0)."""
+    port = decode_u16(value)
+    if port == 0:
+        raise ProtocolError("mesh offer: port 0")
+    return port
+
+
+def format_peers(addresses: Sequence[Tuple[str, int]]) -> str:
+    """MeshPeers.peers for (host, port) per worker, in worker order."""
+    parts = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in addresses]
+    text = ",".join(parts)
+    if len(text) > MAX_PEERS_TEXT:
+        raise ValueError(f"the peer table is {len(text)} characters, over {MAX_PEERS_TEXT}")
+    return text
+
+
+def parse_peers(text: str, world: int) -> List[Tuple[str, int]]:
+    """The (host, port) list in MeshPeers.peers: exactly ``world`` entries of
+    an IP address (IPv6 in brackets) and a port from 1 to 65535."""
+    entries = text.split(",") if text else []
+    if len(entries) != world:
+        raise ProtocolError(f"MeshPeers.peers names {len(entries)} workers, the session has {world}")
+    out = []
+    for i, entry in enumerate(entries):
+        host, sep, port_text = entry.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        try:
+            ipaddress.ip_address(host)
+            port = int(port_text)
+        except ValueError:
+            port = 0
+        if not sep or not 0 < port < 65536:
+            raise ProtocolError(f"MeshPeers.peers entry {i} is not an address and port: {entry!r}")
+        out.append((host, port))
+    return out
+
+
+def hello_proof(key: bytes, sender: int, receiver: int) -> bytes:
+    """PeerHello.proof: HMAC-SHA256 of the direction under the mesh key, so a
+    hello cannot be turned around or sent to another worker."""
+    msg = _HELLO_LABEL + sender.to_bytes(4, "little") + receiver.to_bytes(4, "little")
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def new_key() -> bytes:
+    """A fresh mesh key for MeshPeers."""
+    return secrets.token_bytes(32)
+
+
+def slice_bounds(count: int, world: int) -> List[Tuple[int, int]]:
+    """Worker w's slice of a ``count``-element vector: [w·count//N, (w+1)·count//N)."""
+    return [(w * count // world, (w + 1) * count // world) for w in range(world)]
+
+
+# ---- the links ----
+
+def _peer_channel(sock: socket.socket, peer: int, timeout: float, max_frame: int) -> Channel:
+    sock.setblocking(False)
+    return Channel(sock, timeout=timeout, lost=WorkerLost, peer_id=peer,
+                   peer_name=f"worker {peer} (mesh link)", max_frame=max_frame)
+
+
+def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: int, key: bytes,
+                   timeout: float, max_frame: int) -> List[Optional[Channel]]:
+    """Dial every higher worker, accept every lower one; each link proves the
+    key both ways. A stranger on the listening port (wrong proof, a worker id
+    that is taken or not lower) is dropped and the wait goes on."""
+    world = len(peers)
+    deadline = time.monotonic() + timeout
+    links: List[Optional[Channel]] = [None] * world
+    try:
+        for j in range(me + 1, world):
+            left = max(0.001, deadline - time.monotonic())
+            try:
+                sock = socket.create_connection(peers[j], timeout=left)
+            except OSError as exc:
+                raise WorkerLost(f"cannot reach worker {j} at {peers[j][0]}:{peers[j][1]} "
+                                 f"for the mesh: {exc}", worker_id=j) from None
+            links[j] = chan = _peer_channel(sock, j, timeout, max_frame)
+            chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
+        waiting = set(range(me))
+        listener.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(listener, selectors.EVENT_READ)
+        try:
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = min(waiting)
+                    raise WorkerLost(f"worker {missing} did not open its mesh link within "
+                                     f"{timeout:g} s", worker_id=missing)
+                if not sel.select(min(left, 1.0)):
+                    continue
+                try:
+                    sock, addr = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                chan = _peer_channel(sock, -1, timeout, max_frame)
+                try:
+                    hello = chan.expect([PeerHello], deadline=min(deadline, time.monotonic() + 5.0))
+                except Exception as exc:  # a stranger: never lets it stop the join
+                    log.warning("mesh: dropped a link from %s: %s", addr[0], exc)
+                    chan.close()
+                    continue
+                j = hello.worker_id
+                if j not in waiting or not hmac.compare_digest(hello.proof,
+                                                               hello_proof(key, j, me)):
+                    log.warning("mesh: dropped a link from %s claiming worker %d", addr[0], j)
+                    chan.close()
+                    continue
+                chan.peer_id = j
+                chan.conn.peer_name = f"worker {j} (mesh link)"
+                chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
+                links[j] = chan
+                waiting.discard(j)
+        finally:
+            sel.close()
+        for j in range(me + 1, world):
+            chan = links[j]
+            assert chan is not None
+            hello = chan.expect([PeerHello], deadline=deadline)
+            if hello.worker_id != j or not hmac.compare_digest(hello.proof,
+                                                               hello_proof(key, j, me)):
+                raise ProtocolError(f"worker {j}'s mesh link did not prove the session key",
+                                    worker_id=j)
+    except BaseException:
+        for chan in links:
+            if chan is not None:
+                chan.close()
+        raise
+    return links
+
+
+@dataclass
+class SliceOutcome:
+    """What the owner found averaging its slice: the first non-finite
+    element (worker, index in the whole vector, value), or bad_worker NO_WORKER."""
+
+    bad_worker: int = NO_WORKER
+    bad_index: int = 0
+    bad_value: float = 0.0
+
+
+class Mesh:
+    """A worker's links to every other worker of a mesh session, and the two
+    exchanges of a mesh step (reduce-scatter, then allgather)."""
+
+    def __init__(self, links: List[Optional[Channel]], worker_id: int, codec: Codec,
+                 timeout: float) -> None:
+        self.links = links
+        self.worker_id = worker_id
+        self.world = len(links)
+        self.codec = Codec(codec)
+        self.timeout = timeout
+        self._dtype = _WIRE_DTYPE[self.codec]
+        self._scratch: Dict[Tuple[str, int], np.ndarray] = {}
+        # the averaged slice between the two exchanges, and its step
+        self._own: Optional[np.ndarray] = None
+        self._step: Optional[int] = None
+
+    @classmethod
+    def connect(cls, listener: socket.socket, table: MeshPeers, worker_id: int, world: int, *,
+                timeout: float, max_frame: int) -> "Mesh":
+        """Open the links a MeshPeers names (closing ``listener`` afterwards)."""
+        timeout = check_timeout("timeout", timeout)
+        if len(table.key) != 32:
+            raise ProtocolError("MeshPeers.key must be 32 bytes")
+        peers = parse_peers(table.peers, world)
+        try:
+            links = _connect_links(listener, peers, worker_id, table.key, timeout, max_frame)
+        finally:
+            listener.close()
+        return cls(links, worker_id, Codec(table.codec), timeout)
+
+    def close(self) -> None:
+        """Close every link."""
+        for chan in self.links:
+            if chan is not None:
+                chan.close()
+
+    @property
+    def _conns(self) -> List[Optional["_core.Connection"]]:
+        return [None if c is None else c.conn for c in self.links]
+
+    def _buffer(self, name: str, n: int, dtype: np.dtype) -> np.ndarray:
+        """Scratch reused from step to step (one allocation per size)."""
+        key = (name, n)
+        buf = self._scratch.get(key)
+        if buf is None or buf.dtype != dtype:
+            for old in [k for k in self._scratch if k[0] == name]:
+                del self._scratch[old]
+            buf = self._scratch[key] = np.empty(n, dtype=dtype)
+        return buf
+
+    # ---- one exchange: heads first, then the elements ----
+
+    def _exchange(self, step: int, kind: CollectiveKind, sends: Sequence[Optional[np.ndarray]],
+                  recvs: Sequence[Optional[np.ndarray]], deadline: float) -> None:
+        """Send sends[j] to worker j while receiving recvs[j] from it, every
+        link at once. The heads go first, each checked (step, phase, sender,
+        length, dtype), so a worker whose vector differs is named before any
+        element is read into a buffer sized for another length."""
+        me = self.worker_id
+        heads_out: List[List[bytes]] = [[] for _ in range(self.world)]
+        bulk_out: List[list] = [[] for _ in range(self.world)]
+        for j, chan in enumerate(self.links):
+            if chan is None:
+                continue
+            data = sends[j]
+            msg = CollectiveRequest(seq=step, kind=int(kind), op=int(ReduceOp.AVG),
+                                    dtype=int(self._dtype), root=me, count=len(data), data=data)
+            head, bulk, tail = _core.encode_frame_parts(msg, max_frame=chan.max_frame)
+            heads_out[j] = [head]
+            bulk_out[j] = [] if bulk is None else [bulk]
+        conns = self._conns
+        what = f"exchanging {kind.name.lower()} heads"
+        _core.exchange_many(conns, heads_out, [[] for _ in conns], self.timeout,
+                            deadline=deadline, step=step, what=what)
+        for j, chan in enumerate(self.links):
+            if chan is None:
+                continue
+            head = _core.read_frame_head(chan.conn, self.timeout, chan.max_frame,
+                                         deadline=deadline, expect=(CollectiveRequest,),
+                                         step=step, what=what, collective_heads=True)
+            self._check_head(head, step, kind, j, len(recvs[j]))
+        _core.exchange_many(conns, bulk_out, [[] if r is None else [r] for r in recvs],
+                            self.timeout, deadline=deadline, step=step,
+                            what=f"exchanging {kind.name.lower()} slices")
+
+    def _check_head(self, head: object, step: int, kind: CollectiveKind, j: int,
+                    count: int) -> None:
+        if not isinstance(head, _core.FrameHead):
+            raise ProtocolError(f"worker {j} sent {type(head).__name__} on the mesh link",
+                                worker_id=j, step=step)
+        ctx = dict(worker_id=j, step=step)
+        if head.seq != step:
+            raise GradientMismatch("step", step, head.seq, **ctx)
+        if head.kind != kind or head.root != j:
+            raise ProtocolError(f"worker {j} sent {CollectiveKind(head.kind).name.lower()} "
+                                f"from {head.root} where {kind.name.lower()} from {j} was due",
+                                **ctx)
+        if head.dtype != self._dtype:
+            raise GradientMismatch("mesh dtype", self._dtype.name.lower(),
+                                   DType(head.dtype).name.lower(), **ctx)
+        if head.count != count:
+            raise GradientMismatch("mesh slice length (its gradients have another length)",
+                                   count, head.count, **ctx)
+
+    # ---- the step ----
+
+    def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float) -> SliceOutcome:
+        """Phase 1: this worker's slice of the average, kept until
+        :meth:`allgather`. Non-finite elements are reported, not raised: the
+        coordinator decides for the whole vector."""
+        n, me = self.world, self.worker_id
+        bounds = slice_bounds(len(gradients), n)
+        lo, hi = bounds[me]
+        if self.codec is Codec.FLOAT32:
+            wire = gradients
+        else:
+            wire = self._buffer("wire", len(gradients), np.dtype(np.uint16))
+            _reduce.to_half(gradients, wire, codec=_HALF_NAME[self.codec])
+        mine = hi - lo
+        inbox = self._buffer("inbox", mine * max(n - 1, 1), wire.dtype)
+        recvs: List[Optional[np.ndarray]] = []
+        inputs: List[np.ndarray] = []
+        k = 0
+        for j in range(n):
+            if j == me:
+                recvs.append(None)
+                inputs.append(wire[lo:hi])
+            else:
+                part = inbox[k * mine:(k + 1) * mine]
+                k += 1
+                recvs.append(part)
+                inputs.append(part)
+        sends = [None if j == me else wire[a:b] for j, (a, b) in enumerate(bounds)]
+        self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline)
+        own = self._buffer("own", mine, wire.dtype)
+        outcome = SliceOutcome()
+        try:
+            if self.codec is Codec.FLOAT32:
+                _reduce.mean(inputs, own)
+            else:
+                _reduce.mean_half(inputs, own, codec=_HALF_NAME[self.codec])
+        except NonFiniteGradient as bad:
+            value = float(bad.value)
+            outcome = SliceOutcome(int(bad.input), lo + int(bad.index), value)
+        self._own, self._step = own, step
+        return outcome
+
+    def allgather(self, step: int, out: np.ndarray, deadline: float) -> np.ndarray:
+        """Phase 3, after the coordinator's go-ahead: every slice of the
+        average into ``out`` (float32), this worker's own included."""
+        own = self._own
+        if own is None or self._step != step:
+            raise ProtocolError(f"allgather for step {step} without its reduce-scatter",
+                                worker_id=self.worker_id, step=step)
+        self._own = self._step = None
+        n, me = self.world, self.worker_id
+        bounds = slice_bounds(len(out), n)
+        if self.codec is Codec.FLOAT32:
+            full = out
+        else:
+            full = self._buffer("gathered", len(out), own.dtype)
+        lo, hi = bounds[me]
+        full[lo:hi] = own
+        sends = [None if j == me else own for j in range(n)]
+        recvs = [None if j == me else full[a:b] for j, (a, b) in enumerate(bounds)]
+        self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline)
+        if self.codec is not Codec.FLOAT32:
+            _reduce.from_half(full, out, codec=_HALF_NAME[self.codec])
+        return out
