@@ -123,6 +123,19 @@ class FrameHead:
 
 def send_many(conns: List[Connection], parts: Iterable[Optional[_Buffer]], timeout: float, *,
               step: Optional[int] = ..., what: str = ...) -> None: ...
+def exchange_many(conns: Sequence[Optional[Connection]],
+                  sends: Sequence[Optional[Sequence[Optional[_Buffer]]]],
+                  recvs: Sequence[Optional[Sequence[_Buffer]]], timeout: float, *,
+                  deadline: Optional[float] = ..., step: Optional[int] = ...,
+                  what: str = ...) -> None:
+    """Send ``sends[i]`` to ``conns[i]`` while filling ``recvs[i]`` from it, for
+    every i at once in one GIL-free poll loop (the data plane of a mesh
+    reduce); receiving never waits for sending, so peers that all send before
+    they read cannot deadlock. A None connection is an empty slot. Each
+    ``sends[i]`` / ``recvs[i]`` is at most 8 buffers (recvs writable), taken as
+    one concatenation. ``timeout`` bounds silence on all sockets together,
+    ``deadline`` (time.monotonic()) the whole call; a failure raises the
+    failing connection's ``lost`` error, naming that peer and the bytes moved."""
 def reduce_stream(conns: List[Connection], out: _Buffer, tail_len: int, timeout: float, *,
                   ring_bytes: int = ..., socket_threads: bool = ..., step: Optional[int] = ...,
                   what: str = ...
