@@ -130,6 +130,20 @@ int ddpw_net_send_some(int fd, const struct iovec *iov, int iovcnt, size_t total
     return DDPW_NET_ERRNO;
 }
 
+/* Send until the socket would block or `total` bytes are out: 0, or a
+ * DDPW_NET_* code. For the poll loops, which send whatever a socket takes
+ * before they wait on every socket at once. */
+static int send_ready(int fd, const struct iovec *iov, int iovcnt, size_t total,
+                      size_t *done, int *err)
+{
+    while (*done < total) {
+        int rc = ddpw_net_send_some(fd, iov, iovcnt, total, done, err);
+        if (rc <= 0)
+            return rc;
+    }
+    return 0;
+}
+
 int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
                      int timeout_ms, int *err)
 {
@@ -330,17 +344,13 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
         } while (rc == 1 && *received < in_total);
         if (*received >= in_total)
             return DDPW_NET_OK;
-        while (sending && *sent < out_total) {
-            rc = ddpw_net_send_some(fd, out_iov, out_cnt, out_total, sent, err);
-            if (rc == DDPW_NET_EOF) {
-                /* the peer closed: what it wrote first (a Shutdown) is still to be read */
+        if (sending) {
+            rc = send_ready(fd, out_iov, out_cnt, out_total, sent, err);
+            /* the peer closed: what it wrote first (a Shutdown) is still to be read */
+            if (rc == DDPW_NET_EOF)
                 sending = 0;
-                break;
-            }
-            if (rc < 0)
+            else if (rc < 0)
                 return rc;
-            if (rc == 0)
-                break;
         }
         p.fd = fd;
         p.events = POLLIN;
@@ -538,6 +548,28 @@ static int take_ready(ddpw_net_reduce_state *st, const int *fds, float *out,
     return DDPW_NET_OK;
 }
 
+/* The socket to name when a poll loop gives up: the first one that still
+ * owes received bytes (POLLIN wanted) before one that is only slow to take
+ * ours. map turns a pollfd index into a socket index (NULL: the same); idle
+ * entries (fd < 0) are skipped. */
+static size_t blame(const struct pollfd *pfd, const size_t *map, nfds_t k)
+{
+    nfds_t j, first = k;
+    for (j = 0; j < k; j++) {
+        if (pfd[j].fd < 0 || pfd[j].events == 0)
+            continue;
+        if (first == k)
+            first = j;
+        if (pfd[j].events & POLLIN) {
+            first = j;
+            break;
+        }
+    }
+    if (first == k)
+        first = 0;
+    return map != NULL ? map[first] : (size_t)first;
+}
+
 /* A failed poll(): the code to return, naming socket `culprit`. */
 static int poll_failed(int rc, size_t culprit, size_t *failed, int *err)
 {
@@ -587,9 +619,9 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
         return result;
     for (;;) {
         struct iovec iov[2];
-        size_t i, limit, culprit;
+        size_t i, limit;
         nfds_t k = 0;
-        int rc, complete = 1, owing = 0;
+        int rc, complete = 1;
         result = take_ready(st, fds, out, tails, failed, err);
         if (result != DDPW_NET_OK)
             goto out;
@@ -600,15 +632,11 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
         iov[1].iov_base = out;
         iov[1].iov_len = st->reduced;
         for (i = 0; i < n && limit > 0; i++) {
-            while (sent[i] < limit) {
-                rc = ddpw_net_send_some(fds[i], iov, 2, limit, &sent[i], err);
-                if (rc < 0) {
-                    *failed = i;
-                    result = rc;
-                    goto out;
-                }
-                if (rc == 0)
-                    break;
+            rc = send_ready(fds[i], iov, 2, limit, &sent[i], err);
+            if (rc < 0) {
+                *failed = i;
+                result = rc;
+                goto out;
             }
         }
         for (i = 0; i < n; i++) {
@@ -634,14 +662,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
             continue; /* windows reopened by the reduction above */
         rc = poll(pfd, k, timeout_ms);
         if (rc <= 0) {
-            /* blame a socket that owes bytes before one slow to take them */
-            culprit = map[0];
-            for (i = 0; i < (size_t)k && !owing; i++)
-                if (pfd[i].events & POLLIN) {
-                    culprit = map[i];
-                    owing = 1;
-                }
-            result = poll_failed(rc, culprit, failed, err);
+            result = poll_failed(rc, blame(pfd, map, k), failed, err);
             goto out;
         }
     }
@@ -650,5 +671,89 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
 out:
     free(pfd);
     free(map);
+    return result;
+}
+
+/* Move what peer p's socket allows now, both ways, without blocking; then
+ * say in *events what it still waits for (0: done). DDPW_NET_OK or a code. */
+static int exchange_ready(ddpw_net_peer_io *p, short *events, int *err)
+{
+    size_t in_total = iov_total(p->in_iov, p->in_cnt);
+    size_t out_total = iov_total(p->out_iov, p->out_cnt);
+    int rc;
+    /* drain first: what the peer sends must never wait behind our own bytes */
+    while (p->received < in_total) {
+        rc = recv_some(p->fd, p->in_iov, p->in_cnt, in_total, &p->received, err);
+        if (rc < 0)
+            return rc;
+        if (rc == 0)
+            break;
+    }
+    /* a peer that closed fails here too (EPIPE): its exchange cannot complete */
+    rc = send_ready(p->fd, p->out_iov, p->out_cnt, out_total, &p->sent, err);
+    if (rc < 0)
+        return rc;
+    *events = 0;
+    if (p->received < in_total)
+        *events |= POLLIN;
+    if (p->sent < out_total)
+        *events |= POLLOUT;
+    return DDPW_NET_OK;
+}
+
+int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
+                          int64_t deadline_ms, size_t *failed, int *err)
+{
+    /* indexed by peer, idle slots at fd -1 (poll skips them): no index map */
+    struct pollfd *pfd;
+    size_t i;
+    int result = DDPW_NET_OK;
+    if (n > DDPW_NET_MAX_PEERS)
+        return DDPW_NET_NOMEM;
+    for (i = 0; i < n; i++) {
+        const ddpw_net_peer_io *p = &peers[i];
+        if (p->fd >= 0 && (p->out_cnt < 0 || p->out_cnt > DDPW_MAX_IOV || p->in_cnt < 0 ||
+                           p->in_cnt > DDPW_MAX_IOV)) {
+            *failed = i;
+            return DDPW_NET_NOMEM;
+        }
+    }
+    if (n == 0)
+        return DDPW_NET_OK;
+    pfd = (struct pollfd *)malloc(n * sizeof *pfd); /* n capped above: no overflow */
+    if (pfd == NULL)
+        return DDPW_NET_NOMEM;
+    for (;;) {
+        int rc, waiting = 0;
+        for (i = 0; i < n; i++) {
+            short events = 0;
+            if (peers[i].fd >= 0) {
+                result = exchange_ready(&peers[i], &events, err);
+                if (result != DDPW_NET_OK) {
+                    if (result != DDPW_NET_EINTR)
+                        *failed = i;
+                    goto out;
+                }
+            }
+            pfd[i].fd = events ? peers[i].fd : -1;
+            pfd[i].events = events;
+            pfd[i].revents = 0;
+            waiting |= events != 0;
+        }
+        if (!waiting)
+            break;
+        rc = wait_budget(timeout_ms, deadline_ms);
+        if (rc < 0) {
+            result = poll_failed(0, blame(pfd, NULL, (nfds_t)n), failed, err);
+            goto out;
+        }
+        rc = poll(pfd, (nfds_t)n, rc);
+        if (rc <= 0) {
+            result = poll_failed(rc, blame(pfd, NULL, (nfds_t)n), failed, err);
+            goto out;
+        }
+    }
+out:
+    free(pfd);
     return result;
 }

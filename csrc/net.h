@@ -91,6 +91,35 @@ int ddpw_net_send_some(int fd, const struct iovec *iov, int iovcnt, size_t total
 int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int iovcnt,
                       size_t *done, int timeout_ms, size_t *failed, int *err);
 
+/* Most peers one ddpw_net_exchange_many call takes: bounds its poll array. */
+#define DDPW_NET_MAX_PEERS 1024
+
+/* One peer of ddpw_net_exchange_many: what goes out to it, what comes back,
+ * and the cursors over both, kept here so an interrupted call resumes. */
+typedef struct ddpw_net_peer_io {
+    int fd;                  /* < 0: an empty slot (the caller itself), skipped */
+    const struct iovec *out_iov; /* sent as one concatenation, at most 8 entries */
+    int out_cnt;
+    size_t sent;
+    const struct iovec *in_iov;  /* filled as one concatenation, at most 8 entries */
+    int in_cnt;
+    size_t received;
+} ddpw_net_peer_io;
+
+/* ddpw_net_exchange with n peers at once, in one poll loop: the data plane of
+ * a mesh reduce, where every worker sends a shard to every other one while
+ * receiving theirs. Receiving never waits for sending, so peers that all send
+ * large buffers before reading cannot deadlock.
+ *
+ * Returns DDPW_NET_OK only when every peer's send and receive are complete.
+ * The timeout counts time with no byte moved on any socket; deadline_ms (see
+ * ddpw_net_recv_exact) ends the call whatever moved. On a failure *failed is
+ * the peer's index: a peer that closed while still owing bytes (DDPW_NET_EOF),
+ * or on a timeout one still owing received bytes before one only slow to take
+ * ours. More than DDPW_NET_MAX_PEERS peers or 8 iovec entries: DDPW_NET_NOMEM. */
+int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
+                          int64_t deadline_ms, size_t *failed, int *err);
+
 /* Streaming average of one gradient vector arriving on n sockets.
  *
  * Each socket i carries grad_bytes bytes of little-endian float32 elements

@@ -111,6 +111,93 @@ DDPW_INLINE void body_scale(float *restrict b, float d, size_t n)
         b[i] = b[i] / d;
 }
 
+/* ---- 16-bit conversions ----
+ * Branch-free integer selects on each element's bits, so the loops vectorise
+ * on every path and all paths agree. */
+
+DDPW_INLINE uint32_t float_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+DDPW_INLINE float bits_float(uint32_t u)
+{
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+DDPW_INLINE uint16_t narrow_bf16(uint32_t u)
+{
+    /* adding 0x7fff plus the lowest kept bit carries exactly when the
+     * dropped half is above a tie, or a tie next to an odd kept value */
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x0040u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : r);
+}
+
+DDPW_INLINE uint16_t narrow_fp16(uint32_t u)
+{
+    uint32_t a = u & 0x7fffffffu, sign = (u >> 16) & 0x8000u;
+    /* normal: rebias the exponent (127 - 15 = 112) and round as for bf16;
+     * a carry out of the mantissa correctly bumps the exponent */
+    uint32_t norm = (a - 0x38000000u + 0x0fffu + ((a >> 13) & 1u)) >> 13;
+    /* below 2^-14: adding 0.5f leaves the value rounded (nearest even, the
+     * float adder's own rounding) to a multiple of 2^-24, 0.5f's ulp, in
+     * the low bits; f32 subnormals are far below half of 2^-24 */
+    uint32_t sub = float_bits(bits_float(a) + 0.5f) - 0x3f000000u;
+    uint32_t nan = 0x7e00u | ((a >> 13) & 0x03ffu);
+    uint32_t r = a < 0x38800000u ? sub : norm;
+    /* 65520 and up (halfway past 65504, whose mantissa is odd) round to inf */
+    r = a >= 0x477ff000u ? 0x7c00u : r;
+    r = a > 0x7f800000u ? nan : r;
+    return (uint16_t)(r | sign);
+}
+
+DDPW_INLINE float widen_bf16(uint16_t h)
+{
+    return bits_float((uint32_t)h << 16);
+}
+
+DDPW_INLINE float widen_fp16(uint16_t h)
+{
+    uint32_t a = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t r = (a << 13) + 0x38000000u;
+    /* exponent 31 (inf, NaN) maps to 255, payload kept */
+    r = a >= 0x7c00u ? r + 0x38000000u : r;
+    /* subnormal: a * 2^-24, exact in float32 */
+    r = a < 0x0400u ? float_bits((float)(int32_t)a * 0x1p-24f) : r;
+    return bits_float(r | sign);
+}
+
+DDPW_INLINE uint32_t body_to_half(uint16_t *restrict d, const float *restrict s, int codec,
+                                  size_t n)
+{
+    uint32_t f = 0;
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint32_t u = float_bits(s[i]);
+        f |= nonfinite_bit(s[i]);
+        d[i] = codec == DDPW_HALF_BF16 ? narrow_bf16(u) : narrow_fp16(u);
+    }
+    return f >> 31;
+}
+
+DDPW_INLINE uint32_t body_from_half(float *restrict d, const uint16_t *restrict s, int codec,
+                                    size_t n)
+{
+    uint32_t f = 0;
+    size_t i;
+    for (i = 0; i < n; i++) {
+        float x = codec == DDPW_HALF_BF16 ? widen_bf16(s[i]) : widen_fp16(s[i]);
+        f |= nonfinite_bit(x);
+        d[i] = x;
+    }
+    return f >> 31;
+}
+
 /* ---- one table of block kernels per path ---- */
 
 typedef uint32_t (*group_fn)(float *, const float *const *, float, size_t);
@@ -119,6 +206,9 @@ typedef struct kernels {
     uint32_t (*check)(const float *, size_t);
     group_fn group[2][2][DDPW_GROUP]; /* [cont][dv][c - 1] */
     void (*scale)(float *, float, size_t);
+    /* [codec - 1]: bf16, fp16; return nonzero when src holds a non-finite */
+    uint32_t (*to_half[2])(uint16_t *, const float *, size_t);
+    uint32_t (*from_half[2])(float *, const uint16_t *, size_t);
     /* NULL where the path has no non-temporal stores; else out[0..n) =
      * src[0..n) past the cache (out and src line-aligned, n a multiple of
      * a line), and the fence that orders those stores before returning. */
@@ -156,6 +246,26 @@ typedef struct kernels {
     {                                                                                     \
         body_scale(b, d, n);                                                              \
     }                                                                                     \
+    ATTR static uint32_t to_bf16_##sfx(uint16_t *restrict d, const float *restrict s,     \
+                                       size_t n)                                          \
+    {                                                                                     \
+        return body_to_half(d, s, DDPW_HALF_BF16, n);                                     \
+    }                                                                                     \
+    ATTR static uint32_t to_fp16_##sfx(uint16_t *restrict d, const float *restrict s,     \
+                                       size_t n)                                          \
+    {                                                                                     \
+        return body_to_half(d, s, DDPW_HALF_FP16, n);                                     \
+    }                                                                                     \
+    ATTR static uint32_t from_bf16_##sfx(float *restrict d, const uint16_t *restrict s,   \
+                                         size_t n)                                        \
+    {                                                                                     \
+        return body_from_half(d, s, DDPW_HALF_BF16, n);                                   \
+    }                                                                                     \
+    ATTR static uint32_t from_fp16_##sfx(float *restrict d, const uint16_t *restrict s,   \
+                                         size_t n)                                        \
+    {                                                                                     \
+        return body_from_half(d, s, DDPW_HALF_FP16, n);                                   \
+    }                                                                                     \
     DDPW_GROUP_FNS(sfx, ATTR, 0, 0)                                                        \
     DDPW_GROUP_FNS(sfx, ATTR, 0, 1)                                                        \
     DDPW_GROUP_FNS(sfx, ATTR, 1, 0)                                                        \
@@ -164,7 +274,10 @@ typedef struct kernels {
         check_##sfx,                                                                      \
         {{DDPW_GROUP_ROW(sfx, 0, 0), DDPW_GROUP_ROW(sfx, 0, 1)},                            \
          {DDPW_GROUP_ROW(sfx, 1, 0), DDPW_GROUP_ROW(sfx, 1, 1)}},                           \
-        scale_##sfx, STREAM, FENCE}
+        scale_##sfx,                                                                      \
+        {to_bf16_##sfx, to_fp16_##sfx},                                                   \
+        {from_bf16_##sfx, from_fp16_##sfx},                                               \
+        STREAM, FENCE}
 
 #if defined(DDPW_X86)
 __attribute__((target("avx2"))) static void stream_avx2(float *out, const float *src, size_t n)
@@ -349,10 +462,12 @@ static void note(first_bad *fb, size_t input, const float *block, size_t at, siz
     }
 }
 
-enum { OP_MEAN, OP_ACCUMULATE, OP_COPY, OP_SCALE };
+enum { OP_MEAN, OP_ACCUMULATE, OP_COPY, OP_SCALE, OP_TO_HALF, OP_FROM_HALF, OP_MEAN_HALF };
 
 /* One call's work on elements [from, to). For OP_ACCUMULATE and OP_SCALE,
- * out is also the first operand; OP_COPY and OP_ACCUMULATE use inputs[0]. */
+ * out is also the first operand; OP_COPY, OP_ACCUMULATE and OP_TO_HALF use
+ * inputs[0]; the 16-bit side of a conversion or a 16-bit mean is hout and
+ * hin. */
 typedef struct task {
     const kernels *K;
     int op;
@@ -362,6 +477,9 @@ typedef struct task {
     float d;
     size_t from, to;
     first_bad fb;
+    int codec;
+    uint16_t *hout;
+    const uint16_t *const *hin;
 } task;
 
 /* The mean of elements [from, to), block by block. With stage == NULL each
@@ -423,6 +541,38 @@ static void run_mean(task *t)
     run_mean_blocks(t, t->from, t->to, NULL);
 }
 
+/* A 16-bit mean block by block: each group's inputs are widened into
+ * float32 blocks on the stack and summed by the float32 group kernels, so
+ * the arithmetic is ddpw_mean's own; the finished block is narrowed once.
+ * The block is small so the widened inputs and the sum stay in L1. */
+#define DDPW_HALF_BLOCK ((size_t)1024)
+
+static void run_mean_half(task *t)
+{
+    const kernels *K = t->K;
+    const size_t k = t->k;
+    const int ci = t->codec - 1;
+    float acc[DDPW_HALF_BLOCK];
+    float wide[DDPW_GROUP][DDPW_HALF_BLOCK];
+    size_t at, m, j, c, g;
+    for (at = t->from; at < t->to; at += m) {
+        const float *x[DDPW_GROUP];
+        m = min_size(DDPW_HALF_BLOCK, t->to - at);
+        for (j = 0; j < k; j += c) {
+            c = min_size(DDPW_GROUP, k - j);
+            for (g = 0; g < c; g++) {
+                K->from_half[ci](wide[g], t->hin[j + g] + at, m);
+                x[g] = wide[g];
+            }
+            /* widened blocks hold a non-finite exactly where the inputs do */
+            if (K->group[j > 0][j + c == k][c - 1](acc, x, t->d, m))
+                for (g = 0; g < c; g++)
+                    note(&t->fb, j + g, x[g], at, m);
+        }
+        K->to_half[ci](t->hout + at, acc, m);
+    }
+}
+
 static void run_task(task *t)
 {
     size_t at, m;
@@ -441,6 +591,25 @@ static void run_task(task *t)
         break;
     case OP_SCALE:
         t->K->scale(t->out + t->from, t->d, t->to - t->from);
+        break;
+    case OP_TO_HALF:
+        for (at = t->from; at < t->to; at += m) {
+            const float *x = t->inputs[0] + at;
+            m = min_size(DDPW_BLOCK, t->to - at);
+            if (t->K->to_half[t->codec - 1](t->hout + at, x, m))
+                note(&t->fb, 0, x, at, m);
+        }
+        break;
+    case OP_FROM_HALF:
+        for (at = t->from; at < t->to; at += m) {
+            m = min_size(DDPW_BLOCK, t->to - at);
+            /* the widened block is non-finite exactly where the source is */
+            if (t->K->from_half[t->codec - 1](t->out + at, t->hin[0] + at, m))
+                note(&t->fb, 0, t->out + at, at, m);
+        }
+        break;
+    case OP_MEAN_HALF:
+        run_mean_half(t);
         break;
     default:
         break;
@@ -513,6 +682,9 @@ static task make_task(int op, float *out, const float *const *inputs, size_t k, 
     t.from = t.to = 0;
     t.fb.input = k;
     t.fb.index = -1;
+    t.codec = DDPW_HALF_NONE;
+    t.hout = NULL;
+    t.hin = NULL;
     return t;
 }
 
@@ -558,6 +730,54 @@ int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, siz
     if (k == 0)
         return -1;
     t = make_task(OP_MEAN, out, inputs, k, (float)k);
+    fb = run_split(&t, n);
+    if (fb.index >= 0 && bad_input != NULL)
+        *bad_input = fb.input;
+    return fb.index;
+}
+
+static int known_codec(int codec)
+{
+    return codec == DDPW_HALF_BF16 || codec == DDPW_HALF_FP16;
+}
+
+int64_t ddpw_to_half(uint16_t *restrict dst, const float *restrict src, size_t n, int codec)
+{
+    const float *x = src;
+    task t;
+    if (!known_codec(codec))
+        return DDPW_HALF_BAD_CODEC;
+    t = make_task(OP_TO_HALF, NULL, &x, 1, 1.0f);
+    t.codec = codec;
+    t.hout = dst;
+    return run_split(&t, n).index;
+}
+
+int64_t ddpw_from_half(float *restrict dst, const uint16_t *restrict src, size_t n, int codec)
+{
+    const uint16_t *x = src;
+    task t;
+    if (!known_codec(codec))
+        return DDPW_HALF_BAD_CODEC;
+    t = make_task(OP_FROM_HALF, dst, NULL, 1, 1.0f);
+    t.codec = codec;
+    t.hin = &x;
+    return run_split(&t, n).index;
+}
+
+int64_t ddpw_mean_half(uint16_t *restrict out, const uint16_t *const *inputs, size_t k, size_t n,
+                      int codec, size_t *bad_input)
+{
+    task t;
+    first_bad fb;
+    if (!known_codec(codec))
+        return DDPW_HALF_BAD_CODEC;
+    if (k == 0)
+        return -1;
+    t = make_task(OP_MEAN_HALF, NULL, NULL, k, (float)k);
+    t.codec = codec;
+    t.hout = out;
+    t.hin = inputs;
     fb = run_split(&t, n);
     if (fb.index >= 0 && bad_input != NULL)
         *bad_input = fb.input;

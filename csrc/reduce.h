@@ -86,4 +86,42 @@ void ddpw_scale(float *buf, float divisor, size_t n);
 int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
                  size_t *bad_input);
 
+/* ---- 16-bit gradients on the wire ----
+ *
+ * Gradients may travel as bfloat16 or IEEE binary16 ("fp16"). Narrowing
+ * rounds to nearest, ties to even: finite values too large for fp16 become
+ * +/-inf, tiny ones fp16 subnormals or a signed zero, exactly as
+ * tensor.to(torch.bfloat16 / torch.float16) gives. A NaN stays a quiet NaN
+ * of the same sign carrying the top bits of its payload (the x86 converters'
+ * rule; torch's own NaN bits differ between its scalar and vector loops).
+ * Widening is exact; a NaN keeps its sign and payload.
+ *
+ * The mean of k 16-bit buffers widens each element, sums in float32 in
+ * input order, divides by (float)k and narrows once, so it is bit for bit
+ * ddpw_from_half on every input, ddpw_mean, then ddpw_to_half: every worker
+ * expanding the result sees the same bits. Every path gives the same bits,
+ * and the thread split and non-finite rules are those above. Pointers need
+ * only their element's alignment. A codec other than the two below converts
+ * nothing and returns DDPW_HALF_BAD_CODEC. */
+enum {
+    DDPW_HALF_NONE = 0,
+    DDPW_HALF_BF16 = 1,
+    DDPW_HALF_FP16 = 2,
+    DDPW_HALF_BAD_CODEC = -2
+};
+
+/* dst[i] = src[i] narrowed, for i < n; returns the first non-finite index of
+ * src, or -1. */
+int64_t ddpw_to_half(uint16_t *restrict dst, const float *restrict src, size_t n, int codec);
+
+/* dst[i] = src[i] widened, for i < n; returns the first non-finite index of
+ * src (a 16-bit NaN or inf), or -1. */
+int64_t ddpw_from_half(float *restrict dst, const uint16_t *restrict src, size_t n, int codec);
+
+/* out[i] = narrow((((wide(inputs[0][i]) + wide(inputs[1][i])) + ...)) / (float)k)
+ * for i < n, with non-finite reporting, overlap rules and k == 0 as in
+ * ddpw_mean. */
+int64_t ddpw_mean_half(uint16_t *restrict out, const uint16_t *const *inputs, size_t k, size_t n,
+                      int codec, size_t *bad_input);
+
 #endif

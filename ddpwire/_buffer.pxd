@@ -44,3 +44,45 @@ cdef inline int acquire_float32(object obj, Py_buffer *view, bint writable, str 
         PyBuffer_Release(view)
         raise ValueError(f"{name} is read-only")
     return 0
+
+
+cdef inline bint is_native_16bit(const char *fmt) noexcept:
+    # the bits of a 16-bit float travel as uint16; numpy.float16 ('e') holds
+    # the same bits for fp16, so either layout is accepted, native order only
+    cdef int one = 1
+    cdef bint little = (<char *>&one)[0] == 1
+    cdef const char *body
+    if fmt == NULL:
+        return False
+    body = fmt
+    if fmt[0] == b"@" or fmt[0] == b"=" or (little and fmt[0] == b"<") or \
+            (not little and (fmt[0] == b">" or fmt[0] == b"!")):
+        body = fmt + 1
+    return strcmp(body, b"H") == 0 or strcmp(body, b"e") == 0
+
+
+cdef inline int acquire_uint16(object obj, Py_buffer *view, bint writable, str name) except -1:
+    """As acquire_float32, for a buffer of 16-bit float bits (uint16 or
+    float16 elements)."""
+    cdef bytes fmt
+    try:
+        PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_STRIDES)
+    except (TypeError, BufferError):
+        raise TypeError(
+            f"{name} must be a buffer of 16-bit float bits (numpy uint16 or float16 array, "
+            f"memoryview, array.array('H')), not {type(obj).__name__}"
+        ) from None
+    if view.itemsize != 2 or not is_native_16bit(view.format):
+        fmt = b"B" if view.format == NULL else <bytes>view.format
+        PyBuffer_Release(view)
+        raise TypeError(
+            f"{name} must hold native uint16 (or float16) elements, "
+            f"got format {fmt.decode('ascii', 'replace')!r} of {view.itemsize} bytes"
+        )
+    if not PyBuffer_IsContiguous(view, b"C"):
+        PyBuffer_Release(view)
+        raise ValueError(f"{name} must be C-contiguous")
+    if writable and view.readonly:
+        PyBuffer_Release(view)
+        raise ValueError(f"{name} is read-only")
+    return 0

@@ -71,6 +71,31 @@ def mean(inputs: Sequence[_Buffer], out: _B) -> _B: ...
 def accumulate(acc: _B, src: _Buffer) -> _B: ...
 def scale(buf: _B, divisor: float) -> _B: ...
 def first_non_finite(buf: _Buffer) -> Optional[int]: ...
+@overload
+def to_half(src: _Buffer, out: None = None, *, codec: str) -> numpy.typing.NDArray[numpy.uint16]:
+    """Narrow float32 ``src`` to the 16-bit ``codec`` ("bf16" or "fp16"),
+    round to nearest even, into a new uint16 array; non-finite values are
+    converted, not reported."""
+@overload
+def to_half(src: _Buffer, out: _B, *, codec: str) -> _B:
+    """Narrow float32 ``src`` into ``out`` (uint16 or float16 elements)."""
+@overload
+def from_half(src: _Buffer, out: None = None, *, codec: str) -> numpy.typing.NDArray[numpy.float32]:
+    """Widen 16-bit ``src`` (uint16 or float16 elements) exactly to float32,
+    into a new array; non-finite values are converted, not reported."""
+@overload
+def from_half(src: _Buffer, out: _B, *, codec: str) -> _B:
+    """Widen 16-bit ``src`` exactly into float32 ``out``."""
+@overload
+def mean_half(inputs: Sequence[_Buffer], out: None = None, *, codec: str
+              ) -> numpy.typing.NDArray[numpy.uint16]:
+    """The float32 mean of 16-bit buffers in input order, rounded once to
+    ``codec``: ``to_half(mean([from_half(x) for x in inputs]))`` bit for bit.
+    Raises NonFiniteGradient for the first NaN or inf (lowest input, then
+    index), out complete even then."""
+@overload
+def mean_half(inputs: Sequence[_Buffer], out: _B, *, codec: str) -> _B:
+    """As above, into ``out`` (uint16 or float16 elements, no overlap)."""
 def available_paths() -> List[str]: ...
 def current_path() -> str: ...
 def current_threads() -> int: ...
@@ -123,6 +148,19 @@ class FrameHead:
 
 def send_many(conns: List[Connection], parts: Iterable[Optional[_Buffer]], timeout: float, *,
               step: Optional[int] = ..., what: str = ...) -> None: ...
+def exchange_many(conns: Sequence[Optional[Connection]],
+                  sends: Sequence[Optional[Sequence[Optional[_Buffer]]]],
+                  recvs: Sequence[Optional[Sequence[_Buffer]]], timeout: float, *,
+                  deadline: Optional[float] = ..., step: Optional[int] = ...,
+                  what: str = ...) -> None:
+    """Send ``sends[i]`` to ``conns[i]`` while filling ``recvs[i]`` from it, for
+    every i at once in one GIL-free poll loop (the data plane of a mesh
+    reduce); receiving never waits for sending, so peers that all send before
+    they read cannot deadlock. A None connection is an empty slot. Each
+    ``sends[i]`` / ``recvs[i]`` is at most 8 buffers (recvs writable), taken as
+    one concatenation. ``timeout`` bounds silence on all sockets together,
+    ``deadline`` (time.monotonic()) the whole call; a failure raises the
+    failing connection's ``lost`` error, naming that peer and the bytes moved."""
 def reduce_stream(conns: List[Connection], out: _Buffer, tail_len: int, timeout: float, *,
                   ring_bytes: int = ..., socket_threads: bool = ..., step: Optional[int] = ...,
                   what: str = ...

@@ -86,6 +86,32 @@ cdef int fill_iov(object parts, iovec *iov, list held) except -1:
     return k
 
 
+cdef int fill_recv_iov(object bufs, iovec *iov, list held) except -1:
+    """Point iov at each writable buffer of bufs (at most MAX_PARTS), keeping
+    them held in ``held``; returns the count."""
+    cdef int m = 0
+    cdef HeldBuffer b
+    for buf in bufs:
+        if m == MAX_PARTS:
+            raise ValueError(f"at most {MAX_PARTS} buffers per receive")
+        b = get_bytes(buf, "buf")
+        if b.view.readonly:
+            raise TypeError("buf: expected a writable buffer")
+        held.append(b)
+        iov[m].iov_base = b.view.buf
+        iov[m].iov_len = <size_t>b.view.len
+        m += 1
+    return m
+
+
+cdef size_t iov_bytes(const iovec *iov, int k):
+    cdef size_t t = 0
+    cdef int i
+    for i in range(k):
+        t += iov[i].iov_len
+    return t
+
+
 cdef class Connection:
     """One TCP connection to a peer, with the peer's identity for error messages.
 
@@ -289,6 +315,81 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
             (<Connection>conns[i]).leave()
         free(fds)
         free(done)
+
+
+def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None,
+                  str what="exchanging"):
+    """Send ``sends[i]`` to ``conns[i]`` while filling ``recvs[i]`` from it, for
+    every i at once, in one GIL-free poll loop: the data plane of a mesh
+    reduce, where every worker sends to every other one. Receiving never
+    waits for sending, so peers that all send before they read cannot
+    deadlock. A ``None`` connection is an empty slot (the caller itself).
+
+    ``sends[i]`` is a list of bytes-like objects (None entries skipped) and
+    ``recvs[i]`` one of writable buffers, at most 8 each, each list taken as
+    one concatenation (None: nothing). ``timeout`` bounds silence on every socket together;
+    ``deadline`` (time.monotonic()) the whole call. A failure is the failing
+    connection's ``lost`` error, naming that peer."""
+    cdef size_t n = len(conns), i, failed = 0
+    cdef int err = 0, rc, ms = timeout_ms(timeout)
+    cdef int64_t until = deadline_ms(deadline)
+    cdef ddpw_net_peer_io *peers = NULL
+    cdef iovec *iovs = NULL
+    cdef list held = []
+    cdef list entered = []
+    cdef Connection c
+    if <size_t>len(sends) != n or <size_t>len(recvs) != n:
+        raise ValueError(f"exchange_many: {n} connections but {len(sends)} sends and "
+                         f"{len(recvs)} receives")
+    if n > DDPW_NET_MAX_PEERS:
+        raise ValueError(f"exchange_many: at most {DDPW_NET_MAX_PEERS} peers, got {n}")
+    if n == 0:
+        return
+    peers = <ddpw_net_peer_io *>calloc(n, sizeof(ddpw_net_peer_io))
+    iovs = <iovec *>calloc(2 * n * MAX_PARTS, sizeof(iovec))
+    try:
+        if peers is NULL or iovs is NULL:
+            raise MemoryError()
+        # every buffer is held before any connection is entered
+        for i in range(n):
+            peers[i].fd = -1
+            if conns[i] is None:
+                continue
+            c = <Connection?>conns[i]
+            peers[i].out_iov = &iovs[2 * i * MAX_PARTS]
+            peers[i].out_cnt = fill_iov(() if sends[i] is None else sends[i], &iovs[2 * i * MAX_PARTS], held)
+            peers[i].in_iov = &iovs[(2 * i + 1) * MAX_PARTS]
+            peers[i].in_cnt = fill_recv_iov(() if recvs[i] is None else recvs[i],
+                                             &iovs[(2 * i + 1) * MAX_PARTS], held)
+        for i in range(n):
+            if conns[i] is None:
+                continue
+            c = conns[i]
+            c.enter()
+            entered.append(c)
+            peers[i].fd = c.fd
+        while True:
+            with nogil:
+                rc = ddpw_net_exchange_many(peers, n, ms, until, &failed, &err)
+            if rc == DDPW_NET_EINTR:
+                PyErr_CheckSignals()
+                continue
+            if rc == DDPW_NET_NOMEM:
+                raise MemoryError(what)
+            if rc != DDPW_NET_OK:
+                i = failed
+                (<Connection>conns[i]).fail(
+                    rc, err, step,
+                    f"{what} (sent {peers[i].sent} of "
+                    f"{iov_bytes(peers[i].out_iov, peers[i].out_cnt)} bytes, received "
+                    f"{peers[i].received} of {iov_bytes(peers[i].in_iov, peers[i].in_cnt)} bytes)",
+                    ms, deadline)
+            return
+    finally:
+        for c in entered:
+            c.leave()
+        free(peers)
+        free(iovs)
 
 
 def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_bytes=1 << 20,
@@ -526,21 +627,11 @@ cdef class Exchange:
         cdef ddpw_finite_watch watch
         cdef iovec in_iov[MAX_PARTS]
         cdef list held = []
-        cdef HeldBuffer b
         cdef int m = 0, err = 0, rc
         cdef size_t received = 0, in_total = 0, sent = self.sent_bytes
         cdef int64_t until = deadline_ms(deadline)
-        for buf in bufs:
-            if m == MAX_PARTS:
-                raise ValueError(f"at most {MAX_PARTS} buffers per receive")
-            b = get_bytes(buf, "buf")
-            if b.view.readonly:
-                raise TypeError("buf: expected a writable buffer")
-            held.append(b)
-            in_iov[m].iov_base = b.view.buf
-            in_iov[m].iov_len = <size_t>b.view.len
-            in_total += in_iov[m].iov_len
-            m += 1
+        m = fill_recv_iov(bufs, in_iov, held)
+        in_total = iov_bytes(in_iov, m)
         watch.base = <const uint8_t *>in_iov[0].iov_base if m else NULL
         watch.len = in_iov[0].iov_len if (m and check_finite) else 0
         watch.checked = 0

@@ -4,9 +4,9 @@ from cpython.buffer cimport PyBuffer_Release
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.float cimport FLT_MAX
 from libc.math cimport isfinite
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int64_t, uint16_t, uintptr_t
 
-from ddpwire._buffer cimport acquire_float32
+from ddpwire._buffer cimport acquire_float32, acquire_uint16
 
 from numbers import Real
 
@@ -164,6 +164,159 @@ def first_non_finite(buf):
     finally:
         PyBuffer_Release(&view)
     return None if bad < 0 else bad
+
+
+# ---- 16-bit gradients ----
+
+_CODECS = {"bf16": DDPW_HALF_BF16, "fp16": DDPW_HALF_FP16}
+
+
+cdef int _codec(object codec) except -1:
+    try:
+        return _CODECS[codec]
+    except (KeyError, TypeError):
+        raise ValueError(f"codec must be one of {tuple(_CODECS)}, got {codec!r}") from None
+
+
+cdef int _acquire16(object obj, Py_buffer *view, bint writable, str name,
+                    Py_ssize_t index=-1) except -1:
+    return acquire_uint16(obj, view, writable, _arg(name, index))
+
+
+cdef object _value16(const Py_buffer *view, int64_t index, int codec):
+    cdef float wide
+    ddpw_from_half(&wide, <const uint16_t *>view.buf + index, 1, codec)
+    return wide
+
+
+def to_half(src, out=None, *, codec):
+    """Narrow float32 src to 16-bit bits (codec "bf16" or "fp16"), rounding
+    to nearest even, into out (uint16 or float16 elements; a 1-D numpy
+    uint16 array is allocated when None). Returns out.
+
+    Non-finite values convert (fp16 overflow gives inf, a NaN stays a quiet
+    NaN of its sign) and are not reported: first_non_finite(src) tells.
+    """
+    cdef int c = _codec(codec)
+    cdef Py_buffer srcview, outview
+    cdef Py_ssize_t n
+    _acquire(src, &srcview, False, "src")
+    try:
+        n = srcview.len // 4
+        if out is None:
+            out = numpy.empty(n, dtype=numpy.uint16)
+        _acquire16(out, &outview, True, "out")
+        try:
+            if outview.len // 2 != n:
+                raise ValueError(f"out has {outview.len // 2} elements, src has {n}")
+            if _overlap(&outview, &srcview):
+                raise ValueError("out overlaps src")
+            with nogil:
+                ddpw_to_half(<uint16_t *>outview.buf, <const float *>srcview.buf, <size_t>n, c)
+        finally:
+            PyBuffer_Release(&outview)
+    finally:
+        PyBuffer_Release(&srcview)
+    return out
+
+
+def from_half(src, out=None, *, codec):
+    """Widen 16-bit bits src (uint16 or float16 elements; codec "bf16" or
+    "fp16") exactly to float32, into out (a 1-D numpy float32 array is
+    allocated when None). Returns out. Non-finite values are not reported."""
+    cdef int c = _codec(codec)
+    cdef Py_buffer srcview, outview
+    cdef Py_ssize_t n
+    _acquire16(src, &srcview, False, "src")
+    try:
+        n = srcview.len // 2
+        if out is None:
+            out = numpy.empty(n, dtype=numpy.float32)
+        _acquire(out, &outview, True, "out")
+        try:
+            if outview.len // 4 != n:
+                raise ValueError(f"out has {outview.len // 4} elements, src has {n}")
+            if _overlap(&outview, &srcview):
+                raise ValueError("out overlaps src")
+            with nogil:
+                ddpw_from_half(<float *>outview.buf, <const uint16_t *>srcview.buf, <size_t>n, c)
+        finally:
+            PyBuffer_Release(&outview)
+    finally:
+        PyBuffer_Release(&srcview)
+    return out
+
+
+def mean_half(inputs, out=None, *, codec):
+    """Element-wise mean of equal-length 16-bit buffers (codec "bf16" or
+    "fp16"), into out: each element widened to float32, summed in input
+    order, divided by len(inputs) and rounded once to nearest even. Bit for
+    bit to_half(mean([from_half(x) for x in inputs])). out (uint16 or
+    float16 elements) is allocated as 1-D numpy uint16 when None; it must
+    not overlap any input. Returns out.
+
+    Raises NonFiniteGradient (input, index, widened value) for the first NaN
+    or inf by input number then index; out is fully written even then.
+    TypeError for a non-buffer or a wrong element type, ValueError for an
+    empty sequence, an unknown codec, a non-contiguous or read-only buffer,
+    or mismatched lengths.
+    """
+    cdef int c = _codec(codec)
+    cdef Py_ssize_t k, j, n, held = 0
+    cdef Py_buffer *views = NULL
+    cdef const uint16_t **ptrs = NULL
+    cdef Py_buffer outview
+    cdef bint have_out = False
+    cdef size_t bad_input = 0
+    cdef int64_t bad
+    try:
+        seq = tuple(inputs)
+    except TypeError:
+        raise TypeError(
+            f"inputs must be a sequence of uint16 buffers, not {type(inputs).__name__}"
+        ) from None
+    k = len(seq)
+    if k == 0:
+        raise ValueError("inputs is empty: the mean of no buffers is undefined")
+    if <size_t>k > (<size_t>-1) // sizeof(Py_buffer):
+        raise MemoryError()
+    views = <Py_buffer *>PyMem_Malloc(k * sizeof(Py_buffer))
+    ptrs = <const uint16_t **>PyMem_Malloc(k * sizeof(uint16_t *))
+    try:
+        if views == NULL or ptrs == NULL:
+            raise MemoryError()
+        for j in range(k):
+            _acquire16(seq[j], &views[j], False, "inputs", j)
+            held += 1
+            ptrs[j] = <const uint16_t *>views[j].buf
+            if views[j].len != views[0].len:
+                raise ValueError(
+                    f"inputs[{j}] has {views[j].len // 2} elements, inputs[0] has {views[0].len // 2}"
+                )
+        n = views[0].len // 2
+        if out is None:
+            out = numpy.empty(n, dtype=numpy.uint16)
+        _acquire16(out, &outview, True, "out")
+        have_out = True
+        if outview.len != views[0].len:
+            raise ValueError(f"out has {outview.len // 2} elements, inputs have {n}")
+        for j in range(k):
+            if _overlap(&outview, &views[j]):
+                raise ValueError(f"out overlaps inputs[{j}]")
+        with nogil:
+            bad = ddpw_mean_half(<uint16_t *>outview.buf, ptrs, <size_t>k, <size_t>n, c,
+                                 &bad_input)
+        if bad >= 0:
+            raise NonFiniteGradient(<Py_ssize_t>bad_input, bad,
+                                    _value16(&views[bad_input], bad, c))
+    finally:
+        for j in range(held):
+            PyBuffer_Release(&views[j])
+        if have_out:
+            PyBuffer_Release(&outview)
+        PyMem_Free(views)
+        PyMem_Free(ptrs)
+    return out
 
 
 def available_paths():

@@ -84,17 +84,21 @@ class CollectiveAborted(PeerLost):
 # ---- arithmetic ----
 
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return _reduce.from_half(np.ascontiguousarray(bits), codec="bf16")
 
 
 def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
     # round to nearest even, as torch rounds float32 to bfloat16; NaN stays a quiet NaN
-    bits = values.view(np.uint32)
-    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
-    return rounded
+    return _reduce.to_half(np.ascontiguousarray(values, dtype=np.float32), codec="bf16")
+
+
+def _half_mean(inputs: Sequence[np.ndarray], codec: str) -> np.ndarray:
+    out = np.empty(len(inputs[0]), dtype=np.uint16)
+    try:
+        _reduce.mean_half([np.ascontiguousarray(x) for x in inputs], out, codec=codec)
+    except NonFiniteGradient:
+        pass  # as _float32_mean: the NaN or inf is the caller's answer
+    return out
 
 
 def _float32_sum(inputs: Sequence[np.ndarray]) -> np.ndarray:
@@ -149,10 +153,12 @@ def combine(op: Op, dtype: DType, inputs: Sequence[np.ndarray]) -> np.ndarray:
     op, dtype = Op(op), DType(dtype)
     check_op(op, dtype)
     if dtype in (DType.FLOAT16, DType.BFLOAT16):
-        wide = [(_bf16_to_f32(x) if dtype is DType.BFLOAT16 else x.astype(np.float32))
-                for x in inputs]
+        codec = "bf16" if dtype is DType.BFLOAT16 else "fp16"
+        if op is Op.AVG:
+            return _half_mean(inputs, codec).view(NUMPY_DTYPES[dtype])
+        wide = [_reduce.from_half(np.ascontiguousarray(x), codec=codec) for x in inputs]
         out = combine(op, DType.FLOAT32, wide)
-        return _f32_to_bf16(out) if dtype is DType.BFLOAT16 else out.astype(np.float16)
+        return _reduce.to_half(out, codec=codec).view(NUMPY_DTYPES[dtype])
     if dtype is DType.FLOAT32 and op is Op.SUM:
         return _float32_sum(inputs)
     if dtype is DType.FLOAT32 and op is Op.AVG:

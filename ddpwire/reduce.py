@@ -9,10 +9,17 @@ index of the first one (lowest input, then lowest index).
 
 Buffers are any C-contiguous native float32 exporters of the buffer protocol:
 numpy arrays, memoryviews, ``array.array('f')``, ``tensor.numpy()``.
+
+Gradients may also travel as 16 bits (:data:`CODECS`: ``"bf16"``, ``"fp16"``):
+:func:`to_half` narrows float32 with round-to-nearest-even (torch's bits),
+:func:`from_half` widens exactly, and :func:`mean_half` averages 16-bit
+buffers in float32 and rounds once, the same bits as widening, :func:`mean`
+and narrowing, so every worker expands the same average. 16-bit buffers hold
+the bits as uint16 (or, for fp16, numpy.float16) elements.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from ._core import (
     accumulate,
@@ -20,8 +27,11 @@ from ._core import (
     current_path,
     current_threads,
     first_non_finite,
+    from_half,
     mean,
+    mean_half,
     scale,
+    to_half,
 )
 from ._core import _set_path, _set_threads
 
@@ -30,12 +40,20 @@ __all__ = [
     "accumulate",
     "scale",
     "first_non_finite",
+    "CODECS",
+    "to_half",
+    "from_half",
+    "mean_half",
     "available_paths",
     "current_path",
     "use_path",
     "current_threads",
     "use_threads",
 ]
+
+
+#: the 16-bit wire codecs the kernels take as ``codec=``: bfloat16 and IEEE binary16
+CODECS: Tuple[str, ...] = ("bf16", "fp16")
 
 
 class _Restore:

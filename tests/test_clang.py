@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from test_exchange_many import EXCHANGE_CHECK_LINES
 from test_threaded_c import CASES, SENDER_CASES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -72,3 +73,9 @@ def test_socket_threads_pass_when_built_by_clang(tmp_path):
         CHECKS / "threaded_check.c", CSRC / "threaded.c", CSRC / "sender.c", CSRC / "wake.c",
         CSRC / "net.c", CSRC / "reduce.c"])
     assert len(lines) == CASES + SENDER_CASES and all(line.startswith("ok ") for line in lines)
+
+
+def test_exchange_many_checks_pass_when_built_by_clang(tmp_path):
+    lines = build_and_run(tmp_path, "exchange_check", [
+        CHECKS / "exchange_check.c", CSRC / "net.c", CSRC / "reduce.c"])
+    assert lines == EXCHANGE_CHECK_LINES

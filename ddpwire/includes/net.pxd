@@ -36,6 +36,21 @@ cdef extern from "net.h" nogil:
     int ddpw_net_send_many(const int *fds, size_t n, const iovec *iov, int iovcnt,
                           size_t *done, int timeout_ms, size_t *failed, int *err)
 
+    enum:
+        DDPW_NET_MAX_PEERS
+
+    ctypedef struct ddpw_net_peer_io:
+        int fd
+        const iovec *out_iov
+        int out_cnt
+        size_t sent
+        const iovec *in_iov
+        int in_cnt
+        size_t received
+
+    int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
+                              int64_t deadline_ms, size_t *failed, int *err)
+
     ctypedef struct ddpw_net_reduce_state:
         size_t n
         size_t grad_bytes

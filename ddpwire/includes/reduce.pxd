@@ -1,6 +1,6 @@
 # Declarations mirroring csrc/reduce.h.
 # Every function is safe to call without the GIL.
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint16_t
 
 
 cdef extern from "reduce.h" nogil:
@@ -24,3 +24,14 @@ cdef extern from "reduce.h" nogil:
     int64_t ddpw_accumulate(float *acc, const float *src, size_t n)
     void ddpw_scale(float *buf, float divisor, size_t n)
     int64_t ddpw_mean(float *out, const float **inputs, size_t k, size_t n, size_t *bad_input)
+
+    enum:
+        DDPW_HALF_NONE
+        DDPW_HALF_BF16
+        DDPW_HALF_FP16
+        DDPW_HALF_BAD_CODEC
+
+    int64_t ddpw_to_half(uint16_t *dst, const float *src, size_t n, int codec)
+    int64_t ddpw_from_half(float *dst, const uint16_t *src, size_t n, int codec)
+    int64_t ddpw_mean_half(uint16_t *out, const uint16_t **inputs, size_t k, size_t n, int codec,
+                           size_t *bad_input)
