@@ -84,6 +84,119 @@ static void check_mean(size_t k, size_t n)
     free(refblock);
 }
 
+/* Scalar references for the 16-bit codecs, written on the value (ldexp,
+ * frexp) rather than on the bits as the kernels are. */
+static float ref_widen(uint16_t h, int codec)
+{
+    uint32_t u;
+    float x;
+    int e, sign = h >> 15;
+    unsigned m;
+    if (codec == DDPW_HALF_BF16) {
+        u = (uint32_t)h << 16;
+        memcpy(&x, &u, sizeof x);
+        return x;
+    }
+    e = (h >> 10) & 0x1f;
+    m = h & 0x3ffu;
+    if (e == 31) {
+        u = ((uint32_t)sign << 31) | 0x7f800000u | ((uint32_t)m << 13);
+        memcpy(&x, &u, sizeof x);
+        return x;
+    }
+    x = e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(m | 0x400u), e - 25);
+    return sign ? -x : x;
+}
+
+/* Round-to-nearest-even of a finite x to 16 bits, by the value. */
+static uint16_t ref_narrow(float x, int codec)
+{
+    const int mant = codec == DDPW_HALF_BF16 ? 7 : 10;
+    const int emin = codec == DDPW_HALF_BF16 ? -126 : -14;
+    const int emax = codec == DDPW_HALF_BF16 ? 127 : 15;
+    uint16_t sign = signbit(x) ? 0x8000u : 0;
+    double a = fabs((double)x), q, r;
+    int e;
+    long units;
+    if (a == 0.0)
+        return sign;
+    frexp(a, &e);
+    e -= 1; /* a in [2^e, 2^(e+1)) */
+    if (e < emin)
+        e = emin;
+    /* a as a count of units of the last kept place: exact in a double */
+    q = ldexp(a, mant - e);
+    r = q - floor(q);
+    units = (long)floor(q);
+    if (r > 0.5 || (r == 0.5 && (units & 1)))
+        units++;
+    /* units in [2^mant, 2^(mant+1)] for normals, below 2^mant for subnormals */
+    if (units >= (2L << mant)) {
+        units >>= 1;
+        e++;
+    }
+    if (e > emax)
+        return sign | (codec == DDPW_HALF_BF16 ? 0x7f80u : 0x7c00u);
+    if (units < (1L << mant))
+        return sign | (uint16_t)units;
+    return sign | (uint16_t)(((long)(e - emin + 1) << mant) | (units - (1L << mant)));
+}
+
+static void check_half(int codec)
+{
+    enum { N = 65536, K = 5, M = 5003 };
+    static float wide[N], back_in[N];
+    static uint16_t halves[N], back[N], ins[K][M + 1], out[M + 1], ref[M + 1];
+    static float w[K][M], sum[M];
+    const uint16_t *inputs[K];
+    const float *winputs[K];
+    size_t i, j, k, bad_input = 99;
+    for (i = 0; i < N; i++)
+        halves[i] = (uint16_t)i;
+    ddpw_from_half(wide, halves, N, codec);
+    for (i = 0; i < N; i++) {
+        float r = ref_widen(halves[i], codec);
+        CHECK(memcmp(&wide[i], &r, sizeof r) == 0);
+    }
+    /* every 16-bit value survives the round trip, NaNs included */
+    CHECK(ddpw_to_half(back, wide, N, codec) == (codec == DDPW_HALF_BF16 ? 0x7f80 : 0x7c00));
+    for (i = 0; i < N; i++)
+        CHECK(back[i] == halves[i] || (isnan(wide[i]) && (back[i] | 0x40u << (codec == DDPW_HALF_FP16 ? 3 : 0)) == back[i]));
+    /* random finite floats of every magnitude against the value reference */
+    for (i = 0; i < N; i++)
+        back_in[i] = ldexpf(random_float(), (int)(rng_state % 260) - 150);
+    CHECK(ddpw_to_half(back, back_in, N, codec) == -1);
+    for (i = 0; i < N; i++)
+        if (back[i] != ref_narrow(back_in[i], codec) && failures < 5) {
+            fprintf(stderr, "codec %d x %a got %04x want %04x\n", codec, (double)back_in[i], back[i], ref_narrow(back_in[i], codec));
+            failures++;
+        }
+    CHECK(ddpw_to_half(back, back_in, 1, 0) == DDPW_HALF_BAD_CODEC);
+    /* the mean is widen, ddpw_mean, narrow; inputs and out one element off;
+     * values within fp16's range, so the inputs are finite */
+    for (i = 0; i < N; i++)
+        back_in[i] = random_float();
+    for (k = 1; k <= K; k++) {
+        for (j = 0; j < k; j++) {
+            ddpw_to_half(ins[j] + 1, back_in + j * M, M, codec);
+            inputs[j] = ins[j] + 1;
+            ddpw_from_half(w[j], inputs[j], M, codec);
+            winputs[j] = w[j];
+        }
+        CHECK(ddpw_mean_half(out + 1, inputs, k, M, codec, &bad_input) == -1);
+        ddpw_mean(sum, winputs, k, M, NULL);
+        ddpw_to_half(ref + 1, sum, M, codec);
+        CHECK(memcmp(out + 1, ref + 1, M * sizeof(uint16_t)) == 0);
+        if (k > 1) {
+            ins[k - 1][1 + 7] = codec == DDPW_HALF_BF16 ? 0xff80u : 0xfc00u;
+            ins[k - 2][1 + M - 1] = codec == DDPW_HALF_BF16 ? 0x7fc1u : 0x7e01u;
+            CHECK(ddpw_mean_half(out + 1, inputs, k, M, codec, &bad_input) == M - 1);
+            CHECK(bad_input == k - 2);
+        }
+    }
+    CHECK(bad_input != 99);
+}
+
 int main(void)
 {
     static const size_t lengths[] = {0, 1, 7, 8, 9, 4095, 4096, 4097, 12289, (1u << 19) + 5};
@@ -116,6 +229,11 @@ int main(void)
             CHECK(ddpw_reduce_set_threads(threads[t]) == 0);
             check_mean(3, (4u << 20) + 5);
             check_mean(8, (4u << 20) + 5);
+        }
+        for (t = 0; t < 2; t++) {
+            CHECK(ddpw_reduce_set_threads(threads[t]) == 0);
+            check_half(DDPW_HALF_BF16);
+            check_half(DDPW_HALF_FP16);
         }
         printf("path %s ok\n", ddpw_reduce_path_name(p));
     }
