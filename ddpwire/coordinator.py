@@ -387,19 +387,19 @@ class Coordinator:
         wait for the heads.
         """
         if self.mesh:
-            if not reply:
-                raise DdpwireError("in a mesh session the average never passes through the "
-                                   "coordinator: use allreduce(step), or Coordinator(topology="
-                                   "'star') for collect_and_reduce", step=step)
             if out is not None:
                 raise ValueError("out: in a mesh session the average stays on the workers "
                                  "(topology='star' keeps a copy here)")
-            return self._mesh_step(step)
+            result = self._mesh_collect(step)
+            if reply:
+                self._mesh_commit(step, result.global_loss)
+            return result
         return self._average(_FLAT, step, None, out, reply)
 
-    def _mesh_step(self, step: int) -> ReduceResult:
-        """One flat step on the mesh: every worker's StepReport, then the
-        same StepCommit to all, a go-ahead only when every slice was finite."""
+    def _mesh_collect(self, step: int) -> ReduceResult:
+        """Every worker's StepReport for a mesh step: their slices are
+        averaged, none applied. A non-finite element anywhere halts the step
+        here: every worker hears which, the connections close."""
         t0 = time.perf_counter()
         self._require_workers()
         deadline = time.monotonic() + self.timeout
@@ -421,27 +421,30 @@ class Coordinator:
         bad = [r for r in reports if r.bad_worker != NO_WORKER]
         if bad:
             first = min(bad, key=lambda r: (r.bad_worker, r.bad_index))
-            commit = StepCommit(step=step, global_loss=0.0, bad_worker=first.bad_worker,
-                                bad_index=first.bad_index, bad_value=first.bad_value)
-        else:
-            result = self._result(_FLAT, step, None, [], None,  # type: ignore[arg-type]
-                                  [(r.loss, r.correct, r.total) for r in reports], t1 - t0)
-            commit = StepCommit(step=step, global_loss=result.global_loss, bad_worker=NO_WORKER,
-                                bad_index=0, bad_value=0.0)
-        try:
-            self._broadcast(commit, step)
-        except BaseException:
-            self._abandon()
-            raise
-        if bad:
             log.error("worker %d sent a non-finite gradient at step %d: halting",
                       first.bad_worker, step)
-            self._abandon()
+            try:
+                self._broadcast(StepCommit(step=step, global_loss=0.0, bad_worker=first.bad_worker,
+                                           bad_index=first.bad_index, bad_value=first.bad_value),
+                                step)
+            finally:
+                self._abandon()
             raise NonFiniteGradient(first.bad_worker, first.bad_index, first.bad_value,
                                     worker_id=first.bad_worker, step=step)
         self._lengths.setdefault((_FLAT, None), reports[0].count)
+        result = self._result(_FLAT, step, None, [], None,  # type: ignore[arg-type]
+                              [(r.loss, r.correct, r.total) for r in reports], t1 - t0)
         result.reduce_time = time.perf_counter() - t1
         return result
+
+    def _mesh_commit(self, step: int, global_loss: float) -> None:
+        """The go-ahead: every worker exchanges its averaged slice and applies."""
+        try:
+            self._broadcast(StepCommit(step=step, global_loss=global_loss, bad_worker=NO_WORKER,
+                                       bad_index=0, bad_value=0.0), step)
+        except BaseException:
+            self._abandon()
+            raise
 
     def allreduce_block(self, step: Optional[int], block_idx: Optional[int],
                         out: Optional[np.ndarray] = None, *,
@@ -665,7 +668,11 @@ class Coordinator:
                 chan.send_lock.release()
 
     def broadcast_averaged(self, step: int, result: ReduceResult) -> None:
-        """Send every worker the same AveragedGradient."""
+        """Send every worker the same AveragedGradient (in a mesh session, the
+        StepCommit that lets them exchange and apply their averaged slices)."""
+        if self.mesh:
+            self._mesh_commit(step, result.global_loss)
+            return
         self._broadcast(AveragedGradient(step=step, gradients=result.avg_gradients,
                                          global_loss=result.global_loss), step)
 

@@ -32,7 +32,7 @@ def raw_offer(coord, nonce: bytes) -> socket.socket:
 
 
 def test_workers_with_the_token_join_and_train():
-    with Coordinator(ADDR, expect_workers=2, token=TOKEN) as coord:
+    with Coordinator(ADDR, expect_workers=2, token=TOKEN, topology="star") as coord:
         threads = [worker(coord, token=TOKEN), worker(coord, token=TOKEN.encode())]
         infos = coord.wait_for_workers()
         workers = [t.join_result() for t in threads]
@@ -111,7 +111,7 @@ def test_a_replayed_handshake_fails():
     not join: the coordinator's nonce is new, so the old proof is wrong."""
     token = TOKEN.encode()
     nonce = os.urandom(32)
-    with Coordinator(ADDR, expect_workers=2, token=TOKEN) as coord:
+    with Coordinator(ADDR, expect_workers=2, token=TOKEN, topology="star") as coord:
         join = spawn(coord.wait_for_workers)
         first = raw_offer(coord, nonce)
         challenge = recv_frame(first)

@@ -20,7 +20,7 @@ def test_coordinator_process_killed_mid_step():
     script = textwrap.dedent("""
         import sys, time
         from ddpwire import Coordinator, GradientPayload
-        coord = Coordinator(("127.0.0.1", 0), expect_workers=1)
+        coord = Coordinator(("127.0.0.1", 0), expect_workers=1, topology="star")
         print(coord.local_addr[1], flush=True)
         coord.wait_for_workers()
         coord.set_total_samples(8)
@@ -56,7 +56,7 @@ def test_worker_process_killed_mid_step():
         print("computing", flush=True)
         time.sleep(600)
     """)
-    with Coordinator(("127.0.0.1", 0), expect_workers=2, timeout=60) as coord:
+    with Coordinator(("127.0.0.1", 0), expect_workers=2, timeout=60, topology="star") as coord:
         good = spawn(lambda: Worker.connect(coord.local_addr, timeout=60))
         join_up_to(coord, 1)
         proc = subprocess.Popen([sys.executable, "-c", script, str(coord.local_addr[1])],

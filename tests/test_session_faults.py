@@ -39,7 +39,7 @@ def test_average_matches_reference_arithmetic(n, socket_threads):
     size = 300_001  # not a multiple of any ring or slice size
     grads = [rng.standard_normal(size).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 3))
              for _ in range(n)]
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=64 * 1024,
+    with Coordinator(ADDR, topology="star", expect_workers=n, ring_bytes=64 * 1024,
                      socket_threads=socket_threads) as coord:
         def body(w):
             w.send_gradients(3, grads[w.worker_id], 0.25 * (w.worker_id + 1), w.worker_id, 10)
@@ -66,7 +66,7 @@ def test_average_matches_reference_arithmetic(n, socket_threads):
 
 
 def test_uneven_shards():
-    with Coordinator(ADDR, expect_workers=3) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=3) as coord:
         threads = start_workers(coord, 3, lambda w: w.receive_shard())
         coord.set_total_samples(10)
         coord.send_shard_assignments(0)
@@ -90,7 +90,7 @@ def _one_bad_worker(send_bad, kind, expect_exc, n=2):
     """Worker 0 sends a good step-4 gradient of this kind; worker 1 sends what
     send_bad(w) sends, and the coordinator collects that kind."""
     collect = COLLECT[kind]
-    with Coordinator(ADDR, expect_workers=n, timeout=5) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=n, timeout=5) as coord:
         def body(w):
             (send_bad if w.worker_id == 1 else GOOD[kind])(w)
         threads = start_workers(coord, n, body)
@@ -146,7 +146,7 @@ def test_component_mismatch():
 
 
 def test_flat_length_fixed_after_first_step():
-    with Coordinator(ADDR, expect_workers=1, timeout=5) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1, timeout=5) as coord:
         def body(w):
             w.send_gradients(0, np.ones(4, np.float32), 1.0, 1, 1)
             w.receive_averaged()
@@ -160,7 +160,7 @@ def test_flat_length_fixed_after_first_step():
 
 
 def test_worker_killed_mid_frame():
-    with Coordinator(ADDR, expect_workers=2, timeout=10) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=10) as coord:
         w0, raw = worker_and_raw_peer(coord)
         w0.send_gradients(2, np.ones(100_000, np.float32), 1.0, 1, 1)
         frame = encode_frame(GradientPayload(step=2, worker_id=1, gradients=np.ones(100_000, np.float32),
@@ -175,7 +175,7 @@ def test_worker_killed_mid_frame():
 
 
 def test_worker_that_never_sends():
-    with Coordinator(ADDR, expect_workers=2, timeout=0.5) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=0.5) as coord:
         w0, raw = worker_and_raw_peer(coord)
         w0.send_gradients(0, np.ones(10, np.float32), 1.0, 1, 1)
         with pytest.raises(ddpwire.WorkerLost) as info:
@@ -190,7 +190,7 @@ def test_worker_that_never_sends():
 def test_worker_silent_mid_stream(socket_threads):
     """Worker 1 sends its head and half its elements, then stops: the
     streaming reduce must time out on it, not hang."""
-    with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=4096,
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=0.5, ring_bytes=4096,
                      socket_threads=socket_threads) as coord:
         w0, raw = worker_and_raw_peer(coord)
         g = np.ones(50_000, np.float32)
@@ -206,13 +206,13 @@ def test_worker_silent_mid_stream(socket_threads):
 
 
 def test_join_timeout():
-    with Coordinator(ADDR, expect_workers=2) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2) as coord:
         with pytest.raises(ddpwire.JoinTimeout, match="0 of 2"):
             coord.wait_for_workers(timeout=0.3)
 
 
 def test_stray_connection_does_not_block_join():
-    with Coordinator(ADDR, expect_workers=1, timeout=0.5) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1, timeout=0.5) as coord:
         stray = socket.create_connection(coord.local_addr)
         stray.sendall(b"GET / HTTP/1.0\r\n\r\n")
         t = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
@@ -285,7 +285,7 @@ def test_connect_gives_up_at_deadline():
 
 
 def test_port_in_use_is_a_clear_error():
-    with Coordinator(ADDR, expect_workers=1) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1) as coord:
         with pytest.raises(OSError, match="address already in use"):
             Coordinator(coord.local_addr, expect_workers=1)
 
@@ -293,7 +293,7 @@ def test_port_in_use_is_a_clear_error():
 def test_other_threads_run_while_receive_blocks():
     """The receive waits with the GIL released: a pure-Python loop in another
     thread keeps going meanwhile."""
-    with Coordinator(ADDR, expect_workers=1) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1) as coord:
         t = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu"))
         coord.wait_for_workers()
         w = t.join_result()
@@ -320,7 +320,7 @@ def test_other_threads_run_while_receive_blocks():
 
 
 def test_heartbeats_detect_a_silent_worker_sooner_than_the_timeout():
-    with Coordinator(ADDR, expect_workers=2, timeout=60, heartbeat=0.1, heartbeat_timeout=0.5) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=60, heartbeat=0.1, heartbeat_timeout=0.5) as coord:
         w0, raw = worker_and_raw_peer(coord, heartbeat=0.1)  # the raw peer sends no heartbeats
         time.sleep(0.8)  # worker 0 "computes" past the heartbeat timeout, heartbeating
         w0.send_gradients(0, np.ones(10, np.float32), 1.0, 1, 1)
@@ -333,7 +333,7 @@ def test_heartbeats_detect_a_silent_worker_sooner_than_the_timeout():
 
 
 def test_heartbeats_keep_a_slow_step_alive():
-    with Coordinator(ADDR, expect_workers=1, timeout=60, heartbeat=0.05, heartbeat_timeout=0.3) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1, timeout=60, heartbeat=0.05, heartbeat_timeout=0.3) as coord:
         def body(w):
             shard = w.receive_shard()  # waits longer than the heartbeat timeout
             time.sleep(0.6)
@@ -384,7 +384,7 @@ def test_frames_over_the_reference_limit_need_max_frame_on_both_sides():
     then it flows both ways."""
     n = 100_000_000 // 4 + 16
     grads = np.ones(n, np.float32)
-    with Coordinator(ADDR, expect_workers=1, timeout=60) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1, timeout=60) as coord:
         t = spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", timeout=60))
         coord.wait_for_workers()
         w = t.join_result()
@@ -392,7 +392,7 @@ def test_frames_over_the_reference_limit_need_max_frame_on_both_sides():
             w.send_gradients(0, grads, 1.0, 1, 1)
         w.close()
     big = 2 * 4 * n
-    with Coordinator(ADDR, expect_workers=1, timeout=60, max_frame=big) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1, timeout=60, max_frame=big) as coord:
         def body():
             with Worker.connect(coord.local_addr, 0, "cpu", timeout=60, max_frame=big) as w:
                 w.send_gradients(0, grads, 1.0, 1, 1)

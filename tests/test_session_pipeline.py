@@ -61,7 +61,7 @@ MODES = [("fused", "classic"), ("fused", "duplex"), ("classic", "duplex")]
 def test_bit_identical_to_fixed_order_float32(n, coord_mode, worker_mode, socket_threads):
     grads = gradients_for(n, seed=100 + n)
     steps = 2
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, timeout=30,
+    with Coordinator(ADDR, topology="star", expect_workers=n, ring_bytes=RING, timeout=30,
                      socket_threads=socket_threads) as coord:
         def body(w):
             got = []
@@ -103,7 +103,7 @@ def test_bit_identical_to_fixed_order_float32(n, coord_mode, worker_mode, socket
 def test_fused_and_classic_give_the_same_result_in_one_session():
     n = 3
     grads = gradients_for(n, seed=7)
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=n, ring_bytes=RING) as coord:
         def body(w):
             outs = []
             for step in range(4):
@@ -128,7 +128,7 @@ def test_duplex_may_receive_into_its_own_gradients(socket_threads):
     """out is the gradients buffer: every average lands on an element already sent."""
     n = 3
     grads = gradients_for(n, seed=11)
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, socket_threads=socket_threads) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=n, ring_bytes=RING, socket_threads=socket_threads) as coord:
         def body(w):
             buf = grads[w.worker_id].copy()
             avg = w.allreduce(0, buf, 1.0, 1, 1, out=buf)
@@ -148,7 +148,7 @@ def test_fused_block_and_non_block():
     sizes = [40_000, 7, 20_001]
     blocks = gradients_for(n, seed=3)
     non_blocks = [g[:5_003].copy() for g in gradients_for(n, seed=4)]
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=n, ring_bytes=RING) as coord:
         def body(w):
             i = w.worker_id
             g = blocks[i][: sum(sizes)].copy()
@@ -181,7 +181,7 @@ def test_nan_halts_the_fused_pass_and_no_worker_applies_anything(where, worker_m
     n, bad_worker, step = 3, 1, 4
     grads = gradients_for(n, seed=where)
     grads[bad_worker][where] = np.nan
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=RING, timeout=30,
+    with Coordinator(ADDR, topology="star", expect_workers=n, ring_bytes=RING, timeout=30,
                      socket_threads=socket_threads) as coord:
         def body(w):
             g = grads[w.worker_id]
@@ -209,7 +209,7 @@ def test_nan_halts_the_fused_pass_and_no_worker_applies_anything(where, worker_m
 def test_infinity_from_worker_0_is_named(socket_threads):
     grads = gradients_for(2, seed=9)
     grads[0][123] = -np.inf
-    with Coordinator(ADDR, expect_workers=2, ring_bytes=RING, socket_threads=socket_threads) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2, ring_bytes=RING, socket_threads=socket_threads) as coord:
         threads = start_workers(coord, 2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1),
                                 socket_threads=socket_threads)
         with pytest.raises(ddpwire.NonFiniteGradient) as info:
@@ -224,7 +224,7 @@ def test_infinity_from_worker_0_is_named(socket_threads):
 
 @LOOPS
 def test_worker_killed_mid_frame_during_fused_pass(socket_threads):
-    with Coordinator(ADDR, expect_workers=2, timeout=10, ring_bytes=RING,
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=10, ring_bytes=RING,
                      socket_threads=socket_threads) as coord:
         w0, raw = worker_and_raw_peer(coord, timeout=30, socket_threads=socket_threads)
         g = np.ones(SIZE, np.float32)
@@ -244,7 +244,7 @@ def test_worker_killed_mid_frame_during_fused_pass(socket_threads):
 
 @LOOPS
 def test_silent_worker_during_fused_pass(socket_threads):
-    with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=RING,
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=0.5, ring_bytes=RING,
                      socket_threads=socket_threads) as coord:
         w0, raw = worker_and_raw_peer(coord, timeout=30, socket_threads=socket_threads)
         g = np.ones(SIZE, np.float32)
@@ -264,7 +264,7 @@ def test_silent_worker_during_fused_pass(socket_threads):
 
 def test_head_errors_come_before_anything_is_sent():
     """A wrong step is found in the heads: nothing went out, connections stay open."""
-    with Coordinator(ADDR, expect_workers=2, timeout=10) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=10) as coord:
         w0, raw = worker_and_raw_peer(coord, timeout=30)
         w0.send_gradients(3, np.ones(10, np.float32), 1.0, 1, 1)
         raw.sendall(encode_frame(GradientPayload(step=4, worker_id=1, gradients=np.ones(10, np.float32),
@@ -398,7 +398,7 @@ def test_block_chosen_by_the_workers_is_followed_and_its_length_may_change():
     next, and does not pin its length (DDP rebuilds its buckets)."""
     sizes = [(0, [3, 2]), (1, [4]), (0, [6])]  # (block_idx, component sizes) in order
     grads = {w: [np.arange(sum(s), dtype=np.float32) * (w + 1) for _, s in sizes] for w in range(2)}
-    with Coordinator(ADDR, expect_workers=2) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2) as coord:
         def body(w):
             out = []
             for step, ((idx, s), g) in enumerate(zip(sizes, grads[w.worker_id])):
@@ -417,7 +417,7 @@ def test_block_chosen_by_the_workers_is_followed_and_its_length_may_change():
 
 
 def test_a_followed_block_must_be_the_same_block_on_every_worker():
-    with Coordinator(ADDR, expect_workers=2, timeout=5) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=5) as coord:
         def body(w):
             w.send_block_gradient(0, w.worker_id, 2, np.ones(4, np.float32), [4])
         threads = start_workers(coord, 2, body)

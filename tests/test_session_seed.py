@@ -14,7 +14,7 @@ ADDR = ("127.0.0.1", 0)
 
 
 def test_worker_connect_and_join():
-    with Coordinator(ADDR, expect_workers=1) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1) as coord:
         t = spawn(lambda: Worker.connect(coord.local_addr, 1, "cpu"))
         coord.wait_for_workers()
         client = t.join_result()
@@ -29,7 +29,7 @@ def test_worker_block_gradient_roundtrip():
     sizes = [4, 2, 2, 4, 8, 8, 8, 1, 1]
     total = sum(sizes)
     grads = (np.arange(total, dtype=np.float32) * np.float32(0.1)).astype(np.float32)
-    with Coordinator(ADDR, expect_workers=1) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1) as coord:
         def worker():
             with Worker.connect(coord.local_addr, 1, "cuda") as client:
                 client.send_block_gradient(0, 5, 24, grads, sizes)
@@ -50,7 +50,7 @@ def test_worker_block_gradient_roundtrip():
 
 def test_worker_non_block_gradient_roundtrip():
     grads = np.array([1.0, 2.0, 3.0, 4.0, 5.0], dtype=np.float32)
-    with Coordinator(ADDR, expect_workers=1) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1) as coord:
         def worker():
             with Worker.connect(coord.local_addr, 1, "cuda") as client:
                 client.send_non_block_gradient(0, 0, grads)
@@ -68,7 +68,7 @@ def test_worker_non_block_gradient_roundtrip():
 def test_two_worker_block_allreduce():
     sizes = [2, 1, 1, 2, 2, 2, 2, 1, 1]
     total = sum(sizes)
-    with Coordinator(ADDR, expect_workers=2) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2) as coord:
         def worker(value):
             def run():
                 with Worker.connect(coord.local_addr, 1, "cuda") as client:
@@ -86,7 +86,7 @@ def test_two_worker_block_allreduce():
 
 
 def test_worker_full_training_step():
-    with Coordinator(ADDR, expect_workers=1) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=1) as coord:
         def worker():
             with Worker.connect(coord.local_addr, 1, "cpu") as client:
                 shard = client.receive_shard()
@@ -112,7 +112,7 @@ def test_worker_full_training_step():
 # ---- the reference coordinator's own tests ----
 
 def test_coordinator_accepts_workers():
-    with Coordinator(ADDR, expect_workers=2) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2) as coord:
         ts = [spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", node_id=f"n{i}")) for i in range(2)]
         infos = coord.wait_for_workers()
         workers = [t.join_result() for t in ts]
@@ -124,7 +124,7 @@ def test_coordinator_accepts_workers():
 
 
 def test_coordinator_shards_and_reduces_two_workers():
-    with Coordinator(ADDR, expect_workers=2) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2) as coord:
         def worker():
             with Worker.connect(coord.local_addr, 0, "cpu") as w:
                 shard = w.receive_shard()
@@ -149,7 +149,7 @@ def test_coordinator_shards_and_reduces_two_workers():
 
 
 def test_coordinator_halts_on_nan():
-    with Coordinator(ADDR, expect_workers=2) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=2) as coord:
         def worker(bad):
             def run():
                 with Worker.connect(coord.local_addr, 0, "cpu", node_id="bad" if bad else "good") as w:

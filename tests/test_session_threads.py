@@ -46,7 +46,7 @@ def test_worker_owing_bytes_is_blamed_before_one_that_does_not_read(socket_threa
     but only worker 1 owes anything: it is the one named."""
     size = 8 << 20  # a 32 MiB reply: far more than the socket buffers hold
     g = np.ones(size, np.float32)
-    with Coordinator(ADDR, expect_workers=2, timeout=0.5, ring_bytes=1 << 20,
+    with Coordinator(ADDR, topology="star", expect_workers=2, timeout=0.5, ring_bytes=1 << 20,
                      max_frame=2 * 4 * size, socket_threads=socket_threads) as coord:
         raws = []
         for k in range(2):
@@ -91,7 +91,7 @@ def test_threaded_steps_leave_no_thread_or_descriptor_behind():
     # every step ends at a barrier of the workers and this thread, so each
     # count sees the same threads and sockets: nothing of a step still running
     barrier = threading.Barrier(n + 1, timeout=30)
-    with Coordinator(ADDR, expect_workers=n, ring_bytes=64 * 1024, socket_threads=True) as coord:
+    with Coordinator(ADDR, topology="star", expect_workers=n, ring_bytes=64 * 1024, socket_threads=True) as coord:
         def body(w):
             for step in range(steps):
                 avg = w.allreduce(step, grads[w.worker_id], 1.0, 1, 1)
@@ -180,7 +180,8 @@ def test_ctrl_c_stops_the_threaded_stream_and_joins_its_threads():
             return n
         from ddpwire import Coordinator
         peer = {PEER.format(tests=TESTS)!r}
-        coord = Coordinator(("127.0.0.1", 0), expect_workers=2, timeout=600, socket_threads=True)
+        coord = Coordinator(("127.0.0.1", 0), expect_workers=2, timeout=600, socket_threads=True,
+                            topology="star")
         port = str(coord.local_addr[1])
         peers = [subprocess.Popen([sys.executable, "-c", peer, f"w{{k}}", port],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -273,7 +274,7 @@ def test_coordinator_and_worker_pass_their_choice_to_the_socket_layer(monkeypatc
     monkeypatch.setattr(_core, "Exchange", exchange)
     g = np.ones(10, np.float32)
     for choice in (True, False):
-        with Coordinator(ADDR, expect_workers=2, socket_threads=choice) as coord:
+        with Coordinator(ADDR, topology="star", expect_workers=2, socket_threads=choice) as coord:
             threads = start_workers(coord, 2, lambda w: w.allreduce(0, g, 1.0, 1, 1),
                                     socket_threads=choice)
             coord.allreduce(0)

@@ -233,14 +233,17 @@ def poisoned(model, x, y):
     return loss * float("nan"), correct, total
 
 
+@pytest.mark.parametrize("topology", ["star", "mesh"])
 @pytest.mark.parametrize("per_block", [False, True])
 @pytest.mark.parametrize("halt", ["shutdown", "close"])
-def test_nan_gradient_halts_the_coordinator_and_every_worker(per_block, halt):
+def test_nan_gradient_halts_the_coordinator_and_every_worker(per_block, halt, topology):
     """Worker 1's NaN loss: the coordinator raises NonFiniteGradient naming it and broadcasts nothing.
 
     With ``halt="shutdown"`` the coordinator then sends Shutdown and every
     worker stops with ShutdownDuringReduce; with ``"close"`` it just closes
-    and every worker stops with CoordinatorLost. Either way nobody hangs.
+    and every worker stops with CoordinatorLost. Either way nobody hangs. On
+    the mesh (flat steps) every worker hears the halt itself: NonFiniteGradient
+    naming worker 1.
     """
     steps = 3
 
@@ -254,7 +257,8 @@ def test_nan_gradient_halts_the_coordinator_and_every_worker(per_block, halt):
         else:
             serve_flat(coord, steps)
 
-    with Coordinator(("127.0.0.1", 0), expect_workers=2, timeout=TIMEOUT, join_timeout=TIMEOUT) as coord:
+    with Coordinator(("127.0.0.1", 0), expect_workers=2, timeout=TIMEOUT, join_timeout=TIMEOUT,
+                     topology=topology) as coord:
         coord.set_total_samples(16)
         threads = [WorkerThread(coord.local_addr, make) for _ in range(2)]
         for t in threads:
@@ -271,8 +275,12 @@ def test_nan_gradient_halts_the_coordinator_and_every_worker(per_block, halt):
     assert info.value.worker_id == 1 and info.value.step == 0
     assert np.isnan(info.value.value)
     expected = ShutdownDuringReduce if halt == "shutdown" else CoordinatorLost
+    if topology == "mesh" and not per_block:
+        expected = NonFiniteGradient
     for t in threads:
         assert isinstance(t.error, expected), repr(t.error)
         assert t.error.step == 0
+        if expected is NonFiniteGradient:
+            assert t.error.worker_id == 1 and np.isnan(t.error.value)
         assert t.results is None  # no step completed: nothing NaN was ever applied
         assert all(torch.isfinite(p).all() for p in t.trainer.model.parameters())

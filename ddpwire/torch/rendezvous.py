@@ -108,7 +108,7 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
     store.wait([f"ddpwire/joined/{rank - 1}"], timeout)
     worker = Worker.connect(addr, timeout=seconds, heartbeat=heartbeat, heartbeat_timeout=silence,
                             node_id=f"rank{rank}-{os.getpid()}", token=token, extensions=offer,
-                            max_frame=MAX_FRAME)
+                            max_frame=MAX_FRAME, mesh=False)
     if worker.worker_id != rank - 1:
         worker.close()
         raise DdpwireError(f"joined as worker {worker.worker_id}, expected {rank - 1} for rank {rank}: "
@@ -131,7 +131,7 @@ def _host(store: Any, world: int, seconds: float, heartbeat: float, silence: flo
         coordinator = Coordinator(bind, world - 1, timeout=seconds, join_timeout=seconds,
                                   heartbeat=heartbeat, heartbeat_timeout=silence,
                                   node_id="ddpwire-rank0", token=token, extensions=offer,
-                                  max_frame=MAX_FRAME)
+                                  max_frame=MAX_FRAME, topology="star")
         host = f"[{advertised}]" if ":" in advertised else advertised
         store.set(_ADDR_KEY, f"{host}:{coordinator.local_addr[1]}")
         store.set("ddpwire/joined/0", "1")
