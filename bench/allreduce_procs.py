@@ -184,6 +184,12 @@ def _serve(conn, setup: Callable[[], Any], step: Callable[[Any], None],
 BASELINE_ENV = "DDPWIRE_BASELINE"
 
 
+def use_baseline(path: Optional[str]) -> None:
+    """Import ddpwire from ``path`` in this (spawned) process, not from here."""
+    if path:
+        sys.path.insert(0, path)
+
+
 @dataclass(frozen=True)
 class DdpwireKind:
     """How one benchmark kind builds ddpwire's two sides.
