@@ -14,6 +14,10 @@ The kind "ddpwire-baseline" runs the "ddpwire" path from another built
 checkout of ddpwire, named by $DDPWIRE_BASELINE (e.g. a worktree of an older
 commit with its extension built in place), so a change is measured against
 what it replaced in the same run.
+
+Every ddpwire kind is one row of :data:`DDPWIRE_KINDS` (the Coordinator's
+and the Workers' keyword arguments, the call path), so a new variant is a
+new row, not another branch in the process bodies.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -57,6 +62,95 @@ def _check_average(avg: np.ndarray, n: int) -> bool:
     # the mean of ranks 0..n-1 is (n - 1) / 2; only the final division can round
     expected = np.arange(_PERIOD, dtype=np.float32) * np.float32(0.5) + np.float32((n - 1) / 2)
     return bool(np.allclose(avg, np.resize(expected, len(avg)), rtol=1e-6, atol=0))
+
+
+# ---- 16-bit compression: the expected result, computed without ddpwire ----
+
+HALF_KINDS = ("bf16", "fp16")
+_SPREAD_SEED = 0xDD9
+
+
+def spread_gradients(rank: int, count: int) -> np.ndarray:
+    """Standard-normal float32 values per rank, for the compressed kinds.
+
+    worker_gradients' multiples of 0.5 are nearly all exact in fp16, which
+    would report no error at all; these need rounding at every stage, so the
+    recorded error is what 16 significant bits cost on gradient-like data.
+    """
+    return np.random.default_rng((_SPREAD_SEED, rank)).standard_normal(count, dtype=np.float32)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bit patterns (uint16), rounding to nearest, ties to even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    # adding 0x7FFF plus the kept part's lowest bit rounds half to even; a carry
+    # out of the mantissa bumps the exponent, which is right (and max float -> inf)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(x)
+    # the add could carry a NaN's payload into inf; keep it NaN (quiet bit set)
+    out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return out
+
+
+def bf16_widen(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns to float32 (exact)."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def round_half(x: np.ndarray, compression: str) -> np.ndarray:
+    """``x`` rounded to the 16-bit format and widened back to float32."""
+    if compression == "bf16":
+        return bf16_widen(bf16_bits(x))
+    if compression == "fp16":
+        # numpy's float32 -> float16 rounds to nearest even and overflows to inf,
+        # which is the rounding wanted, not something to warn about
+        with np.errstate(over="ignore"):
+            return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+    raise ValueError(f"compression must be one of {HALF_KINDS}, got {compression!r}")
+
+
+def expected_compressed_average(grads: Iterable[np.ndarray], compression: str) -> np.ndarray:
+    """What every worker must hold after a compressed step, in worker order.
+
+    Each gradient rounded to 16 bits and widened, summed in float32 one
+    worker after another (starting from worker 0's value, so the sign of an
+    all-zero element follows the data), divided by N in float32, rounded to
+    16 bits, widened.
+    """
+    acc, n = None, 0
+    for g in grads:
+        half = round_half(g, compression)
+        if acc is None:
+            acc = half.copy()
+        else:
+            acc += half
+        n += 1
+    if acc is None:
+        raise ValueError("no gradients")
+    return round_half(acc / np.float32(n), compression)
+
+
+def compressed_check(avg: np.ndarray, n: int, compression: str) -> Dict[str, Any]:
+    """Bit-for-bit check of a compressed average, and its error against float32.
+
+    The error is measured against the float32 average of the unrounded
+    gradients (summed in float64, so summation order does not enter it);
+    ``relative_error`` divides by that average's largest magnitude.
+    """
+    count = len(avg)
+    expected = expected_compressed_average(
+        (spread_gradients(r, count) for r in range(n)), compression)
+    exact = np.zeros(count, dtype=np.float64)
+    for r in range(n):
+        exact += spread_gradients(r, count)
+    exact = (exact / n).astype(np.float32)
+    ok = bool(np.array_equal(np.asarray(avg, dtype=np.float32).view(np.uint32),
+                             expected.view(np.uint32)))
+    err = float(np.max(np.abs(avg.astype(np.float64) - exact))) if count else 0.0
+    scale = float(np.max(np.abs(exact))) if count else 0.0
+    return {"average_ok": ok, "max_abs_error": err,
+            "relative_error": err / scale if scale else 0.0}
 
 
 def _serve(conn, setup: Callable[[], Any], step: Callable[[Any], None],
@@ -96,59 +190,171 @@ def use_baseline(path: Optional[str]) -> None:
         sys.path.insert(0, path)
 
 
-def _ddpwire_coordinator(conn, n: int, size: int, steps: int, pipelined: bool = True,
-                         socket_threads: bool = False, baseline: Optional[str] = None,
-                         host: str = "127.0.0.1") -> None:
+@dataclass(frozen=True)
+class DdpwireKind:
+    """How one benchmark kind builds ddpwire's two sides.
+
+    ``coordinator`` and ``worker`` are keyword arguments passed as they are to
+    ``Coordinator`` and ``Worker.connect``, on top of the benchmark's own
+    (address, timeouts, max_frame); ``pipelined`` picks ``allreduce`` over
+    the two-call path; ``baseline`` imports ddpwire from $DDPWIRE_BASELINE.
+    """
+
+    coordinator: Mapping[str, Any] = field(default_factory=dict)
+    worker: Mapping[str, Any] = field(default_factory=dict)
+    pipelined: bool = True
+    baseline: bool = False
+
+    @property
+    def topology(self) -> str:
+        """"star", "mesh", or "auto" (the library's choice, the default)."""
+        return self.coordinator.get("topology", "auto")
+
+    @property
+    def compression(self) -> Optional[str]:
+        """None, or the 16-bit format gradients travel in."""
+        return self.coordinator.get("compression")
+
+    @property
+    def bytes_per_element(self) -> int:
+        """On the wire."""
+        return 2 if self.compression else 4
+
+
+# one poll loop per process unless a kind says otherwise, as the first
+# published numbers were taken, so new kinds differ from "ddpwire" in one thing
+_LOOP = {"socket_threads": False}
+
+DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
+    # the library's default reduce (topology "auto")
+    "ddpwire": DdpwireKind(_LOOP, _LOOP),
+    # the two-call path: collect_and_reduce + broadcast_averaged,
+    # send_gradients + receive_averaged
+    "ddpwire-classic": DdpwireKind(_LOOP, _LOOP, pipelined=False),
+    # a receiving and a sending thread per connection on the coordinator,
+    # a sending thread on each worker
+    "ddpwire-threads": DdpwireKind({"socket_threads": True}, {"socket_threads": True}),
+    # the library decides threads by core count and vector size, as a user gets it
+    "ddpwire-auto": DdpwireKind({"socket_threads": None}, {"socket_threads": None}),
+    "ddpwire-baseline": DdpwireKind(_LOOP, _LOOP, baseline=True),
+    # the star through the coordinator whatever "auto" would pick, so the
+    # earlier "ddpwire" figures stay comparable
+    "ddpwire-star": DdpwireKind({**_LOOP, "topology": "star"}, _LOOP),
+    "ddpwire-mesh": DdpwireKind({**_LOOP, "topology": "mesh"}, _LOOP),
+    "ddpwire-bf16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "bf16"}, _LOOP),
+    "ddpwire-fp16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "fp16"}, _LOOP),
+}
+
+
+def ddpwire_kind(kind: str) -> DdpwireKind:
+    """The table's row for ``kind``; a clear error for a name not in it."""
     try:
+        return DDPWIRE_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown ddpwire kind {kind!r}; known: {', '.join(DDPWIRE_KINDS)}") \
+            from None
+
+
+def _construct(kind: str, what: str, factory: Callable[..., Any], extra: Mapping[str, Any],
+               **base: Any) -> Any:
+    """``factory(**base, **extra)``, naming the kind and the missing parameter
+    when this ddpwire does not take one of ``extra`` (a kind coded against an
+    API that has not landed must fail loudly, not run as something else)."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        # no signature to read (an extension type): the call's own TypeError will do
+        params = None
+    takes_any = params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                      for p in params.values())
+    missing = [k for k in extra if not takes_any and k not in params]
+    if missing:
+        import ddpwire
+
+        raise TypeError(f"kind {kind!r} needs {what}({', '.join(f'{k}=...' for k in missing)}), "
+                        f"which the ddpwire at {os.path.dirname(ddpwire.__file__)} does not take")
+    return factory(**base, **extra)
+
+
+def kind_gradients(spec: DdpwireKind, rank: int, count: int) -> np.ndarray:
+    """The vector a worker of this kind sends: checkable exactly in float32,
+    or spread over many magnitudes when it travels in 16 bits."""
+    return spread_gradients(rank, count) if spec.compression else worker_gradients(rank, count)
+
+
+def check_kind_average(spec: DdpwireKind, avg: np.ndarray, n: int) -> Dict[str, Any]:
+    """``average_ok`` (and, compressed, the error figures) for one process's result."""
+    if spec.compression:
+        return compressed_check(avg, n, spec.compression)
+    return {"average_ok": _check_average(avg, n)}
+
+
+def _ddpwire_coordinator(conn, kind: str, n: int, size: int, steps: int,
+                         baseline: Optional[str] = None, host: str = "127.0.0.1") -> None:
+    try:
+        spec = ddpwire_kind(kind)
         use_baseline(baseline)
         from ddpwire import Coordinator
 
         count = size // 4
         # host: bench/cluster binds the coordinator's address in its own namespace
-        coord = Coordinator((host, 0), expect_workers=n, timeout=REPLY_TIMEOUT,
-                            max_frame=size + 4096, socket_threads=socket_threads)
+        coord = _construct(kind, "Coordinator", Coordinator, spec.coordinator,
+                           bind=(host, 0), expect_workers=n, timeout=REPLY_TIMEOUT,
+                           max_frame=size + 4096)
         conn.send(("addr", coord.local_addr))
         coord.wait_for_workers()
-        out = np.empty(count, dtype=np.float32)
+        # NaN until written: a coordinator that does not hold the average (the
+        # mesh reduce) leaves it so, and is then not checked
+        out = np.full(count, np.nan, dtype=np.float32)
         times = []
         for s in range(steps):
             t0 = time.monotonic_ns()
-            if pipelined:
+            if spec.pipelined:
                 # collect, average and send back in one pass
                 result = coord.allreduce(s, out=out)
             else:
                 result = coord.collect_and_reduce(s, out=out)
                 coord.broadcast_averaged(s, result)
+            wait = getattr(result, "wait_time", None)
             # (start, every head in, reply sent): the wait for the heads, then the rest
-            times.append((t0, t0 + int(result.wait_time * 1e9), time.monotonic_ns()))
+            times.append((t0, None if wait is None else t0 + int(wait * 1e9),
+                          time.monotonic_ns()))
         coord.shutdown_workers()
         coord.close()
         # before the check, whose temporaries are the benchmark's, not ddpwire's
         peak = peak_rss_bytes()
-        conn.send(("summary", {"peak_rss": peak, "times": times,
-                               "average_ok": _check_average(out, n)}))
+        summary: Dict[str, Any] = {"peak_rss": peak, "times": times}
+        if count and np.isnan(out).all():
+            summary["average_ok"] = None
+        else:
+            summary.update(check_kind_average(spec, out, n))
+        conn.send(("summary", summary))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
 
 
-def _ddpwire_worker(conn, addr: Tuple[str, int], rank: int, n: int, size: int,
-                    pipelined: bool = True, socket_threads: bool = False,
+def _ddpwire_worker(conn, kind: str, addr: Tuple[str, int], rank: int, n: int, size: int,
                     baseline: Optional[str] = None) -> None:
+    spec = ddpwire_kind(kind)
+
     def setup():
         use_baseline(baseline)
         from ddpwire import Worker
 
         count = size // 4
-        worker = Worker.connect(addr, gpu_count=0, backend="cpu", timeout=REPLY_TIMEOUT,
-                                max_frame=size + 4096, socket_threads=socket_threads)
+        worker = _construct(kind, "Worker.connect", Worker.connect, spec.worker,
+                            addr=addr, gpu_count=0, backend="cpu", timeout=REPLY_TIMEOUT,
+                            max_frame=size + 4096)
         # joining order decides worker_id; the data follows it so the average is checkable
-        grads = worker_gradients(worker.worker_id, count)
+        grads = kind_gradients(spec, worker.worker_id, count)
         return {"worker": worker, "grads": grads, "out": np.empty(count, dtype=np.float32),
                 "step": 0}
 
     def step(st):
-        if pipelined:
+        if spec.pipelined:
             # sends the gradients while the average comes back
             st["worker"].allreduce(st["step"], st["grads"], 1.0, 0, 1, out=st["out"])
         else:
@@ -158,9 +364,25 @@ def _ddpwire_worker(conn, addr: Tuple[str, int], rank: int, n: int, size: int,
 
     def finish(st):
         st["worker"].close()
-        return {"average_ok": _check_average(st["out"], n)}
+        return check_kind_average(spec, st["out"], n)
 
     _serve(conn, setup, step, finish)
+
+
+def start_ddpwire(group: "ProcessGroup", launch_coordinator: Callable[[tuple], Tuple[Any, Any]],
+                  add_worker: Callable[[int, tuple], None], baseline: Optional[str],
+                  host: Optional[str] = None) -> None:
+    """Start a ddpwire kind's coordinator and workers through the caller's
+    launchers (spawned here, ``ip netns exec`` in bench/cluster), so both
+    pass the bodies the same arguments."""
+    coord_args: tuple = (group.kind, group.n, group.size, group.steps, baseline)
+    if host is not None:
+        coord_args += (host,)
+    conn, proc = launch_coordinator(coord_args)
+    group.coordinator = (conn, proc)
+    addr = _reply(conn, proc, "addr")
+    for rank in range(group.n):
+        add_worker(rank, (group.kind, addr, rank, group.n, group.size, baseline))
 
 
 # ---- gloo ----
@@ -287,29 +509,17 @@ class ProcessGroup:
         return parent, proc
 
     def _start(self) -> None:
-        if self.kind in ("ddpwire", "ddpwire-threads", "ddpwire-classic", "ddpwire-baseline"):
-            # "ddpwire-classic": the two-call path (collect_and_reduce then
-            # broadcast_averaged; send_gradients then receive_averaged);
-            # "ddpwire-threads": the pipelined path with socket threads (the
-            # coordinator's receiving and sending thread per connection, each
-            # worker's sending thread); plain "ddpwire": the same, one poll
-            # loop per process
-            pipelined = self.kind != "ddpwire-classic"
-            threads = self.kind == "ddpwire-threads"
+        if self.kind in DDPWIRE_KINDS:
             baseline = None
-            if self.kind == "ddpwire-baseline":
+            if ddpwire_kind(self.kind).baseline:
                 baseline = os.environ.get(BASELINE_ENV)
                 if not baseline:
-                    raise ValueError(f"kind ddpwire-baseline needs ${BASELINE_ENV}")
-            conn, proc = self._spawn(_ddpwire_coordinator,
-                                     (self.n, self.size, self.steps, pipelined, threads, baseline),
-                                     "ddpwire-coordinator")
-            self.coordinator = (conn, proc)
-            addr = _reply(conn, proc, "addr")
-            for rank in range(self.n):
-                self._add(_ddpwire_worker,
-                          (addr, rank, self.n, self.size, pipelined, threads, baseline),
-                          f"ddpwire-worker-{rank}")
+                    raise ValueError(f"kind {self.kind} needs ${BASELINE_ENV}")
+            start_ddpwire(
+                self,
+                lambda args: self._spawn(_ddpwire_coordinator, args, "ddpwire-coordinator"),
+                lambda rank, args: self._add(_ddpwire_worker, args, f"ddpwire-worker-{rank}"),
+                baseline)
         elif self.kind == "gloo":
             port = _free_port()
             for rank in range(self.n):

@@ -4,7 +4,11 @@ rate of the machine, all in the same run. "ddpwire" is the pipelined path
 (Coordinator.allreduce, Worker.allreduce) in one poll loop per process,
 "ddpwire-threads" the same with socket threads (socket_threads=True on the
 coordinator and the workers), "ddpwire-classic" the two-call one (collect_and_reduce +
-broadcast_averaged, send_gradients + receive_averaged).
+broadcast_averaged, send_gradients + receive_averaged). Any other row of
+allreduce_procs.DDPWIRE_KINDS can be named in DDPWIRE_BENCH_KINDS too:
+"ddpwire-star", "ddpwire-mesh" (topology forced), "ddpwire-bf16" and
+"ddpwire-fp16" (the mesh with 16-bit gradients, checked bit for bit against
+numpy and with their error in extra_info).
 
     python -m pytest bench/test_bench_allreduce.py --benchmark-json=bench/allreduce.json
     python bench/plot_allreduce.py bench/allreduce.json
@@ -104,14 +108,21 @@ def test_allreduce_step(benchmark, kind, n, size_mib):
         # every worker (and the coordinator) must have computed the right average
         assert all(w["average_ok"] for w in summary["workers"]), summary["workers"]
         info["payload_bytes_per_step"] = n * size
+        if kind in procs.DDPWIRE_KINDS and procs.ddpwire_kind(kind).compression:
+            info["max_abs_error"] = max(w["max_abs_error"] for w in summary["workers"])
+            info["relative_error"] = max(w["relative_error"] for w in summary["workers"])
     coord = summary["coordinator"]
     if coord is not None:
-        assert coord["average_ok"], "the coordinator's average is wrong"
+        # None: this coordinator did not hold the average (the mesh reduce)
+        assert coord["average_ok"] is not False, "the coordinator's average is wrong"
         timed = coord["times"][WARMUP:]
         info.update(coordinator_peak_rss=coord["peak_rss"],
                     coordinator_step_times=[(e - s) / 1e9 for s, _, e in timed],
                     # Coordinator.allreduce: waiting for every head, then the pipelined
                     # pass (receive, average and send back at once)
-                    coordinator_head_wait_times=[(c - s) / 1e9 for s, c, _ in timed],
-                    coordinator_pass_times=[(e - c) / 1e9 for _, c, e in timed],
+                    # None where the result reports no wait (the mesh reduce)
+                    coordinator_head_wait_times=[None if c is None else (c - s) / 1e9
+                                                 for s, c, _ in timed],
+                    coordinator_pass_times=[None if c is None else (e - c) / 1e9
+                                            for _, c, e in timed],
                     coordinator_bytes_per_step=2 * n * size)

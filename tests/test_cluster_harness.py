@@ -1,11 +1,15 @@
 """The pure parts of bench/cluster (the emulated-cluster benchmark): parameters,
-the address plan, the tc and ip command lines and which namespaces count as a
-run's leftovers. Nothing here needs root or creates a namespace."""
+the address plan, the tc and ip command lines, which namespaces count as a
+run's leftovers, the kind table, the numpy reference for the 16-bit averages
+and the report. Nothing here needs root or torch, or creates a namespace."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import sys
+
+import numpy as np
 
 import pytest
 
@@ -15,7 +19,8 @@ if not os.path.isdir(os.path.join(_BENCH, "cluster")):
     pytest.skip("bench/cluster is not in this tree", allow_module_level=True)
 sys.path.insert(0, _BENCH)
 
-from cluster import net, params, plan, shaping  # noqa: E402
+import allreduce_procs as procs  # noqa: E402
+from cluster import net, params, plan, report, shaping  # noqa: E402
 
 
 @pytest.mark.parametrize("text,bits", [
@@ -43,12 +48,17 @@ def test_params_defaults_and_env():
     assert p.sizes_mib == (16,) and p.workers == (2, 3, 4) and p.max_workers == 4
     assert p.coord_rate == 10**10 and p.worker_rate == 10**9 and p.rounds == 5
     assert p.kinds == ("ddpwire", "gloo")
+    assert d.kinds == ("ddpwire-star", "ddpwire-mesh", "ddpwire-bf16", "gloo")
+    p = params.ClusterParams.from_env({"DDPWIRE_CLUSTER_KINDS": " ddpwire-fp16 ,ddpwire-mesh,"})
+    assert p.kinds == ("ddpwire-fp16", "ddpwire-mesh")
 
 
 @pytest.mark.parametrize("env", [
     {"DDPWIRE_CLUSTER_SIZES": "0"}, {"DDPWIRE_CLUSTER_SIZES": "x"},
     {"DDPWIRE_CLUSTER_WORKERS": ""}, {"DDPWIRE_CLUSTER_ROUNDS": "0"},
     {"DDPWIRE_CLUSTER_KINDS": "ddpwire,nccl"}, {"DDPWIRE_CLUSTER_WORKER_RATE": "fast"},
+    # the baseline imports another checkout, which the namespaces do not run
+    {"DDPWIRE_CLUSTER_KINDS": "ddpwire-baseline"}, {"DDPWIRE_CLUSTER_KINDS": ","},
 ])
 def test_params_refuse(env):
     with pytest.raises(ValueError):
@@ -126,3 +136,188 @@ def test_setup_commands_shape_both_directions_of_every_link():
 def test_why_unavailable_names_a_reason_or_none():
     reason = net.why_unavailable()
     assert reason is None or isinstance(reason, str) and reason
+
+
+# ---- the kind table ----
+
+def test_kind_table_rows():
+    k = procs.DDPWIRE_KINDS
+    assert set(params.KINDS) == (set(k) - {"ddpwire-baseline"}) | {"gloo"}
+    assert set(params.DEFAULT_KINDS) <= set(params.KINDS)
+    # "ddpwire" stays the library's default: no topology, no compression passed
+    assert "topology" not in k["ddpwire"].coordinator and k["ddpwire"].topology == "auto"
+    assert k["ddpwire"].compression is None and k["ddpwire"].bytes_per_element == 4
+    assert k["ddpwire-star"].coordinator["topology"] == "star"
+    assert k["ddpwire-mesh"].topology == "mesh" and k["ddpwire-mesh"].compression is None
+    for name, fmt in (("ddpwire-bf16", "bf16"), ("ddpwire-fp16", "fp16")):
+        assert k[name].topology == "mesh" and k[name].compression == fmt
+        assert k[name].bytes_per_element == 2
+    # workers take no new argument for any of these
+    for spec in k.values():
+        assert not {"topology", "compression"} & set(spec.worker)
+    assert not k["ddpwire-classic"].pipelined and k["ddpwire-baseline"].baseline
+    with pytest.raises(ValueError, match="nccl"):
+        procs.ddpwire_kind("nccl")
+
+
+def test_construct_names_a_parameter_this_ddpwire_lacks():
+    def coordinator(bind, *, timeout=1.0, socket_threads=None):
+        return (bind, timeout, socket_threads)
+
+    assert procs._construct("k", "C", coordinator, {"socket_threads": True}, bind=1) == \
+        (1, 1.0, True)
+    with pytest.raises(TypeError, match=r"kind 'ddpwire-mesh' needs C\(topology=\.\.\.\)"):
+        procs._construct("ddpwire-mesh", "C", coordinator, {"topology": "mesh"}, bind=1)
+
+
+# ---- 16-bit rounding and the expected compressed average ----
+
+def _f32(bits: int) -> np.float32:
+    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
+
+
+@pytest.mark.parametrize("value,bits", [
+    (1.0, 0x3F80), (-2.0, 0xC000), (0.0, 0x0000), (-0.0, 0x8000),
+    # 1 + 2**-8 is halfway between 1 and 1 + 2**-7: ties go to the even 1
+    (1 + 2**-8, 0x3F80),
+    # 1 + 3 * 2**-8 is halfway between 1 + 2**-7 and 1 + 2**-6: up to the even one
+    (1 + 3 * 2**-8, 0x3F82),
+    # just above the tie rounds up
+    (1 + 2**-8 + 2**-20, 0x3F81),
+    (float("inf"), 0x7F80), (float("-inf"), 0xFF80),
+    # float32's largest rounds past bf16's largest, to inf
+    (float(np.finfo(np.float32).max), 0x7F80),
+    # bf16's largest itself stays
+    (float(_f32(0x7F7F0000)), 0x7F7F),
+    # the smallest float32 subnormal is below half of bf16's: to zero
+    (float(_f32(0x00000001)), 0x0000),
+])
+def test_bf16_rounding(value, bits):
+    assert int(procs.bf16_bits(np.array([value], dtype=np.float32))[0]) == bits
+
+
+def test_bf16_nan_stays_nan():
+    # payloads whose rounding add would carry into the exponent (or wrap)
+    nans = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001], dtype=np.uint32)
+    widened = procs.bf16_widen(procs.bf16_bits(nans.view(np.float32)))
+    assert np.isnan(widened).all()
+    assert (np.signbit(widened) == [False, False, True, False]).all()
+
+
+def test_round_half_fp16_and_refusal():
+    x = np.array([1 + 2**-11, 1 + 3 * 2**-11, 65520.0, 1e-8], dtype=np.float32)
+    # ties to even at fp16's 10-bit mantissa, overflow to inf, underflow to zero
+    assert procs.round_half(x, "fp16").tolist() == [1.0, 1 + 2**-9, float("inf"), 0.0]
+    with pytest.raises(ValueError):
+        procs.round_half(x, "int8")
+
+
+def test_expected_compressed_average_by_hand():
+    a = np.array([1.0, 1 + 2**-8, 3.0], dtype=np.float32)
+    b = np.array([2.0, 1.0, 1 + 2**-7], dtype=np.float32)
+    c = np.array([4.0, 1.0, 0.0], dtype=np.float32)
+    got = procs.expected_compressed_average([a, b, c], "bf16")
+    # element 1: 1 + 2**-8 rounds to 1 before the sum, so the average is exactly 1;
+    # element 0: 7/3 in float32, then to bf16's 2.328125 (0x4015)
+    assert got[1] == 1.0
+    assert int(procs.bf16_bits(got)[0]) == 0x4015 and got[0] == np.float32(2.328125)
+    # element 2: 3 + (1 + 2**-7) = 4.0078125, / 3 = 1.3359375 exactly in bf16
+    assert got[2] == np.float32(1.3359375)
+    assert got.dtype == np.float32
+
+
+def test_expected_compressed_average_sums_in_worker_order():
+    # (256 + 2**-30) + -256 is 0 in float32, where the exact sum (or worker 0
+    # plus worker 2 first) keeps 2**-30: the reference must add 0, 1, 2 in turn
+    ws = [np.array([v], dtype=np.float32) for v in (256.0, 2.0**-30, -256.0)]
+    for fmt in ("bf16", "fp16"):
+        got = procs.expected_compressed_average(ws, fmt)
+        assert got.view(np.uint32)[0] == 0, (fmt, got)
+    swapped = procs.expected_compressed_average([ws[0], ws[2], ws[1]], "bf16")
+    assert swapped[0] == procs.round_half(np.float32([2.0**-30]) / np.float32(3), "bf16")[0] > 0
+
+
+def test_compressed_check_accepts_the_reference_and_refuses_one_ulp_off():
+    n, count = 3, 4096
+    for fmt in ("bf16", "fp16"):
+        ref = procs.expected_compressed_average(
+            [procs.spread_gradients(r, count) for r in range(n)], fmt)
+        ok = procs.compressed_check(ref.copy(), n, fmt)
+        assert ok["average_ok"]
+        # the error of a 16-bit average is nonzero and well below one percent of the scale
+        assert 0 < ok["relative_error"] < 1e-2 and ok["max_abs_error"] > 0
+        off = ref.copy()
+        off.view(np.uint32)[7] += 1
+        assert not procs.compressed_check(off, n, fmt)["average_ok"]
+    # bf16 keeps 8 significant bits, fp16 11: bf16's error is the larger
+    bf = procs.compressed_check(procs.expected_compressed_average(
+        [procs.spread_gradients(r, count) for r in range(n)], "bf16"), n, "bf16")
+    fp = procs.compressed_check(procs.expected_compressed_average(
+        [procs.spread_gradients(r, count) for r in range(n)], "fp16"), n, "fp16")
+    assert bf["relative_error"] > fp["relative_error"]
+
+
+def test_kind_gradients_follow_compression():
+    star, bf16 = procs.DDPWIRE_KINDS["ddpwire-star"], procs.DDPWIRE_KINDS["ddpwire-bf16"]
+    assert np.array_equal(procs.kind_gradients(star, 1, 10), procs.worker_gradients(1, 10))
+    assert np.array_equal(procs.kind_gradients(bf16, 1, 10), procs.spread_gradients(1, 10))
+    avg = (procs.worker_gradients(0, 10) + procs.worker_gradients(1, 10)) / np.float32(2)
+    assert procs.check_kind_average(star, avg, 2) == {"average_ok": True}
+    assert procs.check_kind_average(star, avg + np.float32(0.5), 2) == {"average_ok": False}
+
+
+# ---- link figures and the report ----
+
+def test_link_figures():
+    s = 16 << 20
+    star = report.link_figures("star", 4, 4, s, 1.0, 10**9, 10**9)
+    assert star == {"coord_link_bytes_each_way": 4 * s,
+                    "coord_link_utilisation": 4 * s * 8 / 10**9}
+    assert "coord_link_bytes_each_way" in report.link_figures("auto", 4, 2, s, 1.0, 1, 1)
+    mesh = report.link_figures("mesh", 4, 4, s, 0.5, 10**10, 10**9)
+    assert mesh["worker_link_bytes_each_way"] == 2 * 3 * s // 4
+    assert mesh["worker_link_utilisation"] == 2 * 3 * s // 4 * 8 / 0.5 / 10**9
+    # 16-bit elements halve the bytes; gloo's ring moves what the float32 mesh does
+    assert report.link_figures("mesh", 2, 4, s, 1, 1, 1)["worker_link_bytes_each_way"] == 3 * s // 4
+    assert report.link_figures("ring", 4, 2, s, 1, 1, 1)["worker_link_bytes_each_way"] == s
+
+
+def _info(kind, n, median, **extra):
+    size = 16 << 20
+    d = {"kind": kind, "workers": n, "size_bytes": size, "step_span_median": median,
+         "rounds": 3, "warmup": 1, "coord_rate_bps": 10**9, "worker_rate_bps": 10**9}
+    d.update(extra)
+    return d
+
+
+def test_report_table(tmp_path):
+    infos = [
+        _info("tcp", 1, 0.14, goodput_bps=9.59e8, shaping_accuracy=0.959),
+        _info("gloo", 2, 0.150),
+        _info("ddpwire-star", 2, 0.300, topology="star", compression=None),
+        _info("ddpwire-bf16", 2, 0.075, topology="mesh", compression="bf16",
+              max_abs_error=0.0061, relative_error=0.003),
+        _info("ddpwire-mesh", 2, 0.145, topology="mesh", compression=None),
+        _info("ddpwire-new", 2, 0.2, topology="mesh", compression=None),
+        _info("ddpwire-star", 4, 0.600, topology="star", compression=None),
+    ]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"commit_info": {"id": "abcdef123", "dirty": True},
+                                "benchmarks": [{"extra_info": i} for i in infos]}))
+    text = report.table(str(path))
+    assert "commit abcdef1 (dirty)" in text and "| 16 MiB | 140 | 959 | 95.9% |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 2 |") or
+            line.startswith("| 4 |")]
+    # the table's order, then kinds it does not know rather than dropping them
+    assert [r.split(" | ")[1] for r in rows] == [
+        "ddpwire-star", "ddpwire-mesh", "ddpwire-bf16", "gloo", "ddpwire-new", "ddpwire-star"]
+    star, mesh, bf16, gloo, _, star4 = rows
+    # star: 2·16 MiB through the coordinator's 1 Gbit/s in 0.3 s; floor 2·16 MiB at 1 Gbit/s
+    assert star == "| 2 | ddpwire-star | 300 | 2.00x | 89% | 45% | 268 | – | – |"
+    # mesh: 16 MiB each way per worker at N=2; floor = the ring's
+    assert mesh == "| 2 | ddpwire-mesh | 145 | 0.97x | – | 93% | 134 | – | – |"
+    assert bf16 == "| 2 | ddpwire-bf16 | 75 | 0.50x | – | 89% | 67 | 0.0061 | 3.00e-03 |"
+    assert gloo == "| 2 | gloo | 150 | – | – | 89% | 134 | – | – |"
+    # no gloo at N=4 in this file: no ratio
+    assert star4.split(" | ")[3] == "–"
+    assert report.main(["report.py"]) == 2

@@ -84,19 +84,17 @@ class ClusterGroup(procs.ProcessGroup):
     def _start(self) -> None:
         global _gloo_groups
         p, n, size = self.plan, self.n, self.size
-        if self.kind.startswith("ddpwire"):
-            pipelined = self.kind != "ddpwire-classic"
-            # None: the library decides by core count and vector size, as a user gets it
-            threads = {"ddpwire-threads": True, "ddpwire-auto": None}.get(self.kind, False)
-            conn, proc = self._launch(p.coordinator.netns, "_ddpwire_coordinator",
-                                      (n, size, self.steps, pipelined, threads, None,
-                                       p.coordinator.address), "ddpwire-coordinator")
-            self.coordinator = (conn, proc)
-            addr = procs._reply(conn, proc, "addr")
-            for rank in range(n):
-                self._add_in(p.workers[rank].netns, "_ddpwire_worker",
-                             (addr, rank, n, size, pipelined, threads, None),
-                             f"ddpwire-worker-{rank}")
+        if self.kind in procs.DDPWIRE_KINDS:
+            if procs.ddpwire_kind(self.kind).baseline:
+                # params.KINDS leaves it out: a cluster run measures one checkout
+                raise ValueError(f"kind {self.kind} does not run in the cluster")
+            procs.start_ddpwire(
+                self,
+                lambda args: self._launch(p.coordinator.netns, "_ddpwire_coordinator", args,
+                                          "ddpwire-coordinator"),
+                lambda rank, args: self._add_in(p.workers[rank].netns, "_ddpwire_worker", args,
+                                                f"ddpwire-worker-{rank}"),
+                None, host=p.coordinator.address)
         elif self.kind == "gloo":
             port = GLOO_BASE_PORT + _gloo_groups
             _gloo_groups += 1

@@ -16,9 +16,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import report  # noqa: E402  (the path above)
 
-KIND_ORDER = ("ddpwire", "ddpwire-classic", "ddpwire-threads", "ddpwire-auto", "gloo")
-
-
 def plot(out: str, paths: List[str]) -> None:
     """Write the figure for ``paths`` to ``out``."""
     import matplotlib
@@ -31,7 +28,7 @@ def plot(out: str, paths: List[str]) -> None:
         commit, infos = report.load(path)
         infos = [i for i in infos if i["kind"] != "tcp"]
         cases = sorted({(i["size_bytes"], i["workers"]) for i in infos})
-        kinds = [k for k in KIND_ORDER if any(i["kind"] == k for i in infos)]
+        kinds = report.kind_order(i["kind"] for i in infos)
         width = 0.8 / len(kinds)
         for j, kind in enumerate(kinds):
             xs, ys = [], []

@@ -1,4 +1,4 @@
-"""One averaging step over an emulated cluster: ddpwire's star against gloo's ring.
+"""One averaging step over an emulated cluster: ddpwire's star and mesh against gloo's ring.
 
 Every machine is a network namespace whose link to a common bridge is
 shaped with tc tbf in both directions (see cluster/plan.py and
@@ -18,8 +18,16 @@ Parameters (environment): DDPWIRE_CLUSTER_SIZES (MiB, default "16,64"),
 DDPWIRE_CLUSTER_WORKERS ("2,4"), DDPWIRE_CLUSTER_COORD_RATE and
 DDPWIRE_CLUSTER_WORKER_RATE (tc rates, default "1gbit"),
 DDPWIRE_CLUSTER_ROUNDS (timed steps per case, default 3, after one warm-up)
-and DDPWIRE_CLUSTER_KINDS (default "ddpwire,ddpwire-classic,gloo"; also
-"ddpwire-threads" and "ddpwire-auto", the latter socket_threads=None).
+and DDPWIRE_CLUSTER_KINDS (default "ddpwire-star,ddpwire-mesh,ddpwire-bf16,gloo";
+every kind is a row of bench/allreduce_procs.py's DDPWIRE_KINDS: "ddpwire"
+is the library's default reduce (topology "auto"), "ddpwire-star" and
+"ddpwire-mesh" force one, "ddpwire-bf16" and "ddpwire-fp16" are the mesh
+with 16-bit gradients, "ddpwire-classic", "ddpwire-threads" and
+"ddpwire-auto" the call-path and socket-thread variants).
+
+The compressed kinds are checked bit for bit against the result computed
+in numpy (allreduce_procs.expected_compressed_average), and record their
+error against the float32 average in extra_info.
 
 Per size, a raw TCP transfer from worker 0's namespace to the
 coordinator's ("tcp") checks that the shaping gives the rate asked for.
@@ -36,7 +44,7 @@ import statistics
 
 import pytest
 
-from . import net, params, plan, shaping
+from . import net, params, plan, report, shaping
 from .nodes import ClusterGroup, procs
 
 MiB = 1 << 20
@@ -101,12 +109,23 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
         info["shaping_accuracy"] = info["goodput_bps"] / info["path_rate_bps"]
         return
     assert all(w["average_ok"] for w in summary["workers"]), summary["workers"]
-    # the star: every worker's vector into the coordinator, the average out to each
-    info["coord_link_bytes_each_way"] = n * size
-    info["coord_link_utilisation"] = n * size * 8 / median / coord_rate
+    if kind != "gloo":
+        spec = procs.ddpwire_kind(kind)
+        info.update(topology=spec.topology, compression=spec.compression)
+    info.update(report.link_figures(report.topology(info), report.bytes_per_element(info),
+                                    n, size, median, coord_rate, worker_rate))
+    if kind != "gloo":
+        if spec.compression:
+            # every worker holds the same bits (checked above), so the same error
+            info["max_abs_error"] = max(w["max_abs_error"] for w in summary["workers"])
+            info["relative_error"] = max(w["relative_error"] for w in summary["workers"])
     coord = summary["coordinator"]
     if coord is not None:
-        assert coord["average_ok"], "the coordinator's average is wrong"
+        if kind != "gloo" and procs.ddpwire_kind(kind).topology == "star":
+            # the star's average is computed there: not writing it is a failure too
+            assert coord["average_ok"] is not None, "the star's coordinator holds no average"
+        # None: the coordinator did not hold the average (the mesh), nothing to check
+        assert coord["average_ok"] is not False, "the coordinator's average is wrong"
         info["coordinator_step_times"] = [(e - s) / 1e9 for s, _, e in coord["times"][WARMUP:]]
 
 
