@@ -306,16 +306,17 @@ def _ddpwire_coordinator(conn, kind: str, n: int, size: int, steps: int,
         conn.send(("addr", coord.local_addr))
         coord.wait_for_workers()
         # NaN until written: a coordinator that does not hold the average (the
-        # mesh reduce) leaves it so, and is then not checked
+        # mesh reduce, where out= is refused) leaves it so, and is then not checked
         out = np.full(count, np.nan, dtype=np.float32)
+        into = None if coord.mesh else out
         times = []
         for s in range(steps):
             t0 = time.monotonic_ns()
             if spec.pipelined:
                 # collect, average and send back in one pass
-                result = coord.allreduce(s, out=out)
+                result = coord.allreduce(s, out=into)
             else:
-                result = coord.collect_and_reduce(s, out=out)
+                result = coord.collect_and_reduce(s, out=into)
                 coord.broadcast_averaged(s, result)
             wait = getattr(result, "wait_time", None)
             # (start, every head in, reply sent): the wait for the heads, then the rest
