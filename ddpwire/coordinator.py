@@ -42,6 +42,7 @@ from .messages import (
     AveragedGradient,
     AveragedNonBlockGradient,
     BlockGradientPayload,
+    CollectiveError,
     GradientPayload,
     MeshPeers,
     NO_WORKER,
@@ -406,7 +407,13 @@ class Coordinator:
         reports: List[StepReport] = []
         for chan in self._channels:
             wid = chan.peer_id
-            msg = chan.expect([StepReport], step=step, deadline=deadline)
+            msg = chan.expect([StepReport, CollectiveError], step=step, deadline=deadline)
+            if isinstance(msg, CollectiveError):
+                # a worker's link to another worker failed: it names that worker
+                self._abandon()
+                blamed = wid if msg.worker_id == NO_WORKER else msg.worker_id
+                raise WorkerLost(f"worker {wid} could not finish its part of the mesh step: "
+                                 f"{msg.detail}", worker_id=blamed, step=step)
             if msg.step != step:
                 raise GradientMismatch("step", step, msg.step, worker_id=wid, step=step)
             if msg.worker_id != wid:

@@ -44,6 +44,7 @@ from .messages import (
     AveragedGradient,
     AveragedNonBlockGradient,
     BlockGradientPayload,
+    CollectiveError,
     GradientPayload,
     Heartbeat,
     JoinAccepted,
@@ -460,8 +461,8 @@ class Worker:
                                        loss=loss, correct=correct, total=total,
                                        bad_worker=outcome.bad_worker, bad_index=outcome.bad_index,
                                        bad_value=outcome.bad_value), step=step)
-        except BaseException:
-            self._break_session()
+        except BaseException as exc:
+            self._break_session(step, exc)
             raise
         self._mesh_sent = (step, len(grads))
 
@@ -485,18 +486,30 @@ class Worker:
                                         worker_id=commit.bad_worker, step=step)
             assert self._mesh is not None
             self._mesh.allgather(step, out, time.monotonic() + self._chan.timeout)
-        except BaseException:
-            self._break_session()
+        except BaseException as exc:
+            self._break_session(step, exc)
             raise
         finally:
             self._mesh_sent = None
         return AveragedGradient(step=step, gradients=out, global_loss=commit.global_loss)
 
-    def _break_session(self) -> None:
+    def _break_session(self, step: int, exc: BaseException) -> None:
         """A mesh step that failed leaves frames cut short on some link: the
-        session cannot go on, and closing tells every peer at once."""
+        session cannot go on, and closing tells every peer at once. A failure
+        on a link to another worker is first told to the coordinator (a
+        CollectiveError naming that worker), which would otherwise only see
+        this worker leave."""
         if self._mesh is not None:
             self._mesh.close()
+        blamed = getattr(exc, "worker_id", None)
+        if isinstance(exc, DdpwireError) and not isinstance(exc, (CoordinatorLost,
+                                                                   NonFiniteGradient)):
+            try:
+                self._chan.send(CollectiveError(
+                    seq=step, worker_id=NO_WORKER if blamed is None else blamed,
+                    detail=str(exc)[:1000]), step=step)
+            except DdpwireError:
+                pass  # the coordinator is gone too: closing says the rest
         self._chan.close()
 
     # ---- per-block steps (v2) ----

@@ -1,0 +1,427 @@
+"""The mesh: workers average flat steps among themselves (ddpwire.mesh).
+
+Every test runs a real Coordinator and real Workers over loopback TCP, the
+workers as threads. The averages are compared bit for bit with the
+reference arithmetic (ddpwire.reduce.mean: a float32 sum in worker order,
+then a division), and for 16-bit codecs with an independent numpy
+reference.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ddpwire import Coordinator, Worker, reduce
+from ddpwire import mesh as meshmod
+from ddpwire.errors import (
+    CoordinatorLost,
+    DdpwireError,
+    GradientMismatch,
+    NonFiniteGradient,
+    PeerLost,
+    ProtocolError,
+    WorkerLost,
+)
+from ddpwire.extensions import Codec
+from ddpwire.messages import MeshPeers, PeerHello
+from ddpwire.channel import Channel
+
+ADDR = ("127.0.0.1", 0)
+TIMEOUT = 20.0
+
+
+def bits(a):
+    return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+
+def gradients(n_workers, count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(count).astype(np.float32) for _ in range(n_workers)]
+
+
+class Session:
+    """A coordinator and ``n`` worker threads, each running ``body(worker)``."""
+
+    def __init__(self, n, body, *, coordinator=None, workers=None, timeout=TIMEOUT):
+        self.coord = Coordinator(ADDR, n, timeout=timeout, join_timeout=TIMEOUT,
+                                 **(coordinator or {}))
+        self.results = {}
+        self.errors = {}
+        self.threads = []
+        for i in range(n):
+            kwargs = (workers or {}).get(i, {}) if isinstance(workers, dict) else {}
+            t = threading.Thread(target=self._run, args=(body, kwargs, timeout), daemon=True)
+            self.threads.append(t)
+            t.start()
+        self.coord.wait_for_workers()
+
+    def _run(self, body, kwargs, timeout):
+        w = None
+        try:
+            w = Worker.connect(self.coord.local_addr, timeout=timeout, **kwargs)
+            self.results[w.worker_id] = body(w)
+        except BaseException as exc:  # handed to the test
+            self.errors[w.worker_id if w is not None else -1] = exc
+        finally:
+            if w is not None:
+                w.close()
+
+    def join(self):
+        for t in self.threads:
+            t.join(3 * TIMEOUT)
+            assert not t.is_alive(), "a worker thread hung"
+        self.coord.close()
+
+
+def flat_steps(grads, steps, out_of=None):
+    """A body: ``steps`` allreduces of the worker's gradient, the last average kept."""
+    def body(w):
+        g = grads[w.worker_id]
+        out = None
+        for step in range(steps):
+            out = w.allreduce(step, g, 0.5 + w.worker_id, w.worker_id, 10 + w.worker_id)
+        assert w.uses_mesh
+        return out.gradients.copy(), out.global_loss
+    return body
+
+
+@pytest.mark.parametrize("n,count", [(1, 1000), (2, 1), (2, 4097), (3, 2), (3, 100_003),
+                                     (4, 1 << 18), (5, 7)])
+def test_the_mesh_average_is_the_reference_bits_on_every_worker(n, count):
+    grads = gradients(n, count, seed=n + count)
+    s = Session(n, flat_steps(grads, 3))
+    try:
+        assert s.coord.mesh
+        for step in range(3):
+            r = s.coord.allreduce(step)
+            assert r.avg_gradients is None
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    want = reduce.mean(grads)
+    star_loss = np.float32(0)
+    for i in range(n):
+        star_loss = np.float32(star_loss + np.float32(0.5 + i) * np.float32(10 + i))
+    star_loss = float(star_loss / np.float32(sum(10 + i for i in range(n))))
+    for i in range(n):
+        got, loss = s.results[i]
+        assert np.array_equal(bits(got), bits(want))
+        assert loss == r.global_loss == pytest.approx(star_loss, rel=0, abs=0)
+    assert r.total_samples == sum(10 + i for i in range(n))
+    assert r.total_correct == sum(range(n))
+
+
+def test_the_average_may_land_in_the_gradient_buffer_itself():
+    grads = gradients(3, 50_001, seed=3)
+    want = reduce.mean(grads)
+
+    def body(w):
+        buf = grads[w.worker_id].copy()
+        w.allreduce(0, buf, 1.0, 1, 1, out=buf)
+        return buf
+
+    s = Session(3, body)
+    try:
+        s.coord.allreduce(0)
+    finally:
+        s.join()
+    assert not s.errors
+    for i in range(3):
+        assert np.array_equal(bits(s.results[i]), bits(want))
+
+
+def numpy_half_mean(grads, codec):
+    """An independent reference: numpy's float16 (round to nearest even) or
+    bf16 by integer rounding of the float32 bits."""
+    def narrow(x):
+        if codec == "fp16":
+            return x.astype(np.float16).astype(np.float32)
+        u = x.view(np.uint32).astype(np.uint64)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        return r.astype(np.uint32).view(np.float32)
+    acc = narrow(grads[0]).copy()
+    for g in grads[1:]:
+        acc = (acc + narrow(g)).astype(np.float32)
+    return narrow((acc / np.float32(len(grads))).astype(np.float32))
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_16_bit_codecs_give_every_worker_the_same_rounded_average(codec, n):
+    grads = gradients(n, 30_011, seed=n)
+    s = Session(n, flat_steps(grads, 2), coordinator=dict(compression=codec))
+    try:
+        for step in range(2):
+            s.coord.allreduce(step)
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    want = numpy_half_mean(grads, codec)
+    exact = reduce.mean(grads)
+    for i in range(n):
+        assert np.array_equal(bits(s.results[i][0]), bits(want))
+    # the documented error: one rounding of each input and of the average
+    # (8 bits of precision for bf16, 11 for fp16), relative to the largest value
+    err = float(np.abs(want - exact).max()) / float(np.abs(np.stack(grads)).max())
+    assert err < (2.0 ** -7 if codec == "bf16" else 2.0 ** -10)
+    assert not np.array_equal(bits(want), bits(exact))  # it did travel in 16 bits
+
+
+def test_a_worker_without_the_mesh_keeps_the_star_for_everyone():
+    grads = gradients(3, 9_999, seed=9)
+
+    def body(w):
+        out = w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+        return out.gradients.copy(), w.uses_mesh
+
+    s = Session(3, body, workers={1: dict(mesh=False)})
+    try:
+        assert not s.coord.mesh
+        r = s.coord.allreduce(0)
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    want = reduce.mean(grads)
+    assert np.array_equal(bits(r.avg_gradients), bits(want))
+    for i in range(3):
+        got, on_mesh = s.results[i]
+        assert np.array_equal(bits(got), bits(want)) and not on_mesh
+
+
+def test_topology_mesh_refuses_a_worker_that_cannot_join_it():
+    coord = Coordinator(ADDR, 2, topology="mesh", timeout=5, join_timeout=TIMEOUT)
+    workers = []
+
+    def connect(mesh):
+        workers.append(Worker.connect(coord.local_addr, timeout=5, mesh=mesh))
+
+    threads = [threading.Thread(target=connect, args=(m,)) for m in (True, False)]
+    for t in threads:
+        t.start()
+    try:
+        with pytest.raises(DdpwireError, match=r"topology 'mesh': worker \d .* did not offer the mesh"):
+            coord.wait_for_workers()
+    finally:
+        for t in threads:
+            t.join(TIMEOUT)
+        for w in workers:
+            w.close()
+        coord.close()
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="topology"):
+        Coordinator(ADDR, 1, topology="ring")
+    with pytest.raises(ValueError, match="compression"):
+        Coordinator(ADDR, 1, compression="int8")
+    with pytest.raises(ValueError, match="travels on the mesh"):
+        Coordinator(ADDR, 1, topology="star", compression="bf16")
+
+
+@pytest.mark.parametrize("culprits", [(2,), (1, 2)])
+def test_a_nan_halts_the_step_before_any_worker_applies_anything(culprits):
+    count = 12_000
+    grads = gradients(3, count, seed=1)
+    for c in culprits:
+        grads[c][7_000 + c] = np.nan  # in the slice worker 1 owns
+    sentinel = np.float32(1234.5)
+
+    def body(w):
+        out = np.full(count, sentinel, dtype=np.float32)
+        try:
+            w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
+        finally:
+            assert (out == sentinel).all()  # not one element applied
+        return None
+
+    s = Session(3, body)
+    try:
+        with pytest.raises(NonFiniteGradient) as info:
+            s.coord.allreduce(0)
+    finally:
+        s.join()
+    first = min(culprits)
+    assert info.value.worker_id == first and info.value.step == 0
+    assert info.value.index == 7_000 + first and np.isnan(info.value.value)
+    assert sorted(s.errors) == [0, 1, 2]
+    for exc in s.errors.values():
+        assert isinstance(exc, NonFiniteGradient) and exc.worker_id == first and exc.step == 0
+
+
+def test_an_infinity_in_the_coordinator_side_slice_of_worker_0_is_named():
+    grads = gradients(2, 100, seed=2)
+    grads[0][3] = -np.inf
+    s = Session(2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
+    try:
+        with pytest.raises(NonFiniteGradient) as info:
+            s.coord.allreduce(0)
+    finally:
+        s.join()
+    assert (info.value.worker_id, info.value.index, info.value.value) == (0, 3, -np.inf)
+
+
+def test_a_worker_that_leaves_mid_session_is_named_everywhere_within_the_timeout():
+    grads = gradients(3, 200_000, seed=4)
+    steps_done = threading.Barrier(3)
+
+    def body(w):
+        g = grads[w.worker_id]
+        w.allreduce(0, g, 1.0, 1, 1)
+        steps_done.wait(TIMEOUT)
+        if w.worker_id == 1:
+            return "left"  # closes every link and its coordinator connection
+        w.allreduce(1, g, 1.0, 1, 1)
+
+    s = Session(3, body, timeout=5.0)
+    t0 = time.monotonic()
+    try:
+        s.coord.allreduce(0)
+        with pytest.raises(WorkerLost) as info:
+            s.coord.allreduce(1)
+    finally:
+        s.join()
+    assert time.monotonic() - t0 < 5.0 * 3  # errors come from the loss, well within timeouts
+    assert info.value.worker_id == 1 and info.value.step == 1
+    assert s.results[1] == "left"
+    assert sorted(s.errors) == [0, 2]
+    for wid, exc in s.errors.items():
+        assert isinstance(exc, PeerLost), repr(exc)
+        assert exc.step == 1
+    # at least one survivor saw worker 1's own link fail and names it
+    assert any(isinstance(e, WorkerLost) and e.worker_id == 1 for e in s.errors.values())
+
+
+def test_a_worker_that_never_opens_its_links_is_named_after_the_timeout():
+    grads = gradients(2, 10, seed=5)
+    gave_up = threading.Event()
+
+    def body(w):
+        if w.worker_id == 0:
+            gave_up.wait(TIMEOUT)  # joined, then silent until worker 1 has given up on it
+            return None
+        try:
+            return w.allreduce(0, grads[1], 1.0, 1, 1)
+        finally:
+            gave_up.set()
+
+    s = Session(2, body, timeout=1.0)
+    try:
+        with pytest.raises(PeerLost):
+            s.coord.allreduce(0)
+    finally:
+        gave_up.set()
+        s.join()
+    exc = s.errors[1]
+    assert isinstance(exc, WorkerLost) and exc.worker_id == 0
+    assert "worker 0 did not open its mesh link within 1 s" in str(exc)
+
+
+def test_gradients_of_different_lengths_are_a_typed_error():
+    grads = [np.ones(1000, np.float32), np.ones(1001, np.float32)]
+    s = Session(2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
+    try:
+        with pytest.raises((WorkerLost, GradientMismatch)):
+            s.coord.allreduce(0)
+    finally:
+        s.join()
+    assert any(isinstance(e, GradientMismatch) for e in s.errors.values()), s.errors
+
+
+def test_per_block_steps_keep_the_star_in_a_mesh_session():
+    blocks = gradients(2, 300, seed=6)
+
+    def body(w):
+        w.send_block_gradient(0, 1, 2, blocks[w.worker_id], [100, 200])
+        return w.receive_averaged_block().gradients.copy()
+
+    s = Session(2, body)
+    try:
+        assert s.coord.mesh
+        r = s.coord.allreduce_block(0, 1)
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    want = reduce.mean(blocks)
+    assert np.array_equal(bits(r.avg_gradients), bits(want))
+    for i in range(2):
+        assert np.array_equal(bits(s.results[i]), bits(want))
+
+
+def test_collect_then_broadcast_is_the_reports_then_the_commit():
+    grads = gradients(2, 5_000, seed=8)
+    s = Session(2, flat_steps(grads, 1))
+    try:
+        r = s.coord.collect_and_reduce(0)
+        assert r.avg_gradients is None and r.total_samples == 21
+        s.coord.broadcast_averaged(0, r)
+        with pytest.raises(ValueError, match="stays on the workers"):
+            s.coord.allreduce(1, out=np.empty(5_000, np.float32))
+    finally:
+        s.join()
+    assert not s.errors
+    assert np.array_equal(bits(s.results[0][0]), bits(reduce.mean(grads)))
+
+
+# ---- the links ----
+
+def test_peer_table_parsing():
+    text = meshmod.format_peers([("10.0.0.1", 5), ("::1", 6)])
+    assert text == "10.0.0.1:5,[::1]:6"
+    assert meshmod.parse_peers(text, 2) == [("10.0.0.1", 5), ("::1", 6)]
+    for bad in ("10.0.0.1:5", "host:5,10.0.0.1:6", "10.0.0.1:0,10.0.0.1:1", "10.0.0.1,x"):
+        with pytest.raises(ProtocolError):
+            meshmod.parse_peers(bad, 2)
+    assert meshmod.slice_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert meshmod.slice_bounds(1, 3) == [(0, 0), (0, 0), (0, 1)]
+
+
+def test_a_stranger_on_a_mesh_port_is_dropped_and_the_mesh_still_forms():
+    key = bytes(range(32))
+    listeners = [meshmod.listen("127.0.0.1") for _ in range(2)]
+    table = MeshPeers(key=key, codec=int(Codec.FLOAT32),
+                      peers=meshmod.format_peers([l.getsockname()[:2] for l in listeners]))
+    # before worker 0 dials: one hello with a wrong proof, one replaying worker 1's own direction
+    strangers = []
+    for proof in (bytes(32), meshmod.hello_proof(key, 1, 0)):
+        sock = socket.create_connection(listeners[1].getsockname()[:2])
+        chan = Channel(sock, timeout=5, peer_name="stranger", lost=PeerLost)
+        chan.send(PeerHello(worker_id=0, proof=proof))
+        strangers.append(chan)
+    meshes = {}
+
+    def connect(i):
+        meshes[i] = meshmod.Mesh.connect(listeners[i], table, i, 2, timeout=10, max_frame=1 << 20)
+
+    threads = [threading.Thread(target=connect, args=(i,)) for i in (1, 0)]
+    threads[0].start()
+    time.sleep(0)  # either order must work; the strangers are queued first anyway
+    threads[1].start()
+    for t in threads:
+        t.join(TIMEOUT)
+    try:
+        assert set(meshes) == {0, 1}
+        for chan in strangers:  # dropped: closed without a reply
+            assert chan.conn.sock.recv(1) == b""
+        grads = gradients(2, 101, seed=11)
+        outs = [np.empty(101, np.float32) for _ in range(2)]
+
+        def step(i):
+            meshes[i].reduce_scatter(0, grads[i], time.monotonic() + 10)
+            meshes[i].allgather(0, outs[i], time.monotonic() + 10)
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        want = reduce.mean(grads)
+        assert all(np.array_equal(bits(o), bits(want)) for o in outs)
+    finally:
+        for m in meshes.values():
+            m.close()
+        for chan in strangers:
+            chan.close()
