@@ -53,7 +53,7 @@ from ._core import (
     encode_frame_parts,
     tag_max_payload,
 )
-from .extensions import CollectiveKind, DType, Extension, RefusalReason, ReduceOp
+from .extensions import Codec, CollectiveKind, DType, Extension, RefusalReason, ReduceOp
 from . import reduce
 from .coordinator import Coordinator
 from .worker import Worker
@@ -75,6 +75,7 @@ __all__ = [
     "CollectiveRequest",
     "CollectiveResult",
     "DType",
+    "Codec",
     "Extension",
     "JoinRefused",
     "RefusalReason",

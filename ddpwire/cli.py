@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "plus one)")
     c.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds one connection has to complete its join handshake (default 10)")
+    c.add_argument("--topology", choices=["auto", "star", "mesh"], default="auto",
+                   help="flat steps: auto (default: the workers average among themselves when "
+                        "every one can), star (always through this coordinator) or mesh")
+    c.add_argument("--compression", choices=["bf16", "fp16"], default=None,
+                   help="send gradients between mesh workers as 16-bit words (default: float32)")
     _token(c)
     _training(c)
     _common(c)
@@ -92,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordinator HOST:PORT (default under torchrun: MASTER_ADDR, MASTER_PORT+1)")
     w.add_argument("--node-id", default=None, help="name reported to the coordinator")
     w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
+    w.add_argument("--no-mesh", action="store_true",
+                   help="do not offer to average with the other workers directly (no listening port)")
     _token(w)
     _worker_model(w)
     _training(w)
@@ -112,7 +119,9 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
                      join_timeout=getattr(args, "join_timeout", 600.0),
                      handshake_timeout=getattr(args, "handshake_timeout", 10.0),
                      socket_threads=socket_threads, samples_per_step=args.samples,
-                     token=load_token(getattr(args, "token_file", None))) as coord:
+                     token=load_token(getattr(args, "token_file", None)),
+                     topology=getattr(args, "topology", "auto"),
+                     compression=getattr(args, "compression", None)) as coord:
         h, p = coord.local_addr
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()
@@ -160,7 +169,8 @@ def run_worker(args: argparse.Namespace) -> int:
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           device=args.device, node_id=node_id, timeout=args.timeout,
                           seed=args.seed, threads=threads, join_turn=join_turn,
-                          token=load_token(args.token_file))
+                          token=load_token(args.token_file),
+                          mesh=not getattr(args, "no_mesh", False))
     if hosted is not None:
         hosted.join(args.timeout)
         if failure:

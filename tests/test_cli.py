@@ -167,7 +167,8 @@ def test_standalone_coordinator_and_workers(tmp_path):
     # socket threads forced on: the default would not use them for the demo's small model
     coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
                                    "--steps", "3", "--samples", "64", "--timeout", "60",
-                                   "--socket-threads", "on", "--token-file", str(token)],
+                                   "--socket-threads", "on", "--token-file", str(token),
+                                   "--compression", "bf16"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker = PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60"]
     env = {k: v for k, v in os.environ.items() if k != "DDPWIRE_TOKEN"}
@@ -192,7 +193,9 @@ def test_standalone_coordinator_and_workers(tmp_path):
     assert "requires a token" in no_token.stderr
     assert wrong_samples.returncode == 1
     assert "samples per step differ: coordinator 64, worker 32" in wrong_samples.stderr
-    assert coord.returncode == 0, coord.stderr.read()
+    coord_log = coord.stderr.read()
+    assert coord.returncode == 0, coord_log
+    assert "flat steps run on the mesh between the 2 workers (bf16)" in coord_log
     assert all(p.returncode == 0 for p in workers)
     results = [json.loads(r.read_text()) for r in reports]
     assert sorted(r["worker_id"] for r in results) == [0, 1]

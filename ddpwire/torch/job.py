@@ -96,6 +96,7 @@ def train_worker(
     threads: int = 0,
     join_turn: Optional[RankOrder] = None,
     token: Optional[bytes] = None,
+    mesh: bool = True,
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
@@ -114,7 +115,7 @@ def train_worker(
     # refuses this worker instead of training a different model
     worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
                             node_id=node_id, timeout=timeout, token=token,
-                            samples_per_step=samples_per_step)
+                            samples_per_step=samples_per_step, mesh=mesh)
     if join_turn is not None:
         join_turn.joined()
     with worker:
