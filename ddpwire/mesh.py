@@ -76,7 +76,7 @@ MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
 #: the most bytes of one peer's slice an exchange moves per call: small
 #: enough that the kernel work left after the last range is short, large
 #: enough that the pause between two calls is noise next to a range's transfer
-RANGE_BYTES = 4 << 20
+RANGE_BYTES = 8 << 20
 
 
 def codec_of(compression: Optional[str]) -> Codec:
