@@ -533,14 +533,15 @@ class Mesh:
             full = out
             parts = 1
             pending = [self._submit(np.copyto, out[lo:hi], own)]
-            after = None
+            after: Optional[Callable[[int], None]] = None
         else:
             full = self._buffer("gathered", len(out), own.dtype)
             parts = range_count(max(b - a for a, b in bounds) * own.itemsize)
             pending = [self._submit(self._widen_own, own, out[lo:hi])]
 
-            def after(c: int) -> None:
+            def widen(c: int) -> None:
                 pending.append(self._submit(self._widen, full, out, bounds, parts, c))
+            after = widen
 
         sends = [None if j == me else own for j in range(n)]
         recvs = [None if j == me else full[a:b] for j, (a, b) in enumerate(bounds)]
