@@ -16,6 +16,13 @@ element ranges):
 3. allgather: only after a go-ahead, every worker sends its averaged slice
    to every other, straight into their output buffers.
 
+Each exchange moves its frames' elements in consecutive element ranges
+(:data:`RANGE_BYTES` of one peer's slice at most), one GIL-free call per
+range: while range c+1 travels, a helper thread of the Mesh averages (or
+widens) range c, and narrows the outgoing ranges ahead of their call. The
+kernels are element-wise, so the bits are those of one pass over the
+whole slice; the bytes on the wire are the same frames either way.
+
 So every worker ends with the bits the star gives, and no worker holds any
 averaged element before the coordinator has seen that the whole vector is
 finite. The links between workers are ddpwire-only: each opens with a
@@ -39,20 +46,22 @@ import secrets
 import selectors
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_all
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _core
 from . import reduce as _reduce
 from .channel import Channel, check_timeout
-from .errors import GradientMismatch, NonFiniteGradient, ProtocolError, WorkerLost
+from .errors import DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError, WorkerLost
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
 from .messages import NO_WORKER, CollectiveRequest, MeshPeers, PeerHello
 
 __all__ = ["CODECS", "Mesh", "SliceOutcome", "codec_of", "format_peers", "listen",
-           "parse_peers", "offer", "peer_port", "slice_bounds"]
+           "parse_peers", "offer", "peer_port", "range_bounds", "slice_bounds"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +73,10 @@ _WIRE_DTYPE = {Codec.FLOAT32: DType.FLOAT32, Codec.BF16: DType.BFLOAT16,
 _HALF_NAME = {Codec.BF16: "bf16", Codec.FP16: "fp16"}
 _HELLO_LABEL = b"ddpwire mesh hello v1"
 MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
+#: the most bytes of one peer's slice an exchange moves per call: small
+#: enough that the kernel work left after the last range is short, large
+#: enough that the pause between two calls is noise next to a range's transfer
+RANGE_BYTES = 8 << 20
 
 
 def codec_of(compression: Optional[str]) -> Codec:
@@ -151,6 +164,21 @@ def new_key() -> bytes:
 def slice_bounds(count: int, world: int) -> List[Tuple[int, int]]:
     """Worker w's slice of a ``count``-element vector: [w·count//N, (w+1)·count//N)."""
     return [(w * count // world, (w + 1) * count // world) for w in range(world)]
+
+
+def range_bounds(length: int, parts: int) -> List[Tuple[int, int]]:
+    """Range c of ``parts`` consecutive ranges of a ``length``-element slice:
+    [c·length//parts, (c+1)·length//parts); some are empty when the slice is
+    shorter than ``parts``."""
+    return [(c * length // parts, (c + 1) * length // parts) for c in range(parts)]
+
+
+def range_count(slice_bytes: int) -> int:
+    """How many ranges an exchange whose largest slice has ``slice_bytes``
+    bytes moves. Every worker derives it from the vector's length alone, so
+    all split a slice the same way (a different split would still move the
+    same bytes, only with other pauses)."""
+    return max(1, -(-slice_bytes // RANGE_BYTES))
 
 
 # ---- the links ----
@@ -254,10 +282,16 @@ class Mesh:
         self.codec = Codec(codec)
         self.timeout = timeout
         self._dtype = _WIRE_DTYPE[self.codec]
+        self._half = _HALF_NAME.get(self.codec)
         self._scratch: Dict[Tuple[str, int], np.ndarray] = {}
         # the averaged slice between the two exchanges, and its step
         self._own: Optional[np.ndarray] = None
         self._step: Optional[int] = None
+        # Runs the kernels while the calling thread moves bytes. The caller
+        # keeps every socket: a failure or Ctrl-C there needs no other thread
+        # woken, and the helper only ever waits for a bounded kernel call.
+        self._helper: Optional[ThreadPoolExecutor] = None
+        self._closed = False
 
     @classmethod
     def connect(cls, listener: socket.socket, table: MeshPeers, worker_id: int, world: int, *,
@@ -274,10 +308,15 @@ class Mesh:
         return cls(links, worker_id, Codec(table.codec), timeout)
 
     def close(self) -> None:
-        """Close every link."""
+        """Close every link and stop the helper thread (after the kernel call
+        it may be running: nothing it does waits on a peer)."""
+        self._closed = True
         for chan in self.links:
             if chan is not None:
                 chan.close()
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=True, cancel_futures=True)
 
     @property
     def _conns(self) -> List[Optional["_core.Connection"]]:
@@ -293,26 +332,48 @@ class Mesh:
             buf = self._scratch[key] = np.empty(n, dtype=dtype)
         return buf
 
-    # ---- one exchange: heads first, then the elements ----
+    def _submit(self, fn: Callable[..., object], *args: object) -> Future:
+        if self._closed:
+            raise DdpwireError("the mesh is closed", worker_id=self.worker_id)
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(
+                1, thread_name_prefix=f"ddpwire-mesh-{self.worker_id}")
+        try:
+            return self._helper.submit(fn, *args)
+        except RuntimeError:  # closed by another thread since the check
+            raise DdpwireError("the mesh is closed", worker_id=self.worker_id) from None
+
+    @staticmethod
+    def _settle(futures: Sequence[Future]) -> None:
+        """After a failure: no queued kernel may start and the running one
+        must end before the caller gets its buffers back."""
+        for f in futures:
+            f.cancel()
+        _wait_all(futures)
+
+    # ---- one exchange: heads first, then the elements range by range ----
 
     def _exchange(self, step: int, kind: CollectiveKind, sends: Sequence[Optional[np.ndarray]],
-                  recvs: Sequence[Optional[np.ndarray]], deadline: float) -> None:
+                  recvs: Sequence[Optional[np.ndarray]], deadline: float, parts: int = 1,
+                  before: Optional[Callable[[int], None]] = None,
+                  after: Optional[Callable[[int], None]] = None) -> None:
         """Send sends[j] to worker j while receiving recvs[j] from it, every
         link at once. The heads go first, each checked (step, phase, sender,
         length, dtype), so a worker whose vector differs is named before any
-        element is read into a buffer sized for another length."""
+        element is read into a buffer sized for another length. The elements
+        follow in ``parts`` ranges (:func:`range_bounds` of each slice), one
+        call each; ``before(c)`` returns once range c may go out, ``after(c)``
+        is told it is in both directions."""
         me = self.worker_id
         heads_out: List[List[bytes]] = [[] for _ in range(self.world)]
-        bulk_out: List[list] = [[] for _ in range(self.world)]
         for j, chan in enumerate(self.links):
             if chan is None:
                 continue
             data = sends[j]
             msg = CollectiveRequest(seq=step, kind=int(kind), op=int(ReduceOp.AVG),
                                     dtype=int(self._dtype), root=me, count=len(data), data=data)
-            head, bulk, tail = _core.encode_frame_parts(msg, max_frame=chan.max_frame)
+            head, _bulk, _tail = _core.encode_frame_parts(msg, max_frame=chan.max_frame)
             heads_out[j] = [head]
-            bulk_out[j] = [] if bulk is None else [bulk]
         conns = self._conns
         what = f"exchanging {kind.name.lower()} heads"
         _core.exchange_many(conns, heads_out, [[] for _ in conns], self.timeout,
@@ -324,9 +385,23 @@ class Mesh:
                                          deadline=deadline, expect=(CollectiveRequest,),
                                          step=step, what=what, collective_heads=True)
             self._check_head(head, step, kind, j, len(recvs[j]))
-        _core.exchange_many(conns, bulk_out, [[] if r is None else [r] for r in recvs],
-                            self.timeout, deadline=deadline, step=step,
-                            what=f"exchanging {kind.name.lower()} slices")
+        # the elements follow their head as raw bytes in the sender's order,
+        # as encode_frame_parts would send them
+        cuts_out = [None if s is None else range_bounds(len(s), parts) for s in sends]
+        cuts_in = [None if r is None else range_bounds(len(r), parts) for r in recvs]
+        what = f"exchanging {kind.name.lower()} slices"
+        for c in range(parts):
+            if before is not None:
+                before(c)
+            out: List[list] = []
+            into: List[list] = []
+            for j in range(self.world):
+                out.append(_piece(sends[j], cuts_out[j], c) if conns[j] is not None else [])
+                into.append(_piece(recvs[j], cuts_in[j], c) if conns[j] is not None else [])
+            _core.exchange_many(conns, out, into, self.timeout, deadline=deadline, step=step,
+                                what=what if parts == 1 else f"{what} (range {c + 1} of {parts})")
+            if after is not None:
+                after(c)
 
     def _check_head(self, head: object, step: int, kind: CollectiveKind, j: int,
                     count: int) -> None:
@@ -347,6 +422,40 @@ class Mesh:
             raise GradientMismatch("mesh slice length (its gradients have another length)",
                                    count, head.count, **ctx)
 
+    # ---- the kernels of one range (on the helper thread) ----
+
+    def _narrow(self, gradients: np.ndarray, wire: np.ndarray,
+                bounds: Sequence[Tuple[int, int]], parts: int, c: int) -> None:
+        for a, b in bounds:
+            s, e = range_bounds(b - a, parts)[c]
+            if e > s:
+                _reduce.to_half(gradients[a + s:a + e], wire[a + s:a + e], codec=self._half)
+
+    def _average(self, inputs: Sequence[np.ndarray], own: np.ndarray, s: int,
+                 e: int) -> Optional[Tuple[int, int, float]]:
+        """Range [s, e) of the slice's average; the first non-finite input
+        element of the range as (worker, index in the slice, value), if any."""
+        if e == s:
+            return None
+        ins = [x[s:e] for x in inputs]
+        try:
+            if self._half is None:
+                _reduce.mean(ins, own[s:e])
+            else:
+                _reduce.mean_half(ins, own[s:e], codec=self._half)
+        except NonFiniteGradient as bad:
+            return int(bad.input), s + int(bad.index), float(bad.value)
+        return None
+
+    def _widen(self, full: np.ndarray, out: np.ndarray, bounds: Sequence[Tuple[int, int]],
+               parts: int, c: int) -> None:
+        for j, (a, b) in enumerate(bounds):
+            if j == self.worker_id:
+                continue
+            s, e = range_bounds(b - a, parts)[c]
+            if e > s:
+                _reduce.from_half(full[a + s:a + e], out[a + s:a + e], codec=self._half)
+
     # ---- the step ----
 
     def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float) -> SliceOutcome:
@@ -356,11 +465,10 @@ class Mesh:
         n, me = self.world, self.worker_id
         bounds = slice_bounds(len(gradients), n)
         lo, hi = bounds[me]
-        if self.codec is Codec.FLOAT32:
+        if self._half is None:
             wire = gradients
         else:
             wire = self._buffer("wire", len(gradients), np.dtype(np.uint16))
-            _reduce.to_half(gradients, wire, codec=_HALF_NAME[self.codec])
         mine = hi - lo
         inbox = self._buffer("inbox", mine * max(n - 1, 1), wire.dtype)
         recvs: List[Optional[np.ndarray]] = []
@@ -376,17 +484,36 @@ class Mesh:
                 recvs.append(part)
                 inputs.append(part)
         sends = [None if j == me else wire[a:b] for j, (a, b) in enumerate(bounds)]
-        self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline)
         own = self._buffer("own", mine, wire.dtype)
-        outcome = SliceOutcome()
+        parts = range_count(max(b - a for a, b in bounds) * wire.itemsize)
+        pieces = range_bounds(mine, parts)
+        # the narrowing runs ahead of the exchange (from before the heads),
+        # the averaging one range behind it
+        narrowed = [] if self._half is None else [
+            self._submit(self._narrow, gradients, wire, bounds, parts, c) for c in range(parts)]
+        averaged: List[Future] = []
+
+        def before(c: int) -> None:
+            if narrowed:
+                narrowed[c].result()
+
+        def after(c: int) -> None:
+            averaged.append(self._submit(self._average, inputs, own, *pieces[c]))
+
         try:
-            if self.codec is Codec.FLOAT32:
-                _reduce.mean(inputs, own)
-            else:
-                _reduce.mean_half(inputs, own, codec=_HALF_NAME[self.codec])
-        except NonFiniteGradient as bad:
-            value = float(bad.value)
-            outcome = SliceOutcome(int(bad.input), lo + int(bad.index), value)
+            self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline, parts,
+                           before, after)
+            found = [f.result() for f in averaged]
+        except BaseException:
+            self._settle(narrowed + averaged)
+            raise
+        outcome = SliceOutcome()
+        hits = [h for h in found if h is not None]
+        if hits:
+            # the first by worker, then index, over the whole slice: every
+            # range names its own lowest worker, so the lowest of those wins
+            worker, index, value = min(hits, key=lambda h: (h[0], h[1]))
+            outcome = SliceOutcome(worker, lo + index, value)
         self._own, self._step = own, step
         return outcome
 
@@ -400,15 +527,40 @@ class Mesh:
         self._own = self._step = None
         n, me = self.world, self.worker_id
         bounds = slice_bounds(len(out), n)
-        if self.codec is Codec.FLOAT32:
+        lo, hi = bounds[me]
+        if self._half is None:
+            # float32 lands where it belongs: nothing to do per range
             full = out
+            parts = 1
+            pending = [self._submit(np.copyto, out[lo:hi], own)]
+            after: Optional[Callable[[int], None]] = None
         else:
             full = self._buffer("gathered", len(out), own.dtype)
-        lo, hi = bounds[me]
-        full[lo:hi] = own
+            parts = range_count(max(b - a for a, b in bounds) * own.itemsize)
+            pending = [self._submit(self._widen_own, own, out[lo:hi])]
+
+            def widen(c: int) -> None:
+                pending.append(self._submit(self._widen, full, out, bounds, parts, c))
+            after = widen
+
         sends = [None if j == me else own for j in range(n)]
         recvs = [None if j == me else full[a:b] for j, (a, b) in enumerate(bounds)]
-        self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline)
-        if self.codec is not Codec.FLOAT32:
-            _reduce.from_half(full, out, codec=_HALF_NAME[self.codec])
+        try:
+            self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline, parts,
+                           after=after)
+            for f in pending:
+                f.result()
+        except BaseException:
+            self._settle(pending)
+            raise
         return out
+
+    def _widen_own(self, own: np.ndarray, out: np.ndarray) -> None:
+        _reduce.from_half(own, out, codec=self._half)
+
+
+def _piece(buf: Optional[np.ndarray], cuts: Optional[List[Tuple[int, int]]], c: int) -> list:
+    if buf is None or cuts is None:
+        return []
+    s, e = cuts[c]
+    return [buf[s:e]] if e > s else []

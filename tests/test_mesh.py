@@ -425,3 +425,119 @@ def test_a_stranger_on_a_mesh_port_is_dropped_and_the_mesh_still_forms():
             m.close()
         for chan in strangers:
             chan.close()
+
+
+# ---- the elements in ranges ----
+
+def test_range_bounds_cover_a_slice_in_order():
+    assert meshmod.range_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert meshmod.range_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
+    assert meshmod.range_bounds(0, 3) == [(0, 0)] * 3
+    assert meshmod.range_count(0) == 1
+    assert meshmod.range_count(meshmod.RANGE_BYTES) == 1
+    assert meshmod.range_count(meshmod.RANGE_BYTES + 1) == 2
+
+
+@pytest.fixture
+def tiny_ranges(monkeypatch):
+    """Ranges of 3 float32 (or 6 16-bit) elements, so every slice below is
+    cut in many ranges, some uneven and some empty."""
+    monkeypatch.setattr(meshmod, "RANGE_BYTES", 12)
+
+
+def helper_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ddpwire-mesh")]
+
+
+@pytest.mark.parametrize("n,count", [(2, 1), (2, 13), (3, 7), (3, 31), (4, 5), (5, 1),
+                                     (7, 23), (8, 64)])
+def test_split_ranges_give_the_reference_bits(tiny_ranges, n, count):
+    grads = gradients(n, count, seed=100 + n + count)
+    s = Session(n, flat_steps(grads, 2))
+    try:
+        for step in range(2):
+            s.coord.allreduce(step)
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    want = reduce.mean(grads)
+    for i in range(n):
+        assert np.array_equal(bits(s.results[i][0]), bits(want))
+    assert not helper_threads()  # closing each worker's mesh stopped its helper
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+@pytest.mark.parametrize("n,count", [(2, 1), (3, 17), (4, 3), (6, 101)])
+def test_split_ranges_give_the_16_bit_bits(tiny_ranges, codec, n, count):
+    grads = gradients(n, count, seed=200 + n + count)
+    s = Session(n, flat_steps(grads, 2), coordinator=dict(compression=codec))
+    try:
+        for step in range(2):
+            s.coord.allreduce(step)
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    want = numpy_half_mean(grads, codec)
+    for i in range(n):
+        assert np.array_equal(bits(s.results[i][0]), bits(want))
+
+
+@pytest.mark.parametrize("codec", [None, "bf16"])
+@pytest.mark.parametrize("bad", [
+    # (worker, index): worker 2 early and worker 1 late in worker 1's slice
+    [(2, 40), (1, 75)],
+    # worker 1 early, worker 2 late: still worker 1
+    [(2, 75), (1, 40)],
+    # one worker twice, in two ranges: its lowest index
+    [(1, 76), (1, 41), (2, 40)],
+])
+def test_the_first_non_finite_element_is_found_across_ranges(tiny_ranges, codec, bad):
+    count = 120  # worker 1 owns [40, 80): 14 ranges of 3 elements at most
+    grads = gradients(3, count, seed=7)
+    for w, i in bad:
+        grads[w][i] = np.inf if i % 2 else np.nan
+    sentinel = np.float32(-7.0)
+
+    def body(w):
+        out = np.full(count, sentinel, dtype=np.float32)
+        try:
+            w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
+        finally:
+            assert (out == sentinel).all()
+        return None
+
+    s = Session(3, body, coordinator=dict(compression=codec) if codec else None)
+    try:
+        with pytest.raises(NonFiniteGradient) as info:
+            s.coord.allreduce(0)
+    finally:
+        s.join()
+    worker, index = min(bad)
+    assert (info.value.worker_id, info.value.index) == (worker, index)
+    assert np.isnan(info.value.value) if index % 2 == 0 else info.value.value == np.inf
+    for exc in s.errors.values():
+        assert isinstance(exc, NonFiniteGradient) and (exc.worker_id, exc.index) == (worker, index)
+
+
+def test_a_lost_worker_is_named_with_split_ranges_and_no_helper_is_left(tiny_ranges):
+    grads = gradients(3, 3_000, seed=12)
+    steps_done = threading.Barrier(3)
+
+    def body(w):
+        w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+        steps_done.wait(TIMEOUT)
+        if w.worker_id == 2:
+            return "left"
+        w.allreduce(1, grads[w.worker_id], 1.0, 1, 1)
+
+    s = Session(3, body, timeout=5.0)
+    try:
+        s.coord.allreduce(0)
+        with pytest.raises(WorkerLost) as info:
+            s.coord.allreduce(1)
+    finally:
+        s.join()
+    assert info.value.worker_id == 2
+    assert sorted(s.errors) == [0, 1]
+    assert any(isinstance(e, WorkerLost) and e.worker_id == 2 for e in s.errors.values())
+    assert not helper_threads()
