@@ -611,8 +611,8 @@ class CollectiveClient:
         if isinstance(head, CollectiveError):
             return head
         with self._lock:
-            head = self._pending[0] if self._pending else None
-            into = head[4] if head is not None and not isinstance(head, _Local) else None
+            first = self._pending[0] if self._pending else None
+            into = first[4] if first is not None and not isinstance(first, _Local) else None
         if into is None or into.nbytes != head.bulk_len:
             into = np.empty(head.bulk_len, dtype=np.uint8)
         if head.bulk_len:

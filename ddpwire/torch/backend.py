@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import threading
 import weakref
 from datetime import timedelta
@@ -36,7 +37,7 @@ PIECE_BYTES = 8 << 20
 #: smallest float32 SUM/AVG allreduce that goes through shared memory when
 #: the group has it (DDP's buckets); smaller ones, and everything else, go
 #: through the service
-SHM_MIN_BYTES = 64 << 10
+SHM_MIN_BYTES = int(os.environ.get("DDPWIRE_SHM_MIN_BYTES") or 64 << 10)
 
 _DTYPES = {
     torch.float32: DType.FLOAT32,
