@@ -97,6 +97,7 @@ class Segment:
         size = _core.shm_size(world, region)
         if size == 0:
             raise ValueError(f"no segment for {world} ranks of {region} bytes")
+        sweep_stale()
         # the creator's pid in the name tells a stale segment (creator gone) from a live one
         name = f"/ddpw-{os.getpid():x}-{secrets.token_hex(4)}"
         fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -191,6 +192,36 @@ def _failure(status: int, rank: int, seq: int, timeout: float) -> CollectiveAbor
     else:
         detail = f"the group was called off: rank {rank} is gone"
     return CollectiveAborted(detail, rank=rank, seq=seq)
+
+
+def sweep_stale(directory: str = "/dev/shm") -> int:
+    """Unlink the segments whose creator is gone (its pid is in the name).
+
+    The name is unlinked once every rank has answered; a creator killed in
+    the moment before that leaves it behind, and the next group on this
+    host removes it here. Returns how many it removed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for entry in names:
+        parts = entry.split("-")
+        if len(parts) != 3 or parts[0] != "ddpw":
+            continue
+        try:
+            pid = int(parts[1], 16)
+            os.kill(pid, 0)
+            continue  # alive, or not ours to judge (EPERM)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        _unlink("/" + entry)
+        removed += 1
+    return removed
 
 
 def _unlink(name: str) -> None:

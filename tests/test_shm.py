@@ -118,6 +118,26 @@ def test_attach_refuses_another_nonce():
         shm.Segment.attach(seg.name, 2, 1, REGION, NONCE)
 
 
+def test_a_segment_whose_creator_is_gone_is_swept():
+    proc = subprocess.run([sys.executable, "-c", (
+        "import os; from ddpwire import shm\n"
+        "seg = shm.Segment.create(2, 4096)\n"
+        "print(seg.name, flush=True)\n"
+        "os._exit(0)  # never unlinked, as if killed before the ranks answered\n")],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=LIMIT)
+    name = proc.stdout.strip()
+    assert proc.returncode == 0 and name.startswith("/ddpw-"), proc.stderr
+    assert os.path.exists("/dev/shm" + name)
+    live = shm.Segment.create(2, 4096)  # creating one sweeps
+    try:
+        assert not os.path.exists("/dev/shm" + name)
+        shm.sweep_stale()
+        assert os.path.exists("/dev/shm" + live.name)  # its creator (this process) lives
+    finally:
+        live.close()
+
+
 def waiting_rank(name, world, rank, timeout, results, ready=None):
     seg = shm.Segment.attach(name, world, rank, REGION, NONCE)
     if ready is not None:
