@@ -310,7 +310,9 @@ def test_backend_allreduces_in_shared_memory_in_issue_order(tmp_path):
     want = expected(world, 3, [70000, 5, 300001])
     for r in range(world):
         rec = load(out, r)
-        assert rec["shared_memory"] and rec["linked_after_init"] is False
+        assert rec["shared_memory"]
+        if r == 0:  # rank 0 unlinks the name before its init returns
+            assert rec["linked_after_init"] is False
         assert rec["order"] == list(range(len(want)))
         for k, (got, w) in enumerate(zip(rec["results"], want)):
             assert got.numpy().tobytes() == w.tobytes(), (r, k)
