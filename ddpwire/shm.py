@@ -168,7 +168,8 @@ class Segment:
             for a in range(0, max(raw.nbytes, 1), step):
                 status, rank = self._arena.allreduce(raw[a:a + step], int(op),
                                                      self._generation + 1, timeout)
-                self._generation += 2
+                # generations are 32-bit in the segment, compared wrap-safely
+                self._generation = (self._generation + 2) & 0xFFFFFFFF
                 if status != _core.SHM_OK:
                     self.failure = _failure(status, rank, seq, timeout)
                     self.abort(rank)
