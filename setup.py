@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 
 # every C unit, linked once into ddpwire._core
 C_SOURCES = ["csrc/wire.c", "csrc/reduce.c", "csrc/net.c", "csrc/threaded.c", "csrc/sender.c",
-             "csrc/wake.c"]
+             "csrc/wake.c", "csrc/shm.c"]
 
 extra_compile_args = []
 extra_link_args = []

@@ -195,3 +195,32 @@ def exchange_frame_head(exchange: "Exchange", max_frame: int, *,
 def decode_tail(tag: int, tail: bytes) -> Tuple[float, int, int, float]: ...
 def read_tail(conn: Connection, head: FrameHead, timeout: float, *,
               step: Optional[int] = ...) -> Tuple[float, int, int, float]: ...
+
+# ---- the shared-memory allreduce (csrc/shm.h; public face ddpwire.shm) ----
+
+SHM_OK: int
+SHM_TIMEOUT: int
+SHM_ABORTED: int
+SHM_DISAGREE: int
+
+def shm_size(world: int, region_bytes: int) -> int:
+    """Bytes of a mapping for ``world`` ranks and regions of ``region_bytes`` (0 when impossible)."""
+
+class ShmArena:
+    """Rank ``rank`` of ``world`` on a shared mapping of ``shm_size(world, region_bytes)`` bytes."""
+    rank: int
+    world: int
+    region_bytes: int
+    def __init__(self, mapping: Any, world: int, rank: int, region_bytes: int) -> None: ...
+    def close(self) -> bool:
+        """Let go of the mapping (when the running allreduce returns, if one runs); True when now."""
+    def init(self, nonce: bytes) -> None: ...
+    def check(self, nonce: bytes) -> bool: ...
+    def barrier(self, generation: int, timeout: float) -> Tuple[int, int]:
+        """(SHM_OK, -1), (SHM_TIMEOUT, first missing rank) or (SHM_ABORTED, rank blamed)."""
+    def abort(self, rank: int) -> None: ...
+    def aborted(self) -> int: ...
+    def slice(self, n: int, rank: int) -> Tuple[int, int]: ...
+    def allreduce(self, buf: _Buffer, op: int, generation: int, timeout: float) -> Tuple[int, int]:
+        """In place over every rank, barriers ``generation`` and ``generation + 1``:
+        (SHM_OK, -1) or (status, rank at fault)."""

@@ -251,6 +251,9 @@ class CollectiveService:
         self.answered = 0
         self._threads: List[threading.Thread] = []
         self._done = threading.Event()
+        #: called with (rank, error) from the reading thread when a rank's
+        #: connection ends (the shared-memory path's waits watch no socket)
+        self.on_lost: Optional[Callable[[int, BaseException], None]] = None
 
     @property
     def world(self) -> int:
@@ -276,6 +279,12 @@ class CollectiveService:
                 with self._cond:
                     self._lost[rank] = exc
                     self._cond.notify_all()
+                hook = self.on_lost
+                if hook is not None:
+                    try:
+                        hook(rank, exc)
+                    except Exception:  # noqa: BLE001 - the service goes on whatever the hook does
+                        log.exception("rank %d lost: the hook failed", rank)
                 return
             with self._cond:
                 self._inbox[rank].append((time.monotonic(), msg))
@@ -394,6 +403,21 @@ class CollectiveService:
 Done = Callable[[Optional[np.ndarray], Optional[BaseException]], None]
 
 
+class _Local:
+    """A collective this rank computes itself (the shared-memory path),
+    queued between the service's in issue order."""
+
+    __slots__ = ("run", "done", "finished", "running")
+
+    def __init__(self, run: Callable[[], None], done: Done) -> None:
+        self.run = run
+        self.done = done
+        self.finished = False
+        # while it runs, a failure of the group leaves completing it to the
+        # sending thread: its buffers are in use until run returns
+        self.running = False
+
+
 class CollectiveClient:
     """Issues collectives in order over one connection and completes each
     from a receiving thread.
@@ -403,6 +427,11 @@ class CollectiveClient:
     receiving thread calls each ``done`` with the result data, or with the
     error that ended the group. After an error every later ``submit`` fails
     at once with the same error.
+
+    ``submit_local`` queues a collective computed outside the service (the
+    shared-memory allreduce): the sending thread runs it when every earlier
+    request is sent, and it completes after every earlier collective, so
+    completions keep the issue order whichever path each took.
     """
 
     def __init__(self, channel: Any, rank: int, world: int) -> None:
@@ -411,10 +440,15 @@ class CollectiveClient:
         self.world = world
         self._seq = 0
         self._lock = threading.Lock()
-        self._pending: Deque[Tuple[int, int, int, Done, Optional[np.ndarray]]] = collections.deque()
+        self._pending: Deque[Any] = collections.deque()
         self._outbox: Deque[Any] = collections.deque()
         self._wake = threading.Condition(self._lock)
+        # held while completing: the receiving and the sending thread both
+        # complete collectives, one after the other, in issue order
+        self._completing = threading.RLock()
         self.failure: Optional[BaseException] = None
+        #: called once with the error that ends the group (not on close)
+        self.on_failure: Optional[Callable[[BaseException], None]] = None
         self._closing = False
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"ddpwire-collectives-send-{rank}")
@@ -451,6 +485,21 @@ class CollectiveClient:
             self._wake.notify_all()
         return seq
 
+    def submit_local(self, run: Callable[[], None], done: Done) -> None:
+        """Queue a collective this rank computes itself: ``run`` on the
+        sending thread once every earlier request is sent (an exception
+        from it ends the group), then ``done(None, None)`` once every
+        earlier collective has completed."""
+        with self._lock:
+            if self.failure is not None:
+                raise self.failure
+            if self._closing:
+                raise DdpwireError("the collective client is closed", worker_id=self.rank)
+            entry = _Local(run, done)
+            self._pending.append(entry)
+            self._outbox.append((entry, None))
+            self._wake.notify_all()
+
     def _send_loop(self) -> None:
         while True:
             with self._lock:
@@ -460,12 +509,59 @@ class CollectiveClient:
                     return
                 req, before_send = self._outbox.popleft()
             try:
+                if isinstance(req, _Local):
+                    if self._run_local(req):
+                        continue
+                    return
                 if before_send is not None:
                     before_send()
                 self._chan.send(req, step=req.seq)
             except BaseException as exc:  # noqa: BLE001 - ends the group, reported to every caller
                 self._end(exc)
                 return
+
+    def _run_local(self, entry: _Local) -> bool:
+        """Run a local collective on the sending thread; False when the group has ended."""
+        with self._lock:
+            if self.failure is not None:
+                return False
+            entry.running = True
+        error: Optional[BaseException] = None
+        try:
+            entry.run()
+        except BaseException as exc:  # noqa: BLE001 - ends the group, reported to every caller
+            error = exc
+        with self._lock:
+            entry.running = False
+            # _end ran meanwhile and left this one to us
+            orphaned = self.failure is not None and entry not in self._pending
+            if error is None and not orphaned:
+                entry.finished = True
+        if error is not None:
+            self._end(error)
+        if orphaned:
+            try:
+                entry.done(None, self.failure)
+            except BaseException:  # noqa: BLE001
+                log.exception("local collective: failing it raised")
+        if error is not None or orphaned:
+            return False
+        self._complete_locals()
+        return True
+
+    def _complete_locals(self) -> None:
+        """Complete the finished local collectives at the head of the queue."""
+        with self._completing:
+            while True:
+                with self._lock:
+                    head = self._pending[0] if self._pending else None
+                    if not isinstance(head, _Local) or not head.finished:
+                        return
+                    self._pending.popleft()
+                try:
+                    head.done(None, None)
+                except BaseException:  # noqa: BLE001 - a failing callback must not stop the others
+                    log.exception("local collective: completion failed")
 
     def _receive_loop(self) -> None:
         streaming = hasattr(self._chan, "conn")  # a socket Channel, not the in-process link
@@ -485,17 +581,25 @@ class CollectiveClient:
                 self._end(CollectiveAborted(msg.detail, rank=rank, seq=msg.seq))
                 return
             seq, kind, dtype, data = msg
-            with self._lock:
-                entry = self._pending.popleft() if self._pending else None
-            if entry is None or (entry[0], entry[1], entry[2]) != (seq, kind, dtype):
-                want = "nothing" if entry is None else f"collective {entry[0]}"
-                self._end(ProtocolError(f"result for collective {seq} while {want} was due",
-                                        worker_id=self.rank, step=seq))
-                return
-            try:
-                entry[3](_as_array(data, DType(dtype)), None)
-            except BaseException:  # noqa: BLE001 - a failing callback must not stop the others
-                log.exception("collective %d: completion failed", seq)
+            with self._completing:
+                with self._lock:
+                    # A local collective ahead of this one has finished and
+                    # been completed before this one's request was sent.
+                    entry = self._pending[0] if self._pending else None
+                    if isinstance(entry, _Local):
+                        entry = None
+                    elif entry is not None:
+                        self._pending.popleft()
+                if entry is None or (entry[0], entry[1], entry[2]) != (seq, kind, dtype):
+                    want = "nothing" if entry is None else f"collective {entry[0]}"
+                    self._end(ProtocolError(f"result for collective {seq} while {want} was due",
+                                            worker_id=self.rank, step=seq))
+                    return
+                try:
+                    entry[3](_as_array(data, DType(dtype)), None)
+                except BaseException:  # noqa: BLE001 - a failing callback must not stop the others
+                    log.exception("collective %d: completion failed", seq)
+            self._complete_locals()
 
     def _read_streaming(self) -> Any:
         """The next result as (seq, kind, dtype, data), its data received
@@ -513,7 +617,8 @@ class CollectiveClient:
         if isinstance(head, CollectiveError):
             return head
         with self._lock:
-            into = self._pending[0][4] if self._pending else None
+            first = self._pending[0] if self._pending else None
+            into = first[4] if first is not None and not isinstance(first, _Local) else None
         if into is None or into.nbytes != head.bulk_len:
             into = np.empty(head.bulk_len, dtype=np.uint8)
         if head.bulk_len:
@@ -525,21 +630,30 @@ class CollectiveClient:
         with self._lock:
             if self._closing and self.failure is None and not self._pending:
                 return  # our own close
-            if self.failure is None:
+            first = self.failure is None
+            if first:
                 if isinstance(exc, PeerLost) and not isinstance(exc, CollectiveAborted):
-                    exc = CollectiveAborted(f"the coordinator (rank 0) is gone: {exc}",
-                                            rank=0, seq=self._pending[0][0] if self._pending else None)
+                    head = self._pending[0] if self._pending else None
+                    exc = CollectiveAborted(f"the coordinator (rank 0) is gone: {exc}", rank=0,
+                                            seq=head[0] if isinstance(head, tuple) else None)
                 self.failure = exc
             failure = self.failure
-            pending = list(self._pending)
+            pending = [e for e in self._pending if not (isinstance(e, _Local) and e.running)]
             self._pending.clear()
             self._wake.notify_all()
+        hook = self.on_failure
+        if first and hook is not None:
+            try:
+                hook(failure)
+            except Exception:  # noqa: BLE001 - failing the collectives matters more
+                log.exception("the failure hook failed")
         self._chan.close()
         for entry in pending:
+            done, what = (entry.done, "local") if isinstance(entry, _Local) else (entry[3], entry[0])
             try:
-                entry[3](None, failure)
+                done(None, failure)
             except BaseException:  # noqa: BLE001
-                log.exception("collective %d: failing it raised", entry[0])
+                log.exception("collective %s: failing it raised", what)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then close the connection."""

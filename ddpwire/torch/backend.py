@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import threading
 import weakref
 from datetime import timedelta
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import shm as _shm
 from ..collectives import CollectiveAborted, DType, Kind, Op, check_op
 from .rendezvous import Rendezvous, join_group, timings
 from .staging import Staging
@@ -31,6 +33,11 @@ BACKEND = "ddpwire"
 
 #: largest piece of an allreduce or broadcast in one CollectiveRequest
 PIECE_BYTES = 8 << 20
+
+#: smallest float32 SUM/AVG allreduce that goes through shared memory when
+#: the group has it (DDP's buckets); smaller ones, and everything else, go
+#: through the service
+SHM_MIN_BYTES = int(os.environ.get("DDPWIRE_SHM_MIN_BYTES") or 64 << 10)
 
 _DTYPES = {
     torch.float32: DType.FLOAT32,
@@ -173,7 +180,41 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         self._reported = False
         self._group: Rendezvous = join_group(store, rank, world_size, timeout)
         self._close_timeout = min(seconds, 10.0)
+        self._seconds = seconds
+        self._shm: Optional[_shm.Segment] = None
+        try:
+            self._shm = _shm.negotiate(self._group.client, rank, world_size, seconds)
+        except BaseException:
+            self._group.close(self._close_timeout)
+            raise
+        if self._shm is not None:
+            self._hook_shm(self._shm)
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _hook_shm(self, seg: "_shm.Segment") -> None:
+        # A barrier in shared memory watches no socket: whatever ends the
+        # group (the service's error, the coordinator gone, on rank 0 a rank's
+        # connection closing) calls the barriers off, naming the rank.
+        seg_ref = weakref.ref(seg)
+
+        def on_failure(error: BaseException) -> None:
+            s = seg_ref()
+            if s is not None:
+                s.abort(getattr(error, "rank", None))
+
+        def on_lost(rank: int, error: BaseException) -> None:
+            s = seg_ref()
+            if s is not None:
+                s.abort(rank)
+
+        self._group.client.on_failure = on_failure
+        if self._group.service is not None:
+            self._group.service.on_lost = on_lost
+
+    @property
+    def shared_memory(self) -> bool:
+        """True when this group's large float32 allreduces go through shared memory."""
+        return self._shm is not None
 
     # ---- identity ----
 
@@ -186,8 +227,13 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     def close(self) -> None:
         """Leave the group (rank 0 first waits for the others to leave)."""
         group, self._group = self._group, None
-        if group is not None:
-            group.close(self._close_timeout)
+        seg, self._shm = self._shm, None
+        try:
+            if group is not None:
+                group.close(self._close_timeout)
+        finally:
+            if seg is not None:
+                seg.close()
 
     def shutdown(self) -> None:
         self.close()
@@ -211,6 +257,9 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             np.empty(0, dtype=np.uint8), None, _nothing)
         work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
                            self._report)
+        if (self._shm is not None and kind is Kind.ALLREDUCE and dtype is DType.FLOAT32
+                and op in (Op.SUM, Op.AVG) and data.nbytes >= SHM_MIN_BYTES):
+            return self._issue_shm(work, op, data, ready, release, inputs, outputs, value)
         # element-wise collectives travel in pieces: the service reduces one
         # while the next arrives, and no frame nears the size limit
         pieces = [(0, data.nbytes)]
@@ -262,6 +311,37 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                 piece_done(a, None, exc)
         # ``inputs`` must outlive the send: the pieces hold views of the host
         # bytes, and this holds the tensors themselves.
+        work._keep = (inputs, outputs)
+        return work
+
+    def _issue_shm(self, work: DdpwireWork, op: Op, data: np.ndarray, ready: Optional[Callable[[], None]],
+                   release: Callable[[], None], inputs: Sequence[torch.Tensor],
+                   outputs: Sequence[torch.Tensor], value: Any) -> DdpwireWork:
+        """The allreduce through shared memory: queued in issue order with
+        the service's collectives, run (GIL-free) on the sending thread."""
+        seg, staging, timeout = self._shm, self._staging, self._seconds
+        if not data.flags.writeable:
+            data = data.copy()  # the result lands in the host bytes, then in the outputs
+
+        def run() -> None:
+            if ready is not None:
+                ready()
+            seg.allreduce(data, op, timeout)
+
+        def done(_: Optional[np.ndarray], error: Optional[BaseException]) -> None:
+            try:
+                if error is None:
+                    staging.incoming(outputs, data)
+            except BaseException as exc:  # noqa: BLE001 - the caller sees it from wait()
+                error = exc
+            release()
+            work._finish(value, error)
+
+        try:
+            self._group.client.submit_local(run, done)
+        except BaseException:
+            release()
+            raise
         work._keep = (inputs, outputs)
         return work
 

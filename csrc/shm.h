@@ -1,0 +1,107 @@
+/* shm.h: the allreduce of ranks that share one host, through one shared
+ * mapping instead of loopback TCP. Callable without the GIL.
+ *
+ * Layout of the mapping (every offset a multiple of 4096):
+ *
+ *   control block   magic, sizes, nonce, abort word, wake word, then one
+ *                   128-byte line per rank (its barrier generation and the
+ *                   collective it is in), so no two ranks write one line
+ *   input region r  (world of them) rank r's bucket, region_bytes each
+ *   output region   the result, region_bytes
+ *
+ * One allreduce of n float32 elements (n * 4 <= region_bytes):
+ *
+ *   1. rank r copies its elements into input region r and posts (n, op);
+ *   2. barrier g: every input is in place;
+ *   3. rank r reduces element slice r (ddpw_shm_slice) across the inputs,
+ *      in rank order, into the output region;
+ *   4. barrier g + 1: the output is complete;
+ *   5. every rank copies the whole output region out.
+ *
+ * Why the regions can be reused by the next allreduce without a third
+ * barrier: a rank writes its input region again (step 1 of the next one)
+ * only after passing barrier g + 1, which no rank reaches before finishing
+ * its step 3, the only reads of the inputs. A rank writes the output region
+ * again (step 3 of the next one) only after passing the next barrier g + 2,
+ * which every rank reaches only after its step 5, the only reads of the
+ * output. The posted (n, op) line follows the input rule.
+ *
+ * The arithmetic is reduce.h's: AVG is ddpw_mean (float32 sum in rank
+ * order, then a true division by (float)world), SUM is the same sum without
+ * the division, so each slice holds exactly the reference coordinator's bits.
+ */
+#ifndef DDPW_SHM_H
+#define DDPW_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define DDPW_SHM_MAGIC 0x6d6873777064646eULL /* "nddpwshm" little-endian */
+#define DDPW_SHM_VERSION 1u
+#define DDPW_SHM_NONCE 16
+#define DDPW_SHM_MAX_WORLD 1024
+
+/* ddpw_shm_barrier results */
+enum {
+    DDPW_SHM_OK = 0,
+    DDPW_SHM_TIMEOUT = 1, /* the deadline passed; *missing did not arrive */
+    DDPW_SHM_ABORTED = 2  /* another rank called the group off; *missing is the rank it blamed */
+};
+
+/* ddpw_shm_reduce ops (the collectives extension's codes) */
+enum { DDPW_SHM_SUM = 0, DDPW_SHM_AVG = 1 };
+
+/* Bytes of the whole mapping for world ranks and regions of region_bytes
+ * (rounded up to 4096); 0 when world is 0 or over DDPW_SHM_MAX_WORLD or the
+ * size overflows. */
+size_t ddpw_shm_size(uint32_t world, uint64_t region_bytes);
+
+/* The creator fills the control block of a zeroed mapping of len bytes:
+ * 0, or -1 when len is not ddpw_shm_size(world, region_bytes). */
+int ddpw_shm_init(void *base, size_t len, uint32_t world, uint64_t region_bytes,
+                  const uint8_t nonce[DDPW_SHM_NONCE]);
+
+/* An attaching rank checks that the mapping is the one announced: 0, or -1
+ * when the magic, version, sizes or nonce differ. */
+int ddpw_shm_check(const void *base, size_t len, uint32_t world, uint64_t region_bytes,
+                   const uint8_t nonce[DDPW_SHM_NONCE]);
+
+float *ddpw_shm_input(void *base, uint32_t rank);
+float *ddpw_shm_output(void *base);
+
+/* Milliseconds on the clock the barrier's deadlines use (monotonic). */
+int64_t ddpw_shm_now_ms(void);
+
+/* Arrive at generation (generations only grow, by one per barrier; they
+ * may wrap) and wait until every rank of world has. Spins briefly, then
+ * sleeps (a shared futex on Linux, a short nanosleep backoff elsewhere) and
+ * returns DDPW_SHM_TIMEOUT once ddpw_shm_now_ms() passes deadline_ms. A
+ * rank that has arrived wins over an abort, so a group ending normally
+ * never reports one. Calling it again with the same generation after a
+ * timeout waits again (arriving twice is harmless). */
+int ddpw_shm_barrier(void *base, uint32_t rank, uint32_t world, uint32_t generation,
+                     int64_t deadline_ms, uint32_t *missing);
+
+/* Call the group off, blaming rank: every barrier waiting now or later on
+ * a missing rank returns DDPW_SHM_ABORTED. The first blame stays. */
+void ddpw_shm_abort(void *base, uint32_t world, uint32_t rank);
+
+/* The rank a barrier would blame after an abort, or -1 when none. */
+int64_t ddpw_shm_aborted(const void *base);
+
+/* Post this rank's collective (element count and op) before step 2; after
+ * barrier g, ddpw_shm_agree returns -1 when every rank posted the same, or
+ * the first rank that differs from rank 0. */
+void ddpw_shm_post(void *base, uint32_t rank, uint64_t count, uint32_t op);
+int64_t ddpw_shm_agree(const void *base, uint32_t world);
+
+/* Element slice [*start, *start + *count) of n that rank reduces: world
+ * contiguous near-equal slices, boundaries on 16 elements (64 bytes, one
+ * cache line) so no two ranks write one line of the output. */
+void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size_t *count);
+
+/* Reduce elements [start, start + count) of every input region into the
+ * output region: op DDPW_SHM_AVG or DDPW_SHM_SUM. 0, or -1 for another op. */
+int ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op);
+
+#endif

@@ -1,0 +1,173 @@
+"""Compiled glue for csrc/shm.c: one rank's view of a shared mapping (its
+buffer held for the view's life, so the mapping cannot be closed under a
+running collective). The public face is ddpwire.shm."""
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.string cimport memcpy
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+
+#: ShmArena.allreduce / barrier results
+SHM_OK = DDPW_SHM_OK
+SHM_TIMEOUT = DDPW_SHM_TIMEOUT
+SHM_ABORTED = DDPW_SHM_ABORTED
+SHM_DISAGREE = 3
+
+# How long one GIL-free wait lasts before the thread looks for a signal:
+# short enough that Ctrl-C in a barrier is prompt.
+DEF _SHM_SLICE_MS = 100
+
+
+def shm_size(world, region_bytes):
+    """Bytes of a mapping for ``world`` ranks and regions of ``region_bytes``
+    (0 when impossible)."""
+    return ddpw_shm_size(<uint32_t>world, <uint64_t>region_bytes)
+
+
+cdef class ShmArena:
+    """Rank ``rank`` of ``world`` on a mapping (any writable buffer of
+    ``shm_size(world, region_bytes)`` bytes)."""
+
+    cdef Py_buffer _view
+    cdef bint _held
+    # a close() while an allreduce runs without the GIL waits for its end:
+    # the mapping must outlive every C call on it
+    cdef int _busy
+    cdef bint _close_pending
+    cdef readonly uint32_t rank
+    cdef readonly uint32_t world
+    cdef readonly uint64_t region_bytes
+
+    def __cinit__(self):
+        self._held = False
+        self._busy = 0
+        self._close_pending = False
+
+    def __init__(self, mapping, world, rank, region_bytes):
+        if not 0 < world <= DDPW_SHM_MAX_WORLD or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of {world} is not a shared-memory rank")
+        PyObject_GetBuffer(mapping, &self._view, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        self._held = True
+        self.world, self.rank, self.region_bytes = world, rank, region_bytes
+        if <size_t>self._view.len != ddpw_shm_size(self.world, self.region_bytes):
+            self.close()
+            raise ValueError(f"a mapping of {world} regions of {region_bytes} bytes needs "
+                             f"{shm_size(world, region_bytes)} bytes")
+
+    def __dealloc__(self):
+        if self._held:
+            PyBuffer_Release(&self._view)
+
+    def close(self):
+        """Let go of the mapping's buffer, at once or, while an allreduce
+        runs, when it returns. True when let go now."""
+        if self._busy:
+            self._close_pending = True
+            return False
+        if self._held:
+            self._held = False
+            PyBuffer_Release(&self._view)
+        return True
+
+    cdef void *_base(self) except NULL:
+        if not self._held:
+            raise ValueError("the shared-memory arena is closed")
+        return self._view.buf
+
+    def init(self, bytes nonce):
+        """Fill the control block (the creator, on a zeroed mapping)."""
+        if len(nonce) != DDPW_SHM_NONCE:
+            raise ValueError(f"the nonce is {DDPW_SHM_NONCE} bytes")
+        if ddpw_shm_init(self._base(), self._view.len, self.world, self.region_bytes,
+                         <const uint8_t *><char *>nonce) != 0:
+            raise ValueError("the mapping does not fit the layout")
+
+    def check(self, bytes nonce):
+        """True when the mapping is the one announced with ``nonce``."""
+        if len(nonce) != DDPW_SHM_NONCE:
+            return False
+        return ddpw_shm_check(self._base(), self._view.len, self.world, self.region_bytes,
+                              <const uint8_t *><char *>nonce) == 0
+
+    cdef int _wait(self, uint32_t generation, double timeout, uint32_t *missing) except -1:
+        cdef void *base = self._base()
+        cdef int64_t deadline = ddpw_shm_now_ms() + <int64_t>(timeout * 1000.0)
+        cdef int64_t until
+        cdef int status
+        while True:
+            with nogil:
+                until = ddpw_shm_now_ms() + _SHM_SLICE_MS
+                if until > deadline:
+                    until = deadline
+                status = ddpw_shm_barrier(base, self.rank, self.world, generation, until, missing)
+            if status != DDPW_SHM_TIMEOUT or ddpw_shm_now_ms() >= deadline:
+                return status
+            PyErr_CheckSignals()
+
+    def barrier(self, generation, timeout):
+        """Arrive at ``generation`` and wait for every rank, at most
+        ``timeout`` seconds: (SHM_OK, -1), (SHM_TIMEOUT, first missing rank)
+        or (SHM_ABORTED, the rank blamed)."""
+        cdef uint32_t missing = 0
+        cdef int status = self._wait(<uint32_t>generation, timeout, &missing)
+        return status, (-1 if status == DDPW_SHM_OK else <int>missing)
+
+    def abort(self, rank):
+        """Call the group off, blaming ``rank`` (the first blame stays)."""
+        ddpw_shm_abort(self._base(), self.world, <uint32_t>rank)
+
+    def aborted(self):
+        """The rank blamed by an abort, or -1."""
+        return ddpw_shm_aborted(self._base())
+
+    def slice(self, n, rank):
+        """(start, count) of the elements ``rank`` reduces out of ``n``."""
+        cdef size_t start = 0, count = 0
+        ddpw_shm_slice(n, self.world, rank, &start, &count)
+        return start, count
+
+    def allreduce(self, buf, op, generation, timeout):
+        """Average (op 1) or sum (op 0) ``buf`` (a writable contiguous buffer
+        of float32 bytes, at most region_bytes) with every rank's, in place,
+        using barriers ``generation`` and ``generation + 1``, each waited for
+        at most ``timeout`` seconds. (SHM_OK, -1), or (status, rank at fault)
+        with SHM_TIMEOUT, SHM_ABORTED or SHM_DISAGREE (a rank posted another
+        count or op than rank 0); after a failure the arena is unusable."""
+        cdef Py_buffer view
+        cdef void *base = self._base()
+        cdef uint32_t missing = 0
+        cdef uint32_t gen = <uint32_t>generation
+        cdef uint32_t cop = op
+        cdef size_t n, start = 0, count = 0
+        cdef int status
+        cdef int64_t bad
+        if cop != DDPW_SHM_SUM and cop != DDPW_SHM_AVG:
+            raise ValueError(f"op {op} is neither SUM (0) nor AVG (1)")
+        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        self._busy += 1
+        try:
+            if view.len % 4 or <uint64_t>view.len > self.region_bytes:
+                raise ValueError(f"{view.len} bytes are not float32 elements within "
+                                 f"the {self.region_bytes}-byte region")
+            n = <size_t>view.len // 4
+            with nogil:
+                memcpy(ddpw_shm_input(base, self.rank), view.buf, n * 4)
+                ddpw_shm_post(base, self.rank, n, cop)
+            status = self._wait(gen, timeout, &missing)
+            if status != DDPW_SHM_OK:
+                return status, <int>missing
+            bad = ddpw_shm_agree(base, self.world)
+            if bad >= 0:
+                return SHM_DISAGREE, <int>bad
+            with nogil:
+                ddpw_shm_slice(n, self.world, self.rank, &start, &count)
+                ddpw_shm_reduce(base, self.world, start, count, cop)
+            status = self._wait(gen + 1, timeout, &missing)
+            if status != DDPW_SHM_OK:
+                return status, <int>missing
+            with nogil:
+                memcpy(view.buf, ddpw_shm_output(base), n * 4)
+            return SHM_OK, -1
+        finally:
+            PyBuffer_Release(&view)
+            self._busy -= 1
+            if self._busy == 0 and self._close_pending:
+                self.close()

@@ -1,0 +1,389 @@
+"""The shared-memory allreduce of ranks on one host (csrc/shm.c, ddpwire.shm,
+and its use by the "ddpwire" torch backend), in real processes.
+
+The segment tests drive ddpwire.shm.Segment from processes started with
+'spawn' (ranks of their own, no service): bits against ddpwire.reduce, a
+killed or absent rank named, an abort, Ctrl-C in a barrier. The backend
+tests run tests/shm_script.py and tests/ddp_script.py ranks.
+"""
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddpwire import _core, shm
+from ddpwire import reduce as dreduce
+from ddpwire.collectives import CollectiveAborted, DType, Op, combine
+
+pytestmark = pytest.mark.skipif(shm._posixshmem is None or not os.path.isdir("/dev/shm"),
+                                reason="needs POSIX shared memory under /dev/shm")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "shm_script.py"
+LIMIT = 120  # seconds any group of processes may take before the test fails (never a hang)
+REGION = 64 << 10  # small: the larger sizes below go in several pieces
+SIZES = [1, 5, 17, 16 * 4 + 3, 40000, 100003]  # elements; 100003 > 6 pieces of REGION
+NONCE = b"0123456789abcdef"
+
+
+def inputs_of(rank, i, n):
+    rng = np.random.default_rng(100 * i + rank)
+    x = (rng.standard_normal(n) * (rank + 1)).astype(np.float32)
+    if i == 3 and rank == 1:
+        x[n // 2] = np.inf  # non-finite values propagate as the reference's do
+    if i == 4 and rank == 0:
+        x[7] = np.nan
+    return x
+
+
+def op_of(i):
+    return Op.AVG if i % 2 else Op.SUM
+
+
+def segment_rank(name, world, rank, results, hold=None):
+    seg = shm.Segment.attach(name, world, rank, REGION, NONCE)
+    try:
+        out = []
+        for i, n in enumerate(SIZES):
+            x = inputs_of(rank, i, n)
+            seg.allreduce(x, op_of(i), timeout=LIMIT)
+            out.append(x)
+        results.put((rank, out))
+    finally:
+        seg.close()
+
+
+def test_segment_allreduce_is_bit_exact_in_rank_order():
+    for world in (2, 3, 4):
+        seg = shm.Segment.create(world, REGION)
+        seg.init(NONCE)
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=segment_rank, args=(seg.name, world, r, results)) for r in range(world)]
+        try:
+            for p in procs:
+                p.start()
+            got = dict(results.get(timeout=LIMIT) for _ in range(world))
+            for p in procs:
+                p.join(LIMIT)
+                assert p.exitcode == 0
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            seg.close()
+        assert not os.path.exists("/dev/shm" + seg.name)
+        for i, n in enumerate(SIZES):
+            ins = [inputs_of(r, i, n) for r in range(world)]
+            if op_of(i) is Op.AVG:
+                want = np.empty(n, dtype=np.float32)
+                try:
+                    dreduce.mean(ins, want)
+                except Exception:  # noqa: BLE001 - NonFiniteGradient: want is complete
+                    pass
+            else:
+                want = combine(Op.SUM, DType.FLOAT32, ins)
+            for r in range(world):
+                assert got[r][i].tobytes() == want.tobytes(), (world, i, r)
+
+
+def test_slices_cover_the_buffer_in_whole_lines():
+    arena = _core.ShmArena(bytearray(_core.shm_size(3, 4096)), 3, 0, 4096)
+    for n in (0, 1, 15, 16, 47, 48, 1000, 1001):
+        slices = [arena.slice(n, r) for r in range(3)]
+        assert slices[0][0] == 0 and sum(c for _, c in slices) == n
+        for (a, c), (b, _) in zip(slices, slices[1:]):
+            assert a + c == b and b % 16 == 0
+
+
+def test_attach_refuses_another_nonce():
+    seg = shm.Segment.create(2, REGION)
+    try:
+        seg.init(NONCE)
+        with pytest.raises(ValueError, match="nonce"):
+            shm.Segment.attach(seg.name, 2, 1, REGION, b"x" * 16)
+        with pytest.raises(ValueError):
+            shm.Segment.attach(seg.name, 3, 1, REGION, NONCE)  # another layout
+        assert os.stat("/dev/shm" + seg.name).st_mode & 0o777 == 0o600
+    finally:
+        seg.close()
+    assert not os.path.exists("/dev/shm" + seg.name)
+    with pytest.raises(FileNotFoundError):
+        shm.Segment.attach(seg.name, 2, 1, REGION, NONCE)
+
+
+def test_a_segment_whose_creator_is_gone_is_swept():
+    proc = subprocess.run([sys.executable, "-c", (
+        "import os; from ddpwire import shm\n"
+        "seg = shm.Segment.create(2, 4096)\n"
+        "print(seg.name, flush=True)\n"
+        "os._exit(0)  # never unlinked, as if killed before the ranks answered\n")],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=LIMIT)
+    name = proc.stdout.strip()
+    assert proc.returncode == 0 and name.startswith("/ddpw-"), proc.stderr
+    assert os.path.exists("/dev/shm" + name)
+    live = shm.Segment.create(2, 4096)  # creating one sweeps
+    try:
+        assert not os.path.exists("/dev/shm" + name)
+        shm.sweep_stale()
+        assert os.path.exists("/dev/shm" + live.name)  # its creator (this process) lives
+    finally:
+        live.close()
+
+
+def waiting_rank(name, world, rank, timeout, results, ready=None):
+    seg = shm.Segment.attach(name, world, rank, REGION, NONCE)
+    if ready is not None:
+        ready.put(rank)
+    try:
+        seg.allreduce(np.ones(1000, dtype=np.float32), Op.AVG, timeout=timeout)
+        results.put((rank, None, None, None))
+    except CollectiveAborted as exc:
+        results.put((rank, type(exc).__name__, exc.rank, str(exc)))
+    finally:
+        seg.close()
+
+
+def idle_rank(name, world, rank, attached, release):
+    seg = shm.Segment.attach(name, world, rank, REGION, NONCE)
+    attached.set()
+    release.wait(LIMIT)
+    seg.close()
+
+
+def test_killed_rank_is_named_and_leaves_no_segment():
+    seg = shm.Segment.create(3, REGION)
+    seg.init(NONCE)
+    ctx = multiprocessing.get_context("spawn")
+    results, ready, attached, release = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    victim = ctx.Process(target=idle_rank, args=(seg.name, 3, 2, attached, release))
+    procs = [ctx.Process(target=waiting_rank, args=(seg.name, 3, r, 3.0, results, ready)) for r in (0, 1)]
+    try:
+        victim.start()
+        assert attached.wait(LIMIT)
+        for p in procs:
+            p.start()
+        assert sorted(ready.get(timeout=LIMIT) for _ in procs) == [0, 1]
+        seg.unlink()  # as the backend does once every rank has attached
+        os.kill(victim.pid, signal.SIGKILL)
+        got = sorted(results.get(timeout=LIMIT) for _ in procs)
+    finally:
+        for p in procs + [victim]:
+            p.join(LIMIT)
+            if p.is_alive():
+                p.kill()
+        seg.close()
+    assert victim.exitcode == -signal.SIGKILL
+    for rank, (r, kind, blamed, text) in zip((0, 1), got):
+        assert (r, kind, blamed) == (rank, "CollectiveAborted", 2), text
+        # the first to time out calls the group off, blaming the same rank
+        assert "rank 2 did not reach" in text or "rank 2 is gone" in text, text
+    assert any("rank 2 did not reach" in text for *_, text in got)
+    assert not os.path.exists("/dev/shm" + seg.name)
+
+
+def test_abort_calls_the_waits_off_naming_the_rank():
+    seg = shm.Segment.create(3, REGION)
+    seg.init(NONCE)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=waiting_rank, args=(seg.name, 3, r, float(LIMIT), results)) for r in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        seg.abort(2)  # what a lost connection does; before or during their wait alike
+        got = sorted(results.get(timeout=LIMIT) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(LIMIT)
+            if p.is_alive():
+                p.kill()
+        seg.close()
+    for rank, (r, kind, blamed, text) in zip((0, 1), got):
+        assert (r, kind, blamed) == (rank, "CollectiveAborted", 2), text
+        assert "rank 2 is gone" in text
+
+
+def test_an_arrived_rank_wins_over_an_abort():
+    # a group whose last rank leaves right after the last barrier ends cleanly
+    arena = _core.ShmArena(bytearray(_core.shm_size(1, 4096)), 1, 0, 4096)
+    arena.init(NONCE)
+    arena.abort(0)
+    assert arena.barrier(1, 1.0) == (_core.SHM_OK, -1)
+    assert arena.aborted() == 0
+
+
+def test_ctrl_c_interrupts_a_barrier(tmp_path):
+    seg = shm.Segment.create(2, REGION)
+    seg.init(NONCE)
+    mark = tmp_path / "waiting"
+    code = ("import sys, numpy as np; from ddpwire import shm; from ddpwire.collectives import Op\n"
+            f"seg = shm.Segment.attach({seg.name!r}, 2, 0, {REGION}, {NONCE!r})\n"
+            f"open({str(mark)!r}, 'w').close()\n"
+            # rank 1 never comes: only Ctrl-C ends this within the test's limit
+            "seg.allreduce(np.ones(10, dtype=np.float32), Op.SUM, timeout=3600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.monotonic() + LIMIT
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), proc.stderr.read() if proc.poll() is not None else "no start"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=LIMIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        seg.close()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
+
+
+# ---- the torch backend ----
+# (torch is imported by these tests only: the spawned ranks above import this module)
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def start(world, out, extra=None, per_rank=None):
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), WORLD_SIZE=str(world),
+                   OMP_NUM_THREADS="1", SHM_INIT=f"file://{out}.store", **(extra or {}))
+        env.update((per_rank or {}).get(rank, {}))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=LIMIT)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung")
+    return [p.returncode for p in procs], outs
+
+
+def kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def expected(world, rounds, sizes):
+    torch = _torch()
+    want = []
+    for i in range(rounds):
+        for j, n in enumerate(sizes):
+            ins = [(torch.randn(n, generator=torch.Generator().manual_seed(1000 * (10 * i + j) + r))
+                    * (r + 1)).numpy() for r in range(world)]
+            want.append(combine(Op.AVG if (i + j) % 2 else Op.SUM, DType.FLOAT32, ins))
+            want.append(np.full(3, float(i % world), dtype=np.float32))
+    return want
+
+
+def load(out, rank):
+    return _torch().load(f"{out}.rank{rank}.pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_backend_allreduces_in_shared_memory_in_issue_order(tmp_path):
+    out, world = tmp_path / "run", 3
+    # a small region: the 300001-element allreduce goes in pieces
+    codes, outs = finish(start(world, out, {"DDPWIRE_SHM_REGION_BYTES": str(256 << 10)}))
+    assert codes == [0] * world, "\n".join(outs)
+    want = expected(world, 3, [70000, 5, 300001])
+    for r in range(world):
+        rec = load(out, r)
+        assert rec["shared_memory"]
+        if r == 0:  # rank 0 unlinks the name before its init returns
+            assert rec["linked_after_init"] is False
+        assert rec["order"] == list(range(len(want)))
+        for k, (got, w) in enumerate(zip(rec["results"], want)):
+            assert got.numpy().tobytes() == w.tobytes(), (r, k)
+        assert not os.path.exists("/dev/shm" + rec["name"])
+
+
+@pytest.mark.slow
+def test_off_switch_on_one_rank_keeps_the_group_on_tcp(tmp_path):
+    out, world = tmp_path / "run", 2
+    procs = start(world, out, {"SHM_ROUNDS": "1"}, per_rank={1: {"DDPWIRE_SHM": "0"}})
+    codes, outs = finish(procs)
+    assert codes == [0] * world, "\n".join(outs)
+    want = expected(world, 1, [70000, 5, 300001])
+    for r in range(world):
+        rec = load(out, r)
+        assert rec["shared_memory"] is False
+        for got, w in zip(rec["results"], want):
+            assert got.numpy().tobytes() == w.tobytes()
+    # rank 0 offered a segment, rank 1 declined: it is gone all the same
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"ddpw-{procs[0].pid:x}-")]
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_the_others_naming_it(tmp_path):
+    out, world = tmp_path / "run", 3
+    # the group timeout is long: the lost connection, not the deadline, ends the waits
+    procs = start(world, out, {"SHM_KILL_AT": "2:1", "SHM_TIMEOUT": "600", "SHM_ROUNDS": "4"})
+    try:
+        codes, outs = finish(procs)
+    finally:
+        kill_all(procs)
+    assert codes[2] == 17
+    name = None
+    for r in (0, 1):
+        rec = load(out, r)
+        name = rec["name"]
+        assert codes[r] == 3, outs[r]
+        assert rec["error"] == "CollectiveAborted" and rec["error_rank"] == 2, rec
+    assert name is not None and not os.path.exists("/dev/shm" + name)
+
+
+@pytest.mark.slow
+def test_stalled_rank_is_named_by_the_barrier_deadline(tmp_path):
+    out, world = tmp_path / "run", 2
+    procs = start(world, out, {"SHM_STALL": "1", "SHM_TIMEOUT": "5"})
+    try:
+        out0, _ = procs[0].communicate(timeout=LIMIT)
+    finally:
+        kill_all(procs)
+    rec = load(out, 0)
+    assert procs[0].returncode == 3, out0
+    assert rec["error"] == "CollectiveAborted" and rec["error_rank"] == 1, rec
+
+
+@pytest.mark.slow
+def test_unmodified_ddp_script_in_shared_memory_matches_gloo(tmp_path):
+    # every float32 SUM/AVG allreduce of the script through shared memory
+    torch = _torch()
+    import test_torch_backend as tb
+
+    out, world = tmp_path / "run", 3
+    codes, outputs = tb.finish(tb.start_ranks(world, out, ["ddpwire", "gloo"], torchrun_env=False,
+                                              extra={"DDPWIRE_SHM_MIN_BYTES": "4"}))
+    assert codes == [0] * world, "\n".join(outputs)
+    gloo = [tb.load(out, "gloo", r) for r in range(world)]
+    wire = [tb.load(out, "ddpwire", r) for r in range(world)]
+    for name, value in wire[0]["state"].items():
+        if "running" in name or "num_batches" in name:
+            continue  # BatchNorm's statistics are each rank's own
+        for r in range(1, world):
+            assert torch.equal(wire[r]["state"][name], value), (name, r)
+        torch.testing.assert_close(value, gloo[0]["state"][name], rtol=1e-5, atol=1e-6)
+    for r in range(world):
+        tb._same_collectives(wire[r]["collectives"], gloo[r]["collectives"])
