@@ -1,17 +1,24 @@
-"""Ranks of a DDP job driven step by step from the benchmark process.
+"""Ranks of a torch.distributed job driven step by step from the benchmark
+process, and the parent's handle on them (:class:`Ranks`).
 
-    python bench/ddp_procs.py BACKEND   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+    python bench/ddp_procs.py BACKEND [train | allreduce MIB]
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 
-Each rank builds the same ~25M-parameter model, wraps it in DDP on BACKEND
-and then, for every "step" line on stdin, runs one training step (forward,
-backward with DDP's bucketed allreduce, optimizer step) and answers
-"done". "quit" ends it; the parent times each step from its command to the
-last rank's answer.
+"train" (the default): each rank builds the same ~25M-parameter model,
+wraps it in DDP on BACKEND and, for every "step" line on stdin, runs one
+training step (forward, backward with DDP's bucketed allreduce, optimizer
+step). "allreduce MIB": every "step" is one ``dist.all_reduce`` (SUM) of
+MIB MiB of float32. Each step is answered "done"; "quit" ends it. The
+parent times each step from its command to the last rank's answer.
 """
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+from pathlib import Path
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -35,21 +42,37 @@ def model() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def main() -> None:
-    torch.set_num_threads(1)  # ranks share the cores: one thread each, both backends alike
-    dist.init_process_group(sys.argv[1])
+def training_step() -> "tuple[int, object]":
+    """The DDP job: (parameters, one training step)."""
     rank = dist.get_rank()
     ddp = DDP(model())
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(BATCH, WIDTH, generator=gen)
-    print("ready", sum(p.numel() for p in ddp.parameters()), flush=True)
-    for line in sys.stdin:
-        if line.strip() != "step":
-            break
+
+    def step() -> None:
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
+    return sum(p.numel() for p in ddp.parameters()), step
+
+
+def allreduce_step(mib: int) -> "tuple[int, object]":
+    """One all_reduce of ``mib`` MiB of float32 per step: (elements, step)."""
+    t = torch.randn(mib << 18, generator=torch.Generator().manual_seed(dist.get_rank()))
+    return t.numel(), lambda: dist.all_reduce(t)
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # ranks share the cores: one thread each, both backends alike
+    dist.init_process_group(sys.argv[1])
+    job = sys.argv[2] if len(sys.argv) > 2 else "train"
+    size, step = allreduce_step(int(sys.argv[3])) if job == "allreduce" else training_step()
+    print("ready", size, flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        step()
         print("done", flush=True)
     dist.destroy_process_group()
     # Freeing a gloo group can deadlock in torch 2.13 (its destructor holds
@@ -57,6 +80,52 @@ def main() -> None:
     # says more): leave without freeing anything.
     sys.stdout.flush()
     os._exit(0)
+
+
+class Ranks:
+    """N rank processes of this script on one backend (the parent's side)."""
+
+    def __init__(self, backend: str, world: int, job: List[str] = ()) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        here = Path(__file__).resolve()
+        root = str(here.parent.parent)
+        self.procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            self.procs.append(subprocess.Popen([sys.executable, str(here), backend, *job],
+                                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               text=True, bufsize=1))
+        self.size = [self._answer(p, "ready") for p in self.procs][0]
+
+    @staticmethod
+    def _answer(p: subprocess.Popen, word: str) -> str:
+        line = p.stdout.readline()
+        if not line.startswith(word):
+            raise RuntimeError(f"rank answered {line!r}, expected {word!r} (exit {p.poll()})")
+        return line.split()[1] if len(line.split()) > 1 else ""
+
+    def step(self) -> None:
+        for p in self.procs:
+            p.stdin.write("step\n")
+        for p in self.procs:
+            self._answer(p, "done")
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write("quit\n")
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 if __name__ == "__main__":
