@@ -19,22 +19,26 @@ cdef inline bint is_native_float32(const char *fmt) noexcept:
     return strcmp(fmt, b">f") == 0 or strcmp(fmt, b"!f") == 0
 
 
-cdef inline int acquire_float32(object obj, Py_buffer *view, bint writable, str name) except -1:
-    """Fill view with obj's buffer, checked: float32, C-contiguous, and writable
-    when asked. On failure nothing is held and the error names the argument."""
+ctypedef bint (*format_check)(const char *fmt) noexcept
+
+
+cdef inline int acquire_typed(object obj, Py_buffer *view, bint writable, str name,
+                              Py_ssize_t itemsize, format_check native, str holds,
+                              str examples) except -1:
+    """Fill view with obj's buffer, checked: elements of ``itemsize`` bytes in
+    a format ``native`` accepts, C-contiguous, and writable when asked. On
+    failure nothing is held and the error names the argument."""
     cdef bytes fmt
     try:
         PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_STRIDES)
     except (TypeError, BufferError):
-        raise TypeError(
-            f"{name} must be a float32 buffer (numpy array, a CPU tensor's .numpy(), memoryview, "
-            f"array.array('f')), not {type(obj).__name__}"
-        ) from None
-    if view.itemsize != 4 or not is_native_float32(view.format):
+        raise TypeError(f"{name} must be a buffer of {holds} ({examples}), "
+                        f"not {type(obj).__name__}") from None
+    if view.itemsize != itemsize or not native(view.format):
         fmt = b"B" if view.format == NULL else <bytes>view.format
         PyBuffer_Release(view)
         raise TypeError(
-            f"{name} must hold native float32 elements, "
+            f"{name} must hold native {holds} elements, "
             f"got format {fmt.decode('ascii', 'replace')!r} of {view.itemsize} bytes"
         )
     if not PyBuffer_IsContiguous(view, b"C"):
@@ -44,6 +48,12 @@ cdef inline int acquire_float32(object obj, Py_buffer *view, bint writable, str 
         PyBuffer_Release(view)
         raise ValueError(f"{name} is read-only")
     return 0
+
+
+cdef inline int acquire_float32(object obj, Py_buffer *view, bint writable, str name) except -1:
+    """acquire_typed for float32 elements."""
+    return acquire_typed(obj, view, writable, name, 4, is_native_float32, "float32",
+                         "numpy array, a CPU tensor's .numpy(), memoryview, array.array('f')")
 
 
 cdef inline bint is_native_16bit(const char *fmt) noexcept:
@@ -62,27 +72,6 @@ cdef inline bint is_native_16bit(const char *fmt) noexcept:
 
 
 cdef inline int acquire_uint16(object obj, Py_buffer *view, bint writable, str name) except -1:
-    """As acquire_float32, for a buffer of 16-bit float bits (uint16 or
-    float16 elements)."""
-    cdef bytes fmt
-    try:
-        PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_STRIDES)
-    except (TypeError, BufferError):
-        raise TypeError(
-            f"{name} must be a buffer of 16-bit float bits (numpy uint16 or float16 array, "
-            f"memoryview, array.array('H')), not {type(obj).__name__}"
-        ) from None
-    if view.itemsize != 2 or not is_native_16bit(view.format):
-        fmt = b"B" if view.format == NULL else <bytes>view.format
-        PyBuffer_Release(view)
-        raise TypeError(
-            f"{name} must hold native uint16 (or float16) elements, "
-            f"got format {fmt.decode('ascii', 'replace')!r} of {view.itemsize} bytes"
-        )
-    if not PyBuffer_IsContiguous(view, b"C"):
-        PyBuffer_Release(view)
-        raise ValueError(f"{name} must be C-contiguous")
-    if writable and view.readonly:
-        PyBuffer_Release(view)
-        raise ValueError(f"{name} is read-only")
-    return 0
+    """acquire_typed for 16-bit float bits (uint16 or float16 elements)."""
+    return acquire_typed(obj, view, writable, name, 2, is_native_16bit, "uint16 (or float16)",
+                         "numpy uint16 or float16 array, memoryview, array.array('H')")
