@@ -149,10 +149,10 @@ def numpy_half_mean(grads, codec):
     return narrow((acc / np.float32(len(grads))).astype(np.float32))
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp16"])
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_16_bit_codecs_give_every_worker_the_same_rounded_average(codec, n):
-    grads = gradients(n, 30_011, seed=n)
+def run_16_bit_steps(grads, codec):
+    """Two steps with ``compression=codec``: every worker must end with the
+    numpy reference's bits, which are returned."""
+    n = len(grads)
     s = Session(n, flat_steps(grads, 2), coordinator=dict(compression=codec))
     try:
         for step in range(2):
@@ -161,9 +161,17 @@ def test_16_bit_codecs_give_every_worker_the_same_rounded_average(codec, n):
         s.join()
     assert not s.errors, s.errors
     want = numpy_half_mean(grads, codec)
-    exact = reduce.mean(grads)
     for i in range(n):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
+    return want
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_16_bit_codecs_give_every_worker_the_same_rounded_average(codec, n):
+    grads = gradients(n, 30_011, seed=n)
+    want = run_16_bit_steps(grads, codec)
+    exact = reduce.mean(grads)
     # the documented error: one rounding of each input and of the average
     # (8 bits of precision for bf16, 11 for fp16), relative to the largest value
     err = float(np.abs(want - exact).max()) / float(np.abs(np.stack(grads)).max())
@@ -469,17 +477,7 @@ def test_split_ranges_give_the_reference_bits(tiny_ranges, n, count):
 @pytest.mark.parametrize("codec", ["bf16", "fp16"])
 @pytest.mark.parametrize("n,count", [(2, 1), (3, 17), (4, 3), (6, 101)])
 def test_split_ranges_give_the_16_bit_bits(tiny_ranges, codec, n, count):
-    grads = gradients(n, count, seed=200 + n + count)
-    s = Session(n, flat_steps(grads, 2), coordinator=dict(compression=codec))
-    try:
-        for step in range(2):
-            s.coord.allreduce(step)
-    finally:
-        s.join()
-    assert not s.errors, s.errors
-    want = numpy_half_mean(grads, codec)
-    for i in range(n):
-        assert np.array_equal(bits(s.results[i][0]), bits(want))
+    run_16_bit_steps(gradients(n, count, seed=200 + n + count), codec)
 
 
 @pytest.mark.parametrize("codec", [None, "bf16"])
