@@ -739,6 +739,10 @@ class SharedPlane:
                                  f"({what})", worker_id=rank, step=step)
             gone = self._gone()
             if gone is not None:
+                # a worker arrives before it closes its links: one that
+                # arrived and left normally is no failure
+                if self._arena.barrier(generation, 0.0)[0] == _core.SHM_OK:
+                    return
                 self.abort(gone)
                 raise WorkerLost(f"worker {gone} closed its mesh link during step {step} "
                                  f"({what})", worker_id=gone, step=step)
