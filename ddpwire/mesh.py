@@ -31,6 +31,13 @@ in MeshPeers), and slices travel as CollectiveRequest frames (seq = step,
 kind reduce_scatter or allgather, root = the sender). docs/extensions.md
 has the bytes; docs/sessions.md the timeouts and failures.
 
+When every worker is on one host (the coordinator says so in MeshPeers,
+from the host ids in the workers' offers) the same step runs through one
+shared segment instead (:class:`SharedPlane`): the links open as above and
+carry only the segment's set-up; gradients and averages move through
+memory, with the same arithmetic per element, reports and go-ahead, and the
+same bits.
+
 With a 16-bit codec (compression="bf16" or "fp16" on the coordinator) the
 slices travel as 16-bit words: each worker rounds its gradient once, owners
 widen, sum in float32 in worker order, divide, and round the average back,
@@ -62,7 +69,7 @@ from .errors import DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolE
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
 from .messages import NO_WORKER, CollectiveRequest, MeshPeers, PeerHello
 
-__all__ = ["CODECS", "Mesh", "SliceOutcome", "codec_of", "format_peers", "listen",
+__all__ = ["CODECS", "Mesh", "SharedPlane", "SliceOutcome", "codec_of", "format_peers", "listen",
            "parse_peers", "offer", "peer_host", "peer_port", "range_bounds", "slice_bounds"]
 
 log = logging.getLogger(__name__)
