@@ -240,7 +240,10 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     # the star through the coordinator whatever "auto" would pick, so the
     # earlier "ddpwire" figures stay comparable
     "ddpwire-star": DdpwireKind({**_LOOP, "topology": "star"}, _LOOP),
-    "ddpwire-mesh": DdpwireKind({**_LOOP, "topology": "mesh"}, _LOOP),
+    # the mesh over its links even on one host, so the earlier "ddpwire-mesh"
+    # figures stay comparable; "ddpwire-shm" the same mesh in shared memory
+    "ddpwire-mesh": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False}, _LOOP),
+    "ddpwire-shm": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": True}, _LOOP),
     "ddpwire-bf16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "bf16"}, _LOOP),
     "ddpwire-fp16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "fp16"}, _LOOP),
 }

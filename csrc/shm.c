@@ -275,25 +275,39 @@ void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size
     *count = b - a;
 }
 
-int ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op)
+int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
+                        uint32_t *bad_rank)
 {
     const float *inputs[DDPW_SHM_MAX_WORLD];
-    float *out = ddpw_shm_output(base) + start;
+    float *out;
+    size_t bad_input = 0;
+    int64_t bad = -1, at;
     uint32_t r;
     if ((op != DDPW_SHM_AVG && op != DDPW_SHM_SUM) || world == 0 || world > DDPW_SHM_MAX_WORLD)
-        return -1;
+        return -2;
     if (count == 0)
-        return 0;
+        return -1;
+    out = ddpw_shm_output(base) + start;
     for (r = 0; r < world; r++)
         inputs[r] = ddpw_shm_input(base, r) + start;
-    /* Non-finite inputs are the caller's answer, as with the service (the
-     * kernels finish the buffer whatever they meet): the reports are dropped. */
+    /* the kernels finish the slice whatever they meet: a caller that halts
+     * on the report still holds the reference's bits, one that does not
+     * (the collectives service) simply ignores it */
     if (op == DDPW_SHM_AVG) {
-        (void)ddpw_mean(out, inputs, world, count, NULL);
-        return 0;
+        bad = ddpw_mean(out, inputs, world, count, &bad_input);
+    } else {
+        at = ddpw_copy_checked(out, inputs[0], count);
+        if (at >= 0)
+            bad = at, bad_input = 0;
+        for (r = 1; r < world; r++) {
+            at = ddpw_accumulate(out, inputs[r], count);
+            if (at >= 0 && bad < 0)
+                bad = at, bad_input = r;
+        }
     }
-    (void)ddpw_copy_checked(out, inputs[0], count);
-    for (r = 1; r < world; r++)
-        (void)ddpw_accumulate(out, inputs[r], count);
-    return 0;
+    if (bad < 0)
+        return -1;
+    if (bad_rank)
+        *bad_rank = (uint32_t)bad_input;
+    return (int64_t)start + bad;
 }

@@ -101,7 +101,12 @@ int64_t ddpw_shm_agree(const void *base, uint32_t world);
 void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size_t *count);
 
 /* Reduce elements [start, start + count) of every input region into the
- * output region: op DDPW_SHM_AVG or DDPW_SHM_SUM. 0, or -1 for another op. */
-int ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op);
+ * output region: op DDPW_SHM_AVG or DDPW_SHM_SUM. The whole slice is always
+ * written. Returns -1 when every input element of the slice is finite, -2
+ * for another op, else the element (of the whole vector) of the first
+ * non-finite value of the lowest rank holding one, that rank in *bad_rank
+ * (which may be NULL): the report the mesh halts a step on. */
+int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
+                        uint32_t *bad_rank);
 
 #endif

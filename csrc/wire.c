@@ -819,6 +819,9 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         TRY(read_u8(&r, &msg->codec, type, "codec", err));
         if (ddpw_code_name(DDPW_CODES_CODEC, msg->codec) == NULL)
             return fail_invalid(err, type, "codec", msg->codec, "unknown codec");
+        TRY(read_u8(&r, &msg->shared_memory, type, "shared_memory", err));
+        if (msg->shared_memory > 1)
+            return fail_invalid(err, type, "shared_memory", msg->shared_memory, "not 0 or 1");
         TRY(read_str(&r, &msg->peers, type, "peers", "peers length", err));
         break;
     case DDPW_PEER_HELLO:
@@ -1032,7 +1035,7 @@ static uint64_t head_fields_size(const ddpw_message *m)
     case DDPW_COLLECTIVE_ERROR:
         return 1 + 8 + 4 + 4 + (uint64_t)m->detail.len;
     case DDPW_MESH_PEERS:
-        return 1 + DDPW_AUTH_BYTES + 1 + 4 + (uint64_t)m->peers.len;
+        return 1 + DDPW_AUTH_BYTES + 1 + 1 + 4 + (uint64_t)m->peers.len;
     case DDPW_PEER_HELLO:
         return 1 + 4 + DDPW_AUTH_BYTES;
     case DDPW_STEP_REPORT:
@@ -1093,6 +1096,8 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
         return fail(err, DDPW_ERR_VALUE, type, "key", 0, DDPW_AUTH_BYTES);
     if (m->tag == DDPW_MESH_PEERS && ddpw_code_name(DDPW_CODES_CODEC, m->codec) == NULL)
         return fail_invalid(err, type, "codec", m->codec, "unknown codec");
+    if (m->tag == DDPW_MESH_PEERS && m->shared_memory > 1)
+        return fail_invalid(err, type, "shared_memory", m->shared_memory, "not 0 or 1");
     TRY(check_ext_entries(m, type, err));
     head = head_fields_size(m); /* each term < 2^35: no overflow */
     if (is_collective_bulk(m->tag)) {
@@ -1203,6 +1208,7 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
     case DDPW_MESH_PEERS:
         put_bytes(w, m->key, DDPW_AUTH_BYTES);
         put_u8(w, m->codec);
+        put_u8(w, m->shared_memory);
         put_str(w, m->peers);
         break;
     case DDPW_PEER_HELLO:

@@ -248,6 +248,7 @@ typedef struct ddpw_message {
     uint64_t data_len;         /* bytes at data: count * ddpw_dtype_size(dtype) */
     const uint8_t *key;        /* MeshPeers: DDPW_AUTH_BYTES bytes */
     uint8_t codec;             /* MeshPeers */
+    uint8_t shared_memory;     /* MeshPeers: 1 when the mesh's data plane is shared memory */
     ddpw_str peers;            /* MeshPeers: "host:port" per worker, comma-separated */
     uint32_t bad_worker;       /* StepReport, StepCommit: DDPW_NO_WORKER when none */
     uint64_t bad_index;        /* StepReport, StepCommit: element of the whole vector */

@@ -224,3 +224,9 @@ class ShmArena:
     def allreduce(self, buf: _Buffer, op: int, generation: int, timeout: float) -> Tuple[int, int]:
         """In place over every rank, barriers ``generation`` and ``generation + 1``:
         (SHM_OK, -1) or (status, rank at fault)."""
+    def stage(self, buf: _Buffer) -> None:
+        """Copy float32 bytes into this rank's input region and post their count."""
+    def agree(self) -> int: ...
+    def reduce_mean(self, n: int) -> Tuple[int, int, int, int, float]:
+        """This rank's slice averaged: (start, count, bad rank or -1, bad element, its value)."""
+    def gather(self, buf: _Buffer) -> None: ...

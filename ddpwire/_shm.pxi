@@ -159,7 +159,7 @@ cdef class ShmArena:
                 return SHM_DISAGREE, <int>bad
             with nogil:
                 ddpw_shm_slice(n, self.world, self.rank, &start, &count)
-                ddpw_shm_reduce(base, self.world, start, count, cop)
+                ddpw_shm_reduce(base, self.world, start, count, cop, NULL)
             status = self._wait(gen + 1, timeout, &missing)
             if status != DDPW_SHM_OK:
                 return status, <int>missing
@@ -171,3 +171,74 @@ cdef class ShmArena:
             self._busy -= 1
             if self._busy == 0 and self._close_pending:
                 self.close()
+
+    # ---- the mesh's data plane (ddpwire.mesh): the allreduce above cut at
+    # its barriers, so the coordinator's verdict fits between the reduce and
+    # the copy out ----
+
+    cdef int _enter(self, buf, Py_buffer *view, uint64_t limit, int flags) except -1:
+        PyObject_GetBuffer(buf, view, flags)
+        if view.len % 4 or <uint64_t>view.len > limit:
+            PyBuffer_Release(view)
+            raise ValueError(f"{view.len} bytes are not float32 elements within "
+                             f"the {limit}-byte region")
+        self._busy += 1
+        return 0
+
+    cdef void _leave(self, Py_buffer *view):
+        PyBuffer_Release(view)
+        self._busy -= 1
+        if self._busy == 0 and self._close_pending:
+            self.close()
+
+    def stage(self, buf):
+        """Copy ``buf`` (float32 bytes) into this rank's input region and
+        post its element count for :meth:`agree`."""
+        cdef Py_buffer view
+        cdef void *base = self._base()
+        self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE)
+        try:
+            with nogil:
+                memcpy(ddpw_shm_input(base, self.rank), view.buf, <size_t>view.len)
+                ddpw_shm_post(base, self.rank, <uint64_t>view.len // 4, DDPW_SHM_AVG)
+        finally:
+            self._leave(&view)
+
+    def agree(self):
+        """After the first barrier: -1 when every rank staged as many
+        elements as rank 0, else the first rank that did not."""
+        return ddpw_shm_agree(self._base(), self.world)
+
+    def reduce_mean(self, n):
+        """Average this rank's slice of ``n`` elements into the output
+        region: (start, count, bad rank or -1, its first bad element of
+        the vector, that element's value)."""
+        cdef void *base = self._base()
+        cdef size_t start = 0, count = 0, cn = n
+        cdef uint32_t bad_rank = 0
+        cdef int64_t bad
+        if <uint64_t>cn * 4 > self.region_bytes:
+            raise ValueError(f"{n} elements do not fit the {self.region_bytes}-byte region")
+        self._busy += 1
+        try:
+            with nogil:
+                ddpw_shm_slice(cn, self.world, self.rank, &start, &count)
+                bad = ddpw_shm_reduce(base, self.world, start, count, DDPW_SHM_AVG, &bad_rank)
+        finally:
+            self._busy -= 1
+            if self._busy == 0 and self._close_pending:
+                self.close()
+        if bad < 0:
+            return start, count, -1, 0, 0.0
+        return start, count, <int>bad_rank, bad, ddpw_shm_input(base, bad_rank)[bad]
+
+    def gather(self, buf):
+        """Copy the output region's first len(buf) bytes into ``buf``."""
+        cdef Py_buffer view
+        cdef void *base = self._base()
+        self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        try:
+            with nogil:
+                memcpy(view.buf, ddpw_shm_output(base), <size_t>view.len)
+        finally:
+            self._leave(&view)

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import _core
 from . import mesh as _mesh
+from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from .admission import Admission, Refuser
@@ -140,6 +141,12 @@ class Coordinator:
     averages as 16-bit words, summed in float32 in worker order (see
     docs/sessions.md for the error this adds). Block and non-block messages
     always take the star.
+
+    ``shared_memory`` lets a mesh whose workers all offered the same host
+    (:func:`ddpwire.shm.host_id`) move its steps through one shared segment
+    instead of loopback links, with the same bits and checks; it needs
+    float32 (no ``compression``) and is off when ``DDPWIRE_SHM=0`` here or on
+    any worker.
     """
 
     def __init__(
@@ -161,6 +168,7 @@ class Coordinator:
         samples_per_step: Optional[int] = None,
         topology: str = "auto",
         compression: Optional[str] = None,
+        shared_memory: bool = True,
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
@@ -171,6 +179,7 @@ class Coordinator:
             raise ValueError("compression travels on the mesh: it needs topology 'auto' or 'mesh'")
         self.topology = topology
         self.compression = compression
+        self.shared_memory = bool(shared_memory)
         #: whether flat steps run on the mesh (decided when the join completes)
         self.mesh = False
         self.expect_workers = expect_workers
@@ -273,26 +282,36 @@ class Coordinator:
         """Choose the star or the mesh for flat steps and tell every worker
         that was granted the mesh which (an empty MeshPeers keeps the star)."""
         addresses: List[Optional[Tuple[str, int]]] = []
+        hosts: List[Optional[bytes]] = []
         for a in admitted:
             value = a.granted.get(Extension.MESH) is not None and \
                 (a.join.extensions or {}).get(Extension.MESH)
             try:
                 addresses.append((a.address[0], _mesh.peer_port(value)) if value else None)
+                hosts.append(_mesh.peer_host(value) if value else None)
             except ProtocolError as exc:
                 log.warning("worker %d: %s; it takes the star", a.worker_id, exc)
                 addresses.append(None)
+                hosts.append(None)
         outsiders = [a.worker_id for a, addr in zip(admitted, addresses) if addr is None]
         if self.topology == "mesh" and outsiders:
             raise DdpwireError(f"topology 'mesh': worker {outsiders[0]} "
                                f"({admitted[outsiders[0]].join.node_id}) did not offer the mesh")
         self.mesh = not outsiders
         if self.mesh:
+            # Shared memory carries float32 only: 16-bit words save wire
+            # bytes, and with no wire they would only cost precision.
+            shared = (self.shared_memory and len(admitted) > 1 and _shm.enabled()
+                      and self.codec == _mesh.Codec.FLOAT32
+                      and hosts[0] is not None and all(h == hosts[0] for h in hosts))
             table = MeshPeers(key=_mesh.new_key(), codec=int(self.codec),
+                              shared_memory=int(shared),
                               peers=_mesh.format_peers(addresses))  # type: ignore[arg-type]
-            log.info("flat steps run on the mesh between the %d workers (%s)",
-                     len(admitted), self.compression or "float32")
+            log.info("flat steps run on the mesh between the %d workers (%s%s)",
+                     len(admitted), self.compression or "float32",
+                     ", in shared memory" if shared else "")
         else:
-            table = MeshPeers(key=bytes(32), codec=0, peers="")
+            table = MeshPeers(key=bytes(32), codec=0, shared_memory=0, peers="")
             log.info("flat steps run on the star: worker %d does not take part in a mesh",
                      outsiders[0])
             if self.compression:

@@ -31,6 +31,13 @@ in MeshPeers), and slices travel as CollectiveRequest frames (seq = step,
 kind reduce_scatter or allgather, root = the sender). docs/extensions.md
 has the bytes; docs/sessions.md the timeouts and failures.
 
+When every worker is on one host (the coordinator says so in MeshPeers,
+from the host ids in the workers' offers) the same step runs through one
+shared segment instead (:class:`SharedPlane`): the links open as above and
+carry only the segment's set-up; gradients and averages move through
+memory, with the same arithmetic per element, reports and go-ahead, and the
+same bits.
+
 With a 16-bit codec (compression="bf16" or "fp16" on the coordinator) the
 slices travel as 16-bit words: each worker rounds its gradient once, owners
 widen, sum in float32 in worker order, divide, and round the average back,
@@ -43,6 +50,7 @@ import hmac
 import ipaddress
 import logging
 import secrets
+import select
 import selectors
 import socket
 import time
@@ -55,13 +63,14 @@ import numpy as np
 
 from . import _core
 from . import reduce as _reduce
+from . import shm as _shm
 from .channel import Channel, check_timeout
 from .errors import DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError, WorkerLost
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
 from .messages import NO_WORKER, CollectiveRequest, MeshPeers, PeerHello
 
-__all__ = ["CODECS", "Mesh", "SliceOutcome", "codec_of", "format_peers", "listen",
-           "parse_peers", "offer", "peer_port", "range_bounds", "slice_bounds"]
+__all__ = ["CODECS", "Mesh", "SharedPlane", "SliceOutcome", "codec_of", "format_peers", "listen",
+           "parse_peers", "offer", "peer_host", "peer_port", "range_bounds", "slice_bounds"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,7 @@ _WIRE_DTYPE = {Codec.FLOAT32: DType.FLOAT32, Codec.BF16: DType.BFLOAT16,
                Codec.FP16: DType.FLOAT16}
 _HALF_NAME = {Codec.BF16: "bf16", Codec.FP16: "fp16"}
 _HELLO_LABEL = b"ddpwire mesh hello v1"
+HOST_ID_BYTES = 16  # ddpwire.shm.host_id()
 MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
 #: the most bytes of one peer's slice an exchange moves per call: small
 #: enough that the kernel work left after the last range is short, large
@@ -105,17 +115,29 @@ def listen(local_host: str, backlog: int = 64) -> socket.socket:
     return sock
 
 
-def offer(listener: socket.socket) -> bytes:
-    """The mesh entry of a JoinRequest: the u16 port other workers dial."""
-    return encode_u16(listener.getsockname()[1])
+def offer(listener: socket.socket, host: Optional[bytes] = None) -> bytes:
+    """The mesh entry of a JoinRequest: the u16 port other workers dial,
+    then, when given, the 16-byte :func:`ddpwire.shm.host_id` of this
+    worker's machine (a worker that may share memory with the others)."""
+    value = encode_u16(listener.getsockname()[1])
+    if host is not None:
+        if len(host) != HOST_ID_BYTES:
+            raise ValueError(f"a host id is {HOST_ID_BYTES} bytes, not {len(host)}")
+        value += host
+    return value
 
 
 def peer_port(value: bytes) -> int:
     """The port in a worker's mesh offer (a ProtocolError when malformed or 0)."""
-    port = decode_u16(value)
+    port = decode_u16(value[:2] if len(value) == 2 + HOST_ID_BYTES else value)
     if port == 0:
         raise ProtocolError("mesh offer: port 0")
     return port
+
+
+def peer_host(value: bytes) -> Optional[bytes]:
+    """The host id in a worker's mesh offer, or None for a 2-byte offer."""
+    return bytes(value[2:]) if len(value) == 2 + HOST_ID_BYTES else None
 
 
 def format_peers(addresses: Sequence[Tuple[str, int]]) -> str:
@@ -275,7 +297,7 @@ class Mesh:
     exchanges of a mesh step (reduce-scatter, then allgather)."""
 
     def __init__(self, links: List[Optional[Channel]], worker_id: int, codec: Codec,
-                 timeout: float) -> None:
+                 timeout: float, shared_memory: bool = False) -> None:
         self.links = links
         self.worker_id = worker_id
         self.world = len(links)
@@ -292,6 +314,11 @@ class Mesh:
         # woken, and the helper only ever waits for a bounded kernel call.
         self._helper: Optional[ThreadPoolExecutor] = None
         self._closed = False
+        # The coordinator saw every worker on one host: the first step
+        # tries to set up a shared segment, and steps use it once every
+        # worker has attached.
+        self._want_shared = bool(shared_memory) and self.codec == Codec.FLOAT32
+        self.plane: Optional[SharedPlane] = None
 
     @classmethod
     def connect(cls, listener: socket.socket, table: MeshPeers, worker_id: int, world: int, *,
@@ -305,12 +332,16 @@ class Mesh:
             links = _connect_links(listener, peers, worker_id, table.key, timeout, max_frame)
         finally:
             listener.close()
-        return cls(links, worker_id, Codec(table.codec), timeout)
+        return cls(links, worker_id, Codec(table.codec), timeout,
+                   shared_memory=bool(getattr(table, "shared_memory", 0)))
 
     def close(self) -> None:
         """Close every link and stop the helper thread (after the kernel call
         it may be running: nothing it does waits on a peer)."""
         self._closed = True
+        plane, self.plane = self.plane, None
+        if plane is not None:
+            plane.close()
         for chan in self.links:
             if chan is not None:
                 chan.close()
@@ -422,6 +453,88 @@ class Mesh:
             raise GradientMismatch("mesh slice length (its gradients have another length)",
                                    count, head.count, **ctx)
 
+    # ---- setting up the shared segment (docs/extensions.md) ----
+
+    def _note(self, j: int, step: int, data: bytes) -> None:
+        """One message of the set-up on the link to worker j: a broadcast of
+        uint8 from this worker, seq = the step."""
+        chan = self.links[j]
+        assert chan is not None
+        body = np.frombuffer(data, dtype=np.uint8)
+        chan.send(CollectiveRequest(seq=step, kind=int(CollectiveKind.BROADCAST),
+                                    op=int(ReduceOp.SUM), dtype=int(DType.UINT8),
+                                    root=self.worker_id, count=len(body), data=body), step=step)
+
+    def _heard(self, j: int, step: int, deadline: float) -> bytes:
+        chan = self.links[j]
+        assert chan is not None
+        msg = chan.expect([CollectiveRequest], step=step, deadline=deadline)
+        ctx = dict(worker_id=j, step=step)
+        if msg.seq != step:
+            raise GradientMismatch("step", step, msg.seq, **ctx)
+        if msg.kind != CollectiveKind.BROADCAST or msg.root != j or msg.dtype != DType.UINT8:
+            raise ProtocolError(f"worker {j} sent another message than its shared-memory "
+                                f"set-up on the mesh link", **ctx)
+        return bytes(memoryview(msg.data).cast("B")) if msg.count else b""
+
+    def _share(self, step: int, count: int, deadline: float) -> Optional[SharedPlane]:
+        """Worker 0 creates a segment sized for ``count`` float32 per
+        region and tells every other worker its nonce and name; each
+        attaches and answers 1 or 0; worker 0 unlinks the name and tells
+        everyone whether all attached. Any 0 keeps the links for the data."""
+        me, world = self.worker_id, self.world
+        region = max(4, count * 4)
+        seg: Optional[_shm.Segment] = None
+        try:
+            if me == 0:
+                offer = b""
+                if _shm.enabled():
+                    try:
+                        seg = _shm.Segment.create(world, region)
+                        nonce = secrets.token_bytes(16)
+                        seg.init(nonce)
+                        offer = nonce + seg.name.encode()
+                    except (OSError, ValueError) as exc:
+                        log.warning("mesh: no shared segment, the links carry the steps: %s", exc)
+                        if seg is not None:
+                            seg.close()
+                        seg = None
+                for j in range(1, world):
+                    self._note(j, step, offer)
+                answers = [self._heard(j, step, deadline) for j in range(1, world)]
+                if seg is not None:
+                    seg.unlink()  # every worker that could attach has: the name is done
+                ok = seg is not None and all(a == b"\x01" for a in answers)
+                for j in range(1, world):
+                    self._note(j, step, b"\x01" if ok else b"\x00")
+                if not ok and seg is not None:
+                    refused = [j + 1 for j, a in enumerate(answers) if a != b"\x01"]
+                    log.warning("mesh: worker %s could not attach the shared segment; the "
+                                "links carry the steps", refused[0])
+            else:
+                offer = self._heard(0, step, deadline)
+                if len(offer) > 16:
+                    try:
+                        seg = _shm.Segment.attach(offer[16:].decode(), world, me, region,
+                                                  offer[:16])
+                    except (OSError, ValueError, UnicodeDecodeError) as exc:
+                        log.warning("mesh: worker %d cannot attach the shared segment: %s",
+                                    me, exc)
+                        seg = None
+                self._note(0, step, b"\x01" if seg is not None else b"\x00")
+                ok = self._heard(0, step, deadline) == b"\x01"
+            if not ok:
+                if seg is not None:
+                    seg.close()
+                return None
+            assert seg is not None
+            log.info("mesh: worker %d steps through shared memory", me)
+            return SharedPlane(seg, self)
+        except BaseException:
+            if seg is not None:
+                seg.close()
+            raise
+
     # ---- the kernels of one range (on the helper thread) ----
 
     def _narrow(self, gradients: np.ndarray, wire: np.ndarray,
@@ -462,6 +575,11 @@ class Mesh:
         """Phase 1: this worker's slice of the average, kept until
         :meth:`allgather`. Non-finite elements are reported, not raised: the
         coordinator decides for the whole vector."""
+        if self._want_shared:
+            self._want_shared = False
+            self.plane = self._share(step, len(gradients), deadline)
+        if self.plane is not None:
+            return self.plane.reduce_scatter(step, gradients, deadline)
         n, me = self.world, self.worker_id
         bounds = slice_bounds(len(gradients), n)
         lo, hi = bounds[me]
@@ -520,6 +638,8 @@ class Mesh:
     def allgather(self, step: int, out: np.ndarray, deadline: float) -> np.ndarray:
         """Phase 3, after the coordinator's go-ahead: every slice of the
         average into ``out`` (float32), this worker's own included."""
+        if self.plane is not None:
+            return self.plane.allgather(step, out, deadline)
         own = self._own
         if own is None or self._step != step:
             raise ProtocolError(f"allgather for step {step} without its reduce-scatter",
@@ -564,3 +684,121 @@ def _piece(buf: Optional[np.ndarray], cuts: Optional[List[Tuple[int, int]]], c: 
         return []
     s, e = cuts[c]
     return [buf[s:e]] if e > s else []
+
+
+# ---- the data plane on one host: a shared segment ----
+
+#: how long one barrier wait lasts before the links are looked at for a
+#: worker that left: a dead worker is named this soon, not at the deadline
+_LOOK_EVERY = 0.2
+
+
+class SharedPlane:
+    """A mesh step through one shared segment (csrc/shm.h), every worker on
+    one host: each stages its gradient into its input region; barrier; each
+    averages its slice (:meth:`_core.ShmArena.reduce_mean`, the reference's
+    bits, non-finite elements reported as on the links) into the output
+    region; the StepReport and StepCommit; barrier; each copies the whole
+    output. The second barrier comes after the go-ahead, so no worker reads
+    the average of a halted step. The links stay open: a worker that leaves
+    closes them, which the others see while they wait."""
+
+    def __init__(self, segment: "_shm.Segment", mesh: "Mesh") -> None:
+        self.segment = segment
+        self.mesh = mesh
+        self._arena = segment._arena
+        self._generation = 0
+        self._pending: Optional[Tuple[int, int]] = None  # (step, count) between the phases
+
+    def abort(self, blame: int) -> None:
+        self.segment.abort(blame)
+
+    def close(self) -> None:
+        if self._pending is not None:
+            # a step this worker leaves half done: nobody waits for it
+            self.abort(self.mesh.worker_id)
+        self.segment.close()
+
+    def _gone(self) -> Optional[int]:
+        """A peer whose link has closed (EOF or reset), if any."""
+        socks = {chan.conn.sock: j for j, chan in enumerate(self.mesh.links) if chan is not None}
+        if not socks:
+            return None
+        readable, _, _ = select.select(list(socks), [], [], 0)
+        for sock in readable:
+            try:
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    return socks[sock]
+            except BlockingIOError:
+                continue
+            except OSError:
+                return socks[sock]
+        return None
+
+    def _wait(self, generation: int, step: int, deadline: float, what: str) -> None:
+        while True:
+            left = deadline - time.monotonic()
+            status, rank = self._arena.barrier(generation, max(0.0, min(left, _LOOK_EVERY)))
+            if status == _core.SHM_OK:
+                return
+            if status == _core.SHM_ABORTED:
+                raise WorkerLost(f"worker {rank} left the shared-memory mesh step {step} "
+                                 f"({what})", worker_id=rank, step=step)
+            gone = self._gone()
+            if gone is not None:
+                # a worker arrives before it closes its links: one that
+                # arrived and left normally is no failure
+                if self._arena.barrier(generation, 0.0)[0] == _core.SHM_OK:
+                    return
+                self.abort(gone)
+                raise WorkerLost(f"worker {gone} closed its mesh link during step {step} "
+                                 f"({what})", worker_id=gone, step=step)
+            if time.monotonic() >= deadline:
+                self.abort(rank)
+                raise WorkerLost(f"worker {rank} did not reach the shared-memory barrier of "
+                                 f"step {step} ({what}) within {self.mesh.timeout:g} s",
+                                 worker_id=rank, step=step)
+
+    def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float) -> SliceOutcome:
+        me, n = self.mesh.worker_id, len(gradients)
+        try:
+            if n * 4 > self.segment.region_bytes:
+                raise GradientMismatch("mesh vector length (the shared segment was sized by "
+                                       "the first step)", self.segment.region_bytes // 4, n,
+                                       worker_id=me, step=step)
+            self._pending = (step, n)
+            self._arena.stage(gradients)
+            self._wait(self._generation + 1, step, deadline, "gradients in place")
+            bad = self._arena.agree()
+            if bad >= 0:
+                raise GradientMismatch("mesh vector length (its gradients have another length "
+                                       "than worker 0's)", n, "another", worker_id=bad, step=step)
+            _start, _count, bad_rank, index, value = self._arena.reduce_mean(n)
+        except BaseException as exc:
+            self.abort(_blame(exc, me))
+            raise
+        if bad_rank < 0:
+            return SliceOutcome()
+        return SliceOutcome(bad_rank, index, value)
+
+    def allgather(self, step: int, out: np.ndarray, deadline: float) -> np.ndarray:
+        me = self.mesh.worker_id
+        if self._pending is None or self._pending[0] != step or self._pending[1] != len(out):
+            raise ProtocolError(f"allgather for step {step} without its reduce-scatter",
+                                worker_id=me, step=step)
+        try:
+            self._wait(self._generation + 2, step, deadline, "every slice averaged")
+            self._arena.gather(out)
+        except BaseException as exc:
+            self.abort(_blame(exc, me))
+            raise
+        # generations are 32-bit in the segment, compared wrap-safely
+        self._generation = (self._generation + 2) & 0xFFFFFFFF
+        self._pending = None
+        return out
+
+
+def _blame(exc: BaseException, me: int) -> int:
+    if isinstance(exc, WorkerLost) and getattr(exc, "worker_id", None) is not None:
+        return int(exc.worker_id)  # type: ignore[arg-type]
+    return me

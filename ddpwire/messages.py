@@ -384,12 +384,16 @@ class MeshPeers(Message):
     of a mesh session listen (0x46). ``peers`` is ``host:port`` per worker in
     worker order, comma-separated (an IPv6 host in brackets); empty means the
     session keeps the star. ``key`` (32 bytes) authenticates the links
-    between workers; ``codec`` is a :class:`ddpwire.extensions.Codec` code."""
+    between workers; ``codec`` is a :class:`ddpwire.extensions.Codec` code;
+    ``shared_memory`` (0 or 1) says every worker offered the same host and
+    steps move through a shared segment rather than the links
+    (:mod:`ddpwire.mesh`)."""
 
-    __slots__ = ("key", "codec", "peers")
+    __slots__ = ("key", "codec", "shared_memory", "peers")
     TAG: ClassVar[int] = 0x46
     key: bytes
     codec: int
+    shared_memory: int
     peers: str
 
 

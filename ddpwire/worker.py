@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _core, auth
 from . import mesh as _mesh
+from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name
@@ -241,7 +242,8 @@ class Worker:
         try:
             if mesh:
                 listener = _mesh.listen(sock.getsockname()[0])
-                offer[Extension.MESH] = _mesh.offer(listener)
+                offer[Extension.MESH] = _mesh.offer(
+                    listener, _shm.host_id() if _shm.enabled() else None)
             # Always a block, empty when there is nothing to offer: the
             # reference coordinator ignores it, and a ddpwire one then knows
             # it may tell this worker why it is refused.

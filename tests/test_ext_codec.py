@@ -78,7 +78,7 @@ MESSAGES = st.one_of(
     collective_request(),
     collective_result(),
     st.builds(CollectiveError, U64, U32, TEXT),
-    st.builds(MeshPeers, B32, st.integers(0, 2), TEXT),
+    st.builds(MeshPeers, B32, st.integers(0, 2), st.integers(0, 1), TEXT),
     st.builds(PeerHello, U32, B32),
     st.builds(StepReport, U64, U32, U64, F32, U64, U64, U32, U64, F32),
     st.builds(StepCommit, U64, F32, U32, U64, F32),

@@ -34,6 +34,15 @@ ADDR = ("127.0.0.1", 0)
 TIMEOUT = 20.0
 
 
+@pytest.fixture(autouse=True, params=["links", "shared"])
+def data_plane(request, monkeypatch):
+    """Every test on both data planes: the links between workers, and (all
+    workers being on this host) the shared segment (tests/test_mesh_shm.py
+    has what only it does)."""
+    monkeypatch.setenv("DDPWIRE_SHM", "0" if request.param == "links" else "1")
+    return request.param
+
+
 def bits(a):
     return np.asarray(a, dtype=np.float32).view(np.uint32)
 
@@ -390,7 +399,7 @@ def test_peer_table_parsing():
 def test_a_stranger_on_a_mesh_port_is_dropped_and_the_mesh_still_forms():
     key = bytes(range(32))
     listeners = [meshmod.listen("127.0.0.1") for _ in range(2)]
-    table = MeshPeers(key=key, codec=int(Codec.FLOAT32),
+    table = MeshPeers(key=key, codec=int(Codec.FLOAT32), shared_memory=0,
                       peers=meshmod.format_peers([l.getsockname()[:2] for l in listeners]))
     # before worker 0 dials: one hello with a wrong proof, one replaying worker 1's own direction
     strangers = []

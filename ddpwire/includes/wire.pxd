@@ -133,6 +133,7 @@ cdef extern from "wire.h" nogil:
         uint64_t data_len
         const uint8_t *key
         uint8_t codec
+        uint8_t shared_memory
         ddpw_str peers
         uint32_t bad_worker
         uint64_t bad_index

@@ -156,12 +156,14 @@ def vectors() -> List[Dict[str, Any]]:
             {"type": "CollectiveError", "tag": COLLECTIVE_ERROR, "seq": 11,
              "worker_id": worker, "detail": string_json(detail)})))
     key = bytes(range(0x40, 0x60))
-    for codec, peers in ((0, "10.0.0.2:41000,10.0.0.3:41001"), (1, "[fe80::1]:5000,h\u00f6st:1"),
-                         (2, "")):
-        shapes.append((f"mesh_peers_codec{codec}", "key, codec, peers", (
-            bytes([MESH_PEERS]) + key + bytes([codec]) + string(peers),
+    for codec, shm, peers in ((0, 0, "10.0.0.2:41000,10.0.0.3:41001"),
+                              (1, 0, "[fe80::1]:5000,h\u00f6st:1"), (2, 0, ""),
+                              (0, 1, "127.0.0.1:41000,127.0.0.1:41001")):
+        name = f"mesh_peers_codec{codec}" + ("_shm" if shm else "")
+        shapes.append((name, "key, codec, shared_memory, peers", (
+            bytes([MESH_PEERS]) + key + bytes([codec, shm]) + string(peers),
             {"type": "MeshPeers", "tag": MESH_PEERS, "key_hex": key.hex(), "codec": codec,
-             "peers": string_json(peers)})))
+             "shared_memory": shm, "peers": string_json(peers)})))
     shapes.append(("peer_hello", "worker_id, proof", (
         struct.pack("<BI", PEER_HELLO, 3) + PROOF,
         {"type": "PeerHello", "tag": PEER_HELLO, "worker_id": 3, "proof_hex": PROOF.hex()})))
@@ -233,8 +235,11 @@ def malformed() -> List[Dict[str, Any]]:
          struct.pack("<BQBBQQ", COLLECTIVE_RESULT, 1, 1, 0, 1, 4) + bytes(6),
          r"^2 bytes after the last field of CollectiveResult$"),
         ("mesh_peers_unknown_codec", "codec 3",
-         bytes([MESH_PEERS]) + bytes(32) + b"\x03" + string(""),
+         bytes([MESH_PEERS]) + bytes(32) + b"\x03\x00" + string(""),
          r"^invalid MeshPeers\.codec: 3 \(unknown codec\)$"),
+        ("mesh_peers_shared_memory_2", "shared_memory 2",
+         bytes([MESH_PEERS]) + bytes(32) + b"\x00\x02" + string(""),
+         r"^invalid MeshPeers\.shared_memory: 2 \(not 0 or 1\)$"),
         ("mesh_peers_short_key", "16 key bytes", bytes([MESH_PEERS]) + bytes(16),
          r"^truncated MeshPeers\.key: 16 of 32 bytes$"),
         ("peer_hello_trailing", "PeerHello with a byte more",
