@@ -36,6 +36,9 @@ class NodeProcess:
         # the checkout's ddpwire, whatever the namespace's working directory
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, env.get("PYTHONPATH")]))
         env["GLOO_SOCKET_IFNAME"] = MACHINE_IF
+        # the namespaces emulate separate machines, but share this host's
+        # /dev/shm and boot id: shared memory would bypass the links measured
+        env["DDPWIRE_SHM"] = "0"
         self.popen = subprocess.Popen(
             net.exec_prefix(netns) + [sys.executable, _NODE, str(child.fileno())],
             pass_fds=[child.fileno()], env=env, cwd=_REPO)
