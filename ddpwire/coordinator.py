@@ -424,15 +424,19 @@ class Coordinator:
         self._require_workers()
         deadline = time.monotonic() + self.timeout
         reports: List[StepReport] = []
+        answers: List[object] = []
         for chan in self._channels:
+            try:
+                answers.append(chan.expect([StepReport, CollectiveError], step=step,
+                                           deadline=deadline))
+            except WorkerLost as exc:
+                answers.append(exc)
+        failed = [a for a in answers if not isinstance(a, StepReport)]
+        if failed:
+            self._abandon()
+            raise self._mesh_culprit(answers, step)
+        for chan, msg in zip(self._channels, answers):
             wid = chan.peer_id
-            msg = chan.expect([StepReport, CollectiveError], step=step, deadline=deadline)
-            if isinstance(msg, CollectiveError):
-                # a worker's link to another worker failed: it names that worker
-                self._abandon()
-                blamed = wid if msg.worker_id == NO_WORKER else msg.worker_id
-                raise WorkerLost(f"worker {wid} could not finish its part of the mesh step: "
-                                 f"{msg.detail}", worker_id=blamed, step=step)
             if msg.step != step:
                 raise GradientMismatch("step", step, msg.step, worker_id=wid, step=step)
             if msg.worker_id != wid:
@@ -462,6 +466,30 @@ class Coordinator:
                               [(r.loss, r.correct, r.total) for r in reports], t1 - t0)
         result.reduce_time = time.perf_counter() - t1
         return result
+
+    @staticmethod
+    def _mesh_culprit(answers: List[object], step: int) -> WorkerLost:
+        """The error for a mesh step some worker could not finish. When one
+        worker fails, the others that were linked to it fail too and close
+        their links, so a worker may blame one that only gave up after it:
+        a worker that answered (a report, or a CollectiveError of its own)
+        is alive, and the one to name is a silent or vanished worker that is
+        blamed, else any silent or vanished one, else the lowest blamed."""
+        lost = [w for w, a in enumerate(answers) if isinstance(a, WorkerLost)]
+        blamed = {w: (w if a.worker_id == NO_WORKER else a.worker_id)
+                  for w, a in enumerate(answers) if isinstance(a, CollectiveError)}
+        named = sorted(set(blamed.values()))
+        culprit = next((w for w in named if w in lost), None)
+        if culprit is None:
+            culprit = lost[0] if lost else named[0]
+        reporter = next((w for w, b in blamed.items() if b == culprit), None)
+        if reporter is not None:
+            detail = answers[reporter].detail  # type: ignore[union-attr]
+            return WorkerLost(f"worker {reporter} could not finish its part of the mesh step: "
+                              f"{detail}", worker_id=culprit, step=step)
+        exc = answers[culprit]
+        assert isinstance(exc, WorkerLost)
+        return exc
 
     def _mesh_commit(self, step: int, global_loss: float) -> None:
         """The go-ahead: every worker exchanges its averaged slice and applies."""

@@ -747,9 +747,15 @@ class SharedPlane:
             gone = self._gone()
             if gone is not None:
                 # a worker arrives before it closes its links: one that
-                # arrived and left normally is no failure
-                if self._arena.barrier(generation, 0.0)[0] == _core.SHM_OK:
+                # arrived and left normally is no failure; and one that
+                # failed calls the group off (blaming the worker it lost)
+                # before it closes them: that blame names the cause
+                status, rank = self._arena.barrier(generation, 0.0)
+                if status == _core.SHM_OK:
                     return
+                if status == _core.SHM_ABORTED:
+                    raise WorkerLost(f"worker {rank} left the shared-memory mesh step {step} "
+                                     f"({what})", worker_id=rank, step=step)
                 self.abort(gone)
                 raise WorkerLost(f"worker {gone} closed its mesh link during step {step} "
                                  f"({what})", worker_id=gone, step=step)

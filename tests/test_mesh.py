@@ -548,3 +548,24 @@ def test_a_lost_worker_is_named_with_split_ranges_and_no_helper_is_left(tiny_ran
     assert sorted(s.errors) == [0, 1]
     assert any(isinstance(e, WorkerLost) and e.worker_id == 2 for e in s.errors.values())
     assert not helper_threads()
+
+
+def test_the_coordinator_names_the_worker_that_vanished_not_one_that_gave_up_after_it():
+    from ddpwire.messages import CollectiveError, StepReport, NO_WORKER as NONE
+    report = StepReport(1, 0, 10, 0.0, 0, 0, NONE, 0, 0.0)
+    # worker 2 vanished; worker 1 lost its link to 2 and closed its links;
+    # worker 0 saw worker 1's link close first and blamed 1
+    answers = [CollectiveError(1, 1, "worker 1 closed its mesh link"),
+               CollectiveError(1, 2, "worker 2 closed its mesh link"),
+               WorkerLost("worker 2 disconnected", worker_id=2, step=1)]
+    exc = Coordinator._mesh_culprit(answers, 1)
+    assert exc.worker_id == 2 and exc.step == 1 and "worker 1 could not finish" in str(exc)
+    # nobody vanished: the lowest blamed worker
+    exc = Coordinator._mesh_culprit([report, CollectiveError(1, 2, "wrong head"),
+                                     CollectiveError(1, 0, "wrong head")], 1)
+    assert exc.worker_id == 0
+    # nobody blamed: the silent one
+    lost = WorkerLost("worker 1 silent", worker_id=1, step=1)
+    assert Coordinator._mesh_culprit([report, lost, report], 1) is lost
+    # a blame without a worker names the worker that sent it
+    assert Coordinator._mesh_culprit([CollectiveError(1, NONE, "x"), report], 1).worker_id == 0
