@@ -311,3 +311,47 @@ int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, 
         *bad_rank = (uint32_t)bad_input;
     return (int64_t)start + bad;
 }
+
+int ddpw_shm_offer_encode(const ddpw_shm_offer *offer, uint8_t *out)
+{
+    size_t name_len = 0, i;
+    uint8_t *p = out;
+    while (name_len <= DDPW_SHM_NAME_MAX && offer->name[name_len] != '\0')
+        name_len++;
+    if (name_len > DDPW_SHM_NAME_MAX)
+        return -1;
+    *p++ = offer->offered;
+    memcpy(p, offer->host_id, DDPW_SHM_HOST_ID);
+    p += DDPW_SHM_HOST_ID;
+    memcpy(p, offer->nonce, DDPW_SHM_NONCE);
+    p += DDPW_SHM_NONCE;
+    for (i = 0; i < 8; i++)
+        *p++ = (uint8_t)(offer->region_bytes >> (8 * i));
+    memset(p, 0, DDPW_SHM_NAME_MAX);
+    memcpy(p, offer->name, name_len);
+    return 0;
+}
+
+int ddpw_shm_offer_decode(const uint8_t *p, size_t len, ddpw_shm_offer *offer)
+{
+    size_t i, name_len = 0;
+    if (len != DDPW_SHM_OFFER_LEN || p[0] > 1)
+        return -1;
+    offer->offered = *p++;
+    memcpy(offer->host_id, p, DDPW_SHM_HOST_ID);
+    p += DDPW_SHM_HOST_ID;
+    memcpy(offer->nonce, p, DDPW_SHM_NONCE);
+    p += DDPW_SHM_NONCE;
+    offer->region_bytes = 0;
+    for (i = 0; i < 8; i++)
+        offer->region_bytes |= (uint64_t)p[i] << (8 * i);
+    p += 8;
+    while (name_len < DDPW_SHM_NAME_MAX && p[name_len] != 0)
+        name_len++;
+    for (i = name_len; i < DDPW_SHM_NAME_MAX; i++)
+        if (p[i] != 0)
+            return -1; /* a byte after the padding started: not an offer we wrote */
+    memcpy(offer->name, p, name_len);
+    offer->name[name_len] = '\0';
+    return 0;
+}

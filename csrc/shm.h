@@ -51,6 +51,31 @@ enum {
 /* ddpw_shm_reduce ops (the collectives extension's codes) */
 enum { DDPW_SHM_SUM = 0, DDPW_SHM_AVG = 1 };
 
+/* Where a segment is, as rank 0 (or mesh worker 0) tells the others: the
+ * data of a uint8 collective in both negotiations (the torch backend's
+ * broadcast, the mesh's set-up over its links), docs/extensions.md. Little
+ * endian: offered u8 (0: no segment, the rest is zero), host id (16
+ * bytes), nonce (16), region_bytes u64, the segment's name (NUL-padded). */
+#define DDPW_SHM_HOST_ID 16
+#define DDPW_SHM_NAME_MAX 40
+#define DDPW_SHM_OFFER_LEN (1 + DDPW_SHM_HOST_ID + DDPW_SHM_NONCE + 8 + DDPW_SHM_NAME_MAX)
+
+typedef struct ddpw_shm_offer {
+    uint8_t offered;
+    uint8_t host_id[DDPW_SHM_HOST_ID];
+    uint8_t nonce[DDPW_SHM_NONCE];
+    uint64_t region_bytes;
+    char name[DDPW_SHM_NAME_MAX + 1]; /* NUL-terminated */
+} ddpw_shm_offer;
+
+/* Write the offer's DDPW_SHM_OFFER_LEN bytes: 0, or -1 when the name does
+ * not fit DDPW_SHM_NAME_MAX bytes. */
+int ddpw_shm_offer_encode(const ddpw_shm_offer *offer, uint8_t *out);
+
+/* Read an offer of len bytes: 0, or -1 when len is not DDPW_SHM_OFFER_LEN,
+ * offered is not 0 or 1, or the name has bytes after its padding. */
+int ddpw_shm_offer_decode(const uint8_t *p, size_t len, ddpw_shm_offer *offer);
+
 /* Bytes of the whole mapping for world ranks and regions of region_bytes
  * (rounded up to 4096); 0 when world is 0 or over DDPW_SHM_MAX_WORLD or the
  * size overflows. */

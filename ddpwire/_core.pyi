@@ -203,6 +203,18 @@ SHM_TIMEOUT: int
 SHM_ABORTED: int
 SHM_DISAGREE: int
 
+SHM_OFFER_LEN: int
+
+def shm_offer_encode(host_id: bytes, nonce: bytes, region_bytes: int, name: str) -> bytes:
+    """The 81 bytes of a shared-memory offer (csrc/shm.h); an empty name is
+    the offer of no segment."""
+    ...
+
+def shm_offer_decode(data: bytes) -> Optional[Tuple[bytes, bytes, int, str]]:
+    """(host_id, nonce, region_bytes, name), or None for the offer of no
+    segment; ValueError for bytes that are not an offer."""
+    ...
+
 def shm_size(world: int, region_bytes: int) -> int:
     """Bytes of a mapping for ``world`` ranks and regions of ``region_bytes`` (0 when impossible)."""
 

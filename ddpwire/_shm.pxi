@@ -2,7 +2,7 @@
 buffer held for the view's life, so the mapping cannot be closed under a
 running collective). The public face is ddpwire.shm."""
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 #: ShmArena.allreduce / barrier results
@@ -14,6 +14,44 @@ SHM_DISAGREE = 3
 # How long one GIL-free wait lasts before the thread looks for a signal:
 # short enough that Ctrl-C in a barrier is prompt.
 DEF _SHM_SLICE_MS = 100
+
+
+SHM_OFFER_LEN = DDPW_SHM_OFFER_LEN
+
+
+def shm_offer_encode(bytes host_id, bytes nonce, uint64_t region_bytes, str name):
+    """The offer's bytes (csrc/shm.h) for a segment: where it is and how to
+    check it. ``shm_offer_encode(b"", b"", 0, "")`` is the offer of none."""
+    cdef ddpw_shm_offer offer
+    cdef bytes raw = name.encode("ascii")
+    cdef bytes out = bytes(DDPW_SHM_OFFER_LEN)
+    if raw and (len(host_id) != DDPW_SHM_HOST_ID or len(nonce) != DDPW_SHM_NONCE):
+        raise ValueError(f"a shared-memory offer needs a {DDPW_SHM_HOST_ID}-byte host id and "
+                         f"a {DDPW_SHM_NONCE}-byte nonce")
+    if len(raw) > DDPW_SHM_NAME_MAX:
+        raise ValueError(f"segment name {name!r} is over {DDPW_SHM_NAME_MAX} bytes")
+    memset(&offer, 0, sizeof(offer))
+    offer.offered = 1 if raw else 0
+    if raw:
+        memcpy(offer.host_id, <const char *>host_id, DDPW_SHM_HOST_ID)
+        memcpy(offer.nonce, <const char *>nonce, DDPW_SHM_NONCE)
+        memcpy(offer.name, <const char *>raw, len(raw))
+    offer.region_bytes = region_bytes
+    ddpw_shm_offer_encode(&offer, <uint8_t *><char *>out)
+    return out
+
+
+def shm_offer_decode(data):
+    """(host_id, nonce, region_bytes, name) from an offer's bytes, or None
+    for the offer of none; ValueError for bytes that are not an offer."""
+    cdef ddpw_shm_offer offer
+    cdef bytes raw = bytes(data)
+    if ddpw_shm_offer_decode(<const uint8_t *><const char *>raw, len(raw), &offer) != 0:
+        raise ValueError(f"not a shared-memory offer ({len(raw)} bytes)")
+    if not offer.offered:
+        return None
+    return (bytes(offer.host_id[:DDPW_SHM_HOST_ID]), bytes(offer.nonce[:DDPW_SHM_NONCE]),
+            offer.region_bytes, offer.name.decode("ascii"))
 
 
 def shm_size(world, region_bytes):

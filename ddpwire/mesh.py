@@ -487,13 +487,13 @@ class Mesh:
         seg: Optional[_shm.Segment] = None
         try:
             if me == 0:
-                offer = b""
+                offer = _core.shm_offer_encode(b"", b"", 0, "")
                 if _shm.enabled():
                     try:
                         seg = _shm.Segment.create(world, region)
                         nonce = secrets.token_bytes(16)
                         seg.init(nonce)
-                        offer = nonce + seg.name.encode()
+                        offer = _core.shm_offer_encode(_shm.host_id(), nonce, region, seg.name)
                     except (OSError, ValueError) as exc:
                         log.warning("mesh: no shared segment, the links carry the steps: %s", exc)
                         if seg is not None:
@@ -512,12 +512,19 @@ class Mesh:
                     log.warning("mesh: worker %s could not attach the shared segment; the "
                                 "links carry the steps", refused[0])
             else:
-                offer = self._heard(0, step, deadline)
-                if len(offer) > 16:
+                offered = self._heard(0, step, deadline)
+                try:
+                    where = _core.shm_offer_decode(offered)
+                except ValueError as exc:
+                    raise ProtocolError(f"worker 0's shared-memory offer: {exc}", worker_id=0,
+                                        step=step) from None
+                if where is not None:
+                    host, nonce, offered_region, name = where
                     try:
-                        seg = _shm.Segment.attach(offer[16:].decode(), world, me, region,
-                                                  offer[:16])
-                    except (OSError, ValueError, UnicodeDecodeError) as exc:
+                        if host != _shm.host_id() or offered_region != region:
+                            raise ValueError("another host or another vector length")
+                        seg = _shm.Segment.attach(name, world, me, region, nonce)
+                    except (OSError, ValueError) as exc:
                         log.warning("mesh: worker %d cannot attach the shared segment: %s",
                                     me, exc)
                         seg = None

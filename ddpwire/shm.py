@@ -19,7 +19,6 @@ import mmap
 import os
 import secrets
 import socket
-import struct
 import threading
 from typing import Any, Optional
 
@@ -46,7 +45,6 @@ try:  # the module multiprocessing.shared_memory uses: shm_open(3) on every POSI
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
 
-_OFFER = struct.Struct("<B16s16sQ40s")  # offered, host id, nonce, region bytes, name
 
 
 def enabled() -> bool:
@@ -258,7 +256,7 @@ def negotiate(client: Any, rank: int, world: int, timeout: float) -> Optional[Se
     if world < 2:
         return None
     seg: Optional[Segment] = None
-    offer = np.zeros(_OFFER.size, dtype=np.uint8)
+    offer = np.frombuffer(_core.shm_offer_encode(b"", b"", 0, ""), dtype=np.uint8).copy()
     try:
         if rank == 0 and enabled():
             region = region_bytes()
@@ -266,21 +264,22 @@ def negotiate(client: Any, rank: int, world: int, timeout: float) -> Optional[Se
                 seg = Segment.create(world, region)
                 nonce = secrets.token_bytes(16)
                 seg.init(nonce)
-                offer[:] = np.frombuffer(_OFFER.pack(1, host_id(), nonce, region, seg.name.encode()),
-                                         dtype=np.uint8)
+                offer[:] = np.frombuffer(_core.shm_offer_encode(host_id(), nonce, region,
+                                                                 seg.name), dtype=np.uint8)
             except (OSError, ValueError) as exc:
                 log.info("shared memory unavailable, staying on TCP: %s", exc)
                 if seg is not None:
                     seg.close()
                 seg = None
         got = _call(client, Kind.BROADCAST, DType.UINT8, 0, offer, timeout)
-        offered, host, nonce, region, name = _OFFER.unpack(got.tobytes())
+        got_offer = _core.shm_offer_decode(got.tobytes())
         ok = False
         if rank == 0:
             ok = seg is not None
-        elif offered and enabled() and host == host_id():
+        elif got_offer is not None and enabled() and got_offer[0] == host_id():
+            host, nonce, region, name = got_offer
             try:
-                seg = Segment.attach(name.rstrip(b"\0").decode(), world, rank, region, nonce)
+                seg = Segment.attach(name, world, rank, region, nonce)
                 ok = True
             except (OSError, ValueError) as exc:
                 log.info("cannot attach rank 0's shared memory, staying on TCP: %s", exc)

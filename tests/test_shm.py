@@ -387,3 +387,22 @@ def test_unmodified_ddp_script_in_shared_memory_matches_gloo(tmp_path):
         torch.testing.assert_close(value, gloo[0]["state"][name], rtol=1e-5, atol=1e-6)
     for r in range(world):
         tb._same_collectives(wire[r]["collectives"], gloo[r]["collectives"])
+
+
+def test_the_offer_codec_round_trips_and_refuses_what_it_did_not_write():
+    from ddpwire import _core
+    offer = _core.shm_offer_encode(bytes(range(16)), bytes(range(16, 32)), 1 << 33, "/ddpwire-x")
+    assert len(offer) == _core.SHM_OFFER_LEN == 81
+    assert offer[0] == 1 and offer[33:41] == (1 << 33).to_bytes(8, "little")
+    assert _core.shm_offer_decode(offer) == (bytes(range(16)), bytes(range(16, 32)), 1 << 33,
+                                             "/ddpwire-x")
+    none = _core.shm_offer_encode(b"", b"", 0, "")
+    assert none == bytes(81) and _core.shm_offer_decode(none) is None
+    for bad in (offer[:-1], offer + b"\0", b"\x02" + offer[1:],
+                offer[:41] + b"/a\0b" + bytes(36)):
+        with pytest.raises(ValueError, match="not a shared-memory offer"):
+            _core.shm_offer_decode(bad)
+    with pytest.raises(ValueError, match="over 40 bytes"):
+        _core.shm_offer_encode(bytes(16), bytes(16), 1, "/" + "x" * 40)
+    with pytest.raises(ValueError, match="16-byte host id"):
+        _core.shm_offer_encode(b"short", bytes(16), 1, "/a")

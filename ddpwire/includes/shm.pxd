@@ -6,6 +6,9 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 cdef extern from "shm.h" nogil:
     enum:
         DDPW_SHM_NONCE
+        DDPW_SHM_HOST_ID
+        DDPW_SHM_NAME_MAX
+        DDPW_SHM_OFFER_LEN
         DDPW_SHM_MAX_WORLD
         DDPW_SHM_OK
         DDPW_SHM_TIMEOUT
@@ -13,6 +16,15 @@ cdef extern from "shm.h" nogil:
         DDPW_SHM_SUM
         DDPW_SHM_AVG
 
+    ctypedef struct ddpw_shm_offer:
+        uint8_t offered
+        uint8_t host_id[16]
+        uint8_t nonce[16]
+        uint64_t region_bytes
+        char name[41]
+
+    int ddpw_shm_offer_encode(const ddpw_shm_offer *offer, uint8_t *out)
+    int ddpw_shm_offer_decode(const uint8_t *p, size_t len, ddpw_shm_offer *offer)
     size_t ddpw_shm_size(uint32_t world, uint64_t region_bytes)
     int ddpw_shm_init(void *base, size_t len, uint32_t world, uint64_t region_bytes, const uint8_t *nonce)
     int ddpw_shm_check(const void *base, size_t len, uint32_t world, uint64_t region_bytes,
