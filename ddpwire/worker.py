@@ -213,8 +213,9 @@ class Worker:
         ``mesh`` offers to average flat steps with the other workers
         directly (:mod:`ddpwire.mesh`; the coordinator decides): this worker
         then listens on a port of its own, on the address it reaches the
-        coordinator from, for links from the other workers. Anything offered travels in the JoinRequest's extension block, which
-        the reference coordinator ignores. A refusal raises
+        coordinator from, for links from the other workers. Anything offered
+        travels in the JoinRequest's extension block, which the reference
+        coordinator ignores. A refusal raises
         :class:`~ddpwire.JoinRefusedError` saying why.
         """
         timeout = check_timeout("timeout", timeout)
