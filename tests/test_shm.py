@@ -303,6 +303,7 @@ def load(out, rank):
 
 @pytest.mark.slow
 def test_backend_allreduces_in_shared_memory_in_issue_order(tmp_path):
+    _torch()  # the ranks run the torch backend
     out, world = tmp_path / "run", 3
     # a small region: the 300001-element allreduce goes in pieces
     codes, outs = finish(start(world, out, {"DDPWIRE_SHM_REGION_BYTES": str(256 << 10)}))
@@ -321,6 +322,7 @@ def test_backend_allreduces_in_shared_memory_in_issue_order(tmp_path):
 
 @pytest.mark.slow
 def test_off_switch_on_one_rank_keeps_the_group_on_tcp(tmp_path):
+    _torch()  # the ranks run the torch backend
     out, world = tmp_path / "run", 2
     procs = start(world, out, {"SHM_ROUNDS": "1"}, per_rank={1: {"DDPWIRE_SHM": "0"}})
     codes, outs = finish(procs)
@@ -337,6 +339,7 @@ def test_off_switch_on_one_rank_keeps_the_group_on_tcp(tmp_path):
 
 @pytest.mark.slow
 def test_killed_rank_fails_the_others_naming_it(tmp_path):
+    _torch()  # the ranks run the torch backend
     out, world = tmp_path / "run", 3
     # the group timeout is long: the lost connection, not the deadline, ends the waits
     procs = start(world, out, {"SHM_KILL_AT": "2:1", "SHM_TIMEOUT": "600", "SHM_ROUNDS": "4"})
