@@ -18,7 +18,6 @@ import pytest
 from ddpwire import Coordinator, Worker, reduce
 from ddpwire import mesh as meshmod
 from ddpwire.errors import (
-    CoordinatorLost,
     DdpwireError,
     GradientMismatch,
     NonFiniteGradient,
@@ -158,17 +157,24 @@ def numpy_half_mean(grads, codec):
     return narrow((acc / np.float32(len(grads))).astype(np.float32))
 
 
-def run_16_bit_steps(grads, codec):
-    """Two steps with ``compression=codec``: every worker must end with the
-    numpy reference's bits, which are returned."""
-    n = len(grads)
-    s = Session(n, flat_steps(grads, 2), coordinator=dict(compression=codec))
+def run_flat_steps(grads, steps, **coordinator):
+    """A session of len(grads) workers running ``steps`` flat steps, every
+    one finished without an error; the Session, for its results."""
+    s = Session(len(grads), flat_steps(grads, steps), coordinator=coordinator)
     try:
-        for step in range(2):
+        for step in range(steps):
             s.coord.allreduce(step)
     finally:
         s.join()
     assert not s.errors, s.errors
+    return s
+
+
+def run_16_bit_steps(grads, codec):
+    """Two steps with ``compression=codec``: every worker must end with the
+    numpy reference's bits, which are returned."""
+    n = len(grads)
+    s = run_flat_steps(grads, 2, compression=codec)
     want = numpy_half_mean(grads, codec)
     for i in range(n):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
@@ -470,13 +476,7 @@ def helper_threads():
                                      (7, 23), (8, 64)])
 def test_split_ranges_give_the_reference_bits(tiny_ranges, n, count):
     grads = gradients(n, count, seed=100 + n + count)
-    s = Session(n, flat_steps(grads, 2))
-    try:
-        for step in range(2):
-            s.coord.allreduce(step)
-    finally:
-        s.join()
-    assert not s.errors, s.errors
+    s = run_flat_steps(grads, 2)
     want = reduce.mean(grads)
     for i in range(n):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
