@@ -18,6 +18,7 @@ from .auth import TOKEN_ENV, load_token
 from .coordinator import Coordinator
 from .errors import DdpwireError
 from .launch import from_environment, parse_addr
+from .mesh import DEFAULT_CONGESTION
 from .progress import ProgressBar, break_line
 from .serve import serve
 from .threads import default_threads
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
     w.add_argument("--no-mesh", action="store_true",
                    help="do not offer to average with the other workers directly (no listening port)")
+    w.add_argument("--tcp-congestion", default=DEFAULT_CONGESTION, metavar="NAME",
+                   help="TCP congestion control of the links to the other workers, where the "
+                        "kernel lets a socket choose (default: %(default)s; 'system' keeps the "
+                        "system's)")
     _token(w)
     _worker_model(w)
     _training(w)
@@ -170,7 +175,9 @@ def run_worker(args: argparse.Namespace) -> int:
                           device=args.device, node_id=node_id, timeout=args.timeout,
                           seed=args.seed, threads=threads, join_turn=join_turn,
                           token=load_token(args.token_file),
-                          mesh=not getattr(args, "no_mesh", False))
+                          mesh=not getattr(args, "no_mesh", False),
+                          tcp_congestion=None if args.tcp_congestion == "system"
+                          else args.tcp_congestion)
     if hosted is not None:
         hosted.join(args.timeout)
         if failure:

@@ -87,6 +87,14 @@ MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
 #: enough that the kernel work left after the last range is short, large
 #: enough that the pause between two calls is noise next to a range's transfer
 RANGE_BYTES = 8 << 20
+#: The congestion control the mesh links ask for (where the kernel lets a
+#: socket choose, Linux). Every worker sends N-1 bulk flows at once through
+#: its one link and the step ends with the slowest flow, so the links want
+#: an algorithm that shares a bottleneck evenly among flows that start
+#: together. BBR (v1), some hosts' default, does not: on the emulated 1
+#: Gbit/s cluster its flows left each link 85% busy against 92% for cubic
+#: (docs/benchmarks.md). None keeps the system's choice.
+DEFAULT_CONGESTION: Optional[str] = "cubic"
 
 
 def codec_of(compression: Optional[str]) -> Codec:
@@ -205,14 +213,49 @@ def range_count(slice_bytes: int) -> int:
 
 # ---- the links ----
 
-def _peer_channel(sock: socket.socket, peer: int, timeout: float, max_frame: int) -> Channel:
+def check_congestion(name: Optional[str]) -> Optional[str]:
+    """``name`` if it can be a congestion control algorithm's name (the
+    kernel decides whether it has it), None for the system's choice."""
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str) or not name.isascii() or not name.isprintable() \
+            or len(name) > 15 or " " in name:
+        raise ValueError(f"tcp_congestion must be an algorithm's name such as 'cubic', "
+                         f"got {name!r}")
+    return name
+
+
+def set_congestion(sock: socket.socket, name: Optional[str]) -> bool:
+    """Ask the kernel to send ``sock``'s data under congestion control
+    ``name``: True when it did. A kernel without that algorithm, one that
+    does not allow it to unprivileged sockets, or a platform without the
+    option keeps the system's choice (logged, the link works the same)."""
+    if name is None:
+        return False
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        log.debug("mesh: this platform cannot choose TCP congestion control; %s not set", name)
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, name.encode("ascii"))
+    except OSError as exc:
+        log.info("mesh: TCP congestion control %s unavailable (%s); the system's is used",
+                 name, exc.strerror or exc)
+        return False
+    return True
+
+
+def _peer_channel(sock: socket.socket, peer: int, timeout: float, max_frame: int,
+                  congestion: Optional[str] = None) -> Channel:
+    set_congestion(sock, congestion)
     sock.setblocking(False)
     return Channel(sock, timeout=timeout, lost=WorkerLost, peer_id=peer,
                    peer_name=f"worker {peer} (mesh link)", max_frame=max_frame)
 
 
 def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: int, key: bytes,
-                   timeout: float, max_frame: int) -> List[Optional[Channel]]:
+                   timeout: float, max_frame: int,
+                   congestion: Optional[str] = None) -> List[Optional[Channel]]:
     """Dial every higher worker, accept every lower one; each link proves the
     key both ways. A stranger on the listening port (wrong proof, a worker id
     that is taken or not lower) is dropped and the wait goes on."""
@@ -227,7 +270,7 @@ def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: in
             except OSError as exc:
                 raise WorkerLost(f"cannot reach worker {j} at {peers[j][0]}:{peers[j][1]} "
                                  f"for the mesh: {exc}", worker_id=j) from None
-            links[j] = chan = _peer_channel(sock, j, timeout, max_frame)
+            links[j] = chan = _peer_channel(sock, j, timeout, max_frame, congestion)
             chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
         waiting = set(range(me))
         listener.setblocking(False)
@@ -246,7 +289,7 @@ def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: in
                     sock, addr = listener.accept()
                 except (BlockingIOError, InterruptedError):
                     continue
-                chan = _peer_channel(sock, -1, timeout, max_frame)
+                chan = _peer_channel(sock, -1, timeout, max_frame, congestion)
                 try:
                     hello = chan.expect([PeerHello], deadline=min(deadline, time.monotonic() + 5.0))
                 except Exception as exc:  # a stranger: never lets it stop the join
@@ -322,14 +365,18 @@ class Mesh:
 
     @classmethod
     def connect(cls, listener: socket.socket, table: MeshPeers, worker_id: int, world: int, *,
-                timeout: float, max_frame: int) -> "Mesh":
-        """Open the links a MeshPeers names (closing ``listener`` afterwards)."""
+                timeout: float, max_frame: int,
+                congestion: Optional[str] = DEFAULT_CONGESTION) -> "Mesh":
+        """Open the links a MeshPeers names (closing ``listener`` afterwards),
+        each sending under TCP congestion control ``congestion`` where the
+        kernel has it (:data:`DEFAULT_CONGESTION`; None: the system's)."""
         timeout = check_timeout("timeout", timeout)
         if len(table.key) != 32:
             raise ProtocolError("MeshPeers.key must be 32 bytes")
         peers = parse_peers(table.peers, world)
         try:
-            links = _connect_links(listener, peers, worker_id, table.key, timeout, max_frame)
+            links = _connect_links(listener, peers, worker_id, table.key, timeout, max_frame,
+                                   check_congestion(congestion))
         finally:
             listener.close()
         return cls(links, worker_id, Codec(table.codec), timeout,

@@ -147,7 +147,8 @@ class Worker:
     def __init__(self, channel: Channel, worker_id: int, total_workers: int, node_id: str,
                  heartbeat: Optional[float], socket_threads: Optional[bool] = None,
                  extensions: Optional[Mapping[int, bytes]] = None,
-                 mesh_listener: Optional[socket.socket] = None) -> None:
+                 mesh_listener: Optional[socket.socket] = None,
+                 tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION) -> None:
         self._chan = channel
         self.extensions: Dict[int, bytes] = dict(extensions or {})
         self.socket_threads = socket_threads
@@ -161,6 +162,7 @@ class Worker:
         # arrives once every worker has joined, ahead of anything else; the
         # links open at the first flat step.
         self._mesh_listener = mesh_listener
+        self._mesh_congestion = _mesh.check_congestion(tcp_congestion)
         self._mesh_table: Optional[MeshPeers] = None
         self._mesh: Optional[_mesh.Mesh] = None
         self._mesh_sent: Optional[Tuple[int, int]] = None  # (step, length) reduced, not gathered
@@ -191,6 +193,7 @@ class Worker:
         extensions: Optional[Mapping[int, bytes]] = None,
         samples_per_step: Optional[int] = None,
         mesh: bool = True,
+        tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
 
@@ -215,10 +218,15 @@ class Worker:
         then listens on a port of its own, on the address it reaches the
         coordinator from, for links from the other workers. Anything offered
         travels in the JoinRequest's extension block, which the reference
-        coordinator ignores. A refusal raises
+        coordinator ignores. ``tcp_congestion`` is the TCP congestion control
+        the mesh links send under where the kernel lets a socket choose
+        (Linux; default "cubic", see :data:`ddpwire.mesh.DEFAULT_CONGESTION`;
+        None keeps the system's); the link to the coordinator keeps the
+        system's. A refusal raises
         :class:`~ddpwire.JoinRefusedError` saying why.
         """
         timeout = check_timeout("timeout", timeout)
+        tcp_congestion = _mesh.check_congestion(tcp_congestion)
         connect_limit = timeout if connect_timeout is None else check_timeout(
             "connect_timeout", connect_timeout)
         if heartbeat is not None:
@@ -266,7 +274,7 @@ class Worker:
         log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
                  accepted.worker_id, accepted.total_workers)
         return cls(chan, accepted.worker_id, accepted.total_workers, node_id, heartbeat,
-                   socket_threads, granted, listener)
+                   socket_threads, granted, listener, tcp_congestion)
 
     @property
     def channel(self) -> Channel:
@@ -448,7 +456,8 @@ class Worker:
             listener, self._mesh_listener = self._mesh_listener, None
             self._mesh = _mesh.Mesh.connect(listener, self._mesh_table, self._worker_id,
                                             self._total_workers, timeout=self._chan.timeout,
-                                            max_frame=self._chan.max_frame)
+                                            max_frame=self._chan.max_frame,
+                                            congestion=self._mesh_congestion)
         return self._mesh
 
     def _mesh_send(self, step: int, gradients: Any, loss: float, correct: int,

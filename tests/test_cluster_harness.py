@@ -51,12 +51,15 @@ def test_params_defaults_and_env():
     assert d.kinds == ("ddpwire-star", "ddpwire-mesh", "ddpwire-bf16", "gloo")
     p = params.ClusterParams.from_env({"DDPWIRE_CLUSTER_KINDS": " ddpwire-fp16 ,ddpwire-mesh,"})
     assert p.kinds == ("ddpwire-fp16", "ddpwire-mesh")
+    assert d.congestion is None
+    assert params.ClusterParams.from_env({"DDPWIRE_CLUSTER_TCP": " cubic "}).congestion == "cubic"
 
 
 @pytest.mark.parametrize("env", [
     {"DDPWIRE_CLUSTER_SIZES": "0"}, {"DDPWIRE_CLUSTER_SIZES": "x"},
     {"DDPWIRE_CLUSTER_WORKERS": ""}, {"DDPWIRE_CLUSTER_ROUNDS": "0"},
     {"DDPWIRE_CLUSTER_KINDS": "ddpwire,nccl"}, {"DDPWIRE_CLUSTER_WORKER_RATE": "fast"},
+    {"DDPWIRE_CLUSTER_TCP": "cubic; reboot"}, {"DDPWIRE_CLUSTER_TCP": "Cubic"},
     # the baseline imports another checkout, which the namespaces do not run
     {"DDPWIRE_CLUSTER_KINDS": "ddpwire-baseline"}, {"DDPWIRE_CLUSTER_KINDS": ","},
 ])
@@ -131,6 +134,15 @@ def test_setup_commands_shape_both_directions_of_every_link():
     # nothing acts on the root namespace: every other ip/tc call names a namespace of the plan
     for c in cmds[len(adds):]:
         assert c[1] == "-n" and c[2] in p.namespaces, c
+
+
+def test_setup_commands_set_every_machines_congestion_control_inside_it():
+    p = plan.make_plan(2, 10**9, 10**9, congestion="cubic")
+    sysctls = [c for c in net.setup_commands(p) if "sysctl" in c]
+    assert sysctls == [net.exec_prefix(m.netns) + [
+        "sysctl", "-q", "-w", "net.ipv4.tcp_congestion_control=cubic"] for m in p.machines]
+    with pytest.raises(ValueError):
+        plan.make_plan(2, 10**9, 10**9, congestion="cubic -w kernel.x=1")
 
 
 def test_why_unavailable_names_a_reason_or_none():

@@ -569,3 +569,50 @@ def test_the_coordinator_names_the_worker_that_vanished_not_one_that_gave_up_aft
     assert Coordinator._mesh_culprit([report, lost, report], 1) is lost
     # a blame without a worker names the worker that sent it
     assert Coordinator._mesh_culprit([CollectiveError(1, NONE, "x"), report], 1).worker_id == 0
+
+
+def _congestion_of(sock):
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+def _kernel(what):
+    with open(f"/proc/sys/net/ipv4/tcp_{what}") as f:
+        return f.read().split()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="the kernel choice of "
+                    "congestion control is Linux's (the option is skipped elsewhere)")
+@pytest.mark.parametrize("asked", ["default", "reno", None, "no-such-cc"])
+def test_mesh_links_send_under_the_congestion_control_asked_for(asked, caplog):
+    available = _kernel("available_congestion_control")
+    system = _kernel("congestion_control")[0]
+    want = {"default": meshmod.DEFAULT_CONGESTION, "reno": "reno", None: system,
+            "no-such-cc": system}[asked]
+    if want not in available:
+        pytest.skip(f"this kernel has no {want} ({available})")
+    kwargs = {} if asked == "default" else {"tcp_congestion": asked}
+    grads = gradients(3, 1000, seed=9)
+
+    def body(w):
+        w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+        links = [c.conn.sock for c in w._mesh.links if c is not None]
+        return [_congestion_of(s) for s in links], _congestion_of(w.channel.conn.sock)
+
+    caplog.set_level("INFO", logger="ddpwire")
+    s = Session(3, body, workers={i: kwargs for i in range(3)})
+    try:
+        s.coord.allreduce(0)
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    for links, coordinator_link in s.results.values():
+        assert links == [want, want]
+        assert coordinator_link == system  # only the mesh links are chosen for
+    if asked == "no-such-cc":
+        assert "no-such-cc unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["cu bic", "x" * 16, "ü", 5])
+def test_a_malformed_congestion_control_name_is_refused_before_joining(name):
+    with pytest.raises(ValueError, match="tcp_congestion"):
+        Worker.connect(("127.0.0.1", 9), timeout=1.0, tcp_congestion=name)

@@ -95,7 +95,17 @@ def setup_commands(p: _plan.Plan) -> List[List[str]]:
             shaping.tbf_command(m.netns, _plan.MACHINE_IF, m.rate),
             shaping.tbf_command(br, m.port, m.rate),
         ]
+        if p.congestion is not None:
+            # a sysctl per namespace: what every socket on that machine starts with
+            cmds.append(["ip", "netns", "exec", m.netns, "sysctl", "-q", "-w",
+                         f"net.ipv4.tcp_congestion_control={p.congestion}"])
     return cmds
+
+
+def congestion_in(netns: str) -> str:
+    """The TCP congestion control sockets inside ``netns`` start with."""
+    return _run(exec_prefix(netns) + ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]
+                ).stdout.strip()
 
 
 class Cluster:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Mapping, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import allreduce_procs as procs
 
@@ -57,6 +57,17 @@ def parse_kinds(text: str) -> Tuple[str, ...]:
     return kinds
 
 
+def parse_congestion(text: str) -> Optional[str]:
+    """A congestion control algorithm's name, or None (empty: the host's)."""
+    name = text.strip()
+    if not name:
+        return None
+    if not re.fullmatch(r"[a-z0-9_]{1,15}", name):
+        raise ValueError(f"DDPWIRE_CLUSTER_TCP must name a congestion control algorithm "
+                         f"such as cubic; got {text!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class ClusterParams:
     """One benchmark run: the sweep and the links it runs over."""
@@ -67,6 +78,8 @@ class ClusterParams:
     worker_rate: int = 10**9
     rounds: int = 3
     kinds: Tuple[str, ...] = DEFAULT_KINDS
+    #: every machine's default TCP congestion control; None keeps the host's
+    congestion: Optional[str] = None
 
     @property
     def max_workers(self) -> int:
@@ -87,4 +100,5 @@ class ClusterParams:
             rounds=parse_ints(env.get("DDPWIRE_CLUSTER_ROUNDS", str(d.rounds)), 1,
                               "DDPWIRE_CLUSTER_ROUNDS")[0],
             kinds=parse_kinds(env.get("DDPWIRE_CLUSTER_KINDS", ",".join(DEFAULT_KINDS))),
+            congestion=parse_congestion(env.get("DDPWIRE_CLUSTER_TCP", "")),
         )

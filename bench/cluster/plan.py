@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 PREFIX = "ddpw"
 SUBNET = "10.213.0.0/24"
@@ -43,6 +43,9 @@ class Plan:
     prefixlen: int
     coordinator: Machine
     workers: List[Machine]
+    #: every machine's default TCP congestion control (None: the host's,
+    #: which a new namespace starts with)
+    congestion: Optional[str] = None
 
     @property
     def machines(self) -> List[Machine]:
@@ -56,7 +59,8 @@ class Plan:
 
 
 def make_plan(n_workers: int, coord_rate: int, worker_rate: int,
-              prefix: str = PREFIX, subnet: str = SUBNET) -> Plan:
+              prefix: str = PREFIX, subnet: str = SUBNET,
+              congestion: Optional[str] = None) -> Plan:
     """Names and addresses for a coordinator and ``n_workers`` workers."""
     net = ipaddress.ip_network(subnet)
     if n_workers < 1:
@@ -66,6 +70,8 @@ def make_plan(n_workers: int, coord_rate: int, worker_rate: int,
     if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
         # namespace names end up in file names under /run/netns: keep them plain
         raise ValueError(f"prefix must be 1-8 lowercase letters or digits, got {prefix!r}")
+    if congestion is not None and not re.fullmatch(r"[a-z0-9_]{1,15}", congestion):
+        raise ValueError(f"congestion must be an algorithm's name, got {congestion!r}")
 
     def machine(role: str, host: int, rate: int) -> Machine:
         return Machine(role=role, netns=f"{prefix}-{role}", port=role,
@@ -74,7 +80,8 @@ def make_plan(n_workers: int, coord_rate: int, worker_rate: int,
     return Plan(prefix=prefix, bridge_netns=f"{prefix}-br", prefixlen=net.prefixlen,
                 coordinator=machine("c", _COORD_HOST, coord_rate),
                 workers=[machine(f"w{i}", _FIRST_WORKER_HOST + i, worker_rate)
-                         for i in range(n_workers)])
+                         for i in range(n_workers)],
+                congestion=congestion)
 
 
 def is_ours(netns: str, prefix: str = PREFIX) -> bool:

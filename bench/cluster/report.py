@@ -142,7 +142,9 @@ def table(path: str) -> str:
     first = infos[0]
     coord_rate, worker_rate = first["coord_rate_bps"], first["worker_rate_bps"]
     lines = [f"`{path}`: coordinator link {_rate(coord_rate)}, worker links "
-             f"{_rate(worker_rate)}, commit {commit.get('id', '?')[:7]}"
+             f"{_rate(worker_rate)}"
+             f"{', TCP ' + first['tcp_congestion'] if first.get('tcp_congestion') else ''}"
+             f", commit {commit.get('id', '?')[:7]}"
              f"{' (dirty)' if commit.get('dirty') else ''}, "
              f"{first['rounds']} timed steps per case after {first['warmup']} warm-up", ""]
     tcp = [i for i in infos if i["kind"] == "tcp"]

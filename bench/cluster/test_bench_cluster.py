@@ -17,8 +17,10 @@ otherwise. Not part of the default test run (testpaths = tests):
 Parameters (environment): DDPWIRE_CLUSTER_SIZES (MiB, default "16,64"),
 DDPWIRE_CLUSTER_WORKERS ("2,4"), DDPWIRE_CLUSTER_COORD_RATE and
 DDPWIRE_CLUSTER_WORKER_RATE (tc rates, default "1gbit"),
-DDPWIRE_CLUSTER_ROUNDS (timed steps per case, default 3, after one warm-up)
-and DDPWIRE_CLUSTER_KINDS (default "ddpwire-star,ddpwire-mesh,ddpwire-bf16,gloo";
+DDPWIRE_CLUSTER_ROUNDS (timed steps per case, default 3, after one warm-up),
+DDPWIRE_CLUSTER_TCP (the TCP congestion control every machine starts its
+sockets with, gloo's included; default: the host's, which is recorded) and
+DDPWIRE_CLUSTER_KINDS (default "ddpwire-star,ddpwire-mesh,ddpwire-bf16,gloo";
 every kind is a row of bench/allreduce_procs.py's DDPWIRE_KINDS: "ddpwire"
 is the library's default reduce (topology "auto"), "ddpwire-star" and
 "ddpwire-mesh" force one, "ddpwire-bf16" and "ddpwire-fp16" are the mesh
@@ -69,7 +71,8 @@ def cluster_plan():
     reason = net.why_unavailable()
     if reason:
         pytest.skip(reason)
-    p = plan.make_plan(PARAMS.max_workers, PARAMS.coord_rate, PARAMS.worker_rate)
+    p = plan.make_plan(PARAMS.max_workers, PARAMS.coord_rate, PARAMS.worker_rate,
+                       congestion=PARAMS.congestion)
     cluster = net.Cluster(p)
     try:
         cluster.__enter__()
@@ -101,7 +104,8 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
                 coord_rate_bps=coord_rate, worker_rate_bps=worker_rate,
                 tbf_burst_coord=shaping.burst_bytes(coord_rate),
                 tbf_burst_worker=shaping.burst_bytes(worker_rate),
-                tbf_latency_ms=shaping.LATENCY_MS)
+                tbf_latency_ms=shaping.LATENCY_MS,
+                tcp_congestion=net.congestion_in(cluster_plan.workers[0].netns))
     if kind == "tcp":
         # worker 0's link out, then the coordinator's link in
         info["path_rate_bps"] = min(coord_rate, worker_rate)

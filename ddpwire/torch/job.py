@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..mesh import DEFAULT_CONGESTION
 from ..worker import Worker
 from .data import ArrayDataset, digits_split, token_sequences
 from .device import choose_device
@@ -97,12 +98,14 @@ def train_worker(
     join_turn: Optional[RankOrder] = None,
     token: Optional[bytes] = None,
     mesh: bool = True,
+    tcp_congestion: Optional[str] = DEFAULT_CONGESTION,
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
     ``threads``: torch's intra-op threads (0 keeps torch's default).
     ``join_turn``: under torchrun, join only after the previous rank did.
-    ``token``: authenticate both ways (docs/security.md)."""
+    ``token``: authenticate both ways (docs/security.md).
+    ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`."""
     used_threads = apply_threads(threads)
     choice = choose_device(device)
     net, train, held = build_task(model, seed=seed, blocks=blocks)
@@ -115,7 +118,8 @@ def train_worker(
     # refuses this worker instead of training a different model
     worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
                             node_id=node_id, timeout=timeout, token=token,
-                            samples_per_step=samples_per_step, mesh=mesh)
+                            samples_per_step=samples_per_step, mesh=mesh,
+                            tcp_congestion=tcp_congestion)
     if join_turn is not None:
         join_turn.joined()
     with worker:
