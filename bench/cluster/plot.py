@@ -49,7 +49,9 @@ def plot(out: str, paths: List[str]) -> None:
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([f"{s >> 20} MiB\nN={n}" for s, n in cases])
         ax.set_ylabel("median step (ms)")
+        tcp = infos[0].get("tcp_congestion")
         ax.set_title(f"coordinator {rates[0] / 1e9:g} Gbit/s, workers {rates[1] / 1e9:g} Gbit/s"
+                     f"{', TCP ' + tcp if tcp else ''}"
                      f"\n{os.path.basename(path)} @ {commit.get('id', '?')[:7]}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
