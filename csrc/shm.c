@@ -275,21 +275,42 @@ void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size
     *count = b - a;
 }
 
+int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, size_t n,
+                   uint32_t op)
+{
+    size_t start = 0, count = 0;
+    float *in;
+    if (world == 0 || world > DDPW_SHM_MAX_WORLD || rank >= world ||
+        n > (size_t)(head_of(base)->region_bytes / 4))
+        return -1;
+    in = ddpw_shm_input(base, rank);
+    ddpw_shm_slice(n, world, rank, &start, &count);
+    if (start > 0)
+        memcpy(in, src, start * sizeof(float));
+    if (start + count < n)
+        memcpy(in + start + count, src + start + count, (n - start - count) * sizeof(float));
+    ddpw_shm_post(base, rank, n, op);
+    return 0;
+}
+
 int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
-                        uint32_t *bad_rank)
+                        const float *own, uint32_t own_rank, uint32_t *bad_rank)
 {
     const float *inputs[DDPW_SHM_MAX_WORLD];
     float *out;
     size_t bad_input = 0;
     int64_t bad = -1, at;
     uint32_t r;
-    if ((op != DDPW_SHM_AVG && op != DDPW_SHM_SUM) || world == 0 || world > DDPW_SHM_MAX_WORLD)
+    if ((op != DDPW_SHM_AVG && op != DDPW_SHM_SUM) || world == 0 || world > DDPW_SHM_MAX_WORLD ||
+        (own != NULL && own_rank >= world))
         return -2;
     if (count == 0)
         return -1;
     out = ddpw_shm_output(base) + start;
     for (r = 0; r < world; r++)
         inputs[r] = ddpw_shm_input(base, r) + start;
+    if (own != NULL)
+        inputs[own_rank] = own + start;
     /* the kernels finish the slice whatever they meet: a caller that halts
      * on the report still holds the reference's bits, one that does not
      * (the collectives service) simply ignores it */

@@ -11,12 +11,23 @@
  *
  * One allreduce of n float32 elements (n * 4 <= region_bytes):
  *
- *   1. rank r copies its elements into input region r and posts (n, op);
+ *   1. rank r copies its elements into input region r, all but its own
+ *      slice (ddpw_shm_slice), and posts (n, op): ddpw_shm_stage;
  *   2. barrier g: every input is in place;
- *   3. rank r reduces element slice r (ddpw_shm_slice) across the inputs,
- *      in rank order, into the output region;
+ *   3. rank r reduces element slice r across the inputs, in rank order,
+ *      into the output region, reading input r's slice from its own private
+ *      buffer instead of input region r;
  *   4. barrier g + 1: the output is complete;
  *   5. every rank copies the whole output region out.
+ *
+ * Why a rank need not stage its own slice: slice r of input region r is
+ * read by rank r alone (only the owner of a slice reduces it), so the copy
+ * would carry bytes from rank r to rank r, 1/world of the copy-in traffic.
+ * The price: rank r's private buffer is an input until step 3 ends, so its
+ * own slice must not change between steps 1 and 3. The torch backend's
+ * allreduce holds the buffer for the whole call; the mesh's caller does
+ * not touch its gradients until reduce_scatter (which ends with step 3)
+ * returns. Slice r of input region r holds stale bytes, never read.
  *
  * Why the regions can be reused by the next allreduce without a third
  * barrier: a rank writes its input region again (step 1 of the next one)
@@ -24,7 +35,9 @@
  * its step 3, the only reads of the inputs. A rank writes the output region
  * again (step 3 of the next one) only after passing the next barrier g + 2,
  * which every rank reaches only after its step 5, the only reads of the
- * output. The posted (n, op) line follows the input rule.
+ * output. The posted (n, op) line follows the input rule. Slices move with
+ * n, so the slice a rank skipped last time may be another's to read this
+ * time: every element another rank reads is staged afresh in step 1.
  *
  * The arithmetic is reduce.h's: AVG is ddpw_mean (float32 sum in rank
  * order, then a true division by (float)world), SUM is the same sum without
@@ -125,13 +138,25 @@ int64_t ddpw_shm_agree(const void *base, uint32_t world);
  * cache line) so no two ranks write one line of the output. */
 void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size_t *count);
 
-/* Reduce elements [start, start + count) of every input region into the
- * output region: op DDPW_SHM_AVG or DDPW_SHM_SUM. The whole slice is always
- * written. Returns -1 when every input element of the slice is finite, -2
- * for another op, else the element (of the whole vector) of the first
+/* Step 1: copy src[0..n) into rank's input region except rank's own slice
+ * of n (which no other rank reads), then post (n, op). Returns 0, or -1
+ * (nothing copied or posted) when rank is not below world, world is over
+ * DDPW_SHM_MAX_WORLD or n elements do not fit a region. src must not
+ * overlap the mapping's input region. */
+int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, size_t n,
+                   uint32_t op);
+
+/* Reduce elements [start, start + count) of every rank's input into the
+ * output region: op DDPW_SHM_AVG or DDPW_SHM_SUM. Rank r's input is input
+ * region r, except that when own is not NULL rank own_rank's is own, that
+ * rank's whole private vector (at least start + count elements, indexed
+ * like the regions, overlapping no output): the slice ddpw_shm_stage did
+ * not copy. The whole slice is always written. Returns -1 when every input
+ * element of the slice is finite, -2 for another op or an own_rank not
+ * below world, else the element (of the whole vector) of the first
  * non-finite value of the lowest rank holding one, that rank in *bad_rank
  * (which may be NULL): the report the mesh halts a step on. */
 int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
-                        uint32_t *bad_rank);
+                        const float *own, uint32_t own_rank, uint32_t *bad_rank);
 
 #endif

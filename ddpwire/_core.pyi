@@ -235,10 +235,13 @@ class ShmArena:
     def slice(self, n: int, rank: int) -> Tuple[int, int]: ...
     def allreduce(self, buf: _Buffer, op: int, generation: int, timeout: float) -> Tuple[int, int]:
         """In place over every rank, barriers ``generation`` and ``generation + 1``:
-        (SHM_OK, -1) or (status, rank at fault)."""
+        (SHM_OK, -1) or (status, rank at fault). ``buf`` must not change meanwhile."""
     def stage(self, buf: _Buffer) -> None:
-        """Copy float32 bytes into this rank's input region and post their count."""
+        """Copy float32 bytes, all but this rank's own slice, into its input
+        region and post their count; ``buf`` must not change until :meth:`reduce_mean`."""
     def agree(self) -> int: ...
-    def reduce_mean(self, n: int) -> Tuple[int, int, int, int, float]:
-        """This rank's slice averaged: (start, count, bad rank or -1, bad element, its value)."""
+    def reduce_mean(self, buf: _Buffer) -> Tuple[int, int, int, int, float]:
+        """This rank's slice averaged, its own input read from ``buf`` (the
+        buffer :meth:`stage` was given): (start, count, bad rank or -1, bad
+        element, its value)."""
     def gather(self, buf: _Buffer) -> None: ...

@@ -73,11 +73,17 @@ cdef class ShmArena:
     cdef readonly uint32_t rank
     cdef readonly uint32_t world
     cdef readonly uint64_t region_bytes
+    # what stage() was given: reduce_mean() reads this rank's slice from it
+    # (only its address and length, to refuse another buffer)
+    cdef const void *_staged
+    cdef Py_ssize_t _staged_len
 
     def __cinit__(self):
         self._held = False
         self._busy = 0
         self._close_pending = False
+        self._staged = NULL
+        self._staged_len = -1
 
     def __init__(self, mapping, world, rank, region_bytes):
         if not 0 < world <= DDPW_SHM_MAX_WORLD or not 0 <= rank < world:
@@ -168,15 +174,18 @@ cdef class ShmArena:
         using barriers ``generation`` and ``generation + 1``, each waited for
         at most ``timeout`` seconds. (SHM_OK, -1), or (status, rank at fault)
         with SHM_TIMEOUT, SHM_ABORTED or SHM_DISAGREE (a rank posted another
-        count or op than rank 0); after a failure the arena is unusable."""
+        count or op than rank 0); after a failure the arena is unusable.
+        This rank's own slice is read from ``buf`` itself, never staged, so
+        nothing may write ``buf`` while the call runs."""
         cdef Py_buffer view
         cdef void *base = self._base()
         cdef uint32_t missing = 0
         cdef uint32_t gen = <uint32_t>generation
         cdef uint32_t cop = op
         cdef size_t n, start = 0, count = 0
-        cdef int status
+        cdef int status, staged
         cdef int64_t bad
+        cdef const float *own
         if cop != DDPW_SHM_SUM and cop != DDPW_SHM_AVG:
             raise ValueError(f"op {op} is neither SUM (0) nor AVG (1)")
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE | PyBUF_WRITABLE)
@@ -186,9 +195,11 @@ cdef class ShmArena:
                 raise ValueError(f"{view.len} bytes are not float32 elements within "
                                  f"the {self.region_bytes}-byte region")
             n = <size_t>view.len // 4
+            own = <const float *>view.buf
             with nogil:
-                memcpy(ddpw_shm_input(base, self.rank), view.buf, n * 4)
-                ddpw_shm_post(base, self.rank, n, cop)
+                staged = ddpw_shm_stage(base, self.rank, self.world, own, n, cop)
+            if staged != 0:
+                raise ValueError(f"{n} elements cannot be staged in this arena")
             status = self._wait(gen, timeout, &missing)
             if status != DDPW_SHM_OK:
                 return status, <int>missing
@@ -197,7 +208,7 @@ cdef class ShmArena:
                 return SHM_DISAGREE, <int>bad
             with nogil:
                 ddpw_shm_slice(n, self.world, self.rank, &start, &count)
-                ddpw_shm_reduce(base, self.world, start, count, cop, NULL)
+                ddpw_shm_reduce(base, self.world, start, count, cop, own, self.rank, NULL)
             status = self._wait(gen + 1, timeout, &missing)
             if status != DDPW_SHM_OK:
                 return status, <int>missing
@@ -230,15 +241,23 @@ cdef class ShmArena:
             self.close()
 
     def stage(self, buf):
-        """Copy ``buf`` (float32 bytes) into this rank's input region and
-        post its element count for :meth:`agree`."""
+        """Copy ``buf`` (float32 bytes) into this rank's input region, all
+        but this rank's own slice, and post its element count for
+        :meth:`agree`. :meth:`reduce_mean` reads the own slice from ``buf``
+        itself: it must not change until then."""
         cdef Py_buffer view
         cdef void *base = self._base()
+        cdef int staged
         self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE)
         try:
+            self._staged = NULL
+            self._staged_len = -1
             with nogil:
-                memcpy(ddpw_shm_input(base, self.rank), view.buf, <size_t>view.len)
-                ddpw_shm_post(base, self.rank, <uint64_t>view.len // 4, DDPW_SHM_AVG)
+                staged = ddpw_shm_stage(base, self.rank, self.world, <const float *>view.buf,
+                                        <size_t>view.len // 4, DDPW_SHM_AVG)
+            if staged != 0:
+                raise ValueError(f"{view.len // 4} elements cannot be staged in this arena")
+            self._staged, self._staged_len = view.buf, view.len
         finally:
             self._leave(&view)
 
@@ -247,28 +266,39 @@ cdef class ShmArena:
         elements as rank 0, else the first rank that did not."""
         return ddpw_shm_agree(self._base(), self.world)
 
-    def reduce_mean(self, n):
-        """Average this rank's slice of ``n`` elements into the output
-        region: (start, count, bad rank or -1, its first bad element of
-        the vector, that element's value)."""
+    def reduce_mean(self, buf):
+        """Average this rank's slice of the vector into the output region,
+        ``buf`` being the vector :meth:`stage` was given (unchanged since:
+        its own slice, never staged, is read from it): (start, count, bad
+        rank or -1, its first bad element of the vector, that element's
+        value)."""
+        cdef Py_buffer view
         cdef void *base = self._base()
-        cdef size_t start = 0, count = 0, cn = n
+        cdef size_t start = 0, count = 0, n
         cdef uint32_t bad_rank = 0
         cdef int64_t bad
-        if <uint64_t>cn * 4 > self.region_bytes:
-            raise ValueError(f"{n} elements do not fit the {self.region_bytes}-byte region")
-        self._busy += 1
+        cdef const float *own
+        cdef float value
+        self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE)
         try:
+            if view.buf != self._staged or view.len != self._staged_len:
+                raise ValueError("reduce_mean takes the buffer stage() was given")
+            own = <const float *>view.buf
+            n = <size_t>view.len // 4
             with nogil:
-                ddpw_shm_slice(cn, self.world, self.rank, &start, &count)
-                bad = ddpw_shm_reduce(base, self.world, start, count, DDPW_SHM_AVG, &bad_rank)
+                ddpw_shm_slice(n, self.world, self.rank, &start, &count)
+                bad = ddpw_shm_reduce(base, self.world, start, count, DDPW_SHM_AVG, own,
+                                      self.rank, &bad_rank)
+            if bad < 0:
+                return start, count, -1, 0, 0.0
+            # the own rank's input is buf, its region holds stale bytes
+            if bad_rank == self.rank:
+                value = own[bad]
+            else:
+                value = ddpw_shm_input(base, bad_rank)[bad]
+            return start, count, <int>bad_rank, bad, value
         finally:
-            self._busy -= 1
-            if self._busy == 0 and self._close_pending:
-                self.close()
-        if bad < 0:
-            return start, count, -1, 0, 0.0
-        return start, count, <int>bad_rank, bad, ddpw_shm_input(base, bad_rank)[bad]
+            self._leave(&view)
 
     def gather(self, buf):
         """Copy the output region's first len(buf) bytes into ``buf``."""

@@ -749,13 +749,17 @@ _LOOK_EVERY = 0.2
 
 class SharedPlane:
     """A mesh step through one shared segment (csrc/shm.h), every worker on
-    one host: each stages its gradient into its input region; barrier; each
-    averages its slice (:meth:`_core.ShmArena.reduce_mean`, the reference's
-    bits, non-finite elements reported as on the links) into the output
-    region; the StepReport and StepCommit; barrier; each copies the whole
-    output. The second barrier comes after the go-ahead, so no worker reads
-    the average of a halted step. The links stay open: a worker that leaves
-    closes them, which the others see while they wait."""
+    one host: each stages its gradient into its input region, all but its
+    own slice (no other worker reads that); barrier; each averages its slice
+    (:meth:`_core.ShmArena.reduce_mean`, the reference's bits, non-finite
+    elements reported as on the links) into the output region, reading its
+    own input straight from its gradient; the StepReport and StepCommit;
+    barrier; each copies the whole output. So a worker's gradients stay an
+    input until :meth:`reduce_scatter` returns: nothing may write them
+    before (the worker's send returns only then). The second barrier comes
+    after the go-ahead, so no worker reads the average of a halted step. The
+    links stay open: a worker that leaves closes them, which the others see
+    while they wait."""
 
     def __init__(self, segment: "_shm.Segment", mesh: "Mesh") -> None:
         self.segment = segment
@@ -833,7 +837,7 @@ class SharedPlane:
             if bad >= 0:
                 raise GradientMismatch("mesh vector length (its gradients have another length "
                                        "than worker 0's)", n, "another", worker_id=bad, step=step)
-            _start, _count, bad_rank, index, value = self._arena.reduce_mean(n)
+            _start, _count, bad_rank, index, value = self._arena.reduce_mean(gradients)
         except BaseException as exc:
             self.abort(_blame(exc, me))
             raise

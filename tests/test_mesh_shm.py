@@ -156,6 +156,32 @@ def test_a_nan_halts_with_nothing_written_into_out(planes_made):
         assert isinstance(exc, NonFiniteGradient) and exc.worker_id == 1 and exc.step == 0
 
 
+def test_a_non_finite_value_in_a_worker_s_own_slice_is_reported_with_its_value(planes_made):
+    # a worker reads its own slice from its gradients, never from its input
+    # region: the report must come from there, with the value itself
+    count = 40_000  # worker 1's slice: [13328, 26656)
+    grads = gradients(3, count, seed=7)
+    grads[1][20_000] = np.inf        # worker 1's first: this one
+    grads[1][20_001] = -np.inf
+    grads[2][19_000] = np.nan        # same slice, a later worker
+
+    def body(w, s):
+        out = np.zeros(count, dtype=np.float32)
+        w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
+
+    s = Session(3, body)
+    try:
+        with pytest.raises(NonFiniteGradient) as info:
+            s.coord.allreduce(0)
+    finally:
+        s.join()
+    assert sorted(planes_made) == [0, 1, 2]
+    assert (info.value.worker_id, info.value.index, info.value.value) == (1, 20_000, np.inf)
+    for exc in s.errors.values():
+        assert isinstance(exc, NonFiniteGradient)
+        assert (exc.worker_id, exc.index, exc.value) == (1, 20_000, np.inf)
+
+
 def test_a_worker_that_leaves_after_its_report_is_named_and_nothing_is_applied():
     count = 300_000
     grads = gradients(3, count, seed=6)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -218,6 +219,164 @@ def test_an_arrived_rank_wins_over_an_abort():
     arena.abort(0)
     assert arena.barrier(1, 1.0) == (_core.SHM_OK, -1)
     assert arena.aborted() == 0
+
+
+# ---- ranks as threads on one in-process mapping: a rank's own slice ----
+# Rank r never stages slice r of its vector (nobody else reads it) and reduces
+# it from its own buffer. These tests fill or scribble that slice of the
+# input regions, so reading it from there would change the bits or reports.
+
+def in_process(world, body, region=REGION):
+    """``body(arena, rank, inputs)`` on a thread per rank of one bytearray
+    mapping (``inputs``: the input regions as float32 rows, the layout's
+    last world + 1 regions being the inputs then the output)."""
+    mapping = bytearray(_core.shm_size(world, region))
+    arenas = [_core.ShmArena(mapping, world, r, region) for r in range(world)]
+    arenas[0].init(NONCE)
+    regions = np.frombuffer(mapping, dtype=np.float32, offset=len(mapping) - (world + 1) * region)
+    inputs = regions.reshape(world + 1, region // 4)[:world]
+    results, errors = {}, {}
+
+    def run(r):
+        try:
+            results[r] = body(arenas[r], r, inputs)
+        except BaseException as exc:  # handed to the test
+            errors[r] = exc
+            arenas[r].abort(r)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(LIMIT)
+        assert not t.is_alive(), "a rank hung"
+    del regions, inputs
+    for a in arenas:
+        a.close()
+    assert not errors, errors
+    return results
+
+
+def reference(op, ins):
+    if op is Op.SUM:
+        return combine(Op.SUM, DType.FLOAT32, ins)
+    want = np.empty(len(ins[0]), dtype=np.float32)
+    try:
+        dreduce.mean(ins, want)
+    except Exception:  # noqa: BLE001 - NonFiniteGradient: want is complete
+        pass
+    return want
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_allreduce_reads_each_rank_s_own_slice_from_its_buffer(world):
+    sizes = [1, 5, 17, 16 * 4 + 3, 4099, REGION // 4]
+
+    def body(arena, rank, inputs):
+        out = []
+        for i, n in enumerate(sizes):
+            x = inputs_of(rank, i, n)
+            # only this rank reads this slice of its region: once the last
+            # allreduce has returned, nobody else is reading it at all
+            start, count = arena.slice(n, rank)
+            inputs[rank][start:start + count] = np.nan
+            status = arena.allreduce(x, int(op_of(i)), 2 * i + 1, LIMIT)
+            assert status == (_core.SHM_OK, -1)
+            assert np.isnan(inputs[rank][start:start + count]).all()  # never staged
+            out.append(x)
+        return out
+
+    got = in_process(world, body)
+    for i, n in enumerate(sizes):
+        want = reference(op_of(i), [inputs_of(r, i, n) for r in range(world)])
+        for r in range(world):
+            assert got[r][i].tobytes() == want.tobytes(), (world, i, r)
+
+
+def split_step(arena, rank, x, scribble, inputs, generation=0):
+    """The mesh's calls (ddpwire.mesh.SharedPlane) for one vector, with this
+    rank's own slice of its input region scribbled over between stage and
+    reduce: (reduce_mean's report, the gathered average)."""
+    arena.stage(x)
+    assert arena.barrier(generation + 1, LIMIT) == (_core.SHM_OK, -1)
+    assert arena.agree() == -1
+    start, count = arena.slice(len(x), rank)
+    inputs[rank][start:start + count] = scribble
+    report = arena.reduce_mean(x)
+    assert report[:2] == (start, count)
+    assert arena.barrier(generation + 2, LIMIT) == (_core.SHM_OK, -1)
+    out = np.empty_like(x)
+    arena.gather(out)
+    return report[2:], out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_mesh_s_split_calls_read_the_own_slice_from_the_buffer(world):
+    sizes = [1, 16 * 4 + 3, 12000]
+
+    def body(arena, rank, inputs):
+        return [split_step(arena, rank, inputs_of(rank, 10 + i, n), np.float32(1e30), inputs, 2 * i)
+                for i, n in enumerate(sizes)]
+
+    got = in_process(world, body)
+    for i, n in enumerate(sizes):
+        ins = [inputs_of(r, 10 + i, n) for r in range(world)]
+        want = np.empty(n, dtype=np.float32)
+        dreduce.mean(ins, want)
+        for r in range(world):
+            report, out = got[r][i]
+            assert report == (-1, 0, 0.0) and out.tobytes() == want.tobytes(), (world, i, r)
+
+
+def test_a_non_finite_value_in_the_own_slice_is_reported_from_the_buffer():
+    world, n = 3, 4800  # slices [0, 1600), [1600, 3200), [3200, 4800)
+    xs = [np.arange(n, dtype=np.float32) * (r + 1) for r in range(world)]
+    xs[1][2000] = np.inf     # rank 1's own slice: its region never holds it
+    xs[2][2500] = np.nan     # also in rank 1's slice, but rank 1 comes first
+    xs[2][100] = -np.inf     # rank 0's slice: read from rank 2's region
+    xs[2][4000] = np.nan     # rank 2's own slice
+    xs[1][4500] = np.inf     # ...where rank 1 comes first: from its region
+
+    def body(arena, rank, inputs):
+        # the scribble is finite: a report read from the region would miss
+        # the own slice's value or name another
+        return split_step(arena, rank, xs[rank], np.float32(123.0), inputs)
+
+    got = in_process(world, body)
+    assert [got[r][0] for r in range(world)] == [(2, 100, -np.inf), (1, 2000, np.inf),
+                                                  (1, 4500, np.inf)]
+    # rank 2's slice with the NaN of its own alone: read from its buffer
+    xs[1][4500] = 0.0
+    got = in_process(world, body)
+    bad_rank, index, value = got[2][0]
+    assert (bad_rank, index) == (2, 4000) and np.isnan(value)
+    want = np.empty(n, dtype=np.float32)
+    try:
+        dreduce.mean(xs, want)
+    except Exception:  # noqa: BLE001 - NonFiniteGradient: want is complete
+        pass
+    for r in range(world):
+        assert got[r][1].tobytes() == want.tobytes(), r
+
+
+def test_reduce_mean_takes_the_staged_buffer_only():
+    arena = _core.ShmArena(bytearray(_core.shm_size(1, 4096)), 1, 0, 4096)
+    arena.init(NONCE)
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(ValueError, match="stage"):
+        arena.reduce_mean(x)  # nothing staged
+    arena.stage(x)
+    for other in (x.copy(), x[:4]):
+        with pytest.raises(ValueError, match="stage"):
+            arena.reduce_mean(other)
+    assert arena.barrier(1, 1.0) == (_core.SHM_OK, -1)
+    assert arena.reduce_mean(x) == (0, 8, -1, 0, 0.0)
+    assert arena.barrier(2, 1.0) == (_core.SHM_OK, -1)
+    out = np.empty_like(x)
+    arena.gather(out)
+    assert out.tobytes() == x.tobytes()  # a world of one: its own slice is everything
+    with pytest.raises(ValueError):
+        arena.stage(np.zeros(1025, dtype=np.float32))  # over the region
 
 
 def test_ctrl_c_interrupts_a_barrier(tmp_path):
