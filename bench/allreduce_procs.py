@@ -329,7 +329,8 @@ def _ddpwire_coordinator(conn, kind: str, n: int, size: int, steps: int,
         coord.close()
         # before the check, whose temporaries are the benchmark's, not ddpwire's
         peak = peak_rss_bytes()
-        summary: Dict[str, Any] = {"peak_rss": peak, "times": times}
+        summary: Dict[str, Any] = {"peak_rss": peak, "times": times,
+                                   "topology": "mesh" if coord.mesh else "star"}
         if count and np.isnan(out).all():
             summary["average_ok"] = None
         else:

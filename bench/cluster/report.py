@@ -43,8 +43,9 @@ def kind_order(kinds) -> List[str]:
 
 
 def topology(info: dict) -> str:
-    """"star", "mesh", "auto" or "ring" (gloo). Files from before the kinds
-    recorded it hold only "auto" runs, which were the star then."""
+    """"star", "mesh", "auto" or "ring" (gloo): the topology the coordinator
+    chose. Files from before runs recorded it hold only "auto" runs, which
+    were the star then."""
     if info["kind"] == "gloo":
         return "ring"
     return info.get("topology") or "auto"
@@ -71,7 +72,8 @@ def link_figures(topo: str, elem_bytes: int, n: int, size: int, median: float,
     """Payload bytes each way through the link the topology loads most, and
     that over the step time against the link's rate (the extra_info keys).
 
-    "auto" counts as the star until the library says which one it chose.
+    "auto" (files from before the runs recorded the coordinator's choice)
+    counts as the star, which it was then.
     """
     if topo not in ("mesh", "ring"):
         return {"coord_link_bytes_each_way": n * size,

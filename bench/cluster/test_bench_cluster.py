@@ -115,7 +115,8 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
     assert all(w["average_ok"] for w in summary["workers"]), summary["workers"]
     if kind != "gloo":
         spec = procs.ddpwire_kind(kind)
-        info.update(topology=spec.topology, compression=spec.compression)
+        # the one the coordinator chose ("auto" picks the mesh when it can)
+        info.update(topology=summary["coordinator"]["topology"], compression=spec.compression)
     info.update(report.link_figures(report.topology(info), report.bytes_per_element(info),
                                     n, size, median, coord_rate, worker_rate))
     if kind != "gloo":
