@@ -29,8 +29,7 @@ from ddpwire.extensions import Codec
 from ddpwire.messages import MeshPeers, PeerHello
 from ddpwire.channel import Channel
 
-ADDR = ("127.0.0.1", 0)
-TIMEOUT = 20.0
+from mesh_session import ADDR, TIMEOUT, Session, bits, flat_steps, gradients, run_flat_steps
 
 
 @pytest.fixture(autouse=True, params=["links", "shared"])
@@ -40,61 +39,6 @@ def data_plane(request, monkeypatch):
     has what only it does)."""
     monkeypatch.setenv("DDPWIRE_SHM", "0" if request.param == "links" else "1")
     return request.param
-
-
-def bits(a):
-    return np.asarray(a, dtype=np.float32).view(np.uint32)
-
-
-def gradients(n_workers, count, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(count).astype(np.float32) for _ in range(n_workers)]
-
-
-class Session:
-    """A coordinator and ``n`` worker threads, each running ``body(worker)``."""
-
-    def __init__(self, n, body, *, coordinator=None, workers=None, timeout=TIMEOUT):
-        self.coord = Coordinator(ADDR, n, timeout=timeout, join_timeout=TIMEOUT,
-                                 **(coordinator or {}))
-        self.results = {}
-        self.errors = {}
-        self.threads = []
-        for i in range(n):
-            kwargs = (workers or {}).get(i, {}) if isinstance(workers, dict) else {}
-            t = threading.Thread(target=self._run, args=(body, kwargs, timeout), daemon=True)
-            self.threads.append(t)
-            t.start()
-        self.coord.wait_for_workers()
-
-    def _run(self, body, kwargs, timeout):
-        w = None
-        try:
-            w = Worker.connect(self.coord.local_addr, timeout=timeout, **kwargs)
-            self.results[w.worker_id] = body(w)
-        except BaseException as exc:  # handed to the test
-            self.errors[w.worker_id if w is not None else -1] = exc
-        finally:
-            if w is not None:
-                w.close()
-
-    def join(self):
-        for t in self.threads:
-            t.join(3 * TIMEOUT)
-            assert not t.is_alive(), "a worker thread hung"
-        self.coord.close()
-
-
-def flat_steps(grads, steps, out_of=None):
-    """A body: ``steps`` allreduces of the worker's gradient, the last average kept."""
-    def body(w):
-        g = grads[w.worker_id]
-        out = None
-        for step in range(steps):
-            out = w.allreduce(step, g, 0.5 + w.worker_id, w.worker_id, 10 + w.worker_id)
-        assert w.uses_mesh
-        return out.gradients.copy(), out.global_loss
-    return body
 
 
 @pytest.mark.parametrize("n,count", [(1, 1000), (2, 1), (2, 4097), (3, 2), (3, 100_003),
@@ -155,19 +99,6 @@ def numpy_half_mean(grads, codec):
     for g in grads[1:]:
         acc = (acc + narrow(g)).astype(np.float32)
     return narrow((acc / np.float32(len(grads))).astype(np.float32))
-
-
-def run_flat_steps(grads, steps, **coordinator):
-    """A session of len(grads) workers running ``steps`` flat steps, every
-    one finished without an error; the Session, for its results."""
-    s = Session(len(grads), flat_steps(grads, steps), coordinator=coordinator)
-    try:
-        for step in range(steps):
-            s.coord.allreduce(step)
-    finally:
-        s.join()
-    assert not s.errors, s.errors
-    return s
 
 
 def run_16_bit_steps(grads, codec):

@@ -10,17 +10,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, Worker, reduce, shm
+from ddpwire import Coordinator, reduce, shm
 from ddpwire import mesh as meshmod
 from ddpwire.errors import NonFiniteGradient, WorkerLost
 
-ADDR = ("127.0.0.1", 0)
-TIMEOUT = 20.0
+from mesh_session import ADDR, TIMEOUT, Session, bits, gradients, run_flat_steps
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.skipif(not shm.enabled() or not os.path.isdir("/dev/shm"),
@@ -32,84 +31,19 @@ def shm_on(monkeypatch):
     monkeypatch.delenv("DDPWIRE_SHM", raising=False)
 
 
-def bits(a):
-    return np.asarray(a, dtype=np.float32).view(np.uint32)
-
-
-def gradients(n, count, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
-
-
 def segments_of(pid):
     return [e for e in os.listdir("/dev/shm") if e.startswith(f"ddpw-{pid:x}-")]
-
-
-class Session:
-    """A coordinator and ``n`` worker threads, each running ``body(worker)``;
-    ``planes`` records whether each worker's mesh stepped in shared memory."""
-
-    def __init__(self, n, body, *, coordinator=None, timeout=TIMEOUT):
-        self.coord = Coordinator(ADDR, n, timeout=timeout, join_timeout=TIMEOUT,
-                                 **(coordinator or {}))
-        self.results, self.errors, self.planes = {}, {}, {}
-        self.threads = [threading.Thread(target=self._run, args=(body, timeout), daemon=True)
-                        for _ in range(n)]
-        for t in self.threads:
-            t.start()
-        self.coord.wait_for_workers()
-
-    def _run(self, body, timeout):
-        w = None
-        try:
-            w = Worker.connect(self.coord.local_addr, timeout=timeout)
-            self.results[w.worker_id] = body(w, self)
-        except BaseException as exc:  # handed to the test
-            self.errors[w.worker_id if w is not None else -1] = exc
-        finally:
-            if w is not None:
-                w.close()
-
-    def note_plane(self, w):
-        self.planes[w.worker_id] = w._mesh is not None and w._mesh.plane is not None
-
-    def join(self):
-        for t in self.threads:
-            t.join(3 * TIMEOUT)
-            assert not t.is_alive(), "a worker thread hung"
-        self.coord.close()
-
-
-def steps_body(grads, steps):
-    def body(w, s):
-        out = np.empty(len(grads[0]), dtype=np.float32)
-        for step in range(steps):
-            w.allreduce(step, grads[w.worker_id], 1.0, 1, 1, out=out)
-            s.note_plane(w)
-        return out.copy()
-    return body
-
-
-def run_steps(n, grads, steps=3, coordinator=None):
-    s = Session(n, steps_body(grads, steps), coordinator=coordinator)
-    try:
-        for step in range(steps):
-            s.coord.allreduce(step)
-    finally:
-        s.join()
-    assert not s.errors, s.errors
-    return s
 
 
 @pytest.mark.parametrize("n,count", [(2, 1), (2, 65_537), (3, 100_003), (4, 1 << 18), (4, 5)])
 def test_shared_memory_steps_give_the_reference_bits(n, count):
     grads = gradients(n, count, seed=n * count)
     before = set(os.listdir("/dev/shm"))
-    s = run_steps(n, grads)
+    s = run_flat_steps(grads)
     assert s.planes == {i: True for i in range(n)}
     want = reduce.mean(grads)
     for i in range(n):
-        assert np.array_equal(bits(s.results[i]), bits(want))
+        assert np.array_equal(bits(s.results[i][0]), bits(want))
     # the name went as soon as every worker had attached
     assert not segments_of(os.getpid())
     assert set(os.listdir("/dev/shm")) <= before
@@ -135,7 +69,7 @@ def test_a_nan_halts_with_nothing_written_into_out(planes_made):
     grads[1][39_999] = np.inf
     sentinel = np.float32(-7.25)
 
-    def body(w, s):
+    def body(w):
         out = np.full(count, sentinel, dtype=np.float32)
         try:
             w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
@@ -165,7 +99,7 @@ def test_a_non_finite_value_in_a_worker_s_own_slice_is_reported_with_its_value(p
     grads[1][20_001] = -np.inf
     grads[2][19_000] = np.nan        # same slice, a later worker
 
-    def body(w, s):
+    def body(w):
         out = np.zeros(count, dtype=np.float32)
         w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
 
@@ -182,14 +116,13 @@ def test_a_non_finite_value_in_a_worker_s_own_slice_is_reported_with_its_value(p
         assert (exc.worker_id, exc.index, exc.value) == (1, 20_000, np.inf)
 
 
-def test_a_worker_that_leaves_after_its_report_is_named_and_nothing_is_applied():
+def test_a_worker_that_leaves_after_its_report_is_named_and_nothing_is_applied(planes_made):
     count = 300_000
     grads = gradients(3, count, seed=6)
     sentinel = np.float32(3.5)
 
-    def body(w, s):
+    def body(w):
         w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
-        s.note_plane(w)
         out = np.full(count, sentinel, dtype=np.float32)
         w.send_gradients(1, grads[w.worker_id], 1.0, 1, 1)
         if w.worker_id == 2:
@@ -209,7 +142,7 @@ def test_a_worker_that_leaves_after_its_report_is_named_and_nothing_is_applied()
             assert exc.worker_id == 2
     finally:
         s.join()
-    assert s.planes == {0: True, 1: True, 2: True}
+    assert sorted(planes_made) == [0, 1, 2]
     assert s.results[2] == "left"
     assert sorted(s.errors) == [0, 1]
     for exc in s.errors.values():
@@ -221,12 +154,12 @@ def test_a_worker_that_cannot_attach_keeps_everyone_on_the_links(monkeypatch):
         raise OSError("attach refused by the test")
     monkeypatch.setattr(shm.Segment, "attach", classmethod(refuse))
     grads = gradients(3, 50_001, seed=7)
-    s = run_steps(3, grads)
+    s = run_flat_steps(grads)
     assert s.coord.mesh
     assert s.planes == {0: False, 1: False, 2: False}
     want = reduce.mean(grads)
     for i in range(3):
-        assert np.array_equal(bits(s.results[i]), bits(want))
+        assert np.array_equal(bits(s.results[i][0]), bits(want))
     assert not segments_of(os.getpid())
 
 
@@ -238,14 +171,14 @@ def test_shared_memory_turned_off_keeps_the_links(monkeypatch, how):
     else:
         coordinator = {"shared_memory": False}
     grads = gradients(2, 10_000, seed=8)
-    s = run_steps(2, grads, coordinator=coordinator)
+    s = run_flat_steps(grads, **(coordinator or {}))
     assert s.planes == {0: False, 1: False}
-    assert np.array_equal(bits(s.results[0]), bits(reduce.mean(grads)))
+    assert np.array_equal(bits(s.results[0][0]), bits(reduce.mean(grads)))
 
 
 def test_compression_keeps_the_links():
     grads = gradients(2, 1000, seed=9)
-    s = run_steps(2, grads, coordinator={"compression": "bf16"})
+    s = run_flat_steps(grads, compression="bf16")
     assert s.planes == {0: False, 1: False}
 
 

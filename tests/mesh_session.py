@@ -1,0 +1,85 @@
+"""A coordinator and worker threads running mesh steps, shared by
+tests/test_mesh.py and tests/test_mesh_shm.py."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ddpwire import Coordinator, Worker
+
+ADDR = ("127.0.0.1", 0)
+TIMEOUT = 20.0
+
+
+def bits(a):
+    return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+
+def gradients(n_workers, count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(count).astype(np.float32) for _ in range(n_workers)]
+
+
+class Session:
+    """A coordinator and ``n`` worker threads, each running ``body(worker)``;
+    ``workers`` maps a worker's thread index to Worker.connect arguments.
+    ``planes`` says, for each worker whose body returned, whether its mesh
+    was stepping through shared memory then."""
+
+    def __init__(self, n, body, *, coordinator=None, workers=None, timeout=TIMEOUT):
+        self.coord = Coordinator(ADDR, n, timeout=timeout, join_timeout=TIMEOUT,
+                                 **(coordinator or {}))
+        self.results, self.errors, self.planes = {}, {}, {}
+        self.threads = []
+        for i in range(n):
+            kwargs = (workers or {}).get(i, {})
+            t = threading.Thread(target=self._run, args=(body, kwargs, timeout), daemon=True)
+            self.threads.append(t)
+            t.start()
+        self.coord.wait_for_workers()
+
+    def _run(self, body, kwargs, timeout):
+        w = None
+        try:
+            w = Worker.connect(self.coord.local_addr, timeout=timeout, **kwargs)
+            self.results[w.worker_id] = body(w)
+            self.planes[w.worker_id] = w._mesh is not None and w._mesh.plane is not None
+        except BaseException as exc:  # handed to the test
+            self.errors[w.worker_id if w is not None else -1] = exc
+        finally:
+            if w is not None:
+                w.close()
+
+    def join(self):
+        for t in self.threads:
+            t.join(3 * TIMEOUT)
+            assert not t.is_alive(), "a worker thread hung"
+        self.coord.close()
+
+
+def flat_steps(grads, steps):
+    """A body: ``steps`` allreduces of the worker's gradient into one
+    buffer; the last average (a copy) and global loss."""
+    def body(w):
+        g = grads[w.worker_id]
+        out = np.empty(len(g), dtype=np.float32)
+        for step in range(steps):
+            result = w.allreduce(step, g, 0.5 + w.worker_id, w.worker_id, 10 + w.worker_id,
+                                 out=out)
+        assert w.uses_mesh
+        return out.copy(), result.global_loss
+    return body
+
+
+def run_flat_steps(grads, steps=3, **coordinator):
+    """A session of len(grads) workers running ``steps`` flat steps, every
+    one finished without an error; the Session, for its results."""
+    s = Session(len(grads), flat_steps(grads, steps), coordinator=coordinator)
+    try:
+        for step in range(steps):
+            s.coord.allreduce(step)
+    finally:
+        s.join()
+    assert not s.errors, s.errors
+    return s
