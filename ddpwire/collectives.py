@@ -656,12 +656,16 @@ class CollectiveClient:
                 log.exception("collective %s: failing it raised", what)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then close the connection."""
+        """Send what is queued, then close the connection, and wait (at most
+        ``timeout`` each) for both threads to end: none may still be
+        completing a collective when the program exits."""
         with self._lock:
             self._closing = True
             self._wake.notify_all()
         self._sender.join(timeout)
         self._chan.close()
+        if threading.current_thread() is not self._receiver:
+            self._receiver.join(timeout)
 
 
 # ---- the rank that shares a process with the service ----

@@ -49,9 +49,12 @@ class MemChannel:
         return msg
 
     def close(self):
+        # as a socket's shutdown: the peer sees the end, and so does a
+        # read blocked on this end in another thread
         if not self.closed:
             self.closed = True
             self.outbox.put(_CLOSED)
+            self.inbox.put(_CLOSED)
 
 
 def pair(rank, timeout=10.0):
@@ -220,6 +223,18 @@ def test_coordinator_loss_names_rank_0():
     with pytest.raises(CollectiveAborted, match="coordinator") as info:
         result(box)
     assert info.value.rank == 0
+
+
+def test_closing_a_client_ends_both_of_its_threads():
+    # none may be left completing a collective while the program exits
+    service, clients, _ = group(2)
+    boxes = [run(c, Kind.BARRIER, Op.SUM, DType.UINT8, 0, b"") for c in clients]
+    for box in boxes:
+        result(box)
+    for c in clients:
+        c.close(timeout=5.0)
+        assert not c._sender.is_alive() and not c._receiver.is_alive()
+    service.stop()
 
 
 def test_service_waits_for_ranks_to_leave_before_closing():

@@ -217,3 +217,49 @@ def test_stalled_rank_is_named_within_the_timeout(tmp_path):
     assert "CollectiveAborted" in out0 and "rank 1" in out0, out0
     # the group timeout, plus the time to notice: far from gloo's 30 minutes
     assert took < 3 * timeout, took
+
+
+def test_wait_returns_only_after_the_futures_callbacks_ran():
+    # A work completes on one of the group's daemon threads, which runs the
+    # future's callbacks inside torch's C++. Were wait() to return first, a
+    # program that waits and exits would finalise with that thread still in
+    # C++, which aborts the process ("terminate called without an active
+    # exception"): seen once in a dozen runs of the shared-memory tests.
+    import threading
+    from ddpwire.torch.backend import DdpwireWork
+
+    work = DdpwireWork(torch.futures.Future(), 10.0, 0, "test", lambda exc: None)
+    ran = []
+    work.get_future().then(lambda fut: (time.sleep(0.3), ran.append(threading.current_thread())))
+    finisher = threading.Thread(target=work._finish, args=(None, None))
+    finisher.start()
+    assert work.wait()
+    assert ran == [finisher]  # ran on the completing thread, before wait returned
+    finisher.join(10)
+
+
+EXIT_SCRIPT = r"""
+import os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import ddpwire.torch  # registers the backend
+
+dist.init_process_group("ddpwire", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=timedelta(seconds=30))
+t = torch.ones(1 << 20)
+work = dist.all_reduce(t, async_op=True)
+work.get_future().then(lambda fut: time.sleep(0.3))
+work.wait()
+print("exiting", flush=True)
+"""
+
+
+def test_a_script_that_waits_and_exits_ends_cleanly(tmp_path):
+    for attempt in range(3):
+        store = tmp_path / f"store{attempt}"
+        proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(store)], cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                              text=True, timeout=LIMIT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "exiting" in proc.stdout and "Fatal Python error" not in proc.stderr

@@ -110,10 +110,18 @@ class DdpwireWork(dist._Work):
 
     def _finish(self, value: Any, error: Optional[BaseException]) -> None:
         self._error = error
-        self._done.set()
         if error is not None and self._future_taken:
             self._on_error(error)
-        self._future.set_result(value)
+        # The future's callbacks run inside set_result, in torch's C++, on a
+        # daemon thread of ours. wait() returns only once they have: a
+        # program that waits and exits must not leave that thread in C++
+        # while the interpreter finalises (the thread is then ended by
+        # pthread_exit, whose unwinding through C++ aborts the process:
+        # "terminate called without an active exception").
+        try:
+            self._future.set_result(value)
+        finally:
+            self._done.set()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         limit = self._limit
