@@ -246,6 +246,10 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     "ddpwire-shm": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": True}, _LOOP),
     "ddpwire-bf16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "bf16"}, _LOOP),
     "ddpwire-fp16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "fp16"}, _LOOP),
+    # the mesh links under the system's TCP congestion control, not the
+    # library's choice (ddpwire.mesh.DEFAULT_CONGESTION)
+    "ddpwire-mesh-systcp": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False},
+                                       {**_LOOP, "tcp_congestion": None}),
 }
 
 
