@@ -24,6 +24,10 @@ def plot(out: str, paths: List[str]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(paths), figsize=(6.5 * len(paths), 4.5), squeeze=False)
+    # one colour per kind across every panel
+    every = report.kind_order(i["kind"] for p in paths for i in report.load(p)[1]
+                              if i["kind"] != "tcp")
+    colour = {k: plt.get_cmap("tab10")(j % 10) for j, k in enumerate(every)}
     for ax, path in zip(axes[0], paths):
         commit, infos = report.load(path)
         infos = [i for i in infos if i["kind"] != "tcp"]
@@ -37,7 +41,7 @@ def plot(out: str, paths: List[str]) -> None:
                     if (i["size_bytes"], i["workers"]) == case and i["kind"] == kind:
                         xs.append(x - 0.4 + width * (j + 0.5))
                         ys.append(i["step_span_median"] * 1e3)
-            ax.bar(xs, ys, width, label=kind)
+            ax.bar(xs, ys, width, label=kind, color=colour[kind])
         rates = infos[0]["coord_rate_bps"], infos[0]["worker_rate_bps"]
         for x, (size, n) in enumerate(cases):
             star = report.star_floor(n, size, *rates) * 1e3
