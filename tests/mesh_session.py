@@ -83,3 +83,21 @@ def run_flat_steps(grads, steps=3, **coordinator):
         s.join()
     assert not s.errors, s.errors
     return s
+
+
+def halted_step(n, body, **coordinator):
+    """A session of ``n`` workers whose step 0 the coordinator halts: the
+    Session (joined) and the coordinator's NonFiniteGradient."""
+    from ddpwire.errors import NonFiniteGradient
+
+    s = Session(n, body, coordinator=coordinator)
+    try:
+        try:
+            s.coord.allreduce(0)
+        except NonFiniteGradient as exc:
+            halted = exc
+        else:
+            raise AssertionError("the coordinator did not halt step 0")
+    finally:
+        s.join()
+    return s, halted

@@ -29,7 +29,8 @@ from ddpwire.extensions import Codec
 from ddpwire.messages import MeshPeers, PeerHello
 from ddpwire.channel import Channel
 
-from mesh_session import ADDR, TIMEOUT, Session, bits, flat_steps, gradients, run_flat_steps
+from mesh_session import (ADDR, TIMEOUT, Session, bits, flat_steps, gradients, halted_step,
+                          run_flat_steps)
 
 
 @pytest.fixture(autouse=True, params=["links", "shared"])
@@ -192,15 +193,10 @@ def test_a_nan_halts_the_step_before_any_worker_applies_anything(culprits):
             assert (out == sentinel).all()  # not one element applied
         return None
 
-    s = Session(3, body)
-    try:
-        with pytest.raises(NonFiniteGradient) as info:
-            s.coord.allreduce(0)
-    finally:
-        s.join()
+    s, halted = halted_step(3, body)
     first = min(culprits)
-    assert info.value.worker_id == first and info.value.step == 0
-    assert info.value.index == 7_000 + first and np.isnan(info.value.value)
+    assert halted.worker_id == first and halted.step == 0
+    assert halted.index == 7_000 + first and np.isnan(halted.value)
     assert sorted(s.errors) == [0, 1, 2]
     for exc in s.errors.values():
         assert isinstance(exc, NonFiniteGradient) and exc.worker_id == first and exc.step == 0
@@ -209,13 +205,8 @@ def test_a_nan_halts_the_step_before_any_worker_applies_anything(culprits):
 def test_an_infinity_in_the_coordinator_side_slice_of_worker_0_is_named():
     grads = gradients(2, 100, seed=2)
     grads[0][3] = -np.inf
-    s = Session(2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
-    try:
-        with pytest.raises(NonFiniteGradient) as info:
-            s.coord.allreduce(0)
-    finally:
-        s.join()
-    assert (info.value.worker_id, info.value.index, info.value.value) == (0, 3, -np.inf)
+    _, halted = halted_step(2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
+    assert (halted.worker_id, halted.index, halted.value) == (0, 3, -np.inf)
 
 
 def test_a_worker_that_leaves_mid_session_is_named_everywhere_within_the_timeout():
@@ -444,15 +435,10 @@ def test_the_first_non_finite_element_is_found_across_ranges(tiny_ranges, codec,
             assert (out == sentinel).all()
         return None
 
-    s = Session(3, body, coordinator=dict(compression=codec) if codec else None)
-    try:
-        with pytest.raises(NonFiniteGradient) as info:
-            s.coord.allreduce(0)
-    finally:
-        s.join()
+    s, halted = halted_step(3, body, **(dict(compression=codec) if codec else {}))
     worker, index = min(bad)
-    assert (info.value.worker_id, info.value.index) == (worker, index)
-    assert np.isnan(info.value.value) if index % 2 == 0 else info.value.value == np.inf
+    assert (halted.worker_id, halted.index) == (worker, index)
+    assert np.isnan(halted.value) if index % 2 == 0 else halted.value == np.inf
     for exc in s.errors.values():
         assert isinstance(exc, NonFiniteGradient) and (exc.worker_id, exc.index) == (worker, index)
 

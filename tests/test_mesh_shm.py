@@ -18,7 +18,7 @@ from ddpwire import Coordinator, reduce, shm
 from ddpwire import mesh as meshmod
 from ddpwire.errors import NonFiniteGradient, WorkerLost
 
-from mesh_session import ADDR, TIMEOUT, Session, bits, gradients, run_flat_steps
+from mesh_session import ADDR, TIMEOUT, Session, bits, gradients, halted_step, run_flat_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,15 +76,10 @@ def test_a_nan_halts_with_nothing_written_into_out(planes_made):
         finally:
             assert (out == sentinel).all()
 
-    s = Session(3, body)
-    try:
-        with pytest.raises(NonFiniteGradient) as info:
-            s.coord.allreduce(0)
-    finally:
-        s.join()
+    s, halted = halted_step(3, body)
     assert sorted(planes_made) == [0, 1, 2]
     # the lowest worker holding one, then its first element
-    assert (info.value.worker_id, info.value.index) == (1, 39_999)
+    assert (halted.worker_id, halted.index) == (1, 39_999)
     assert sorted(s.errors) == [0, 1, 2]
     for exc in s.errors.values():
         assert isinstance(exc, NonFiniteGradient) and exc.worker_id == 1 and exc.step == 0
@@ -103,14 +98,9 @@ def test_a_non_finite_value_in_a_worker_s_own_slice_is_reported_with_its_value(p
         out = np.zeros(count, dtype=np.float32)
         w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
 
-    s = Session(3, body)
-    try:
-        with pytest.raises(NonFiniteGradient) as info:
-            s.coord.allreduce(0)
-    finally:
-        s.join()
+    s, halted = halted_step(3, body)
     assert sorted(planes_made) == [0, 1, 2]
-    assert (info.value.worker_id, info.value.index, info.value.value) == (1, 20_000, np.inf)
+    assert (halted.worker_id, halted.index, halted.value) == (1, 20_000, np.inf)
     for exc in s.errors.values():
         assert isinstance(exc, NonFiniteGradient)
         assert (exc.worker_id, exc.index, exc.value) == (1, 20_000, np.inf)
