@@ -92,8 +92,8 @@ RANGE_BYTES = 8 << 20
 #: its one link and the step ends with the slowest flow, so the links want
 #: an algorithm that shares a bottleneck evenly among flows that start
 #: together. BBR (v1), some hosts' default, does not: on the emulated 1
-#: Gbit/s cluster its flows left each link 85% busy against 92% for cubic
-#: (docs/benchmarks.md). None keeps the system's choice.
+#: Gbit/s cluster with 4 workers its flows left each link 87% busy against
+#: 93% for cubic (docs/benchmarks.md). None keeps the system's choice.
 DEFAULT_CONGESTION: Optional[str] = "cubic"
 
 
