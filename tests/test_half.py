@@ -149,6 +149,16 @@ def test_to_half_rounds_every_decision_as_the_reference(path, codec):
 
 
 @pytest.mark.parametrize("codec", R.CODECS)
+def test_to_half_of_any_bit_pattern_is_the_reference(path, codec):
+    # every class of float32 at random: NaNs with any payload (signalling
+    # or quiet), infinities, subnormals, values that overflow; on x86 the
+    # fp16 conversions take the F16C instructions, which must agree too
+    u = np.random.default_rng(11).integers(0, 1 << 32, size=1 << 20, dtype=np.uint64)
+    x = u.astype(np.uint32).view(np.float32)
+    np.testing.assert_array_equal(R.to_half(x, codec=codec), REF_TO[codec](x))
+
+
+@pytest.mark.parametrize("codec", R.CODECS)
 def test_from_half_widens_all_65536_values_exactly(path, codec):
     got = R.from_half(ALL_HALVES, codec=codec)
     assert got.dtype == np.float32
