@@ -7,21 +7,17 @@ worker's end, the workers' own clocks) and its ratio to gloo in the same run.
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections import defaultdict
-from typing import Dict, Tuple
 
-MiB = 1 << 20
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from report_session import medians  # noqa: E402  (the path above)
 
 
 def table(path: str) -> str:
     data = json.load(open(path))
-    med: Dict[Tuple[int, int], Dict[str, float]] = defaultdict(dict)
-    for b in data["benchmarks"]:
-        info = b["extra_info"]
-        if info["kind"] == "tcp":
-            continue
-        med[(info["size_bytes"] // MiB, info["workers"])][info["kind"]] = info["step_span_median"]
+    med = medians(data, lambda b: b["extra_info"]["step_span_median"])
     commit = data.get("commit_info", {})
     rows = [f"`{path}`: commit {commit.get('id', '?')[:7]}"
             f"{' (dirty)' if commit.get('dirty') else ''}", "",

@@ -14,19 +14,27 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 MiB = 1 << 20
 
 
-def engine(path: str) -> str:
-    data = json.load(open(path))
+def medians(data: dict, value: Callable[[dict], float]) -> Dict[Tuple[int, int], Dict[str, float]]:
+    """{(size MiB, workers): {kind: value(benchmark)}} of a pytest-benchmark
+    JSON whose cases carry kind, size_bytes and workers (the raw TCP check
+    left out)."""
     med: Dict[Tuple[int, int], Dict[str, float]] = defaultdict(dict)
     for b in data["benchmarks"]:
         info = b["extra_info"]
         if info["kind"] == "tcp":
             continue
-        med[(info["size_bytes"] // MiB, info["workers"])][info["kind"]] = b["stats"]["median"]
+        med[(info["size_bytes"] // MiB, info["workers"])][info["kind"]] = value(b)
+    return med
+
+
+def engine(path: str) -> str:
+    data = json.load(open(path))
+    med = medians(data, lambda b: b["stats"]["median"])
     rows = ["| size | workers | ddpwire (ms) | baseline (ms) | ddpwire / baseline "
             "| classic / ddpwire | ddpwire / gloo |", "|---|---|---|---|---|---|---|"]
 
