@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,21 @@ def main() -> None:
     # says more): leave without freeing anything.
     sys.stdout.flush()
     os._exit(0)
+
+
+BACKENDS = ("gloo", "ddpwire")
+
+
+def cases() -> List[Tuple[str, int]]:
+    """(backend, world) for each case of a rank benchmark, gloo first per
+    world; DDPWIRE_BENCH_RANKS ("2,3,4") picks the worlds."""
+    worlds = [int(x) for x in os.environ.get("DDPWIRE_BENCH_RANKS", "2,3,4").split(",")
+              if x.strip()]
+    return [(backend, n) for n in worlds for backend in BACKENDS]
+
+
+def case_ids() -> List[str]:
+    return [f"N{n}-{backend}" for backend, n in cases()]
 
 
 class Ranks:

@@ -15,15 +15,12 @@ import os
 
 import pytest
 
-from ddp_procs import Ranks
+from ddp_procs import Ranks, case_ids, cases
 ROUNDS = int(os.environ.get("DDPWIRE_BENCH_ROUNDS", "8"))
 WARMUP = 2  # DDP rebuilds its buckets after the first step
-RANKS = [int(x) for x in os.environ.get("DDPWIRE_BENCH_RANKS", "2,3,4").split(",") if x.strip()]
-BACKENDS = ("gloo", "ddpwire")
-CASES = [pytest.param(b, n, id=f"N{n}-{b}") for n in RANKS for b in BACKENDS]
 
 
-@pytest.mark.parametrize("backend,world", CASES)
+@pytest.mark.parametrize("backend,world", cases(), ids=case_ids())
 def test_ddp_step(benchmark, backend, world):
     benchmark.group = f"{world} ranks"
     ranks = Ranks(backend, world)

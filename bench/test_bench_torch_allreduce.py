@@ -17,17 +17,14 @@ import os
 
 import pytest
 
-from ddp_procs import Ranks
+from ddp_procs import Ranks, case_ids, cases
 
 MIB = int(os.environ.get("DDPWIRE_BENCH_MIB", "64"))
 ROUNDS = int(os.environ.get("DDPWIRE_BENCH_ROUNDS", "10"))
 WARMUP = 2  # the first rounds fault the pages in and set up the segment
-RANKS = [int(x) for x in os.environ.get("DDPWIRE_BENCH_RANKS", "2,3,4").split(",") if x.strip()]
-BACKENDS = ("gloo", "ddpwire")
-CASES = [pytest.param(b, n, id=f"N{n}-{b}") for n in RANKS for b in BACKENDS]
 
 
-@pytest.mark.parametrize("backend,world", CASES)
+@pytest.mark.parametrize("backend,world", cases(), ids=case_ids())
 def test_torch_allreduce(benchmark, backend, world):
     benchmark.group = f"{world} ranks, {MIB} MiB"
     ranks = Ranks(backend, world, ["allreduce", str(MIB)])
