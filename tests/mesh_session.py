@@ -101,3 +101,16 @@ def halted_step(n, body, **coordinator):
     finally:
         s.join()
     return s, halted
+
+
+def untouched_out_step(grads, sentinel):
+    """A body: one allreduce into an ``out`` filled with ``sentinel``, which
+    must still hold only the sentinel afterwards, however the step ends
+    (a halted step applies no element)."""
+    def body(w):
+        out = np.full(len(grads[0]), sentinel, dtype=np.float32)
+        try:
+            w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
+        finally:
+            assert (out == sentinel).all()  # not one element applied
+    return body

@@ -30,7 +30,7 @@ from ddpwire.messages import MeshPeers, PeerHello
 from ddpwire.channel import Channel
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, flat_steps, gradients, halted_step,
-                          run_flat_steps)
+                          run_flat_steps, untouched_out_step)
 
 
 @pytest.fixture(autouse=True, params=["links", "shared"])
@@ -183,15 +183,7 @@ def test_a_nan_halts_the_step_before_any_worker_applies_anything(culprits):
     grads = gradients(3, count, seed=1)
     for c in culprits:
         grads[c][7_000 + c] = np.nan  # in the slice worker 1 owns
-    sentinel = np.float32(1234.5)
-
-    def body(w):
-        out = np.full(count, sentinel, dtype=np.float32)
-        try:
-            w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
-        finally:
-            assert (out == sentinel).all()  # not one element applied
-        return None
+    body = untouched_out_step(grads, np.float32(1234.5))
 
     s, halted = halted_step(3, body)
     first = min(culprits)
@@ -425,15 +417,7 @@ def test_the_first_non_finite_element_is_found_across_ranges(tiny_ranges, codec,
     grads = gradients(3, count, seed=7)
     for w, i in bad:
         grads[w][i] = np.inf if i % 2 else np.nan
-    sentinel = np.float32(-7.0)
-
-    def body(w):
-        out = np.full(count, sentinel, dtype=np.float32)
-        try:
-            w.allreduce(0, grads[w.worker_id], 1.0, 1, 1, out=out)
-        finally:
-            assert (out == sentinel).all()
-        return None
+    body = untouched_out_step(grads, np.float32(-7.0))
 
     s, halted = halted_step(3, body, **(dict(compression=codec) if codec else {}))
     worker, index = min(bad)
