@@ -236,7 +236,7 @@ typedef struct kernels {
             group_##sfx##_3_##cont##dv, group_##sfx##_4_##cont##dv                        \
     }
 
-/* fp16 conversions. The bodies above are exact but slow (about 2 ns per
+/* fp16 conversions. The bodies above are exact but slow (1-2 ns per
  * element however they are compiled: the rounding takes integer and float
  * steps per element); x86's F16C instructions do the same conversions,
  * rounding to nearest even, in one instruction per 8 elements. */
