@@ -822,6 +822,7 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         TRY(read_u8(&r, &msg->shared_memory, type, "shared_memory", err));
         if (msg->shared_memory > 1)
             return fail_invalid(err, type, "shared_memory", msg->shared_memory, "not 0 or 1");
+        TRY(read_u16(&r, &msg->coordinator_share, type, "coordinator_share", err));
         TRY(read_str(&r, &msg->peers, type, "peers", "peers length", err));
         break;
     case DDPW_PEER_HELLO:
@@ -1035,7 +1036,7 @@ static uint64_t head_fields_size(const ddpw_message *m)
     case DDPW_COLLECTIVE_ERROR:
         return 1 + 8 + 4 + 4 + (uint64_t)m->detail.len;
     case DDPW_MESH_PEERS:
-        return 1 + DDPW_AUTH_BYTES + 1 + 1 + 4 + (uint64_t)m->peers.len;
+        return 1 + DDPW_AUTH_BYTES + 1 + 1 + 2 + 4 + (uint64_t)m->peers.len;
     case DDPW_PEER_HELLO:
         return 1 + 4 + DDPW_AUTH_BYTES;
     case DDPW_STEP_REPORT:
@@ -1209,6 +1210,7 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
         put_bytes(w, m->key, DDPW_AUTH_BYTES);
         put_u8(w, m->codec);
         put_u8(w, m->shared_memory);
+        put_u16(w, m->coordinator_share);
         put_str(w, m->peers);
         break;
     case DDPW_PEER_HELLO:

@@ -249,6 +249,9 @@ typedef struct ddpw_message {
     const uint8_t *key;        /* MeshPeers: DDPW_AUTH_BYTES bytes */
     uint8_t codec;             /* MeshPeers */
     uint8_t shared_memory;     /* MeshPeers: 1 when the mesh's data plane is shared memory */
+    uint16_t coordinator_share; /* MeshPeers: the coordinator averages the last
+                                 * count * share >> 16 elements of a linked step
+                                 * (0: the workers average all of it) */
     ddpw_str peers;            /* MeshPeers: "host:port" per worker, comma-separated */
     uint32_t bad_worker;       /* StepReport, StepCommit: DDPW_NO_WORKER when none */
     uint64_t bad_index;        /* StepReport, StepCommit: element of the whole vector */

@@ -422,6 +422,8 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
         out.key = _auth_bytes(msg.key, msg, "key", keep)
         out.codec = <uint8_t>_uint(msg.codec, 0xFF, msg, "codec")
         out.shared_memory = <uint8_t>_uint(msg.shared_memory, 0xFF, msg, "shared_memory")
+        out.coordinator_share = <uint16_t>_uint(msg.coordinator_share, 0xFFFF, msg,
+                                                "coordinator_share")
         peers = msg.peers
         keep.append(peers)
         out.peers = _utf8(peers, msg, "peers")
@@ -633,6 +635,7 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o.key = PyBytes_FromStringAndSize(<const char *>m.key, DDPW_AUTH_BYTES)
         o.codec = m.codec
         o.shared_memory = m.shared_memory
+        o.coordinator_share = m.coordinator_share
         o.peers = _text(m.peers)
     elif tag == DDPW_PEER_HELLO:
         o = _new(PeerHello)

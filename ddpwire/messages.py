@@ -1,14 +1,15 @@
 """The eleven messages of the DDP wire protocol and ddpwire's six extension
 messages (docs/extensions.md), as plain Python objects.
 
-Field names and order follow the wire layout (see docs/protocol-notes.md).
+Field names and order follow the wire layout (see docs/protocol-notes.md),
+except MeshPeers.coordinator_share, which comes last so that it may be left out.
 Each class carries its wire ``TAG``. The byte layout itself lives in the
 compiled codec (:mod:`ddpwire._core`); these classes only hold values.
 
 Value types:
 
-* integers are Python ints (``u8``/``u32``/``u64`` on the wire; the encoder
-  checks the range);
+* integers are Python ints (``u8``/``u16``/``u32``/``u64`` on the wire; the
+  encoder checks the range);
 * strings are ``str`` (UTF-8 on the wire);
 * ``loss`` and ``global_loss`` are Python floats holding a float32 value: the
   decoder widens the wire value bit-exactly (NaN payloads included) and the
@@ -378,7 +379,7 @@ class CollectiveError(Message):
 NO_WORKER = 0xFFFFFFFF
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, init=False)
 class MeshPeers(Message):
     """Coordinator to worker, once after the join: where the other workers
     of a mesh session listen (0x46). ``peers`` is ``host:port`` per worker in
@@ -387,14 +388,32 @@ class MeshPeers(Message):
     between workers; ``codec`` is a :class:`ddpwire.extensions.Codec` code;
     ``shared_memory`` (0 or 1) says every worker offered the same host and
     steps move through a shared segment rather than the links
-    (:mod:`ddpwire.mesh`)."""
+    (:mod:`ddpwire.mesh`).
 
-    __slots__ = ("key", "codec", "shared_memory", "peers")
+    ``coordinator_share`` (u16) is the part of each linked step (shared_memory
+    0) the coordinator averages itself, as the star would: the last
+    ``count * coordinator_share >> 16`` elements of the ``count``-element
+    vector travel to it in a GradientPayload and come back in an
+    AveragedGradient; 0 leaves the whole vector to the workers. It is last
+    here so that older constructions keep working, but sits between
+    ``shared_memory`` and ``peers`` on the wire."""
+
+    __slots__ = ("key", "codec", "shared_memory", "peers", "coordinator_share")
     TAG: ClassVar[int] = 0x46
     key: bytes
     codec: int
     shared_memory: int
     peers: str
+    coordinator_share: int
+
+    # A dataclass default would be a class attribute, which __slots__ forbids.
+    def __init__(self, key: bytes, codec: int, shared_memory: int, peers: str,
+                 coordinator_share: int = 0) -> None:
+        self.key = key
+        self.codec = codec
+        self.shared_memory = shared_memory
+        self.peers = peers
+        self.coordinator_share = coordinator_share
 
 
 @dataclass(eq=False)

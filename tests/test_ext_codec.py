@@ -78,7 +78,8 @@ MESSAGES = st.one_of(
     collective_request(),
     collective_result(),
     st.builds(CollectiveError, U64, U32, TEXT),
-    st.builds(MeshPeers, B32, st.integers(0, 2), st.integers(0, 1), TEXT),
+    st.builds(MeshPeers, key=B32, codec=st.integers(0, 2), shared_memory=st.integers(0, 1),
+              peers=TEXT, coordinator_share=st.integers(0, 0xFFFF)),
     st.builds(PeerHello, U32, B32),
     st.builds(StepReport, U64, U32, U64, F32, U64, U64, U32, U64, F32),
     st.builds(StepCommit, U64, F32, U32, U64, F32),
@@ -185,6 +186,8 @@ def test_collective_data_takes_any_contiguous_buffer():
      r"JoinAccepted\.extensions: 4103 bytes, over the wire limit of 4096"),
     (JoinAccepted(1, 2, {70000: b""}), r"JoinAccepted\.extensions key must be in 0\.\.65535"),
     (JoinRefused(256, ""), r"JoinRefused\.reason must be in 0\.\.255"),
+    (MeshPeers(bytes(32), 0, 0, "", coordinator_share=65536),
+     r"MeshPeers\.coordinator_share must be in 0\.\.65535"),
 ])
 def test_encoder_refuses_what_the_decoder_would(msg, pattern):
     with pytest.raises(ValueError, match=pattern):

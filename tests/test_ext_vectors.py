@@ -115,6 +115,11 @@ def test_the_vectors_cover_every_shape():
         assert sizes == {None, 0, 1, 2}, type_name
         known = {int(e) for e in ddpwire.Extension}
         assert any(e["type"] not in known for b in blocks if b for e in b)
+    # check_fields compares only the fields a vector names, so a MeshPeers
+    # vector without coordinator_share would let a misplaced u16 through
+    mesh = [v["message"] for v in VECTORS if v["message"]["type"] == "MeshPeers"]
+    assert all("coordinator_share" in m for m in mesh)
+    assert {m["coordinator_share"] != 0 for m in mesh} == {True, False}
 
 
 def test_reference_vectors_still_have_no_block():

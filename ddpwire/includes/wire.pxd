@@ -134,6 +134,7 @@ cdef extern from "wire.h" nogil:
         const uint8_t *key
         uint8_t codec
         uint8_t shared_memory
+        uint16_t coordinator_share
         ddpw_str peers
         uint32_t bad_worker
         uint64_t bad_index

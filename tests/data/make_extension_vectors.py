@@ -156,14 +156,20 @@ def vectors() -> List[Dict[str, Any]]:
             {"type": "CollectiveError", "tag": COLLECTIVE_ERROR, "seq": 11,
              "worker_id": worker, "detail": string_json(detail)})))
     key = bytes(range(0x40, 0x60))
-    for codec, shm, peers in ((0, 0, "10.0.0.2:41000,10.0.0.3:41001"),
-                              (1, 0, "[fe80::1]:5000,h\u00f6st:1"), (2, 0, ""),
-                              (0, 1, "127.0.0.1:41000,127.0.0.1:41001")):
-        name = f"mesh_peers_codec{codec}" + ("_shm" if shm else "")
-        shapes.append((name, "key, codec, shared_memory, peers", (
-            bytes([MESH_PEERS]) + key + bytes([codec, shm]) + string(peers),
+    # 13107 (0x3333, a fifth of the vector) reads the same in either byte
+    # order, so 0xFF00 is there to catch a swapped or one-byte share.
+    for codec, shm, share, peers in ((0, 0, 0, "10.0.0.2:41000,10.0.0.3:41001"),
+                                     (1, 0, 0, "[fe80::1]:5000,h\u00f6st:1"), (2, 0, 0, ""),
+                                     (0, 1, 0, "127.0.0.1:41000,127.0.0.1:41001"),
+                                     (0, 0, 13107, "10.0.0.2:41000,10.0.0.3:41001"),
+                                     (2, 0, 0xFF00, "10.0.0.2:41000")):
+        name = (f"mesh_peers_codec{codec}" + ("_shm" if shm else "")
+                + (f"_share{share}" if share else ""))
+        shapes.append((name, "key, codec, shared_memory, coordinator_share, peers", (
+            bytes([MESH_PEERS]) + key + bytes([codec, shm]) + struct.pack("<H", share)
+            + string(peers),
             {"type": "MeshPeers", "tag": MESH_PEERS, "key_hex": key.hex(), "codec": codec,
-             "shared_memory": shm, "peers": string_json(peers)})))
+             "shared_memory": shm, "coordinator_share": share, "peers": string_json(peers)})))
     shapes.append(("peer_hello", "worker_id, proof", (
         struct.pack("<BI", PEER_HELLO, 3) + PROOF,
         {"type": "PeerHello", "tag": PEER_HELLO, "worker_id": 3, "proof_hex": PROOF.hex()})))
@@ -235,11 +241,14 @@ def malformed() -> List[Dict[str, Any]]:
          struct.pack("<BQBBQQ", COLLECTIVE_RESULT, 1, 1, 0, 1, 4) + bytes(6),
          r"^2 bytes after the last field of CollectiveResult$"),
         ("mesh_peers_unknown_codec", "codec 3",
-         bytes([MESH_PEERS]) + bytes(32) + b"\x03\x00" + string(""),
+         bytes([MESH_PEERS]) + bytes(32) + b"\x03\x00\x00\x00" + string(""),
          r"^invalid MeshPeers\.codec: 3 \(unknown codec\)$"),
         ("mesh_peers_shared_memory_2", "shared_memory 2",
-         bytes([MESH_PEERS]) + bytes(32) + b"\x00\x02" + string(""),
+         bytes([MESH_PEERS]) + bytes(32) + b"\x00\x02\x00\x00" + string(""),
          r"^invalid MeshPeers\.shared_memory: 2 \(not 0 or 1\)$"),
+        ("mesh_peers_short_share", "one byte of coordinator_share",
+         bytes([MESH_PEERS]) + bytes(32) + b"\x00\x00\x33",
+         r"^truncated MeshPeers\.coordinator_share: 1 of 2 bytes$"),
         ("mesh_peers_short_key", "16 key bytes", bytes([MESH_PEERS]) + bytes(16),
          r"^truncated MeshPeers\.key: 16 of 32 bytes$"),
         ("peer_hello_trailing", "PeerHello with a byte more",
