@@ -473,15 +473,18 @@ int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ri
     int bad = 0;
     if (!halted) {
         /* socket 0's elements were received into out: check them before
-         * anything is added to them */
-        ddpw_net_note_bad(bad_index, bad_value, 0, elem, acc, ddpw_first_non_finite(acc, count));
+         * anything is added to them (once it is known bad, only a finishing
+         * reduce gets here again, and it needs no second look) */
+        if (bad_index[0] < 0)
+            ddpw_net_note_bad(bad_index, bad_value, 0, elem, acc,
+                              ddpw_first_non_finite(acc, count));
         for (i = 1; i < st->n; i++) {
             const float *src = (const float *)(st->rings[i] + ring_off);
             ddpw_net_note_bad(bad_index, bad_value, i, elem, src, ddpw_accumulate(acc, src, count));
         }
         for (i = 0; i < st->n; i++)
             bad |= bad_index[i] >= 0;
-        if (!bad)
+        if (!bad || st->finish_on_nonfinite)
             ddpw_scale(acc, (float)st->n, count);
         return bad;
     }
@@ -494,13 +497,19 @@ int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ri
     return 1;
 }
 
+/* Should nothing more be reduced or sent? */
+static int stop_at_bad(const ddpw_net_reduce_state *st)
+{
+    return st->nonfinite && !st->finish_on_nonfinite;
+}
+
 /* Reduce stream bytes [from, to) of every socket into out. */
 static void reduce_range(ddpw_net_reduce_state *st, float *out, size_t from, size_t to)
 {
     while (from < to) {
         size_t off = from % st->ring_bytes;
         size_t len = min_sz(min_sz(to - from, DDPW_REDUCE_SLICE), st->ring_bytes - off);
-        if (ddpw_net_reduce_slice(st, out + from / 4, off, from / 4, len / 4, st->nonfinite,
+        if (ddpw_net_reduce_slice(st, out + from / 4, off, from / 4, len / 4, stop_at_bad(st),
                                   st->bad_index, st->bad_value))
             st->nonfinite = 1;
         from += len;
@@ -625,8 +634,9 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
         result = take_ready(st, fds, out, tails, failed, err);
         if (result != DDPW_NET_OK)
             goto out;
-        /* what may go out: the head and every averaged byte, until a bad value */
-        limit = (st->nonfinite || sent == NULL) ? 0 : head_len + st->reduced;
+        /* what may go out: the head and every averaged byte, until a bad
+         * value unless the reply is to be finished anyway */
+        limit = (stop_at_bad(st) || sent == NULL) ? 0 : head_len + st->reduced;
         iov[0].iov_base = (void *)head;
         iov[0].iov_len = head_len;
         iov[1].iov_base = out;
@@ -666,7 +676,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
             goto out;
         }
     }
-    if (st->nonfinite)
+    if (stop_at_bad(st))
         result = DDPW_NET_NONFINITE;
 out:
     free(pfd);

@@ -132,10 +132,15 @@ int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
  * arrival pattern, with memory of one vector plus n small rings.
  *
  * A non-finite value does not stop the receive (the streams are drained, so
- * the sessions stay in step); reduction stops, and bad_index[i] receives the
- * first non-finite element index of socket i, or -1, for every socket, and
- * bad_value[i] the value found there.
- * The function then returns DDPW_NET_NONFINITE.
+ * the sessions stay in step); bad_index[i] receives the first non-finite
+ * element index of socket i, or -1, for every socket, and bad_value[i] the
+ * value found there. By default reduction stops at it and the function
+ * returns DDPW_NET_NONFINITE. With finish_on_nonfinite set (after
+ * ddpw_net_reduce_init, before the first call) every element is still
+ * reduced, the non-finite ones giving whatever float32 arithmetic gives, and
+ * the function returns as if all were finite: the caller reads nonfinite and
+ * bad_index. That lets a reply complete while the step's fate is decided
+ * later, by a message of its own.
  *
  * On a failure *failed is the socket index; progress is kept in state so an
  * EINTR return can be resumed by calling again with the same state. */
@@ -147,7 +152,8 @@ typedef struct ddpw_net_reduce_state {
     uint8_t **rings;     /* per socket (index 0 unused) */
     int64_t *bad_index;  /* per socket */
     float *bad_value;    /* per socket: the value at bad_index */
-    int nonfinite;
+    int nonfinite;       /* some socket has a bad_index */
+    int finish_on_nonfinite; /* 0 after init: halt at the first non-finite value */
 } ddpw_net_reduce_state;
 
 int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
@@ -173,8 +179,10 @@ size_t ddpw_net_reduce_window(const ddpw_net_reduce_state *st, size_t i, size_t 
  * whose socket-0 values are already in acc and whose other sockets' values
  * are at ring_off in their rings: a float32 sum in socket order, then a
  * division by n, unless a non-finite value is found (recorded in bad_index /
- * bad_value, per socket). With `halted`, only look for each socket's first
- * bad element. Returns 1 when any socket has a bad element recorded. */
+ * bad_value, per socket) and st->finish_on_nonfinite is 0: then the range is
+ * left unscaled. With `halted`, only look for each socket's first bad
+ * element (callers never halt with finish_on_nonfinite). Returns 1 when any
+ * socket has a bad element recorded. */
 int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ring_off,
                           size_t elem, size_t count, int halted, int64_t *bad_index,
                           float *bad_value);
@@ -194,6 +202,9 @@ void ddpw_net_note_bad(int64_t *bad_index, float *bad_value, size_t i, size_t el
  * further byte is sent to anyone (averaged bytes already sent cannot be
  * recalled: the caller must close the connections), the streams are still
  * drained, and DDPW_NET_NONFINITE is returned as by ddpw_net_reduce_stream.
+ * With st->finish_on_nonfinite the averages, non-finite ones included, keep
+ * going out and the call ends as in the finite case, so every reply can be
+ * completed and the connections stay in step.
  *
  * Returns DDPW_NET_OK once everything is received and averaged; the sends may
  * still be unfinished then (the bytes after the vector depend on every

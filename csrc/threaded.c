@@ -117,7 +117,7 @@ static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfini
     first = h->claimed;
     last = covered > first ? covered : first;
     h->claimed = last;
-    halted = st->nonfinite;
+    halted = st->nonfinite && !st->finish_on_nonfinite;
     pthread_mutex_unlock(&h->lock);
     if (first < last) {
         for (j = 0; j < st->n; j++)
@@ -126,7 +126,8 @@ static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfini
             reduce_chunk(t, c, halted);
         pthread_mutex_lock(&h->lock);
         /* the verdict lands before the frontier moves, so no thread ever
-         * sends an average that contains a bad value */
+         * sends an average that contains a bad value (unless the reply is
+         * to be finished anyway) */
         for (j = 0; j < st->n; j++) {
             if (t->bad_index[j] < 0)
                 continue;
@@ -248,8 +249,9 @@ static void send_loop(socket_thread *t)
         int rc;
         if (shared_state(h, &reduced, &nonfinite))
             break;
-        /* at a bad value nothing more goes out: the caller closes everything */
-        if (nonfinite || my_sent == reply_len)
+        /* at a bad value nothing more goes out (the caller closes
+         * everything), unless the reply is to be finished anyway */
+        if ((nonfinite && !h->st->finish_on_nonfinite) || my_sent == reply_len)
             break;
         limit = h->head_len + reduced;
         iov[1].iov_len = reduced;
@@ -452,5 +454,5 @@ int ddpw_threaded_wait(ddpw_threaded *h, size_t *failed, int *err)
         *err = h->err;
         return h->result;
     }
-    return h->st->nonfinite ? DDPW_NET_NONFINITE : DDPW_NET_OK;
+    return h->st->nonfinite && !h->st->finish_on_nonfinite ? DDPW_NET_NONFINITE : DDPW_NET_OK;
 }

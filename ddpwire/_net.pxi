@@ -412,7 +412,7 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
 
 def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout, *,
                      size_t ring_bytes=1 << 20, bint socket_threads=False, step=None,
-                     str what="averaging gradients"):
+                     str what="averaging gradients", bint halt_on_nonfinite=True):
     """reduce_stream fused with the broadcast of its result.
 
     While the vectors arrive, every connection is sent ``head`` (the reply's
@@ -425,6 +425,13 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     sending stopped at the first non-finite value, make_tail was not called,
     and every reply is cut short: the caller must close the connections.
     With ``head`` None nothing is sent (that is reduce_stream).
+
+    With ``halt_on_nonfinite`` False a non-finite value stops nothing: it
+    is still reported in bad (each connection's first, as above), but every
+    element is averaged (where an input is NaN or inf, the result is what
+    float32 arithmetic gives), make_tail is called and every reply is
+    completed, so the connections stay usable. For callers that let the
+    peers hold the reply until a later message says whether the step halted.
 
     ``socket_threads`` gives every connection a receiving and a sending
     thread (csrc/threaded.c) instead of one poll loop for all, so the
@@ -452,6 +459,7 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     rc = ddpw_net_reduce_init(&st, n, <size_t>o.view.len, tail_len, ring_bytes)
     if rc != DDPW_NET_OK:
         raise MemoryError("allreduce_stream: could not allocate receive rings")
+    st.finish_on_nonfinite = 0 if halt_on_nonfinite else 1
     fds = <int *>malloc(n * sizeof(int))
     sent = <size_t *>calloc(n, sizeof(size_t))
     try:
@@ -479,10 +487,10 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
                 progress += f" in, {sent[failed]} of {head_len + st.grad_bytes} out"
             (<Connection>conns[failed]).fail(rc, err, step, f"{what} ({progress})", ms)
         tail_list = [bytes(tails[i * tail_len:(i + 1) * tail_len]) for i in range(n)]
-        if rc == DDPW_NET_NONFINITE:
-            return tail_list, [(st.bad_index[i], st.bad_value[i]) for i in range(n)]
-        if not reply:
-            return tail_list, None
+        # a finishing call comes back OK with the findings in st
+        bad = [(st.bad_index[i], st.bad_value[i]) for i in range(n)] if st.nonfinite else None
+        if rc == DDPW_NET_NONFINITE or not reply:
+            return tail_list, bad
         t = get_bytes(make_tail(tail_list), "make_tail()")
         iov[0].iov_base = <void *>head_p
         iov[0].iov_len = head_len
@@ -498,7 +506,7 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
                 continue
             if rc != DDPW_NET_OK:
                 (<Connection>conns[failed]).fail(rc, err, step, f"{what} (sending the end of the reply)", ms)
-            return tail_list, None
+            return tail_list, bad
     finally:
         for i in range(entered):
             (<Connection>conns[i]).leave()

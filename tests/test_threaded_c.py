@@ -2,8 +2,8 @@
 threads and the worker's sending thread driven over socketpairs
 (tests/c/threaded_check.c) under ThreadSanitizer, and under AddressSanitizer
 with UBSan: bit-identical means, NaN halts that send nothing holding the NaN,
-a peer closing mid-stream named, a send called off while blocked, with no
-data race."""
+replies finished past a NaN when asked to, a peer closing mid-stream named, a
+send called off while blocked, with no data race."""
 import pathlib
 import shutil
 import subprocess
@@ -18,8 +18,10 @@ pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler on PATH")
 
 SOURCES = [ROOT / "tests" / "c" / "threaded_check.c", CSRC / "threaded.c", CSRC / "sender.c",
            CSRC / "wake.c", CSRC / "net.c", CSRC / "reduce.c"]
-CASES = 38  # run_case calls in threaded_check.c's main
+CASES = 42  # run_case calls in threaded_check.c's main
 SENDER_CASES = 4  # run_sender_case calls
+NAN_CASES = 8  # run_case calls with a NaN
+FINISH_CASES = 4  # of those, the ones that finish the reply past it
 
 
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
@@ -37,7 +39,8 @@ def test_socket_threads_under_sanitizer(tmp_path, sanitizer):
     lines = run.stdout.splitlines()
     assert len(lines) == CASES + SENDER_CASES, run.stdout
     assert all(line.startswith("ok ") for line in lines), run.stdout
-    assert sum(" nan" in line for line in lines) == 4
+    assert sum(" nan" in line for line in lines) == NAN_CASES
+    assert sum(" finish" in line for line in lines) == FINISH_CASES
     assert sum(" cut" in line for line in lines) == 2
     assert sum(line.startswith("ok sender") for line in lines) == SENDER_CASES
     assert sum(" stopped" in line for line in lines) == 1

@@ -62,6 +62,7 @@ cdef extern from "net.h" nogil:
         int64_t *bad_index
         float *bad_value
         int nonfinite
+        int finish_on_nonfinite
 
     int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
                             size_t tail_len, size_t ring_bytes)

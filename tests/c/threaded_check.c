@@ -82,10 +82,25 @@ static int fail_case(const char *what, size_t n, size_t count)
     exit(1);
 }
 
+/* Bit-equal, except that a NaN matches any NaN: which NaN an add yields
+ * is the hardware's choice, not part of the arithmetic contract. */
+static int same_floats(const float *a, const float *b, size_t count)
+{
+    size_t k;
+    for (k = 0; k < count; k++) {
+        if (isnan(a[k]) && isnan(b[k]))
+            continue;
+        if (memcmp(&a[k], &b[k], sizeof(float)) != 0)
+            return 0;
+    }
+    return 1;
+}
+
 /* One step of n sockets; bad_socket/bad_elem put a NaN, cut_socket closes
- * mid-stream (NEVER for neither). */
+ * mid-stream (NEVER for neither); with finish the reply goes on past the NaN
+ * (finish_on_nonfinite). */
 static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, size_t bad_elem,
-                     size_t cut_socket)
+                     size_t cut_socket, int finish)
 {
     const size_t grad_bytes = count * 4, stream_len = grad_bytes + TAIL_LEN;
     float *grads = (float *)malloc(n * count * sizeof(float) + 1);
@@ -129,6 +144,7 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
     }
     if (ddpw_net_reduce_init(&st, n, grad_bytes, TAIL_LEN, ring) != DDPW_NET_OK)
         fail_case("reduce_init", n, count);
+    st.finish_on_nonfinite = finish;
     for (i = 0; i < n; i++) {
         int pair[2];
         if (socketpair(AF_UNIX, SOCK_STREAM, 0, pair) != 0)
@@ -163,7 +179,7 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
     if (cut_socket != NEVER) {
         if (rc != DDPW_NET_EOF || failed != cut_socket)
             fail_case("a closed socket must fail the step and be named", n, count);
-    } else if (bad_socket != NEVER) {
+    } else if (bad_socket != NEVER && !finish) {
         if (rc != DDPW_NET_NONFINITE)
             fail_case("a NaN must give DDPW_NET_NONFINITE", n, count);
         for (i = 0; i < n; i++) {
@@ -177,7 +193,14 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
     } else {
         if (rc != DDPW_NET_OK)
             fail_case("the step failed", n, count);
-        if (memcmp(out, want, grad_bytes) != 0)
+        for (i = 0; i < n; i++) {
+            int64_t expect = i == bad_socket ? (int64_t)bad_elem : -1;
+            if (st.bad_index[i] != expect || (expect >= 0 && !isnan(st.bad_value[i])))
+                fail_case("wrong bad_index", n, count);
+        }
+        if (st.nonfinite != (bad_socket != NEVER))
+            fail_case("wrong nonfinite", n, count);
+        if (!same_floats(out, want, count))
             fail_case("the mean differs from the sequential one", n, count);
         for (i = 0; i < n; i++) {
             if (memcmp(tails + i * TAIL_LEN, streams + i * stream_len + grad_bytes, TAIL_LEN))
@@ -189,8 +212,9 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
                 fail_case("a reply differs from the mean", n, count);
         }
     }
-    printf("ok n=%zu count=%zu ring=%zu%s%s\n", n, count, ring,
-           bad_socket != NEVER ? " nan" : "", cut_socket != NEVER ? " cut" : "");
+    printf("ok n=%zu count=%zu ring=%zu%s%s%s\n", n, count, ring,
+           bad_socket != NEVER ? " nan" : "", cut_socket != NEVER ? " cut" : "",
+           finish ? " finish" : "");
     for (i = 0; i < n; i++) {
         close(fds[i]);
         close(peers[i].fd);
@@ -276,17 +300,22 @@ int main(void)
     size_t a, b;
     for (a = 0; a < sizeof ns / sizeof ns[0]; a++)
         for (b = 0; b < sizeof counts / sizeof counts[0]; b++) {
-            run_case(ns[a], counts[b], 16 * 1024, NEVER, 0, NEVER);
-            run_case(ns[a], counts[b], 1 << 20, NEVER, 0, NEVER);
+            run_case(ns[a], counts[b], 16 * 1024, NEVER, 0, NEVER, 0);
+            run_case(ns[a], counts[b], 1 << 20, NEVER, 0, NEVER, 0);
         }
     /* a NaN early, in the middle and in the last element, from a middle socket */
-    run_case(3, 100003, 16 * 1024, 1, 5, NEVER);
-    run_case(3, 100003, 16 * 1024, 1, 50001, NEVER);
-    run_case(3, 100003, 16 * 1024, 2, 100002, NEVER);
-    run_case(2, 100003, 16 * 1024, 0, 7, NEVER);
+    run_case(3, 100003, 16 * 1024, 1, 5, NEVER, 0);
+    run_case(3, 100003, 16 * 1024, 1, 50001, NEVER, 0);
+    run_case(3, 100003, 16 * 1024, 2, 100002, NEVER, 0);
+    run_case(2, 100003, 16 * 1024, 0, 7, NEVER, 0);
+    /* the same NaNs with the reply finished past them */
+    run_case(3, 100003, 16 * 1024, 1, 5, NEVER, 1);
+    run_case(3, 100003, 16 * 1024, 2, 100002, NEVER, 1);
+    run_case(2, 100003, 16 * 1024, 0, 7, NEVER, 1);
+    run_case(1, 1000, 16 * 1024, 0, 999, NEVER, 1);
     /* a socket closing mid-stream */
-    run_case(3, 100003, 16 * 1024, NEVER, 0, 2);
-    run_case(2, 100003, 16 * 1024, NEVER, 0, 0);
+    run_case(3, 100003, 16 * 1024, NEVER, 0, 2, 0);
+    run_case(2, 100003, 16 * 1024, NEVER, 0, 0, 0);
     run_sender_case(0, 1);
     run_sender_case(1000, 1);
     run_sender_case(3 << 20, 1);
