@@ -250,6 +250,10 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     # library's choice (ddpwire.mesh.DEFAULT_CONGESTION)
     "ddpwire-mesh-systcp": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False},
                                        {**_LOOP, "tcp_congestion": None}),
+    # the mesh with no part of the vector through the coordinator's link
+    # (the default "auto" gives it 1/(N+1) from 3 workers on separate hosts)
+    "ddpwire-mesh-noshare": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False,
+                                         "coordinator_share": 0}, _LOOP),
 }
 
 
@@ -334,7 +338,9 @@ def _ddpwire_coordinator(conn, kind: str, n: int, size: int, steps: int,
         # before the check, whose temporaries are the benchmark's, not ddpwire's
         peak = peak_rss_bytes()
         summary: Dict[str, Any] = {"peak_rss": peak, "times": times,
-                                   "topology": "mesh" if coord.mesh else "star"}
+                                   "topology": "mesh" if coord.mesh else "star",
+                                   # a baseline ddpwire may predate the share
+                                   "coordinator_share": getattr(coord, "share", 0) / 65536}
         if count and np.isnan(out).all():
             summary["average_ok"] = None
         else:

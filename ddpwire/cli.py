@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 import threading
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from ._version import __version__
 from .auth import TOKEN_ENV, load_token
@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "every one can), star (always through this coordinator) or mesh")
     c.add_argument("--compression", choices=["bf16", "fp16"], default=None,
                    help="send gradients between mesh workers as 16-bit words (default: float32)")
+    c.add_argument("--coordinator-share", type=_share, default="auto", metavar="FRACTION",
+                   help="part of each mesh step's vector this coordinator averages over its own "
+                        "link, 0 to below 1 (default auto: 0.75/(N+1) from 3 workers on other "
+                        "hosts; pass 0 when this machine's link is slower than the workers')")
     _token(c)
     _training(c)
     _common(c)
@@ -117,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _share(text: str) -> Union[str, float]:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction from 0 to below 1, or auto; got {text!r}")
+    return value
+
+
 def run_coordinator(args: argparse.Namespace, bind=None) -> List:
     host, port = bind or parse_addr(args.bind)
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
@@ -126,7 +142,8 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
                      socket_threads=socket_threads, samples_per_step=args.samples,
                      token=load_token(getattr(args, "token_file", None)),
                      topology=getattr(args, "topology", "auto"),
-                     compression=getattr(args, "compression", None)) as coord:
+                     compression=getattr(args, "compression", None),
+                     coordinator_share=getattr(args, "coordinator_share", "auto")) as coord:
         h, p = coord.local_addr
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()

@@ -147,6 +147,17 @@ class Coordinator:
     instead of loopback links, with the same bits and checks; it needs
     float32 (no ``compression``) and is off when ``DDPWIRE_SHM=0`` here or on
     any worker.
+
+    ``coordinator_share`` is the part of each mesh step's vector (a fraction
+    in [0, 1), or "auto") that this coordinator averages itself over its own
+    link, which a mesh otherwise leaves idle: the workers send it their last
+    elements during the reduce-scatter and it streams the average back, as
+    the star does, held by the workers until the step's go-ahead. "auto"
+    (the default) takes three quarters of 1/(N+1) of the vector (where
+    equal links would finish together; :func:`ddpwire.mesh.auto_share`)
+    with 3 or more workers on the links, none of them on this host (whose
+    link they would share), and float32; else none. A coordinator whose
+    link is slower than the workers' should pass 0.
     """
 
     def __init__(
@@ -169,6 +180,7 @@ class Coordinator:
         topology: str = "auto",
         compression: Optional[str] = None,
         shared_memory: bool = True,
+        coordinator_share: Union[str, float] = "auto",
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
@@ -180,8 +192,14 @@ class Coordinator:
         self.topology = topology
         self.compression = compression
         self.shared_memory = bool(shared_memory)
+        if coordinator_share != "auto":
+            _mesh.share_value(coordinator_share)  # type: ignore[arg-type]
+        self.coordinator_share = coordinator_share
         #: whether flat steps run on the mesh (decided when the join completes)
         self.mesh = False
+        #: MeshPeers.coordinator_share in effect: 65536ths of each mesh step's
+        #: vector this coordinator averages (decided when the join completes)
+        self.share = 0
         self.expect_workers = expect_workers
         self.timeout = check_timeout("timeout", timeout)
         self.join_timeout = check_timeout("join_timeout", join_timeout)
@@ -304,12 +322,15 @@ class Coordinator:
             shared = (self.shared_memory and len(admitted) > 1 and _shm.enabled()
                       and self.codec == _mesh.Codec.FLOAT32
                       and hosts[0] is not None and all(h == hosts[0] for h in hosts))
+            self.share = 0 if shared or self.codec != _mesh.Codec.FLOAT32 else \
+                self._choose_share(admitted, hosts)
             table = MeshPeers(key=_mesh.new_key(), codec=int(self.codec),
-                              shared_memory=int(shared),
+                              shared_memory=int(shared), coordinator_share=self.share,
                               peers=_mesh.format_peers(addresses))  # type: ignore[arg-type]
-            log.info("flat steps run on the mesh between the %d workers (%s%s)",
+            log.info("flat steps run on the mesh between the %d workers (%s%s%s)",
                      len(admitted), self.compression or "float32",
-                     ", in shared memory" if shared else "")
+                     ", in shared memory" if shared else "",
+                     f", {self.share / 65536:.1%} through the coordinator" if self.share else "")
         else:
             table = MeshPeers(key=bytes(32), codec=0, shared_memory=0, peers="")
             log.info("flat steps run on the star: worker %d does not take part in a mesh",
@@ -320,6 +341,19 @@ class Coordinator:
         for chan, addr, a in zip(self._channels, addresses, admitted):
             if Extension.MESH in a.granted:
                 chan.send(table)
+
+    def _choose_share(self, admitted: list, hosts: List[Optional[bytes]]) -> int:
+        """MeshPeers.coordinator_share for a mesh over the links."""
+        if self.coordinator_share != "auto":
+            return _mesh.share_value(self.coordinator_share)  # type: ignore[arg-type]
+        here = _shm.host_id()
+        for a, host in zip(admitted, hosts):
+            if host == here or _is_loopback(a.address[0]) or \
+                    a.address[0] == a.sock.getsockname()[0]:
+                log.info("worker %d runs on this host: the mesh takes no coordinator share",
+                         a.worker_id)
+                return 0
+        return _mesh.share_value(_mesh.auto_share(len(admitted)))
 
     def _send_heartbeats(self) -> None:
         assert self.heartbeat is not None
@@ -410,15 +444,33 @@ class Coordinator:
             if out is not None:
                 raise ValueError("out: in a mesh session the average stays on the workers "
                                  "(topology='star' keeps a copy here)")
-            result = self._mesh_collect(step)
+            part = self._mesh_part(step) if self.share else None
+            result = self._mesh_collect(step, part)
             if reply:
                 self._mesh_commit(step, result.global_loss)
             return result
         return self._average(_FLAT, step, None, out, reply)
 
-    def _mesh_collect(self, step: int) -> ReduceResult:
+    def _mesh_part(self, step: int) -> Tuple[int, Optional[list]]:
+        """This coordinator's part of a mesh step's reduce-scatter: every
+        worker's GradientPayload of the vector's last elements, averaged as
+        the star averages and streamed back while it arrives. A non-finite
+        element does not cut the reply short (the workers hold it until the
+        StepCommit, which halts the step). Returns the part's length and,
+        when some element was not finite, each worker's first (index in the
+        part, value), index -1 for none."""
+        try:
+            result, bad = self._stream(_FLAT, step, None, None, True, pinned=False, halt=False)
+        except BaseException:
+            self._abandon()  # the workers are inside their reduce-scatter
+            raise
+        return len(result.avg_gradients), bad
+
+    def _mesh_collect(self, step: int, part: Optional[Tuple[int, Optional[list]]] = None
+                      ) -> ReduceResult:
         """Every worker's StepReport for a mesh step: their slices are
-        averaged, none applied. A non-finite element anywhere halts the step
+        averaged, none applied. A non-finite element anywhere (``part``: the
+        coordinator's own part, from :meth:`_mesh_part`) halts the step
         here: every worker hears which, the connections close."""
         t0 = time.perf_counter()
         self._require_workers()
@@ -446,21 +498,29 @@ class Coordinator:
                 self._abandon()
                 raise GradientMismatch("gradients length", want, msg.count, worker_id=wid,
                                        step=step)
+            if part is not None and _mesh.coordinator_part(msg.count, self.share) != part[0]:
+                self._abandon()
+                raise GradientMismatch("coordinator's part length (for its gradients' length)",
+                                       _mesh.coordinator_part(msg.count, self.share), part[0],
+                                       worker_id=wid, step=step)
             reports.append(msg)
         t1 = time.perf_counter()
-        bad = [r for r in reports if r.bad_worker != NO_WORKER]
+        bad = [(r.bad_worker, r.bad_index, r.bad_value) for r in reports
+               if r.bad_worker != NO_WORKER]
+        if part is not None and part[1] is not None:
+            start = reports[0].count - part[0]
+            bad += [(w, start + index, value) for w, (index, value) in enumerate(part[1])
+                    if index >= 0]
         if bad:
-            first = min(bad, key=lambda r: (r.bad_worker, r.bad_index))
-            log.error("worker %d sent a non-finite gradient at step %d: halting",
-                      first.bad_worker, step)
+            bad_worker, bad_index, bad_value = min(bad, key=lambda b: (b[0], b[1]))
+            log.error("worker %d sent a non-finite gradient at step %d: halting", bad_worker, step)
             try:
-                self._broadcast(StepCommit(step=step, global_loss=0.0, bad_worker=first.bad_worker,
-                                           bad_index=first.bad_index, bad_value=first.bad_value),
-                                step)
+                self._broadcast(StepCommit(step=step, global_loss=0.0, bad_worker=bad_worker,
+                                           bad_index=bad_index, bad_value=bad_value), step)
             finally:
                 self._abandon()
-            raise NonFiniteGradient(first.bad_worker, first.bad_index, first.bad_value,
-                                    worker_id=first.bad_worker, step=step)
+            raise NonFiniteGradient(bad_worker, bad_index, bad_value, worker_id=bad_worker,
+                                    step=step)
         self._lengths.setdefault((_FLAT, None), reports[0].count)
         result = self._result(_FLAT, step, None, [], None,  # type: ignore[arg-type]
                               [(r.loss, r.correct, r.total) for r in reports], t1 - t0)
@@ -535,11 +595,22 @@ class Coordinator:
 
     def _average(self, kind: _Kind, step: int, key: Optional[int], out: Optional[np.ndarray],
                  reply: bool) -> AnyResult:
-        t0 = time.perf_counter()
         # a vector named by the caller keeps its length from step to step;
         # one the workers choose (step or key None) may change it
         pinned = step is not None and (kind.key is None or key is not None)
-        heads, step, key = self._collect_heads(kind, step, key, pinned)
+        return self._stream(kind, step, key, out, reply, pinned=pinned)[0]
+
+    def _stream(self, kind: _Kind, step: int, key: Optional[int], out: Optional[np.ndarray],
+                reply: bool, *, pinned: bool,
+                halt: bool = True) -> Tuple[AnyResult, Optional[list]]:
+        """The star's streaming average. With ``halt`` a non-finite element
+        raises (the replies cut short); without, the reply is finished all
+        the same and the result comes with ``bad`` (each worker's first
+        non-finite (index, value), or None when every element was finite).
+        A worker's CollectiveError in place of its payload fails the step
+        only when not ``halt`` (a mesh step's part)."""
+        t0 = time.perf_counter()
+        heads, step, key = self._collect_heads(kind, step, key, pinned, failures=not halt)
         t1 = time.perf_counter()
         out = self._out_for(heads, out)
         done: List[AnyResult] = []
@@ -576,8 +647,9 @@ class Coordinator:
                     _, bad = _core.allreduce_stream(
                         conns, out, heads[0].tail_len, head, make_tail, self.timeout,
                         ring_bytes=self.ring_bytes, socket_threads=threads, step=step,
-                        what=f"{what} into {kind.reply.__name__}")
-                    self._raise_bad(bad, step)
+                        what=f"{what} into {kind.reply.__name__}", halt_on_nonfinite=halt)
+                    if halt:
+                        self._raise_bad(bad, step)
                 except BaseException:
                     # Some workers hold part of a reply that will never be
                     # finished: closing is the only way to tell them at once.
@@ -587,7 +659,7 @@ class Coordinator:
             self._lengths.setdefault((kind, key), len(out))
         result = done[0]
         result.reduce_time = time.perf_counter() - t1
-        return result
+        return result, bad
 
     @staticmethod
     def _reply(kind: _Kind, step: int, key: Optional[int], heads: list, out: np.ndarray,
@@ -630,7 +702,8 @@ class Coordinator:
                 "call wait_for_workers() first")
 
     def _collect_heads(self, kind: _Kind, step: Optional[int], key: Optional[int],
-                       pinned: bool = True) -> Tuple[List["_core.FrameHead"], int, Optional[int]]:
+                       pinned: bool = True, failures: bool = False
+                       ) -> Tuple[List["_core.FrameHead"], int, Optional[int]]:
         """Every worker's frame head, in worker order, checked; the elements
         stay in the sockets for the streaming reduce. The heads of one step
         are due within one timeout: a worker's heartbeats do not extend it.
@@ -640,8 +713,15 @@ class Coordinator:
         heads = []
         for chan in self._channels:
             wid = chan.peer_id
-            head = chan.read_head([kind.payload], step=step, deadline=deadline,
+            head = chan.read_head([kind.payload, CollectiveError] if failures else [kind.payload],
+                                  step=step, deadline=deadline,
                                   what=f"waiting for {kind.payload.__name__}")
+            if isinstance(head, CollectiveError):
+                # a mesh worker that could not start its part of the step
+                raise WorkerLost(f"worker {wid} could not start its part of the mesh step: "
+                                 f"{head.detail}",
+                                 worker_id=wid if head.worker_id == NO_WORKER else head.worker_id,
+                                 step=step)
             if not isinstance(head, _core.FrameHead):
                 raise UnexpectedMessage(kind.payload.__name__, message_name(head),
                                         worker_id=wid, step=step)

@@ -65,12 +65,15 @@ from . import _core
 from . import reduce as _reduce
 from . import shm as _shm
 from .channel import Channel, check_timeout
-from .errors import DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError, WorkerLost
+from .errors import (DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError,
+                     ShutdownDuringReduce, UnexpectedMessage, WorkerLost)
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
-from .messages import NO_WORKER, CollectiveRequest, MeshPeers, PeerHello
+from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientPayload, MeshPeers,
+                       PeerHello, Shutdown)
 
-__all__ = ["CODECS", "Mesh", "SharedPlane", "SliceOutcome", "codec_of", "format_peers", "listen",
-           "parse_peers", "offer", "peer_host", "peer_port", "range_bounds", "slice_bounds"]
+__all__ = ["CODECS", "Mesh", "SharedPlane", "SliceOutcome", "auto_share", "codec_of",
+           "coordinator_part", "format_peers", "listen", "parse_peers", "offer", "peer_host",
+           "peer_port", "range_bounds", "share_value", "slice_bounds"]
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +197,40 @@ def new_key() -> bytes:
 def slice_bounds(count: int, world: int) -> List[Tuple[int, int]]:
     """Worker w's slice of a ``count``-element vector: [w·count//N, (w+1)·count//N)."""
     return [(w * count // world, (w + 1) * count // world) for w in range(world)]
+
+
+def coordinator_part(count: int, share: int) -> int:
+    """How many elements at the end of a ``count``-element vector the
+    coordinator averages itself, for MeshPeers.coordinator_share ``share``
+    (65536ths of the vector, rounded down)."""
+    return (count * share) >> 16
+
+
+def share_value(fraction: float) -> int:
+    """MeshPeers.coordinator_share for a fraction of the vector in [0, 1)."""
+    if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"coordinator_share must be a fraction in [0, 1), got {fraction!r}")
+    return min(0xFFFF, round(fraction * 65536))
+
+
+def auto_share(workers: int) -> float:
+    """The part of the vector the coordinator takes on with equal links.
+
+    During the reduce-scatter each worker's link sends (N-1)/N of its
+    workers' part to the other workers plus the coordinator's part x, and
+    receives as much back (the coordinator streams its average back within
+    the same phase, as the star does); the coordinator's link carries N·x
+    each way. The two would finish together at x = 1/(N+1), and the
+    allgather then moves only (N-1)/N·(1-x): the step's floor per link
+    falls from 2(N-1)/N vector sizes towards (2N-1)/(N+1) (1.5 to 1.4 at
+    N = 4). At that balance every link is the bottleneck at once, and the
+    coordinator's part, which waits for the slowest of its N flows, is late
+    whenever they share a link unevenly: three quarters of it keeps most of
+    the gain with slack (on the emulated 1 Gbit/s cluster, 4 workers: 0.15
+    of the vector as fast as 0.2 and steadier, 0.25 slower than none; see
+    docs/benchmarks.md). At N = 2 the floors are equal, so two workers keep
+    the plain mesh."""
+    return 0.75 / (workers + 1) if workers >= 3 else 0.0
 
 
 def range_bounds(length: int, parts: int) -> List[Tuple[int, int]]:
@@ -335,13 +372,40 @@ class SliceOutcome:
     bad_value: float = 0.0
 
 
+@dataclass
+class _CoordinatorLeg:
+    """The coordinator's part of a reduce-scatter, on the worker's connection
+    to it: a GradientPayload out, its AveragedGradient back, in the same
+    calls as the slices between workers (so both finish together)."""
+
+    chan: Channel
+    head: bytes             # GradientPayload up to its elements
+    data: np.ndarray        # the elements: the last coordinator_part() of the vector
+    tail: bytes             # GradientPayload's loss, correct, total
+    into: np.ndarray        # the averaged part (held until the StepCommit)
+    reply_tail: bytearray   # AveragedGradient.global_loss
+
+
 class Mesh:
     """A worker's links to every other worker of a mesh session, and the two
     exchanges of a mesh step (reduce-scatter, then allgather)."""
 
     def __init__(self, links: List[Optional[Channel]], worker_id: int, codec: Codec,
-                 timeout: float, shared_memory: bool = False) -> None:
+                 timeout: float, shared_memory: bool = False,
+                 coordinator: Optional[Channel] = None, coordinator_share: int = 0) -> None:
+        if coordinator_share and (coordinator is None or codec != Codec.FLOAT32
+                                  or shared_memory):
+            # the coordinator's part travels as GradientPayload, float32 over a link
+            raise ProtocolError("MeshPeers.coordinator_share needs float32 over the links",
+                                worker_id=worker_id)
         self.links = links
+        #: the connection to the coordinator, which averages the last
+        #: coordinator_part() elements of each step itself (none when 0)
+        self.coordinator = coordinator
+        self.coordinator_share = coordinator_share
+        # set while a GradientPayload to the coordinator is cut short: no
+        # other frame may follow it on that connection
+        self.coordinator_frame_open = False
         self.worker_id = worker_id
         self.world = len(links)
         self.codec = Codec(codec)
@@ -352,6 +416,7 @@ class Mesh:
         # the averaged slice between the two exchanges, and its step
         self._own: Optional[np.ndarray] = None
         self._step: Optional[int] = None
+        self._part: Optional[np.ndarray] = None  # the coordinator's averaged part
         # Runs the kernels while the calling thread moves bytes. The caller
         # keeps every socket: a failure or Ctrl-C there needs no other thread
         # woken, and the helper only ever waits for a bounded kernel call.
@@ -366,21 +431,30 @@ class Mesh:
     @classmethod
     def connect(cls, listener: socket.socket, table: MeshPeers, worker_id: int, world: int, *,
                 timeout: float, max_frame: int,
-                congestion: Optional[str] = DEFAULT_CONGESTION) -> "Mesh":
+                congestion: Optional[str] = DEFAULT_CONGESTION,
+                coordinator: Optional[Channel] = None) -> "Mesh":
         """Open the links a MeshPeers names (closing ``listener`` afterwards),
         each sending under TCP congestion control ``congestion`` where the
-        kernel has it (:data:`DEFAULT_CONGESTION`; None: the system's)."""
+        kernel has it (:data:`DEFAULT_CONGESTION`; None: the system's).
+        ``coordinator`` is this worker's connection to the coordinator, which
+        carries the coordinator's part of each step when the table gives it one."""
         timeout = check_timeout("timeout", timeout)
         if len(table.key) != 32:
             raise ProtocolError("MeshPeers.key must be 32 bytes")
         peers = parse_peers(table.peers, world)
+        if table.coordinator_share and (coordinator is None or table.codec != Codec.FLOAT32
+                                        or table.shared_memory):
+            listener.close()
+            raise ProtocolError("MeshPeers.coordinator_share needs float32 over the links",
+                                worker_id=worker_id)
         try:
             links = _connect_links(listener, peers, worker_id, table.key, timeout, max_frame,
                                    check_congestion(congestion))
         finally:
             listener.close()
         return cls(links, worker_id, Codec(table.codec), timeout,
-                   shared_memory=bool(getattr(table, "shared_memory", 0)))
+                   shared_memory=bool(table.shared_memory), coordinator=coordinator,
+                   coordinator_share=table.coordinator_share)
 
     def close(self) -> None:
         """Close every link and stop the helper thread (after the kernel call
@@ -434,14 +508,16 @@ class Mesh:
     def _exchange(self, step: int, kind: CollectiveKind, sends: Sequence[Optional[np.ndarray]],
                   recvs: Sequence[Optional[np.ndarray]], deadline: float, parts: int = 1,
                   before: Optional[Callable[[int], None]] = None,
-                  after: Optional[Callable[[int], None]] = None) -> None:
+                  after: Optional[Callable[[int], None]] = None,
+                  leg: Optional[_CoordinatorLeg] = None) -> None:
         """Send sends[j] to worker j while receiving recvs[j] from it, every
         link at once. The heads go first, each checked (step, phase, sender,
         length, dtype), so a worker whose vector differs is named before any
         element is read into a buffer sized for another length. The elements
         follow in ``parts`` ranges (:func:`range_bounds` of each slice), one
         call each; ``before(c)`` returns once range c may go out, ``after(c)``
-        is told it is in both directions."""
+        is told it is in both directions. ``leg`` adds the coordinator's part
+        on the connection to it, cut into the same ranges."""
         me = self.worker_id
         heads_out: List[List[bytes]] = [[] for _ in range(self.world)]
         for j, chan in enumerate(self.links):
@@ -453,6 +529,10 @@ class Mesh:
             head, _bulk, _tail = _core.encode_frame_parts(msg, max_frame=chan.max_frame)
             heads_out[j] = [head]
         conns = self._conns
+        if leg is not None:
+            conns.append(leg.chan.conn)
+            heads_out.append([leg.head])
+            self.coordinator_frame_open = True
         what = f"exchanging {kind.name.lower()} heads"
         _core.exchange_many(conns, heads_out, [[] for _ in conns], self.timeout,
                             deadline=deadline, step=step, what=what)
@@ -463,10 +543,14 @@ class Mesh:
                                          deadline=deadline, expect=(CollectiveRequest,),
                                          step=step, what=what, collective_heads=True)
             self._check_head(head, step, kind, j, len(recvs[j]))
+        if leg is not None:
+            self._check_reply_head(leg, step, deadline)
         # the elements follow their head as raw bytes in the sender's order,
         # as encode_frame_parts would send them
         cuts_out = [None if s is None else range_bounds(len(s), parts) for s in sends]
         cuts_in = [None if r is None else range_bounds(len(r), parts) for r in recvs]
+        if leg is not None:
+            cuts_leg = range_bounds(len(leg.data), parts)
         what = f"exchanging {kind.name.lower()} slices"
         for c in range(parts):
             if before is not None:
@@ -476,10 +560,33 @@ class Mesh:
             for j in range(self.world):
                 out.append(_piece(sends[j], cuts_out[j], c) if conns[j] is not None else [])
                 into.append(_piece(recvs[j], cuts_in[j], c) if conns[j] is not None else [])
+            if leg is not None:
+                last = c == parts - 1
+                out.append(_piece(leg.data, cuts_leg, c) + ([leg.tail] if last else []))
+                into.append(_piece(leg.into, cuts_leg, c) + ([leg.reply_tail] if last else []))
             _core.exchange_many(conns, out, into, self.timeout, deadline=deadline, step=step,
                                 what=what if parts == 1 else f"{what} (range {c + 1} of {parts})")
             if after is not None:
                 after(c)
+        self.coordinator_frame_open = False
+
+    def _check_reply_head(self, leg: _CoordinatorLeg, step: int, deadline: float) -> None:
+        """The head of the coordinator's AveragedGradient for its part."""
+        ctx = dict(worker_id=self.worker_id, step=step)
+        head = leg.chan.read_head([AveragedGradient, Shutdown], step=step, deadline=deadline,
+                                  what="receiving the coordinator's part of the average")
+        if isinstance(head, Shutdown):
+            raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
+        if not isinstance(head, _core.FrameHead) or head.tag != AveragedGradient.TAG:
+            raise UnexpectedMessage(AveragedGradient.__name__, type(head).__name__, **ctx)
+        if head.step != step:
+            raise GradientMismatch("step", step, head.step, **ctx)
+        if head.gradient_count != len(leg.into):
+            raise GradientMismatch("coordinator's part length", len(leg.into),
+                                   head.gradient_count, **ctx)
+        if head.tail_len != len(leg.reply_tail):
+            raise ProtocolError(f"AveragedGradient from the coordinator ends in {head.tail_len} "
+                                f"bytes, not {len(leg.reply_tail)}", **ctx)
 
     def _check_head(self, head: object, step: int, kind: CollectiveKind, j: int,
                     count: int) -> None:
@@ -625,17 +732,23 @@ class Mesh:
 
     # ---- the step ----
 
-    def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float) -> SliceOutcome:
+    def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float,
+                       tail: Tuple[float, int, int] = (0.0, 0, 0)) -> SliceOutcome:
         """Phase 1: this worker's slice of the average, kept until
         :meth:`allgather`. Non-finite elements are reported, not raised: the
-        coordinator decides for the whole vector."""
+        coordinator decides for the whole vector. With a coordinator share,
+        the last :func:`coordinator_part` elements go to the coordinator in
+        a GradientPayload whose tail is ``tail`` (loss, correct, total), and
+        their average comes back in the same calls."""
         if self._want_shared:
             self._want_shared = False
             self.plane = self._share(step, len(gradients), deadline)
         if self.plane is not None:
             return self.plane.reduce_scatter(step, gradients, deadline)
         n, me = self.world, self.worker_id
-        bounds = slice_bounds(len(gradients), n)
+        leg = self._leg(step, gradients, tail)
+        ours = len(gradients) - (0 if leg is None else len(leg.data))
+        bounds = slice_bounds(ours, n)
         lo, hi = bounds[me]
         if self._half is None:
             wire = gradients
@@ -674,7 +787,7 @@ class Mesh:
 
         try:
             self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline, parts,
-                           before, after)
+                           before, after, leg)
             found = [f.result() for f in averaged]
         except BaseException:
             self._settle(narrowed + averaged)
@@ -687,7 +800,23 @@ class Mesh:
             worker, index, value = min(hits, key=lambda h: (h[0], h[1]))
             outcome = SliceOutcome(worker, lo + index, value)
         self._own, self._step = own, step
+        self._part = None if leg is None else leg.into
         return outcome
+
+    def _leg(self, step: int, gradients: np.ndarray,
+             tail: Tuple[float, int, int]) -> Optional[_CoordinatorLeg]:
+        if not self.coordinator_share:
+            return None
+        assert self.coordinator is not None and self._half is None
+        count = len(gradients)
+        data = gradients[count - coordinator_part(count, self.coordinator_share):]
+        loss, correct, total = tail
+        msg = GradientPayload(step=step, worker_id=self.worker_id, gradients=data, loss=loss,
+                              correct=correct, total=total)
+        head, _bulk, after = _core.encode_frame_parts(msg, max_frame=self.coordinator.max_frame)
+        return _CoordinatorLeg(self.coordinator, head, data, after,
+                               self._buffer("coordinator part", len(data), np.dtype(np.float32)),
+                               bytearray(4))
 
     def allgather(self, step: int, out: np.ndarray, deadline: float) -> np.ndarray:
         """Phase 3, after the coordinator's go-ahead: every slice of the
@@ -698,15 +827,19 @@ class Mesh:
         if own is None or self._step != step:
             raise ProtocolError(f"allgather for step {step} without its reduce-scatter",
                                 worker_id=self.worker_id, step=step)
+        part, self._part = self._part, None
         self._own = self._step = None
         n, me = self.world, self.worker_id
-        bounds = slice_bounds(len(out), n)
+        ours = len(out) - (0 if part is None else len(part))
+        bounds = slice_bounds(ours, n)
         lo, hi = bounds[me]
         if self._half is None:
             # float32 lands where it belongs: nothing to do per range
             full = out
             parts = 1
             pending = [self._submit(np.copyto, out[lo:hi], own)]
+            if part is not None:
+                pending.append(self._submit(np.copyto, out[ours:], part))
             after: Optional[Callable[[int], None]] = None
         else:
             full = self._buffer("gathered", len(out), own.dtype)

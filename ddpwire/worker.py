@@ -457,7 +457,8 @@ class Worker:
             self._mesh = _mesh.Mesh.connect(listener, self._mesh_table, self._worker_id,
                                             self._total_workers, timeout=self._chan.timeout,
                                             max_frame=self._chan.max_frame,
-                                            congestion=self._mesh_congestion)
+                                            congestion=self._mesh_congestion,
+                                            coordinator=self._chan)
         return self._mesh
 
     def _mesh_send(self, step: int, gradients: Any, loss: float, correct: int,
@@ -468,7 +469,14 @@ class Worker:
         grads = np.frombuffer(gradients, dtype=np.float32)
         try:
             links = self._links()
-            outcome = links.reduce_scatter(step, grads, time.monotonic() + self._chan.timeout)
+            deadline = time.monotonic() + self._chan.timeout
+            if links.coordinator_share:
+                # a GradientPayload to the coordinator goes out with the
+                # slices: no heartbeat may land inside it
+                with self._chan.send_lock:
+                    outcome = links.reduce_scatter(step, grads, deadline, (loss, correct, total))
+            else:
+                outcome = links.reduce_scatter(step, grads, deadline)
             self._chan.send(StepReport(step=step, worker_id=self._worker_id, count=len(grads),
                                        loss=loss, correct=correct, total=total,
                                        bad_worker=outcome.bad_worker, bad_index=outcome.bad_index,
@@ -511,11 +519,15 @@ class Worker:
         on a link to another worker is first told to the coordinator (a
         CollectiveError naming that worker), which would otherwise only see
         this worker leave."""
+        cut = False
         if self._mesh is not None:
+            cut = self._mesh.coordinator_frame_open
             self._mesh.close()
         blamed = getattr(exc, "worker_id", None)
-        if isinstance(exc, DdpwireError) and not isinstance(exc, (CoordinatorLost,
-                                                                   NonFiniteGradient)):
+        # after a GradientPayload cut short, the coordinator would read a
+        # CollectiveError as gradient bytes: closing is all it can be told
+        if not cut and isinstance(exc, DdpwireError) and \
+                not isinstance(exc, (CoordinatorLost, NonFiniteGradient)):
             try:
                 self._chan.send(CollectiveError(
                     seq=step, worker_id=NO_WORKER if blamed is None else blamed,

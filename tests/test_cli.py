@@ -302,3 +302,14 @@ def test_report_line_goes_out_in_one_write(monkeypatch, tmp_path):
         cli.write_line('{"worker_id": 1}')
     assert writes == [b'{"worker_id": 1}\n']
     assert (tmp_path / "out").read_text() == '{"worker_id": 1}\n'
+
+
+def test_coordinator_share_option():
+    parser = cli.build_parser()
+    base = ["coordinator", "--workers", "3"]
+    assert parser.parse_args(base).coordinator_share == "auto"
+    assert parser.parse_args(base + ["--coordinator-share", "0.25"]).coordinator_share == 0.25
+    assert parser.parse_args(base + ["--coordinator-share", "0"]).coordinator_share == 0.0
+    proc = run(base + ["--coordinator-share", "1.5"])
+    assert proc.returncode == 2
+    assert "a fraction from 0 to below 1, or auto; got '1.5'" in proc.stderr

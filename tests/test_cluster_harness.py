@@ -292,6 +292,22 @@ def test_link_figures():
     # 16-bit elements halve the bytes; gloo's ring moves what the float32 mesh does
     assert report.link_figures("mesh", 2, 4, s, 1, 1, 1)["worker_link_bytes_each_way"] == 3 * s // 4
     assert report.link_figures("ring", 4, 2, s, 1, 1, 1)["worker_link_bytes_each_way"] == s
+    # a fifth through the coordinator: each worker link 0.75·0.8·2 + 0.2 = 1.4
+    # vectors, the coordinator's link 4·0.2 = 0.8
+    shared = report.link_figures("mesh", 4, 4, s, 1.0, 10**9, 10**9, share=0.2)
+    assert shared["worker_link_bytes_each_way"] == int(1.4 * s)
+    assert shared["coord_link_bytes_each_way"] == int(0.8 * s)
+    assert shared["coord_link_utilisation"] == pytest.approx(0.8 * s * 8 / 10**9)
+
+
+def test_mesh_floor():
+    s = 64 << 20
+    t = s * 8 / 10**9
+    assert report.mesh_floor(4, s, 10**9, 10**9, 0.0) == pytest.approx(report.ring_floor(4, s, 10**9))
+    # 1/(N+1) on equal links: the floor (2N-1)/(N+1), 1.4 vectors at 4 workers
+    assert report.mesh_floor(4, s, 10**9, 10**9, 0.2) == pytest.approx(1.4 * t)
+    # a slow coordinator link makes its part the bottleneck of the reduce-scatter
+    assert report.mesh_floor(4, s, 10**8, 10**9, 0.2) == pytest.approx(8 * t + 0.6 * t)
 
 
 def _info(kind, n, median, **extra):

@@ -67,10 +67,22 @@ def ring_floor(n: int, size: int, rate: int) -> float:
     return 2 * (n - 1) / n * size * 8 / rate
 
 
+def mesh_floor(n: int, size: int, coord_rate: int, worker_rate: int, share: float) -> float:
+    """Seconds a mesh step whose coordinator averages ``share`` of the vector
+    needs at least: the reduce-scatter ends when both the workers' links
+    ((N−1)/N of their part and the coordinator's part) and the coordinator's
+    (N times its part) are through, the allgather moves (N−1)/N of the
+    workers' part. ``share`` 0 is the ring's floor."""
+    ours = (n - 1) / n * (1 - share) * size * 8
+    scatter = max((ours + share * size * 8) / worker_rate, n * share * size * 8 / coord_rate)
+    return scatter + ours / worker_rate
+
+
 def link_figures(topo: str, elem_bytes: int, n: int, size: int, median: float,
-                 coord_rate: int, worker_rate: int) -> Dict[str, float]:
+                 coord_rate: int, worker_rate: int, share: float = 0.0) -> Dict[str, float]:
     """Payload bytes each way through the link the topology loads most, and
-    that over the step time against the link's rate (the extra_info keys).
+    that over the step time against the link's rate (the extra_info keys);
+    for a mesh with a coordinator share, the coordinator's link's too.
 
     "auto" (files from before the runs recorded the coordinator's choice)
     counts as the star, which it was then.
@@ -78,15 +90,20 @@ def link_figures(topo: str, elem_bytes: int, n: int, size: int, median: float,
     if topo not in ("mesh", "ring"):
         return {"coord_link_bytes_each_way": n * size,
                 "coord_link_utilisation": n * size * 8 / median / coord_rate}
-    per_worker = 2 * (n - 1) * size * elem_bytes // (4 * n)
-    return {"worker_link_bytes_each_way": per_worker,
-            "worker_link_utilisation": per_worker * 8 / median / worker_rate}
+    per_worker = int((2 * (n - 1) / n * (1 - share) + share) * size * elem_bytes / 4)
+    figures = {"worker_link_bytes_each_way": per_worker,
+               "worker_link_utilisation": per_worker * 8 / median / worker_rate}
+    if share:
+        figures.update(coord_link_bytes_each_way=int(n * share * size),
+                       coord_link_utilisation=n * share * size * 8 / median / coord_rate)
+    return figures
 
 
 def _floor(info: dict, coord_rate: int, worker_rate: int) -> float:
     n, size = info["workers"], info["size_bytes"]
     if topology(info) in ("mesh", "ring"):
-        return ring_floor(n, size, worker_rate) * bytes_per_element(info) / 4
+        return mesh_floor(n, size, coord_rate, worker_rate, info.get("coordinator_share", 0.0)) \
+            * bytes_per_element(info) / 4
     return star_floor(n, size, coord_rate, worker_rate)
 
 
@@ -95,9 +112,10 @@ def _busy(info: dict, coord_rate: int, worker_rate: int) -> Tuple[Optional[float
     does not use the coordinator's link."""
     n, size, median = info["workers"], info["size_bytes"], info["step_span_median"]
     figures = link_figures(topology(info), bytes_per_element(info), n, size, median,
-                           coord_rate, worker_rate)
+                           coord_rate, worker_rate, info.get("coordinator_share", 0.0))
     if "worker_link_utilisation" in figures:
-        return None, info.get("worker_link_utilisation", figures["worker_link_utilisation"])
+        return (figures.get("coord_link_utilisation"),
+                info.get("worker_link_utilisation", figures["worker_link_utilisation"]))
     # each worker's link carries its vector each way under the star
     return (info.get("coord_link_utilisation", figures["coord_link_utilisation"]),
             size * 8 / median / worker_rate)

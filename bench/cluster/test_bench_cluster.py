@@ -116,9 +116,11 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
     if kind != "gloo":
         spec = procs.ddpwire_kind(kind)
         # the one the coordinator chose ("auto" picks the mesh when it can)
-        info.update(topology=summary["coordinator"]["topology"], compression=spec.compression)
+        info.update(topology=summary["coordinator"]["topology"], compression=spec.compression,
+                    coordinator_share=summary["coordinator"].get("coordinator_share", 0.0))
     info.update(report.link_figures(report.topology(info), report.bytes_per_element(info),
-                                    n, size, median, coord_rate, worker_rate))
+                                    n, size, median, coord_rate, worker_rate,
+                                    info.get("coordinator_share", 0.0)))
     if kind != "gloo":
         if spec.compression:
             # every worker holds the same bits (checked above), so the same error
