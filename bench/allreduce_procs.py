@@ -251,9 +251,13 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     "ddpwire-mesh-systcp": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False},
                                        {**_LOOP, "tcp_congestion": None}),
     # the mesh with no part of the vector through the coordinator's link
-    # (the default "auto" gives it 1/(N+1) from 3 workers on separate hosts)
+    # (the default "auto" gives it 0.75/(N+1) from 3 workers on other hosts),
+    # and with fixed parts, the sweep that chose "auto"
     "ddpwire-mesh-noshare": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False,
                                          "coordinator_share": 0}, _LOOP),
+    **{f"ddpwire-share{round(x * 100)}": DdpwireKind(
+        {**_LOOP, "topology": "mesh", "shared_memory": False, "coordinator_share": x}, _LOOP)
+       for x in (0.1, 0.15, 0.2, 0.25)},
 }
 
 

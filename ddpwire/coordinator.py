@@ -607,8 +607,8 @@ class Coordinator:
         raises (the replies cut short); without, the reply is finished all
         the same and the result comes with ``bad`` (each worker's first
         non-finite (index, value), or None when every element was finite).
-        A worker's CollectiveError in place of its payload fails the step
-        only when not ``halt`` (a mesh step's part)."""
+        Without ``halt`` (a mesh step's part) a worker may send a
+        CollectiveError in place of its payload: the WorkerLost it names."""
         t0 = time.perf_counter()
         heads, step, key = self._collect_heads(kind, step, key, pinned, failures=not halt)
         t1 = time.perf_counter()

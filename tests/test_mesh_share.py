@@ -214,3 +214,28 @@ def test_a_table_with_a_share_for_16_bit_words_is_refused():
     with pytest.raises(ProtocolError, match="coordinator_share"):
         meshmod.Mesh.connect(listener, table, 0, 1, timeout=1.0, max_frame=1 << 20)
     assert listener.fileno() == -1  # closed, not leaked
+
+
+def test_a_worker_that_never_opens_its_links_is_named_by_the_others():
+    # workers 1 and 2 give up on worker 0 before their reduce-scatter and
+    # tell the coordinator, which is waiting for their part's payloads
+    grads = gradients(3, 10, seed=5)
+    gave_up = threading.Event()
+
+    def body(w):
+        if w.worker_id == 0:
+            gave_up.wait(TIMEOUT)
+            return None
+        return w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+
+    s = Session(3, body, coordinator={"coordinator_share": 0.25}, timeout=1.0)
+    try:
+        with pytest.raises(PeerLost) as info:
+            s.coord.allreduce(0)
+    finally:
+        gave_up.set()
+        s.join()
+    assert info.value.worker_id == 0 and info.value.step == 0
+    for wid in (1, 2):
+        exc = s.errors[wid]
+        assert isinstance(exc, WorkerLost) and exc.worker_id == 0, repr(exc)
