@@ -3,8 +3,9 @@
     python bench/cluster/plot.py docs/cluster.png docs/cluster-1g.json [more.json ...]
 
 One panel per JSON file (one set of link rates); in each, a group of bars
-per (size, N) and, as marks, the star's and the ring's floor at those rates
-(bench/cluster/report.py says how they are computed).
+per (size, N) and, as marks, the star's and the ring's floor at those rates,
+and the mesh's with each coordinator share measured (bench/cluster/report.py
+says how they are computed).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def plot(out: str, paths: List[str]) -> None:
                         ys.append(i["step_span_median"] * 1e3)
             ax.bar(xs, ys, width, label=kind, color=colour[kind])
         rates = infos[0]["coord_rate_bps"], infos[0]["worker_rate_bps"]
+        shared_label = False
         for x, (size, n) in enumerate(cases):
             star = report.star_floor(n, size, *rates) * 1e3
             ring = report.ring_floor(n, size, rates[1]) * 1e3
@@ -50,6 +52,14 @@ def plot(out: str, paths: List[str]) -> None:
                       label="star floor" if x == 0 else None)
             ax.hlines(ring, x - 0.45, x + 0.45, colors="black", linestyles=":",
                       label="ring floor" if x == 0 else None)
+            # the mesh with the coordinator's share goes below the ring's floor
+            shares = sorted({i.get("coordinator_share", 0.0) for i in infos
+                             if (i["size_bytes"], i["workers"]) == (size, n)} - {0.0})
+            for share in shares:
+                floor = report.mesh_floor(n, size, *rates, share) * 1e3
+                ax.hlines(floor, x - 0.45, x + 0.45, colors="grey", linestyles="--",
+                          label=None if shared_label else "mesh floor, coordinator's share")
+                shared_label = True
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([f"{s >> 20} MiB\nN={n}" for s, n in cases])
         ax.set_ylabel("median step (ms)")
