@@ -201,7 +201,9 @@ def test_an_infinity_in_the_coordinator_side_slice_of_worker_0_is_named():
     assert (halted.worker_id, halted.index, halted.value) == (0, 3, -np.inf)
 
 
-def test_a_worker_that_leaves_mid_session_is_named_everywhere_within_the_timeout():
+@pytest.mark.parametrize("coordinator", [{}, {"coordinator_share": 0.25}],
+                         ids=["mesh", "coordinator-share"])
+def test_a_worker_that_leaves_mid_session_is_named_everywhere_within_the_timeout(coordinator):
     grads = gradients(3, 200_000, seed=4)
     steps_done = threading.Barrier(3)
 
@@ -213,7 +215,7 @@ def test_a_worker_that_leaves_mid_session_is_named_everywhere_within_the_timeout
             return "left"  # closes every link and its coordinator connection
         w.allreduce(1, g, 1.0, 1, 1)
 
-    s = Session(3, body, timeout=5.0)
+    s = Session(3, body, coordinator=coordinator, timeout=5.0)
     t0 = time.monotonic()
     try:
         s.coord.allreduce(0)
@@ -228,8 +230,11 @@ def test_a_worker_that_leaves_mid_session_is_named_everywhere_within_the_timeout
     for wid, exc in s.errors.items():
         assert isinstance(exc, PeerLost), repr(exc)
         assert exc.step == 1
-    # at least one survivor saw worker 1's own link fail and names it
-    assert any(isinstance(e, WorkerLost) and e.worker_id == 1 for e in s.errors.values())
+    # at least one survivor saw worker 1's own link fail and names it; with
+    # a coordinator share the coordinator, streaming its part, may see the
+    # loss first and close on the survivors before their links tell them
+    if not s.coord.share:
+        assert any(isinstance(e, WorkerLost) and e.worker_id == 1 for e in s.errors.values())
 
 
 def test_a_worker_that_never_opens_its_links_is_named_after_the_timeout():
