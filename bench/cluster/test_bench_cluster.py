@@ -101,6 +101,10 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
     info = benchmark.extra_info
     info.update(kind=kind, workers=n, size_bytes=size, rounds=rounds, warmup=WARMUP,
                 step_spans=spans, step_span_median=median,
+                # how far apart the workers got the average: a star or mesh
+                # whose flows share a link unevenly ends late for one of them
+                end_spreads=[(max(e for _, e in st) - min(e for _, e in st)) / 1e9
+                             for st in group.step_stamps[WARMUP:]],
                 coord_rate_bps=coord_rate, worker_rate_bps=worker_rate,
                 tbf_burst_coord=shaping.burst_bytes(coord_rate),
                 tbf_burst_worker=shaping.burst_bytes(worker_rate),
