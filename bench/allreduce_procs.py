@@ -240,6 +240,10 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     # the star through the coordinator whatever "auto" would pick, so the
     # earlier "ddpwire" figures stay comparable
     "ddpwire-star": DdpwireKind({**_LOOP, "topology": "star"}, _LOOP),
+    # the star with every connection's receive buffer left to the kernel,
+    # not bounded against incast (ddpwire.incast)
+    "ddpwire-star-sysrcv": DdpwireKind({**_LOOP, "topology": "star", "receive_window": None},
+                                       _LOOP),
     # the mesh over its links even on one host, so the earlier "ddpwire-mesh"
     # figures stay comparable; "ddpwire-shm" the same mesh in shared memory
     "ddpwire-mesh": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False}, _LOOP),

@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from . import _core
+from . import incast as _incast
 from . import mesh as _mesh
 from . import shm as _shm
 from . import socket_threads as _socket_threads
@@ -158,6 +159,15 @@ class Coordinator:
     with 3 or more workers on the links, none of them on this host (whose
     link they would share), and float32; else none. A coordinator whose
     link is slower than the workers' should pass 0.
+
+    ``receive_window`` bounds, in bytes, what each worker may have in
+    flight towards this coordinator: under the star all of them stream into
+    its link at once and, left to the kernel, overrun the buffer in front
+    of it (:mod:`ddpwire.incast`). "auto" (the default) sizes a window for
+    each worker of a star session from the round trip measured at the
+    join, leaving alone a single worker, a loopback one, a long path and
+    mesh sessions; an int sets that window on every worker connection;
+    None leaves every connection to the kernel.
     """
 
     def __init__(
@@ -181,6 +191,7 @@ class Coordinator:
         compression: Optional[str] = None,
         shared_memory: bool = True,
         coordinator_share: Union[str, float] = "auto",
+        receive_window: Union[str, int, None] = "auto",
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
@@ -195,6 +206,14 @@ class Coordinator:
         if coordinator_share != "auto":
             _mesh.share_value(coordinator_share)  # type: ignore[arg-type]
         self.coordinator_share = coordinator_share
+        # below a few dozen segments TCP stalls on its own delayed ACKs
+        # (4 KiB took seconds per megabyte on loopback)
+        if receive_window not in ("auto", None) and (
+                not isinstance(receive_window, int) or isinstance(receive_window, bool)
+                or not _incast.FLOOR <= receive_window <= 1 << 30):
+            raise ValueError(f"receive_window must be 'auto', None or a number of bytes from "
+                             f"{_incast.FLOOR} to 2**30, got {receive_window!r}")
+        self.receive_window = receive_window
         #: whether flat steps run on the mesh (decided when the join completes)
         self.mesh = False
         #: MeshPeers.coordinator_share in effect: 65536ths of each mesh step's
@@ -341,6 +360,22 @@ class Coordinator:
         for chan, addr, a in zip(self._channels, addresses, admitted):
             if Extension.MESH in a.granted:
                 chan.send(table)
+        self._limit_receive(admitted)
+
+    def _limit_receive(self, admitted: list) -> None:
+        """Each worker connection's receive window (``receive_window``)."""
+        if self.receive_window is None:
+            return
+        for a in admitted:
+            if self.receive_window != "auto":
+                window: Optional[int] = self.receive_window  # type: ignore[assignment]
+            elif self.mesh or _is_loopback(a.address[0]):
+                continue  # no N-to-1 stream here, or no link to share
+            else:
+                window = _incast.receive_window(_incast.round_trip(a.sock), len(admitted))
+            if window is not None:
+                _incast.limit_receive(a.sock, window)
+                log.info("worker %d: receive window %d bytes", a.worker_id, window)
 
     def _choose_share(self, admitted: list, hosts: List[Optional[bytes]]) -> int:
         """MeshPeers.coordinator_share for a mesh over the links."""
