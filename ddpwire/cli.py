@@ -17,6 +17,7 @@ from ._version import __version__
 from .auth import TOKEN_ENV, load_token
 from .coordinator import Coordinator
 from .errors import DdpwireError
+from .incast import FLOOR
 from .launch import from_environment, parse_addr
 from .mesh import DEFAULT_CONGESTION
 from .progress import ProgressBar, break_line
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="part of each mesh step's vector this coordinator averages over its own "
                         "link, 0 to below 1 (default auto: 0.75/(N+1) from 3 workers on other "
                         "hosts; pass 0 when this machine's link is slower than the workers')")
+    c.add_argument("--receive-window", type=_window, default="auto", metavar="BYTES",
+                   help="bound on what each star worker may have in flight towards this "
+                        "coordinator, e.g. 256K (default auto: sized from each worker's round "
+                        "trip against incast; 'system' leaves it to the kernel)")
     _token(c)
     _training(c)
     _common(c)
@@ -133,6 +138,17 @@ def _share(text: str) -> Union[str, float]:
     return value
 
 
+def _window(text: str) -> Union[str, int, None]:
+    if text in ("auto", "system"):
+        return None if text == "system" else text
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or not FLOOR <= int(digits) * scale <= 1 << 30:
+        raise argparse.ArgumentTypeError(
+            f"bytes from {FLOOR} (64K) to 1G (K and M suffixes), auto or system; got {text!r}")
+    return int(digits) * scale
+
+
 def run_coordinator(args: argparse.Namespace, bind=None) -> List:
     host, port = bind or parse_addr(args.bind)
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
@@ -143,7 +159,8 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
                      token=load_token(getattr(args, "token_file", None)),
                      topology=getattr(args, "topology", "auto"),
                      compression=getattr(args, "compression", None),
-                     coordinator_share=getattr(args, "coordinator_share", "auto")) as coord:
+                     coordinator_share=getattr(args, "coordinator_share", "auto"),
+                     receive_window=getattr(args, "receive_window", "auto")) as coord:
         h, p = coord.local_addr
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()

@@ -313,3 +313,37 @@ def test_coordinator_share_option():
     proc = run(base + ["--coordinator-share", "1.5"])
     assert proc.returncode == 2
     assert "a fraction from 0 to below 1, or auto; got '1.5'" in proc.stderr
+
+
+def test_receive_window_option():
+    parser = cli.build_parser()
+    base = ["coordinator", "--workers", "3"]
+    assert parser.parse_args(base).receive_window == "auto"
+    assert parser.parse_args(base + ["--receive-window", "system"]).receive_window is None
+    assert parser.parse_args(base + ["--receive-window", "256K"]).receive_window == 256 << 10
+    assert parser.parse_args(base + ["--receive-window", "2m"]).receive_window == 2 << 20
+    assert parser.parse_args(base + ["--receive-window", "65536"]).receive_window == 65536
+    for bad in ("4K", "2G", "lots", "-1", "K"):
+        proc = run(base + ["--receive-window", bad])
+        assert proc.returncode == 2, bad
+        assert f"auto or system; got {bad!r}" in proc.stderr
+
+
+def test_coordinator_options_reach_the_coordinator(monkeypatch):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(bind, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(cli, "Coordinator", record)
+    args = cli.build_parser().parse_args(
+        ["coordinator", "--workers", "3", "--bind", "127.0.0.1:0",
+         "--coordinator-share", "0.2", "--receive-window", "128K"])
+    with pytest.raises(Stop):
+        cli.run_coordinator(args)
+    assert seen["coordinator_share"] == 0.2
+    assert seen["receive_window"] == 128 << 10

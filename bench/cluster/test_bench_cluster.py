@@ -19,7 +19,9 @@ DDPWIRE_CLUSTER_WORKERS ("2,4"), DDPWIRE_CLUSTER_COORD_RATE and
 DDPWIRE_CLUSTER_WORKER_RATE (tc rates, default "1gbit"),
 DDPWIRE_CLUSTER_ROUNDS (timed steps per case, default 3, after one warm-up),
 DDPWIRE_CLUSTER_TCP (the TCP congestion control every machine starts its
-sockets with, gloo's included; default: the host's, which is recorded) and
+sockets with, gloo's included; default: the host's, which is recorded; a
+namespace may only pick one the host lists in
+net.ipv4.tcp_allowed_congestion_control, so add it there first) and
 DDPWIRE_CLUSTER_KINDS (default "ddpwire-star,ddpwire-mesh,ddpwire-bf16,gloo";
 every kind is a row of bench/allreduce_procs.py's DDPWIRE_KINDS: "ddpwire"
 is the library's default reduce (topology "auto"), "ddpwire-star" and
