@@ -540,7 +540,7 @@ static void note(first_bad *fb, size_t input, const float *block, size_t at, siz
     }
 }
 
-enum { OP_MEAN, OP_ACCUMULATE, OP_COPY, OP_SCALE, OP_TO_HALF, OP_FROM_HALF, OP_MEAN_HALF };
+enum { OP_MEAN, OP_TOTAL, OP_ACCUMULATE, OP_COPY, OP_SCALE, OP_TO_HALF, OP_FROM_HALF, OP_MEAN_HALF };
 
 /* One call's work on elements [from, to). For OP_ACCUMULATE and OP_SCALE,
  * out is also the first operand; OP_COPY, OP_ACCUMULATE and OP_TO_HALF use
@@ -560,7 +560,7 @@ typedef struct task {
     const uint16_t *const *hin;
 } task;
 
-/* The mean of elements [from, to), block by block. With stage == NULL each
+/* The mean (OP_TOTAL: the sum) of elements [from, to), block by block. With stage == NULL each
  * block is written to out with normal stores. Otherwise every group, the last
  * included, writes the block into stage (a line-aligned block on the stack),
  * which is then streamed to out, so no line of out is ever read; out + from
@@ -580,7 +580,7 @@ static void run_mean_blocks(task *t, size_t from, size_t to, float *stage)
             c = min_size(DDPW_GROUP, k - j);
             for (g = 0; g < c; g++)
                 x[g] = t->inputs[j + g] + at;
-            if (K->group[cont][j + c == k][c - 1](dst, x, t->d, m))
+            if (K->group[cont][t->op == OP_MEAN && j + c == k][c - 1](dst, x, t->d, m))
                 for (g = 0; g < c; g++)
                     note(&t->fb, j + g, x[g], at, m);
         }
@@ -656,6 +656,7 @@ static void run_task(task *t)
     size_t at, m;
     switch (t->op) {
     case OP_MEAN:
+    case OP_TOTAL:
         run_mean(t);
         break;
     case OP_ACCUMULATE:
@@ -800,18 +801,30 @@ void ddpw_scale(float *buf, float divisor, size_t n)
     run_split(&t, n);
 }
 
-int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
-                 size_t *bad_input)
+static int64_t run_k(int op, float *out, const float *const *inputs, size_t k, size_t n,
+                     size_t *bad_input)
 {
     task t;
     first_bad fb;
     if (k == 0)
         return -1;
-    t = make_task(OP_MEAN, out, inputs, k, (float)k);
+    t = make_task(op, out, inputs, k, (float)k);
     fb = run_split(&t, n);
     if (fb.index >= 0 && bad_input != NULL)
         *bad_input = fb.input;
     return fb.index;
+}
+
+int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
+                 size_t *bad_input)
+{
+    return run_k(OP_MEAN, out, inputs, k, n, bad_input);
+}
+
+int64_t ddpw_total(float *restrict out, const float *const *inputs, size_t k, size_t n,
+                  size_t *bad_input)
+{
+    return run_k(OP_TOTAL, out, inputs, k, n, bad_input);
 }
 
 static int known_codec(int codec)

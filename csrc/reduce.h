@@ -86,6 +86,13 @@ void ddpw_scale(float *buf, float divisor, size_t n);
 int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
                  size_t *bad_input);
 
+/* out[i] = ((inputs[0][i] + inputs[1][i]) + ...) + inputs[k-1][i]: ddpw_mean
+ * without the division, in the same one pass, with the same report and
+ * stores. Bit for bit ddpw_copy_checked of inputs[0], then ddpw_accumulate of
+ * each later input in order, which make k passes over out. */
+int64_t ddpw_total(float *restrict out, const float *const *inputs, size_t k, size_t n,
+                  size_t *bad_input);
+
 /* ---- 16-bit gradients on the wire ----
  *
  * Gradients may travel as bfloat16 or IEEE binary16 ("fp16"). Narrowing

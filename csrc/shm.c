@@ -299,7 +299,7 @@ int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, 
     const float *inputs[DDPW_SHM_MAX_WORLD];
     float *out;
     size_t bad_input = 0;
-    int64_t bad = -1, at;
+    int64_t bad;
     uint32_t r;
     if ((op != DDPW_SHM_AVG && op != DDPW_SHM_SUM) || world == 0 || world > DDPW_SHM_MAX_WORLD ||
         (own != NULL && own_rank >= world))
@@ -314,18 +314,8 @@ int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, 
     /* the kernels finish the slice whatever they meet: a caller that halts
      * on the report still holds the reference's bits, one that does not
      * (the collectives service) simply ignores it */
-    if (op == DDPW_SHM_AVG) {
-        bad = ddpw_mean(out, inputs, world, count, &bad_input);
-    } else {
-        at = ddpw_copy_checked(out, inputs[0], count);
-        if (at >= 0)
-            bad = at, bad_input = 0;
-        for (r = 1; r < world; r++) {
-            at = ddpw_accumulate(out, inputs[r], count);
-            if (at >= 0 && bad < 0)
-                bad = at, bad_input = r;
-        }
-    }
+    bad = op == DDPW_SHM_AVG ? ddpw_mean(out, inputs, world, count, &bad_input)
+                             : ddpw_total(out, inputs, world, count, &bad_input);
     if (bad < 0)
         return -1;
     if (bad_rank)

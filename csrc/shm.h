@@ -40,8 +40,9 @@
  * time: every element another rank reads is staged afresh in step 1.
  *
  * The arithmetic is reduce.h's: AVG is ddpw_mean (float32 sum in rank
- * order, then a true division by (float)world), SUM is the same sum without
- * the division, so each slice holds exactly the reference coordinator's bits.
+ * order, then a true division by (float)world), SUM is ddpw_total (the same
+ * sum without the division, also in one pass), so each slice holds exactly
+ * the reference coordinator's bits.
  */
 #ifndef DDPW_SHM_H
 #define DDPW_SHM_H

@@ -45,6 +45,18 @@ def mean(inputs, out=None):
     for a non-buffer or non-float32 argument, ValueError for an empty
     sequence, a non-contiguous or read-only buffer, or mismatched lengths.
     """
+    return _reduce_k(inputs, out, True)
+
+
+def total(inputs, out=None):
+    """Element-wise sum of equal-length float32 buffers, into out:
+    ((inputs[0] + inputs[1]) + ...) in float32, in input order (the SUM
+    collective), in one pass. Arguments, result and errors as :func:`mean`.
+    """
+    return _reduce_k(inputs, out, False)
+
+
+cdef object _reduce_k(inputs, out, bint divide):
     cdef Py_ssize_t k, j, n, held = 0
     cdef Py_buffer *views = NULL
     cdef const float **ptrs = NULL
@@ -60,7 +72,8 @@ def mean(inputs, out=None):
         ) from None
     k = len(seq)
     if k == 0:
-        raise ValueError("inputs is empty: the mean of no buffers is undefined")
+        raise ValueError(f"inputs is empty: the {'mean' if divide else 'sum'} of no buffers "
+                         f"is undefined")
     if <size_t>k > (<size_t>-1) // sizeof(Py_buffer):
         raise MemoryError()
     views = <Py_buffer *>PyMem_Malloc(k * sizeof(Py_buffer))
@@ -87,7 +100,10 @@ def mean(inputs, out=None):
             if _overlap(&outview, &views[j]):
                 raise ValueError(f"out overlaps inputs[{j}]")
         with nogil:
-            bad = ddpw_mean(<float *>outview.buf, ptrs, <size_t>k, <size_t>n, &bad_input)
+            if divide:
+                bad = ddpw_mean(<float *>outview.buf, ptrs, <size_t>k, <size_t>n, &bad_input)
+            else:
+                bad = ddpw_total(<float *>outview.buf, ptrs, <size_t>k, <size_t>n, &bad_input)
         if bad >= 0:
             raise NonFiniteGradient(<Py_ssize_t>bad_input, bad, _value(&views[bad_input], bad))
     finally:

@@ -102,15 +102,11 @@ def _half_mean(inputs: Sequence[np.ndarray], codec: str) -> np.ndarray:
 
 
 def _float32_sum(inputs: Sequence[np.ndarray]) -> np.ndarray:
-    if len(inputs) == 1:
-        return np.array(inputs[0], dtype=np.float32, copy=True)
-    # x0 + x1 in one pass (IEEE addition: the same bits as the kernel's), then the kernel
-    out = np.add(inputs[0], inputs[1], dtype=np.float32)
-    for src in inputs[2:]:
-        try:
-            _reduce.accumulate(out, src)
-        except NonFiniteGradient:
-            pass  # a NaN or inf is the caller's answer, as with gloo; out is complete
+    out = np.empty(len(inputs[0]), dtype=np.float32)
+    try:
+        _reduce.total(inputs, out)
+    except NonFiniteGradient:
+        pass  # a NaN or inf is the caller's answer, as with gloo; out is complete
     return out
 
 

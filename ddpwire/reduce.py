@@ -2,7 +2,8 @@
 
 The mean of k buffers is the float32 sum in input order, ((x0 + x1) + x2) + ...,
 divided by k: exactly the reference coordinator's arithmetic, whatever the
-instruction-set path or thread count the compiled kernels pick. Every kernel
+instruction-set path or thread count the compiled kernels pick; :func:`total`
+is the same sum without the division (the SUM collective). Every kernel
 runs without the GIL and checks its inputs for NaN and +/-inf in the same pass,
 raising :class:`ddpwire.NonFiniteGradient` with the input number and element
 index of the first one (lowest input, then lowest index).
@@ -32,11 +33,13 @@ from ._core import (
     mean_half,
     scale,
     to_half,
+    total,
 )
 from ._core import _set_path, _set_threads
 
 __all__ = [
     "mean",
+    "total",
     "accumulate",
     "scale",
     "first_non_finite",

@@ -1,8 +1,9 @@
 """ddpwire.reduce against the reference arithmetic, bit for bit.
 
 The reference is numpy float32 arithmetic done one step at a time in input
-order, ((x0 + x1) + x2) + ..., then a division by k: each numpy step is a
-correctly rounded IEEE-754 float32 operation, so any reassociation, fused
+order, ((x0 + x1) + x2) + ..., then (for the mean, not the total) a division
+by k: each numpy step is a correctly rounded IEEE-754 float32 operation, so
+any reassociation, fused
 multiply-add or reciprocal multiplication in the kernels shows up as a
 differing bit.
 """
@@ -27,12 +28,24 @@ SPLIT_LEN = (1 << 19) + 4099
 STREAM_LEN = (1 << 22) + 4099
 
 
-def reference(inputs):
+def reference(inputs, divide=True):
     with np.errstate(all="ignore"):  # overflow and NaN are part of the contract
         s = np.array(inputs[0], dtype=np.float32, copy=True)
         for x in inputs[1:]:
             s = np.add(s, x, dtype=np.float32)
-        return np.divide(s, np.float32(len(inputs)), dtype=np.float32)
+        return np.divide(s, np.float32(len(inputs)), dtype=np.float32) if divide else s
+
+
+#: the two one-pass reductions of k buffers: (kernel, its reference)
+KERNELS = {
+    "mean": (R.mean, reference),
+    "total": (R.total, lambda inputs: reference(inputs, divide=False)),
+}
+
+
+@pytest.fixture(params=sorted(KERNELS))
+def kernel(request):
+    return KERNELS[request.param]
 
 
 def bits(a):
@@ -69,15 +82,18 @@ def path(request):
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_mean_is_bit_exact_and_close(path, n, k, offset):
+def test_mean_is_bit_exact_and_close(path, kernel, n, k, offset):
+    run, want = kernel
     rng = np.random.default_rng(n * 100 + k * 10 + offset)
     inputs = make_inputs(rng, k, n, offset)
     out_base = np.full(n + offset, 7.0, dtype=np.float32)
     out = out_base[offset:]
-    got = R.mean(inputs, out=out)
+    got = run(inputs, out=out)
     assert got is out
-    assert_same_bits(out, reference(inputs))
+    assert_same_bits(out, want(inputs))
     wide = np.mean(np.stack([x.astype(np.float64) for x in inputs]), axis=0) if n else np.zeros(0)
+    if run is R.total:
+        out = out / np.float32(k)  # the same closeness, on the mean's scale
     np.testing.assert_allclose(out, wide, rtol=1e-5 * k, atol=1e-6 * k * np.abs(wide).max(initial=1))
     if offset:
         assert out_base[0] == 7.0  # nothing written before the view
@@ -140,7 +156,8 @@ def test_thread_split_gives_the_same_bits(threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("k", [3, 8])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_large_mean_with_streaming_stores_gives_the_same_bits(threads, k, offset):
+def test_large_mean_with_streaming_stores_gives_the_same_bits(kernel, threads, k, offset):
+    run, reference = kernel
     rng = np.random.default_rng(k * 10 + offset)
     inputs = make_inputs(rng, k, STREAM_LEN, offset)
     # the first non-finite lies inside the streamed lines, a lower-index one
@@ -151,7 +168,7 @@ def test_large_mean_with_streaming_stores_gives_the_same_bits(threads, k, offset
     want = reference(inputs)
     portable = np.empty(STREAM_LEN, np.float32)
     with R.use_path("portable"), pytest.raises(NonFiniteGradient):
-        R.mean(inputs, out=portable)
+        run(inputs, out=portable)
     assert_same_bits(portable, want)
     out_base = np.full(STREAM_LEN + 2 * offset, 7.0, dtype=np.float32)
     out = out_base[offset:STREAM_LEN + offset]  # only float-aligned when offset
@@ -159,7 +176,7 @@ def test_large_mean_with_streaming_stores_gives_the_same_bits(threads, k, offset
         for p in PATHS:
             out[:] = 7.0
             with R.use_path(p), pytest.raises(NonFiniteGradient) as info:
-                R.mean(inputs, out=out)
+                run(inputs, out=out)
             assert (info.value.input, info.value.index) == (1, STREAM_LEN // 2 + 5)
             np.testing.assert_array_equal(bits(out), bits(portable))  # NaNs too
             assert_same_bits(out, want)
@@ -191,14 +208,15 @@ def test_scale_rounds_divisor_to_float32_and_divides():
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("n", [1, 7, 4097, SPLIT_LEN])
-def test_mean_reports_non_finite(path, bad, where, n):
+def test_mean_reports_non_finite(path, kernel, bad, where, n):
+    run, reference = kernel
     rng = np.random.default_rng(1)
     inputs = make_inputs(rng, 3, n, offset=1)
     index = {"first": 0, "middle": n // 2, "last": n - 1}[where]
     inputs[1][index] = bad
     out = np.empty(n, dtype=np.float32)
     with pytest.raises(NonFiniteGradient) as info:
-        R.mean(inputs, out=out)
+        run(inputs, out=out)
     err = info.value
     assert (err.input, err.index) == (1, index)
     assert np.isnan(err.value) if np.isnan(bad) else err.value == bad
@@ -208,7 +226,7 @@ def test_mean_reports_non_finite(path, bad, where, n):
 
 
 @pytest.mark.parametrize("n", [4097, SPLIT_LEN])
-def test_first_means_lowest_input_then_lowest_index(path, n):
+def test_first_means_lowest_input_then_lowest_index(path, kernel, n):
     rng = np.random.default_rng(2)
     inputs = make_inputs(rng, 6, n)
     inputs[4][0] = np.nan  # lower index, higher input
@@ -216,7 +234,7 @@ def test_first_means_lowest_input_then_lowest_index(path, n):
     inputs[2][n - 2] = -np.inf  # the answer: input 2, index n - 2
     inputs[3][n // 2] = np.nan
     with pytest.raises(NonFiniteGradient) as info:
-        R.mean(inputs)
+        kernel[0](inputs)
     assert (info.value.input, info.value.index, info.value.value) == (2, n - 2, -np.inf)
 
 
@@ -285,6 +303,9 @@ def test_accepts_common_buffer_types():
         (lambda g: R.mean([g], out=_read_only(8)), ValueError, "out"),
         (lambda g: R.mean([g], out=np.zeros(16, np.float32)[::2]), ValueError, "out"),
         (lambda g: R.mean([g, g], out=g), ValueError, "out"),
+        (lambda g: R.total([]), ValueError, "the sum of no buffers"),
+        (lambda g: R.total([g, g], out=g), ValueError, "out"),
+        (lambda g: R.total([g, np.zeros(7, np.float32)]), ValueError, "inputs[1]"),
         (lambda g: R.accumulate(_read_only(8), g), ValueError, "acc"),
         (lambda g: R.accumulate(np.zeros(8, np.int32), g), TypeError, "acc"),
         (lambda g: R.accumulate(np.zeros(9, np.float32), g), ValueError, "acc"),

@@ -24,6 +24,7 @@ cdef extern from "reduce.h" nogil:
     int64_t ddpw_accumulate(float *acc, const float *src, size_t n)
     void ddpw_scale(float *buf, float divisor, size_t n)
     int64_t ddpw_mean(float *out, const float **inputs, size_t k, size_t n, size_t *bad_input)
+    int64_t ddpw_total(float *out, const float **inputs, size_t k, size_t n, size_t *bad_input)
 
     enum:
         DDPW_HALF_NONE
