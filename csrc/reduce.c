@@ -558,6 +558,7 @@ typedef struct task {
     int codec;
     uint16_t *hout;
     const uint16_t *const *hin;
+    float *also; /* OP_MEAN and OP_TOTAL: a second copy of out, or NULL */
 } task;
 
 /* The mean (OP_TOTAL: the sum) of elements [from, to), block by block. With stage == NULL each
@@ -586,6 +587,8 @@ static void run_mean_blocks(task *t, size_t from, size_t to, float *stage)
         }
         if (stage != NULL)
             K->stream(t->out + at, stage, m);
+        if (t->also != NULL) /* dst still holds the block: L1 to lines just read */
+            memcpy(t->also + at, dst, m * sizeof(float));
     }
 }
 
@@ -764,6 +767,7 @@ static task make_task(int op, float *out, const float *const *inputs, size_t k, 
     t.codec = DDPW_HALF_NONE;
     t.hout = NULL;
     t.hin = NULL;
+    t.also = NULL;
     return t;
 }
 
@@ -801,14 +805,15 @@ void ddpw_scale(float *buf, float divisor, size_t n)
     run_split(&t, n);
 }
 
-static int64_t run_k(int op, float *out, const float *const *inputs, size_t k, size_t n,
-                     size_t *bad_input)
+static int64_t run_k(int op, float *out, float *also, const float *const *inputs, size_t k,
+                     size_t n, size_t *bad_input)
 {
     task t;
     first_bad fb;
     if (k == 0)
         return -1;
     t = make_task(op, out, inputs, k, (float)k);
+    t.also = also;
     fb = run_split(&t, n);
     if (fb.index >= 0 && bad_input != NULL)
         *bad_input = fb.input;
@@ -818,13 +823,19 @@ static int64_t run_k(int op, float *out, const float *const *inputs, size_t k, s
 int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, size_t n,
                  size_t *bad_input)
 {
-    return run_k(OP_MEAN, out, inputs, k, n, bad_input);
+    return run_k(OP_MEAN, out, NULL, inputs, k, n, bad_input);
 }
 
 int64_t ddpw_total(float *restrict out, const float *const *inputs, size_t k, size_t n,
                   size_t *bad_input)
 {
-    return run_k(OP_TOTAL, out, inputs, k, n, bad_input);
+    return run_k(OP_TOTAL, out, NULL, inputs, k, n, bad_input);
+}
+
+int64_t ddpw_reduce_also(float *restrict out, float *also, const float *const *inputs, size_t k,
+                        size_t n, int divide, size_t *bad_input)
+{
+    return run_k(divide ? OP_MEAN : OP_TOTAL, out, also, inputs, k, n, bad_input);
 }
 
 static int known_codec(int codec)

@@ -93,6 +93,15 @@ int64_t ddpw_mean(float *restrict out, const float *const *inputs, size_t k, siz
 int64_t ddpw_total(float *restrict out, const float *const *inputs, size_t k, size_t n,
                   size_t *bad_input);
 
+/* ddpw_mean (divide nonzero) or ddpw_total (divide zero) that also stores
+ * each finished element in also[i], in the same pass: also may be one of the
+ * inputs (an element is stored only after every input's is read), never out.
+ * A rank of a shared-memory allreduce gets its own slice of the result into
+ * its own buffer this way, while that slice's lines are still in its cache,
+ * so its copy out of the shared result can skip the slice. */
+int64_t ddpw_reduce_also(float *restrict out, float *also, const float *const *inputs, size_t k,
+                        size_t n, int divide, size_t *bad_input);
+
 /* ---- 16-bit gradients on the wire ----
  *
  * Gradients may travel as bfloat16 or IEEE binary16 ("fp16"). Narrowing

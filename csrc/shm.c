@@ -294,7 +294,7 @@ int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, 
 }
 
 int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
-                        const float *own, uint32_t own_rank, uint32_t *bad_rank)
+                        const float *own, uint32_t own_rank, float *result, uint32_t *bad_rank)
 {
     const float *inputs[DDPW_SHM_MAX_WORLD];
     float *out;
@@ -314,8 +314,8 @@ int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, 
     /* the kernels finish the slice whatever they meet: a caller that halts
      * on the report still holds the reference's bits, one that does not
      * (the collectives service) simply ignores it */
-    bad = op == DDPW_SHM_AVG ? ddpw_mean(out, inputs, world, count, &bad_input)
-                             : ddpw_total(out, inputs, world, count, &bad_input);
+    bad = ddpw_reduce_also(out, result != NULL ? result + start : NULL, inputs, world, count,
+                           op == DDPW_SHM_AVG, &bad_input);
     if (bad < 0)
         return -1;
     if (bad_rank)

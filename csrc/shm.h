@@ -18,7 +18,10 @@
  *      into the output region, reading input r's slice from its own private
  *      buffer instead of input region r;
  *   4. barrier g + 1: the output is complete;
- *   5. every rank copies the whole output region out.
+ *   5. every rank copies the output region out, all but its own slice,
+ *      which step 3 wrote into its buffer too (the torch backend's
+ *      allreduce; the mesh, which must not touch a gradient before the
+ *      coordinator's go-ahead, copies the whole region).
  *
  * Why a rank need not stage its own slice: slice r of input region r is
  * read by rank r alone (only the owner of a slice reduces it), so the copy
@@ -152,12 +155,14 @@ int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, 
  * region r, except that when own is not NULL rank own_rank's is own, that
  * rank's whole private vector (at least start + count elements, indexed
  * like the regions, overlapping no output): the slice ddpw_shm_stage did
- * not copy. The whole slice is always written. Returns -1 when every input
+ * not copy. The whole slice is always written; when result is not NULL it
+ * is written there too (result[start..start + count), in the same pass),
+ * and result may be own: each element is stored after it is read. Returns -1 when every input
  * element of the slice is finite, -2 for another op or an own_rank not
  * below world, else the element (of the whole vector) of the first
  * non-finite value of the lowest rank holding one, that rank in *bad_rank
  * (which may be NULL): the report the mesh halts a step on. */
 int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
-                        const float *own, uint32_t own_rank, uint32_t *bad_rank);
+                        const float *own, uint32_t own_rank, float *result, uint32_t *bad_rank);
 
 #endif

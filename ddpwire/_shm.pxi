@@ -208,12 +208,16 @@ cdef class ShmArena:
                 return SHM_DISAGREE, <int>bad
             with nogil:
                 ddpw_shm_slice(n, self.world, self.rank, &start, &count)
-                ddpw_shm_reduce(base, self.world, start, count, cop, own, self.rank, NULL)
+                # this rank's slice of the result lands in buf in the same pass
+                ddpw_shm_reduce(base, self.world, start, count, cop, own, self.rank,
+                                <float *>view.buf, NULL)
             status = self._wait(gen + 1, timeout, &missing)
             if status != DDPW_SHM_OK:
                 return status, <int>missing
             with nogil:
-                memcpy(view.buf, ddpw_shm_output(base), n * 4)
+                memcpy(view.buf, ddpw_shm_output(base), start * 4)
+                memcpy(<float *>view.buf + start + count, ddpw_shm_output(base) + start + count,
+                       (n - start - count) * 4)
             return SHM_OK, -1
         finally:
             PyBuffer_Release(&view)
@@ -288,7 +292,7 @@ cdef class ShmArena:
             with nogil:
                 ddpw_shm_slice(n, self.world, self.rank, &start, &count)
                 bad = ddpw_shm_reduce(base, self.world, start, count, DDPW_SHM_AVG, own,
-                                      self.rank, &bad_rank)
+                                      self.rank, NULL, &bad_rank)
             if bad < 0:
                 return start, count, -1, 0, 0.0
             # the own rank's input is buf, its region holds stale bytes

@@ -293,6 +293,27 @@ def test_allreduce_reads_each_rank_s_own_slice_from_its_buffer(world):
             assert got[r][i].tobytes() == want.tobytes(), (world, i, r)
 
 
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("op", [Op.SUM, Op.AVG])
+def test_allreduce_writes_the_own_slice_from_the_sum_itself(world, op):
+    # Each rank's slice of the result reaches its buffer from the reducing
+    # pass, not from the copy out of the output region (which skips it):
+    # slices large enough that the kernels split them over threads and
+    # stream their stores, with a non-finite inside one (finished anyway).
+    n = (1 << 22) * world + 4099
+    region = n * 4
+
+    def body(arena, rank, inputs):
+        x = inputs_of(rank, 3, n)  # rank 1 holds an inf
+        assert arena.allreduce(x, int(op), 1, LIMIT) == (_core.SHM_OK, -1)
+        return x
+
+    got = in_process(world, body, region)
+    want = reference(op, [inputs_of(r, 3, n) for r in range(world)])
+    for r in range(world):
+        assert got[r].tobytes() == want.tobytes(), (world, op, r)
+
 def split_step(arena, rank, x, scribble, inputs, generation=0):
     """The mesh's calls (ddpwire.mesh.SharedPlane) for one vector, with this
     rank's own slice of its input region scribbled over between stage and

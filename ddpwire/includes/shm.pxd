@@ -42,4 +42,5 @@ cdef extern from "shm.h" nogil:
     int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, size_t n,
                        uint32_t op)
     int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
-                            const float *own, uint32_t own_rank, uint32_t *bad_rank)
+                            const float *own, uint32_t own_rank, float *result,
+                            uint32_t *bad_rank)
