@@ -561,11 +561,12 @@ typedef struct task {
     float *also; /* OP_MEAN and OP_TOTAL: a second copy of out, or NULL */
 } task;
 
-/* The mean (OP_TOTAL: the sum) of elements [from, to), block by block. With stage == NULL each
- * block is written to out with normal stores. Otherwise every group, the last
- * included, writes the block into stage (a line-aligned block on the stack),
- * which is then streamed to out, so no line of out is ever read; out + from
- * must then be line-aligned and to - from a multiple of a line. */
+/* The mean (OP_TOTAL: the sum) of elements [from, to), block by block. With
+ * stage == NULL each block is written to out with normal stores. Otherwise
+ * every group, the last included, writes the block into stage (a
+ * line-aligned block on the stack), which is then streamed to out, so no
+ * line of out is ever read; out + from must then be line-aligned and
+ * to - from a multiple of a line. */
 static void run_mean_blocks(task *t, size_t from, size_t to, float *stage)
 {
     const kernels *K = t->K;

@@ -157,8 +157,8 @@ int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, 
  * like the regions, overlapping no output): the slice ddpw_shm_stage did
  * not copy. The whole slice is always written; when result is not NULL it
  * is written there too (result[start..start + count), in the same pass),
- * and result may be own: each element is stored after it is read. Returns -1 when every input
- * element of the slice is finite, -2 for another op or an own_rank not
+ * and result may be own: each element is stored after it is read. Returns
+ * -1 when every input element of the slice is finite, -2 for another op or an own_rank not
  * below world, else the element (of the whole vector) of the first
  * non-finite value of the lowest rank holding one, that rank in *bad_rank
  * (which may be NULL): the report the mesh halts a step on. */

@@ -175,8 +175,10 @@ cdef class ShmArena:
         at most ``timeout`` seconds. (SHM_OK, -1), or (status, rank at fault)
         with SHM_TIMEOUT, SHM_ABORTED or SHM_DISAGREE (a rank posted another
         count or op than rank 0); after a failure the arena is unusable.
-        This rank's own slice is read from ``buf`` itself, never staged, so
-        nothing may write ``buf`` while the call runs."""
+        This rank's own slice is read from ``buf`` itself, never staged, and
+        the result's slice is written back into it by the same pass, so
+        nothing may write ``buf`` while the call runs, and after a failure it
+        may hold part of the result."""
         cdef Py_buffer view
         cdef void *base = self._base()
         cdef uint32_t missing = 0
