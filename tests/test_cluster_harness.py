@@ -143,6 +143,9 @@ def test_setup_commands_set_every_machines_congestion_control_inside_it():
         "sysctl", "-q", "-w", "net.ipv4.tcp_congestion_control=cubic"] for m in p.machines]
     with pytest.raises(ValueError):
         plan.make_plan(2, 10**9, 10**9, congestion="cubic -w kernel.x=1")
+    # a refused sysctl says what to allow on the host; other commands get no hint
+    assert "tcp_allowed_congestion_control: add cubic there" in net._hint(sysctls[0])
+    assert net._hint(net.setup_commands(p)[0]) == ""
 
 
 def test_why_unavailable_names_a_reason_or_none():

@@ -102,6 +102,16 @@ def setup_commands(p: _plan.Plan) -> List[List[str]]:
     return cmds
 
 
+def _hint(cmd: List[str]) -> str:
+    # a namespace may only choose what the host allows; the host's own
+    # default is always allowed, others must be listed
+    if any(a.startswith("net.ipv4.tcp_congestion_control=") for a in cmd):
+        name = cmd[-1].split("=", 1)[1]
+        return (f" (a namespace may only choose an algorithm the host lists in "
+                f"net.ipv4.tcp_allowed_congestion_control: add {name} there)")
+    return ""
+
+
 def congestion_in(netns: str) -> str:
     """The TCP congestion control sockets inside ``netns`` start with."""
     return _run(exec_prefix(netns) + ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]
@@ -132,7 +142,8 @@ class Cluster:
             for cmd in setup_commands(self.plan):
                 res = _run(cmd, check=False)
                 if res.returncode != 0:
-                    raise NetworkUnavailable(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
+                    raise NetworkUnavailable(f"{' '.join(cmd)} failed: {res.stderr.strip()}"
+                                             f"{_hint(cmd)}")
         except BaseException:
             self.close()
             raise
