@@ -540,7 +540,9 @@ static void note(first_bad *fb, size_t input, const float *block, size_t at, siz
     }
 }
 
-enum { OP_MEAN, OP_TOTAL, OP_ACCUMULATE, OP_COPY, OP_SCALE, OP_TO_HALF, OP_FROM_HALF, OP_MEAN_HALF };
+enum {
+    OP_MEAN, OP_TOTAL, OP_ACCUMULATE, OP_COPY, OP_SCALE, OP_TO_HALF, OP_FROM_HALF, OP_MEAN_HALF
+};
 
 /* One call's work on elements [from, to). For OP_ACCUMULATE and OP_SCALE,
  * out is also the first operand; OP_COPY, OP_ACCUMULATE and OP_TO_HALF use

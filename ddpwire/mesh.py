@@ -372,6 +372,14 @@ class SliceOutcome:
     bad_value: float = 0.0
 
 
+def _check_share(share: int, coordinator: Optional[Channel], codec: int, shared_memory: int,
+                 worker_id: int) -> None:
+    # the coordinator's part travels as a GradientPayload: float32, over a link
+    if share and (coordinator is None or codec != Codec.FLOAT32 or shared_memory):
+        raise ProtocolError("MeshPeers.coordinator_share needs float32 over the links",
+                            worker_id=worker_id)
+
+
 @dataclass
 class _CoordinatorLeg:
     """The coordinator's part of a reduce-scatter, on the worker's connection
@@ -393,11 +401,7 @@ class Mesh:
     def __init__(self, links: List[Optional[Channel]], worker_id: int, codec: Codec,
                  timeout: float, shared_memory: bool = False,
                  coordinator: Optional[Channel] = None, coordinator_share: int = 0) -> None:
-        if coordinator_share and (coordinator is None or codec != Codec.FLOAT32
-                                  or shared_memory):
-            # the coordinator's part travels as GradientPayload, float32 over a link
-            raise ProtocolError("MeshPeers.coordinator_share needs float32 over the links",
-                                worker_id=worker_id)
+        _check_share(coordinator_share, coordinator, codec, shared_memory, worker_id)
         self.links = links
         #: the connection to the coordinator, which averages the last
         #: coordinator_part() elements of each step itself (none when 0)
@@ -442,11 +446,12 @@ class Mesh:
         if len(table.key) != 32:
             raise ProtocolError("MeshPeers.key must be 32 bytes")
         peers = parse_peers(table.peers, world)
-        if table.coordinator_share and (coordinator is None or table.codec != Codec.FLOAT32
-                                        or table.shared_memory):
-            listener.close()
-            raise ProtocolError("MeshPeers.coordinator_share needs float32 over the links",
-                                worker_id=worker_id)
+        try:
+            _check_share(table.coordinator_share, coordinator, table.codec, table.shared_memory,
+                         worker_id)
+        except ProtocolError:
+            listener.close()  # before any link opens
+            raise
         try:
             links = _connect_links(listener, peers, worker_id, table.key, timeout, max_frame,
                                    check_congestion(congestion))

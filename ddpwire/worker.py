@@ -8,6 +8,7 @@ per-block mode overlaps them); two threads must not both send or both receive.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import math
@@ -470,13 +471,10 @@ class Worker:
         try:
             links = self._links()
             deadline = time.monotonic() + self._chan.timeout
-            if links.coordinator_share:
-                # a GradientPayload to the coordinator goes out with the
-                # slices: no heartbeat may land inside it
-                with self._chan.send_lock:
-                    outcome = links.reduce_scatter(step, grads, deadline, (loss, correct, total))
-            else:
-                outcome = links.reduce_scatter(step, grads, deadline)
+            # with a coordinator share a GradientPayload to the coordinator
+            # goes out with the slices: no heartbeat may land inside it
+            with self._chan.send_lock if links.coordinator_share else contextlib.nullcontext():
+                outcome = links.reduce_scatter(step, grads, deadline, (loss, correct, total))
             self._chan.send(StepReport(step=step, worker_id=self._worker_id, count=len(grads),
                                        loss=loss, correct=correct, total=total,
                                        bad_worker=outcome.bad_worker, bad_index=outcome.bad_index,
