@@ -497,8 +497,7 @@ int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ri
     return 1;
 }
 
-/* Should nothing more be reduced or sent? */
-static int stop_at_bad(const ddpw_net_reduce_state *st)
+int ddpw_net_halted(const ddpw_net_reduce_state *st)
 {
     return st->nonfinite && !st->finish_on_nonfinite;
 }
@@ -509,7 +508,7 @@ static void reduce_range(ddpw_net_reduce_state *st, float *out, size_t from, siz
     while (from < to) {
         size_t off = from % st->ring_bytes;
         size_t len = min_sz(min_sz(to - from, DDPW_REDUCE_SLICE), st->ring_bytes - off);
-        if (ddpw_net_reduce_slice(st, out + from / 4, off, from / 4, len / 4, stop_at_bad(st),
+        if (ddpw_net_reduce_slice(st, out + from / 4, off, from / 4, len / 4, ddpw_net_halted(st),
                                   st->bad_index, st->bad_value))
             st->nonfinite = 1;
         from += len;
@@ -636,7 +635,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
             goto out;
         /* what may go out: the head and every averaged byte, until a bad
          * value unless the reply is to be finished anyway */
-        limit = (stop_at_bad(st) || sent == NULL) ? 0 : head_len + st->reduced;
+        limit = (ddpw_net_halted(st) || sent == NULL) ? 0 : head_len + st->reduced;
         iov[0].iov_base = (void *)head;
         iov[0].iov_len = head_len;
         iov[1].iov_base = out;
@@ -676,7 +675,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
             goto out;
         }
     }
-    if (stop_at_bad(st))
+    if (ddpw_net_halted(st))
         result = DDPW_NET_NONFINITE;
 out:
     free(pfd);

@@ -162,9 +162,13 @@ void ddpw_net_reduce_free(ddpw_net_reduce_state *st);
 int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
                           uint8_t *tails, int timeout_ms, size_t *failed, int *err);
 
-/* The pieces of the streaming reduce that csrc/threaded.c shares.
- *
- * Where socket i's next bytes go once it has delivered pos bytes of its
+/* The pieces of the streaming reduce that csrc/threaded.c shares. */
+
+/* Should nothing more be reduced or sent? True once a non-finite value is
+ * found, unless the reply is to be finished anyway (finish_on_nonfinite). */
+int ddpw_net_halted(const ddpw_net_reduce_state *st);
+
+/* Where socket i's next bytes go once it has delivered pos bytes of its
  * stream, when every stream is reduced up to byte `reduced` and the rings
  * hold `ring` bytes (a multiple of 4, at most st->ring_bytes): returns how
  * many fit, 0 when the socket must wait for the others or its stream is

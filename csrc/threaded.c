@@ -102,8 +102,8 @@ static void reduce_chunk(socket_thread *t, size_t c, int halted)
 
 /* Socket i now has pos bytes of its stream: reduce every chunk that all
  * sockets have delivered and nobody has claimed, then move the frontier.
- * *reduced and *nonfinite are refreshed for the caller. */
-static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfinite)
+ * *reduced and *halted are refreshed for the caller. */
+static void received(socket_thread *t, size_t pos, size_t *reduced, int *halted_out)
 {
     struct ddpw_threaded *h = t->h;
     ddpw_net_reduce_state *st = h->st;
@@ -117,7 +117,7 @@ static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfini
     first = h->claimed;
     last = covered > first ? covered : first;
     h->claimed = last;
-    halted = st->nonfinite && !st->finish_on_nonfinite;
+    halted = ddpw_net_halted(st);
     pthread_mutex_unlock(&h->lock);
     if (first < last) {
         for (j = 0; j < st->n; j++)
@@ -147,7 +147,7 @@ static void received(socket_thread *t, size_t pos, size_t *reduced, int *nonfini
     }
     pthread_mutex_lock(&h->lock);
     *reduced = st->reduced;
-    *nonfinite = st->nonfinite;
+    *halted_out = ddpw_net_halted(st);
     pthread_mutex_unlock(&h->lock);
 }
 
@@ -170,12 +170,12 @@ static int wait_for(socket_thread *t, int fd, short events, int *err)
 }
 
 /* Snapshot of what the other threads decided. */
-static int shared_state(struct ddpw_threaded *h, size_t *reduced, int *nonfinite)
+static int shared_state(struct ddpw_threaded *h, size_t *reduced, int *halted)
 {
     int aborted;
     pthread_mutex_lock(&h->lock);
     *reduced = h->st->reduced;
-    *nonfinite = h->st->nonfinite;
+    *halted = ddpw_net_halted(h->st);
     aborted = h->abort;
     pthread_mutex_unlock(&h->lock);
     return aborted;
@@ -189,7 +189,7 @@ static void receive_loop(socket_thread *t)
     const size_t i = t->i, stream_len = st->grad_bytes + st->tail_len;
     const int fd = h->fds[i];
     size_t pos, reduced;
-    int nonfinite, err = 0;
+    int halted, err = 0;
     pthread_mutex_lock(&h->lock);
     pos = st->recv[i];
     pthread_mutex_unlock(&h->lock);
@@ -197,13 +197,13 @@ static void receive_loop(socket_thread *t)
         uint8_t *dst = NULL;
         size_t room;
         int rc;
-        if (shared_state(h, &reduced, &nonfinite))
+        if (shared_state(h, &reduced, &halted))
             return;
         while ((room = window(h, i, pos, reduced, &dst)) > 0) {
             ssize_t got = recv(fd, dst, room, MSG_DONTWAIT);
             if (got > 0) {
                 pos += (size_t)got;
-                received(t, pos, &reduced, &nonfinite);
+                received(t, pos, &reduced, &halted);
                 continue;
             }
             if (got == 0 || errno == ECONNRESET) {
@@ -239,7 +239,7 @@ static void send_loop(socket_thread *t)
     const size_t i = t->i, reply_len = h->head_len + h->st->grad_bytes;
     const int fd = h->fds[i];
     size_t reduced, my_sent = h->sent[i];
-    int nonfinite, err = 0;
+    int halted, err = 0;
     struct iovec iov[2];
     iov[0].iov_base = (void *)h->head;
     iov[0].iov_len = h->head_len;
@@ -247,11 +247,11 @@ static void send_loop(socket_thread *t)
     for (;;) {
         size_t limit;
         int rc;
-        if (shared_state(h, &reduced, &nonfinite))
+        if (shared_state(h, &reduced, &halted))
             break;
         /* at a bad value nothing more goes out (the caller closes
          * everything), unless the reply is to be finished anyway */
-        if ((nonfinite && !h->st->finish_on_nonfinite) || my_sent == reply_len)
+        if (halted || my_sent == reply_len)
             break;
         limit = h->head_len + reduced;
         iov[1].iov_len = reduced;
@@ -454,5 +454,5 @@ int ddpw_threaded_wait(ddpw_threaded *h, size_t *failed, int *err)
         *err = h->err;
         return h->result;
     }
-    return h->st->nonfinite && !h->st->finish_on_nonfinite ? DDPW_NET_NONFINITE : DDPW_NET_OK;
+    return ddpw_net_halted(h->st) ? DDPW_NET_NONFINITE : DDPW_NET_OK;
 }
