@@ -24,6 +24,11 @@ def encode_frame_parts(
     a byte memoryview on the caller's buffer (gradients, or collective data),
     None for a message without a bulk field."""
 
+def float32_gradients(obj: Any, field: str = ...) -> numpy.ndarray:
+    """``obj`` (any C-contiguous float32 buffer) as a 1-D float32 array over
+    the same memory; TypeError naming ``field`` and what ``obj`` is, the
+    encoder's own check, for anything it could not send."""
+
 def tag_max_payload(tag: int, max_frame: int) -> int:
     """Most payload bytes a frame with ``tag`` may carry: exact for fixed-size
     messages, 65,536 for small variable ones, ``max_frame`` for bulk ones, 0

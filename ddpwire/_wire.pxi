@@ -175,7 +175,8 @@ cdef bint _is_f32_format(const char *fmt):
     return _LITTLE_HOST and strcmp(fmt, "<f") == 0
 
 
-cdef HeldBuffer _float32_buffer(object obj, object msg):
+cdef HeldBuffer _float32_buffer(object obj, str field):
+    # field: "GradientPayload.gradients" and the like, as the error names it
     cdef HeldBuffer buf = HeldBuffer.__new__(HeldBuffer)
     try:
         PyObject_GetBuffer(obj, &buf.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
@@ -184,7 +185,7 @@ cdef HeldBuffer _float32_buffer(object obj, object msg):
         pass
     if not buf.held or buf.view.itemsize != 4 or not _is_f32_format(buf.view.format):
         raise TypeError(
-            f"{type(msg).__name__}.gradients: expected a C-contiguous float32 buffer (numpy float32 array, "
+            f"{field}: expected a C-contiguous float32 buffer (numpy float32 array, "
             f"tensor.numpy(), array.array('f') or memoryview of format 'f'), "
             f"got {_describe(obj)}")
     return buf
@@ -271,7 +272,7 @@ cdef object _u32_array(object value, str type_name, str field):
 
 
 cdef inline void _set_gradients(ddpw_message *out, object msg, list keep) except *:
-    cdef HeldBuffer buf = _float32_buffer(msg.gradients, msg)
+    cdef HeldBuffer buf = _float32_buffer(msg.gradients, f"{type(msg).__name__}.gradients")
     keep.append(buf)
     out.gradients = buf.view.buf
     out.gradient_count = <uint64_t>(buf.view.len // 4)
@@ -826,6 +827,16 @@ def encode_frame_parts(msg, *, max_frame=DEFAULT_MAX_FRAME):
         # the wire is little-endian: only here does sending need a copy
         gradients = memoryview(np.frombuffer(gradients, np.float32).astype(_F32).tobytes())
     return head, gradients, tail
+
+
+def float32_gradients(obj, str field="GradientPayload.gradients"):
+    """``obj`` as a 1-D float32 numpy array over the same memory, after the
+    very check the encoder makes before it sends gradients: every path that
+    sends a buffer (the star's frames, the mesh's slices, shared memory)
+    refuses what it cannot send with this one TypeError, naming ``field``
+    and what ``obj`` is, before a byte goes out."""
+    _float32_buffer(obj, field)
+    return np.frombuffer(obj, dtype=np.float32)
 
 
 def tag_max_payload(tag, max_frame):

@@ -40,6 +40,27 @@ def check_timeout(name: str, value: float) -> float:
     return seconds
 
 
+def result_buffer(out: Optional[np.ndarray], count: Optional[int]) -> Optional[np.ndarray]:
+    """Where an average of ``count`` float32 elements goes: ``out`` when it
+    can take them, a new array when ``out`` is None (None while ``count`` is
+    not known yet). Checked before any byte is read, so a wrong ``out`` never
+    leaves a frame half received: TypeError for anything but a writable
+    C-contiguous float32 array (float64 would take the bytes as other
+    numbers), ValueError for the wrong length."""
+    if out is None:
+        return None if count is None else np.empty(count, dtype=np.float32)
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 1
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        what = (f"numpy.ndarray of dtype {out.dtype}, shape {out.shape}"
+                + ("" if out.flags.writeable else ", read-only")
+                if isinstance(out, np.ndarray) else type(out).__name__)
+        raise TypeError(f"out: expected a writable 1-D C-contiguous float32 numpy array, "
+                        f"got {what}")
+    if count is not None and len(out) != count:
+        raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
+    return out
+
+
 class Channel:
     """Messages to and from one peer over a connected TCP socket."""
 

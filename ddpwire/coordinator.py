@@ -29,7 +29,7 @@ from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from .admission import Admission, Refuser
 from .auth import normalize_token
-from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name
+from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
 from .errors import (
     DdpwireError,
     GradientMismatch,
@@ -633,6 +633,7 @@ class Coordinator:
         # a vector named by the caller keeps its length from step to step;
         # one the workers choose (step or key None) may change it
         pinned = step is not None and (kind.key is None or key is not None)
+        result_buffer(out, None)  # a wrong out is refused before any head is read
         return self._stream(kind, step, key, out, reply, pinned=pinned)[0]
 
     def _stream(self, kind: _Kind, step: int, key: Optional[int], out: Optional[np.ndarray],
@@ -647,7 +648,7 @@ class Coordinator:
         t0 = time.perf_counter()
         heads, step, key = self._collect_heads(kind, step, key, pinned, failures=not halt)
         t1 = time.perf_counter()
-        out = self._out_for(heads, out)
+        out = result_buffer(out, heads[0].gradient_count)
         done: List[AnyResult] = []
 
         def finish(tails: List[bytes]) -> AnyResult:
@@ -787,15 +788,6 @@ class Coordinator:
             if head.gradient_count != want:
                 raise GradientMismatch(what, want, head.gradient_count, worker_id=wid, step=step)
         return heads, step, key
-
-    @staticmethod
-    def _out_for(heads: list, out: Optional[np.ndarray]) -> np.ndarray:
-        count = heads[0].gradient_count
-        if out is None:
-            return np.empty(count, dtype=np.float32)
-        if len(out) != count:
-            raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
-        return out
 
     @staticmethod
     def _raise_bad(bad: Optional[list], step: int) -> None:

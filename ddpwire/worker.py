@@ -25,7 +25,7 @@ from . import mesh as _mesh
 from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
-from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name
+from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
 from .errors import (
     AuthenticationFailed,
     CoordinatorLost,
@@ -320,6 +320,7 @@ class Worker:
         """Send this step's gradients (any C-contiguous float32 buffer, sent
         from where it lies) with the shard's mean loss and counts. In a mesh
         session this is the reduce-scatter and the StepReport."""
+        gradients = _core.float32_gradients(gradients)
         self._settle_topology()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
@@ -332,6 +333,7 @@ class Worker:
     def receive_averaged(self, out: Optional[np.ndarray] = None) -> AveragedGradient:
         """The averaged gradients; with ``out`` (float32, the gradient length)
         the elements are received straight into it, allocating nothing."""
+        result_buffer(out, None)
         self._settle_topology()
         if self.uses_mesh:
             return self._mesh_receive(out)
@@ -363,6 +365,9 @@ class Worker:
         NonFiniteGradient when the coordinator halts the step (no element of
         ``out`` is written then).
         """
+        # both checked before anything goes on the wire, on every path
+        gradients = _core.float32_gradients(gradients)
+        result_buffer(out, len(gradients))
         self._settle_topology()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
@@ -370,16 +375,12 @@ class Worker:
         if self._owed:
             raise DdpwireError(f"allreduce: {len(self._owed)} earlier average(s) not yet received",
                                worker_id=self._worker_id, step=step)
-        count = memoryview(gradients).nbytes // 4
-        if out is None:
-            out = np.empty(count, dtype=np.float32)
-        elif len(out) != count:
-            raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
+        out = result_buffer(out, len(gradients))
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
         chan = self._chan
         parts = encode_frame_parts(msg, max_frame=chan.max_frame)
-        send_thread = _socket_threads.for_worker(self.socket_threads, 4 * count)
+        send_thread = _socket_threads.for_worker(self.socket_threads, 4 * len(gradients))
         with chan.send_lock:
             exchange = _core.Exchange(chan.conn, parts, chan.read_timeout, step=step,
                                      what="sending GradientPayload", send_thread=send_thread)
@@ -467,31 +468,27 @@ class Worker:
         if self._mesh_sent is not None:
             raise DdpwireError(f"step {self._mesh_sent[0]}'s average not yet received",
                                worker_id=self._worker_id, step=step)
-        grads = np.frombuffer(gradients, dtype=np.float32)
         try:
             links = self._links()
             deadline = time.monotonic() + self._chan.timeout
             # with a coordinator share a GradientPayload to the coordinator
             # goes out with the slices: no heartbeat may land inside it
             with self._chan.send_lock if links.coordinator_share else contextlib.nullcontext():
-                outcome = links.reduce_scatter(step, grads, deadline, (loss, correct, total))
-            self._chan.send(StepReport(step=step, worker_id=self._worker_id, count=len(grads),
+                outcome = links.reduce_scatter(step, gradients, deadline, (loss, correct, total))
+            self._chan.send(StepReport(step=step, worker_id=self._worker_id, count=len(gradients),
                                        loss=loss, correct=correct, total=total,
                                        bad_worker=outcome.bad_worker, bad_index=outcome.bad_index,
                                        bad_value=outcome.bad_value), step=step)
         except BaseException as exc:
             self._break_session(step, exc)
             raise
-        self._mesh_sent = (step, len(grads))
+        self._mesh_sent = (step, len(gradients))
 
     def _mesh_receive(self, out: Optional[np.ndarray]) -> AveragedGradient:
         if self._mesh_sent is None:
             raise DdpwireError("receive_averaged before send_gradients", worker_id=self._worker_id)
         step, count = self._mesh_sent
-        if out is None:
-            out = np.empty(count, dtype=np.float32)
-        elif len(out) != count:
-            raise ValueError(f"out: has {len(out)} elements, the gradients have {count}")
+        out = result_buffer(out, count)
         ctx = dict(worker_id=self._worker_id, step=step)
         try:
             commit = self._chan.expect([StepCommit, Shutdown], step=step)
