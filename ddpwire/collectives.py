@@ -481,6 +481,26 @@ class CollectiveClient:
             self._wake.notify_all()
         return seq
 
+    def call(self, kind: Kind, dtype: DType, root: int, data: Any,
+             timeout: float) -> np.ndarray:
+        """One collective through the service, waited for at most ``timeout``
+        seconds: the result's bytes (a copy). For a group's set-up (shared
+        memory, the rank links), which every rank runs in the same order."""
+        box: dict = {}
+        done = threading.Event()
+
+        def finish(result: Optional[np.ndarray], error: Optional[BaseException]) -> None:
+            box["result"], box["error"] = result, error
+            done.set()
+
+        self.submit(kind, Op.SUM, dtype, root, data, finish)
+        if not done.wait(timeout):
+            raise CollectiveAborted(f"the group's set-up got no answer within {timeout:g} s",
+                                    rank=None, seq=None)
+        if box["error"] is not None:
+            raise box["error"]
+        return np.array(box["result"], dtype=np.uint8, copy=True)
+
     def submit_local(self, run: Callable[[], None], done: Done) -> None:
         """Queue a collective this rank computes itself: ``run`` on the
         sending thread once every earlier request is sent (an exception

@@ -45,6 +45,7 @@ and every worker widens the same 16-bit average.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -72,7 +73,8 @@ from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientP
                        PeerHello, Shutdown)
 
 __all__ = ["CODECS", "Mesh", "SharedPlane", "SliceOutcome", "auto_share", "codec_of",
-           "coordinator_part", "format_peers", "listen", "parse_peers", "offer", "peer_host",
+           "coordinator_part", "format_peers", "listen", "parse_peers", "parse_ports", "offer",
+           "peer_host",
            "peer_port", "range_bounds", "share_value", "slice_bounds"]
 
 log = logging.getLogger(__name__)
@@ -111,19 +113,44 @@ def codec_of(compression: Optional[str]) -> Codec:
 
 # ---- join: the offer, the peer table ----
 
-def listen(local_host: str, backlog: int = 64) -> socket.socket:
+def listen(local_host: str, backlog: int = 64,
+           ports: Optional[Tuple[int, int]] = None) -> socket.socket:
     """A listening socket for links from other workers, on the address this
     worker reaches the coordinator from (the one the coordinator will hand
-    out), on a port of the kernel's choosing."""
+    out), on a port of the kernel's choosing, or the first free one of
+    ``ports`` (first, last), for a firewall that opens only those."""
     family = socket.AF_INET6 if ":" in local_host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    candidates = [0] if ports is None else list(range(ports[0], ports[1] + 1))
+    for port in candidates:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((local_host, port))
+            sock.listen(backlog)
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE and port != candidates[-1]:
+                continue
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(exc.errno, f"every port of {ports[0]}-{ports[1]} is taken "
+                                         f"on {local_host}") from None
+            raise
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    raise AssertionError("unreachable")  # candidates is never empty
+
+
+def parse_ports(text: str) -> Tuple[int, int]:
+    """A port range "first-last" (or one port) as (first, last)."""
+    first, _, last = text.strip().partition("-")
     try:
-        sock.bind((local_host, 0))
-        sock.listen(backlog)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+        lo, hi = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"a port range is FIRST-LAST (say 29600-29700), got {text!r}") from None
+    if not 1 <= lo <= hi <= 65535:
+        raise ValueError(f"a port range is FIRST-LAST within 1-65535, got {text!r}")
+    return lo, hi
 
 
 def offer(listener: socket.socket, host: Optional[bytes] = None) -> bytes:
@@ -421,6 +448,7 @@ class Mesh:
         self._own: Optional[np.ndarray] = None
         self._step: Optional[int] = None
         self._part: Optional[np.ndarray] = None  # the coordinator's averaged part
+        self._op = ReduceOp.AVG  # of the reduce-scatter under way
         # Runs the kernels while the calling thread moves bytes. The caller
         # keeps every socket: a failure or Ctrl-C there needs no other thread
         # woken, and the helper only ever waits for a bounded kernel call.
@@ -514,7 +542,7 @@ class Mesh:
                   recvs: Sequence[Optional[np.ndarray]], deadline: float, parts: int = 1,
                   before: Optional[Callable[[int], None]] = None,
                   after: Optional[Callable[[int], None]] = None,
-                  leg: Optional[_CoordinatorLeg] = None) -> None:
+                  leg: Optional[_CoordinatorLeg] = None, op: ReduceOp = ReduceOp.AVG) -> None:
         """Send sends[j] to worker j while receiving recvs[j] from it, every
         link at once. The heads go first, each checked (step, phase, sender,
         length, dtype), so a worker whose vector differs is named before any
@@ -529,7 +557,7 @@ class Mesh:
             if chan is None:
                 continue
             data = sends[j]
-            msg = CollectiveRequest(seq=step, kind=int(kind), op=int(ReduceOp.AVG),
+            msg = CollectiveRequest(seq=step, kind=int(kind), op=int(op),
                                     dtype=int(self._dtype), root=me, count=len(data), data=data)
             head, _bulk, _tail = _core.encode_frame_parts(msg, max_frame=chan.max_frame)
             heads_out[j] = [head]
@@ -547,7 +575,7 @@ class Mesh:
             head = _core.read_frame_head(chan.conn, self.timeout, chan.max_frame,
                                          deadline=deadline, expect=(CollectiveRequest,),
                                          step=step, what=what, collective_heads=True)
-            self._check_head(head, step, kind, j, len(recvs[j]))
+            self._check_head(head, step, kind, j, len(recvs[j]), op)
         if leg is not None:
             self._check_reply_head(leg, step, deadline)
         # the elements follow their head as raw bytes in the sender's order,
@@ -594,7 +622,7 @@ class Mesh:
                                 f"bytes, not {len(leg.reply_tail)}", **ctx)
 
     def _check_head(self, head: object, step: int, kind: CollectiveKind, j: int,
-                    count: int) -> None:
+                    count: int, op: ReduceOp) -> None:
         if not isinstance(head, _core.FrameHead):
             raise ProtocolError(f"worker {j} sent {type(head).__name__} on the mesh link",
                                 worker_id=j, step=step)
@@ -608,6 +636,8 @@ class Mesh:
         if head.dtype != self._dtype:
             raise GradientMismatch("mesh dtype", self._dtype.name.lower(),
                                    DType(head.dtype).name.lower(), **ctx)
+        if head.op != op:
+            raise GradientMismatch("reduce op", op.name.lower(), _op_name(head.op), **ctx)
         if head.count != count:
             raise GradientMismatch("mesh slice length (its gradients have another length)",
                                    count, head.count, **ctx)
@@ -718,10 +748,12 @@ class Mesh:
             return None
         ins = [x[s:e] for x in inputs]
         try:
-            if self._half is None:
-                _reduce.mean(ins, own[s:e])
-            else:
+            if self._half is not None:
                 _reduce.mean_half(ins, own[s:e], codec=self._half)
+            elif self._op is ReduceOp.SUM:
+                _reduce.total(ins, own[s:e])
+            else:
+                _reduce.mean(ins, own[s:e])
         except NonFiniteGradient as bad:
             return int(bad.input), s + int(bad.index), float(bad.value)
         return None
@@ -738,13 +770,22 @@ class Mesh:
     # ---- the step ----
 
     def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float,
-                       tail: Tuple[float, int, int] = (0.0, 0, 0)) -> SliceOutcome:
-        """Phase 1: this worker's slice of the average, kept until
+                       tail: Tuple[float, int, int] = (0.0, 0, 0), *,
+                       op: ReduceOp = ReduceOp.AVG) -> SliceOutcome:
+        """Phase 1: this worker's slice of the average (``op`` AVG) or of the
+        sum (SUM, float32 only: a process group's all_reduce), kept until
         :meth:`allgather`. Non-finite elements are reported, not raised: the
-        coordinator decides for the whole vector. With a coordinator share,
-        the last :func:`coordinator_part` elements go to the coordinator in
-        a GradientPayload whose tail is ``tail`` (loss, correct, total), and
+        coordinator decides for the whole vector (a process group passes
+        them on, as gloo does). With a coordinator share, the last
+        :func:`coordinator_part` elements go to the coordinator in a
+        GradientPayload whose tail is ``tail`` (loss, correct, total), and
         their average comes back in the same calls."""
+        op = ReduceOp(op)
+        if op not in (ReduceOp.AVG, ReduceOp.SUM) or (op is ReduceOp.SUM and
+                                                      (self._half or self.coordinator_share)):
+            raise ValueError(f"the mesh reduces AVG, and SUM in float32 without a coordinator "
+                             f"share, not {op.name} ({self.codec.name.lower()})")
+        self._op = op
         if self._want_shared:
             self._want_shared = False
             self.plane = self._share(step, len(gradients), deadline)
@@ -792,7 +833,7 @@ class Mesh:
 
         try:
             self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline, parts,
-                           before, after, leg)
+                           before, after, leg, op)
             found = [f.result() for f in averaged]
         except BaseException:
             self._settle(narrowed + averaged)
@@ -869,6 +910,13 @@ class Mesh:
 
     def _widen_own(self, own: np.ndarray, out: np.ndarray) -> None:
         _reduce.from_half(own, out, codec=self._half)
+
+
+def _op_name(op: int) -> str:
+    try:
+        return ReduceOp(op).name.lower()
+    except ValueError:
+        return f"op {op}"
 
 
 def _piece(buf: Optional[np.ndarray], cuts: Optional[List[Tuple[int, int]]], c: int) -> list:

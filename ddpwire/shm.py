@@ -230,24 +230,6 @@ def _unlink(name: str) -> None:
         pass
 
 
-def _call(client: Any, kind: Kind, dtype: DType, root: int, data: np.ndarray, timeout: float) -> np.ndarray:
-    """One collective through the service, waited for at most ``timeout``."""
-    box: dict = {}
-    done = threading.Event()
-
-    def finish(result: Optional[np.ndarray], error: Optional[BaseException]) -> None:
-        box["result"], box["error"] = result, error
-        done.set()
-
-    client.submit(kind, Op.SUM, dtype, root, data, finish)
-    if not done.wait(timeout):
-        raise CollectiveAborted(f"shared-memory negotiation got no answer within {timeout:g} s",
-                                rank=None, seq=None)
-    if box["error"] is not None:
-        raise box["error"]
-    return np.array(box["result"], dtype=np.uint8, copy=True)
-
-
 def negotiate(client: Any, rank: int, world: int, timeout: float) -> Optional[Segment]:
     """Every rank of the group calls this once, right after joining, in the
     same order as its collectives: a broadcast of rank 0's offer, then an
@@ -271,7 +253,7 @@ def negotiate(client: Any, rank: int, world: int, timeout: float) -> Optional[Se
                 if seg is not None:
                     seg.close()
                 seg = None
-        got = _call(client, Kind.BROADCAST, DType.UINT8, 0, offer, timeout)
+        got = client.call(Kind.BROADCAST, DType.UINT8, 0, offer, timeout)
         got_offer = _core.shm_offer_decode(got.tobytes())
         ok = False
         if rank == 0:
@@ -283,7 +265,7 @@ def negotiate(client: Any, rank: int, world: int, timeout: float) -> Optional[Se
                 ok = True
             except (OSError, ValueError) as exc:
                 log.info("cannot attach rank 0's shared memory, staying on TCP: %s", exc)
-        verdicts = _call(client, Kind.ALLGATHER, DType.UINT8, 0, np.array([ok], dtype=np.uint8), timeout)
+        verdicts = client.call(Kind.ALLGATHER, DType.UINT8, 0, np.array([ok], dtype=np.uint8), timeout)
         if seg is not None:
             seg.unlink()  # every rank that could attach has: the name has done its job
         if not verdicts.all():

@@ -139,7 +139,10 @@ def run(backend: str, out: str, run_index: int) -> None:
     dist.all_reduce(big, op=dist.ReduceOp.MAX)
     if hook:
         state.close()
-    torch.save({"collectives": collectives(rank, world),
+    pg = dist.distributed_c10d._get_default_group()  # ddpwire's group is itself the default
+    plane = ("links" if getattr(pg, "rank_links", False) else
+             "shm" if getattr(pg, "shared_memory", False) else "service")
+    torch.save({"collectives": collectives(rank, world), "plane": plane,
                 "state": {k: v.cpu() for k, v in net.state_dict().items()}, "gathered": gathered, "objs": objs, "max": big},
                f"{out}.{backend}.rank{rank}.pt")
     dist.destroy_process_group()

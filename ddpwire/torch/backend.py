@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import shm as _shm
 from ..collectives import CollectiveAborted, DType, Kind, Op, check_op
+from .links import RankLinks, form_links, ports_from_env
 from .rendezvous import Rendezvous, join_group, timings
 from .staging import Staging
 
@@ -34,9 +35,9 @@ BACKEND = "ddpwire"
 #: largest piece of an allreduce or broadcast in one CollectiveRequest
 PIECE_BYTES = 8 << 20
 
-#: smallest float32 SUM/AVG allreduce that goes through shared memory when
-#: the group has it (DDP's buckets); smaller ones, and everything else, go
-#: through the service
+#: smallest float32 SUM/AVG allreduce that goes through shared memory or the
+#: rank links when the group has them (DDP's buckets); smaller ones, and
+#: everything else, go through the service
 SHM_MIN_BYTES = int(os.environ.get("DDPWIRE_SHM_MIN_BYTES") or 64 << 10)
 
 _DTYPES = {
@@ -195,8 +196,18 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         except BaseException:
             self._group.close(self._close_timeout)
             raise
+        self._links: Optional[RankLinks] = None
         if self._shm is not None:
             self._hook_shm(self._shm)
+        else:
+            try:
+                self._links = form_links(self._group.client, rank, world_size,
+                                         listen_host=self._group.listen_host,
+                                         advertise=self._group.advertise, timeout=seconds,
+                                         ports=ports_from_env())
+            except BaseException:
+                self._group.close(self._close_timeout)
+                raise
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _hook_shm(self, seg: "_shm.Segment") -> None:
@@ -224,6 +235,12 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         """True when this group's large float32 allreduces go through shared memory."""
         return self._shm is not None
 
+    @property
+    def rank_links(self) -> bool:
+        """True when this group's large float32 allreduces run on direct
+        links between the ranks (a ring's traffic), not through rank 0."""
+        return self._links is not None
+
     # ---- identity ----
 
     def getBackendName(self) -> str:
@@ -236,12 +253,15 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         """Leave the group (rank 0 first waits for the others to leave)."""
         group, self._group = self._group, None
         seg, self._shm = self._shm, None
+        links, self._links = self._links, None
         try:
             if group is not None:
                 group.close(self._close_timeout)
         finally:
             if seg is not None:
                 seg.close()
+            if links is not None:
+                links.close()
 
     def shutdown(self) -> None:
         self.close()
@@ -265,9 +285,15 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             np.empty(0, dtype=np.uint8), None, _nothing)
         work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
                            self._report)
-        if (self._shm is not None and kind is Kind.ALLREDUCE and dtype is DType.FLOAT32
-                and op in (Op.SUM, Op.AVG) and data.nbytes >= SHM_MIN_BYTES):
-            return self._issue_shm(work, op, data, ready, release, inputs, outputs, value)
+        if (kind is Kind.ALLREDUCE and dtype is DType.FLOAT32 and op in (Op.SUM, Op.AVG)
+                and data.nbytes >= SHM_MIN_BYTES):
+            seg, links, timeout = self._shm, self._links, self._seconds
+            if seg is not None:
+                return self._issue_local(work, lambda d: seg.allreduce(d, op, timeout), data,
+                                         ready, release, inputs, outputs, value)
+            if links is not None:
+                return self._issue_local(work, lambda d: links.allreduce(d.view(np.float32), op), data, ready,
+                                         release, inputs, outputs, value)
         # element-wise collectives travel in pieces: the service reduces one
         # while the next arrives, and no frame nears the size limit
         pieces = [(0, data.nbytes)]
@@ -322,19 +348,21 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         work._keep = (inputs, outputs)
         return work
 
-    def _issue_shm(self, work: DdpwireWork, op: Op, data: np.ndarray, ready: Optional[Callable[[], None]],
-                   release: Callable[[], None], inputs: Sequence[torch.Tensor],
-                   outputs: Sequence[torch.Tensor], value: Any) -> DdpwireWork:
-        """The allreduce through shared memory: queued in issue order with
-        the service's collectives, run (GIL-free) on the sending thread."""
-        seg, staging, timeout = self._shm, self._staging, self._seconds
+    def _issue_local(self, work: DdpwireWork, reduce: Callable[[np.ndarray], None],
+                     data: np.ndarray, ready: Optional[Callable[[], None]],
+                     release: Callable[[], None], inputs: Sequence[torch.Tensor],
+                     outputs: Sequence[torch.Tensor], value: Any) -> DdpwireWork:
+        """An allreduce this rank takes part in itself, ``reduce(data)`` in
+        place (shared memory, or the rank links): queued in issue order
+        with the service's collectives, run (GIL-free) on the sending thread."""
+        staging = self._staging
         if not data.flags.writeable:
             data = data.copy()  # the result lands in the host bytes, then in the outputs
 
         def run() -> None:
             if ready is not None:
                 ready()
-            seg.allreduce(data, op, timeout)
+            reduce(data)
 
         def done(_: Optional[np.ndarray], error: Optional[BaseException]) -> None:
             try:

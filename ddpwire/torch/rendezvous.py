@@ -52,6 +52,11 @@ class Rendezvous:
     worker: Optional[Worker] = None
     coordinator: Optional[Coordinator] = None
     service: Optional[CollectiveService] = None
+    #: where this rank's links to the other ranks listen, and the address
+    #: they dial: rank 0's coordinator address, another rank's own end of
+    #: its connection to it
+    listen_host: str = "127.0.0.1"
+    advertise: str = "127.0.0.1"
 
     def close(self, timeout: float) -> None:
         """Leave the group: the other ranks first, so no answer is cut short."""
@@ -118,7 +123,9 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
         raise DdpwireError(f"the coordinator at {addr[0]}:{addr[1]} did not grant the collectives "
                            "extension (a reference coordinator?)", worker_id=rank)
     store.set(f"ddpwire/joined/{rank}", "1")
-    return Rendezvous(rank, world, CollectiveClient(worker.channel, rank, world), worker)
+    local = worker.channel.conn.sock.getsockname()[0]
+    return Rendezvous(rank, world, CollectiveClient(worker.channel, rank, world), worker,
+                      listen_host=local, advertise=local)
 
 
 def _host(store: Any, world: int, seconds: float, heartbeat: float, silence: float,
@@ -126,6 +133,7 @@ def _host(store: Any, world: int, seconds: float, heartbeat: float, silence: flo
     service_end, client_end = local_link()
     coordinator = None
     channels = [service_end]
+    bind, advertised = ("127.0.0.1", 0), "127.0.0.1"
     if world > 1:
         bind, advertised = _bind_and_advertise(store)
         coordinator = Coordinator(bind, world - 1, timeout=seconds, join_timeout=seconds,
@@ -143,4 +151,5 @@ def _host(store: Any, world: int, seconds: float, heartbeat: float, silence: flo
         channels += [coordinator.channel(w) for w in range(world - 1)]
     service = CollectiveService(channels, timeout=seconds).start()
     client = CollectiveClient(client_end, 0, world)
-    return Rendezvous(0, world, client, None, coordinator, service)
+    return Rendezvous(0, world, client, None, coordinator, service, listen_host=bind[0],
+                      advertise=advertised)

@@ -1,0 +1,198 @@
+"""Rank-to-rank links for a process group: its large allreduces as a ring.
+
+Through the collective service every bucket crosses rank 0's link: (N-1)
+vectors each way there, where a reduce-scatter and allgather move
+2·(N-1)/N of one vector through each rank's link. So after the join every
+rank opens a direct link to every other, and float32 SUM/AVG allreduces
+(DDP's buckets) run on them with :class:`ddpwire.mesh.Mesh`, the runner the
+Worker mesh steps with: the same heads, range cuts and kernels, rank r
+owning slice r and summing it in rank order, so every rank gets the bits the
+service would have computed.
+
+The set-up travels through the service, over the joins that the token (if
+any) authenticated: rank 0 broadcasts a fresh 32-byte key, every rank's
+listening address is allgathered, and each link proves the key both ways
+(a stranger on a rank's port is dropped, as on the mesh). Every rank then
+says whether all its links opened; unless all did, every rank keeps to the
+service, with the reason logged, so ranks that cannot reach each other
+never hang. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .. import mesh as _mesh
+from ..collectives import CollectiveAborted, DType, Kind, Op
+from ..errors import DdpwireError
+from ..extensions import Codec, ReduceOp
+
+__all__ = ["PORTS_ENV", "RankLinks", "form_links"]
+
+log = logging.getLogger(__name__)
+
+#: "FIRST-LAST": the ports a rank may listen on for its links (a firewall's range)
+PORTS_ENV = "DDPWIRE_PORTS"
+#: one rank's address record in the set-up's allgather: "host:port", NUL-padded
+_ADDRESS_BYTES = 128
+#: the longest the links may take to open before the group keeps to the
+#: service (they open once every rank has joined, so all dial at once)
+LINK_TIMEOUT = 30.0
+
+_CODECS = {None: Codec.FLOAT32, "bf16": Codec.BF16, "fp16": Codec.FP16}
+
+
+def ports_from_env() -> Optional[Tuple[int, int]]:
+    """The port range :data:`PORTS_ENV` names, or None."""
+    text = os.environ.get(PORTS_ENV)
+    return _mesh.parse_ports(text) if text else None
+
+
+class RankLinks:
+    """A rank's links to every other rank, and the allreduces that run on
+    them, one at a time, in the order every rank issues them (a group's
+    collectives are issued in one order on every rank).
+
+    After a failure the links are closed and every later call raises the
+    first error again, naming the rank at fault.
+    """
+
+    def __init__(self, links: list, rank: int, timeout: float) -> None:
+        self.rank = rank
+        self.world = len(links)
+        self.timeout = timeout
+        self._links = links
+        # one runner per wire codec, over the same links: float32 for the
+        # default buckets, 16 bits for a bucket asked to travel in them
+        self._runners = {Codec.FLOAT32: _mesh.Mesh(links, rank, Codec.FLOAT32, timeout)}
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.failure: Optional[CollectiveAborted] = None
+
+    def _runner(self, codec: Codec) -> _mesh.Mesh:
+        runner = self._runners.get(codec)
+        if runner is None:
+            runner = self._runners[codec] = _mesh.Mesh(self._links, self.rank, codec,
+                                                       self.timeout)
+        return runner
+
+    def allreduce(self, data: np.ndarray, op: Op, compression: Optional[str] = None) -> None:
+        """Reduce float32 ``data`` in place across the group: SUM, or AVG (the
+        sum divided by the world size). With ``compression`` ("bf16",
+        "fp16"; AVG only) each rank's data travels rounded to 16 bits and
+        the average comes back in 16 bits, widened into ``data``. A NaN or
+        inf is passed on, as gloo does. Raises CollectiveAborted naming the
+        rank whose link failed."""
+        with self._lock:
+            if self.failure is not None:
+                raise self.failure
+            seq = self._seq
+            self._seq += 1
+            runner = self._runner(_CODECS[compression])
+            deadline = time.monotonic() + self.timeout
+            try:
+                runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
+                runner.allgather(seq, data, deadline)
+            except BaseException as exc:
+                self.failure = _aborted(exc, seq)
+                self._close()
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise self.failure from exc
+
+    def close(self) -> None:
+        """Close every link (a rank that leaves: the others see it at once)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        for runner in self._runners.values():
+            runner.close()
+
+
+def _aborted(exc: BaseException, seq: int) -> CollectiveAborted:
+    if isinstance(exc, CollectiveAborted):
+        return exc
+    rank = getattr(exc, "worker_id", None)
+    return CollectiveAborted(f"rank link: {exc}", rank=rank, seq=seq)
+
+
+def _record(host: str, port: int) -> np.ndarray:
+    text = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    raw = text.encode()
+    if len(raw) > _ADDRESS_BYTES:
+        raise ValueError(f"the address {text!r} is over {_ADDRESS_BYTES} bytes")
+    out = np.zeros(_ADDRESS_BYTES, dtype=np.uint8)
+    out[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return out
+
+
+def _peers(gathered: np.ndarray, world: int) -> List[Tuple[str, int]]:
+    texts = [bytes(gathered[r * _ADDRESS_BYTES:(r + 1) * _ADDRESS_BYTES]).rstrip(b"\0").decode()
+             for r in range(world)]
+    return _mesh.parse_peers(",".join(texts), world)
+
+
+def form_links(client: object, rank: int, world: int, *, listen_host: str, advertise: str,
+               timeout: float, ports: Optional[Tuple[int, int]] = None,
+               max_frame: int = 1 << 30) -> Optional[RankLinks]:
+    """Open this rank's links (every rank calls this once, right after the
+    join, in the same order as its collectives). ``listen_host`` is the
+    address the listener binds, ``advertise`` the one other ranks dial;
+    ``ports`` pins the listening port to a range. Returns None, on every
+    rank alike, when some rank could not open all its links: the group then
+    keeps to the service, and the reason is logged."""
+    if world < 2:
+        return None
+    link_timeout = min(timeout, LINK_TIMEOUT)
+    listener: Optional[socket.socket] = None
+    links: Optional[list] = None
+    why = ""
+    try:
+        listener = _mesh.listen(listen_host, ports=ports)
+        port = listener.getsockname()[1]
+    except OSError as exc:
+        why = f"rank {rank} cannot listen for its links on {listen_host}: {exc}"
+        port = 0
+    key = np.frombuffer(secrets.token_bytes(32) if rank == 0 else bytes(32),
+                        dtype=np.uint8).copy()
+    key = client.call(Kind.BROADCAST, DType.UINT8, 0, key, timeout)  # type: ignore[attr-defined]
+    gathered = client.call(Kind.ALLGATHER, DType.UINT8, 0,  # type: ignore[attr-defined]
+                           _record(advertise, port), timeout)
+    try:
+        if not why:
+            peers = _peers(gathered, world)
+            if any(p == 0 for _, p in peers):
+                why = "a rank has no listening port"
+            else:
+                try:
+                    links = _mesh._connect_links(listener, peers, rank, key.tobytes(),
+                                                 link_timeout, max_frame,
+                                                 _mesh.check_congestion(_mesh.DEFAULT_CONGESTION))
+                except (DdpwireError, OSError) as exc:
+                    why = f"rank {rank}: {exc}"
+    finally:
+        if listener is not None:
+            listener.close()
+    verdicts = client.call(Kind.ALLGATHER, DType.UINT8, 0,  # type: ignore[attr-defined]
+                           np.array([links is not None], dtype=np.uint8), timeout)
+    if links is not None and verdicts.all():
+        log.info("rank %d: direct links to the %d other ranks carry the large allreduces",
+                 rank, world - 1)
+        return RankLinks(links, rank, timeout)
+    if links is not None:
+        for chan in links:
+            if chan is not None:
+                chan.close()
+    failed = [r for r in range(world) if not verdicts[r]]
+    log.warning("rank %d: the allreduces go through rank 0 (the links did not open%s%s)", rank,
+                f" on rank {', '.join(map(str, failed))}" if failed else "",
+                f": {why}" if why else "")
+    return None
