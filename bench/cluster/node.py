@@ -16,10 +16,13 @@ from multiprocessing.connection import Connection
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import allreduce_procs  # noqa: E402  (needs the path above)
+import ddp_step  # noqa: E402
 
-# the bodies a cluster run may start; anything else is a bug in the caller
-TARGETS = ("_ddpwire_coordinator", "_ddpwire_worker", "_gloo_worker",
-           "_tcp_receiver", "_tcp_sender")
+# the bodies a cluster run may start, and their modules; anything else is a
+# bug in the caller
+TARGETS = {name: allreduce_procs for name in ("_ddpwire_coordinator", "_ddpwire_worker",
+                                              "_gloo_worker", "_tcp_receiver", "_tcp_sender")}
+TARGETS["_ddp_rank"] = ddp_step
 FIRST_MESSAGE_TIMEOUT = 60.0
 
 
@@ -33,7 +36,7 @@ def main(argv: list) -> int:
     if name not in TARGETS:
         conn.send(("error", f"node: unknown target {name!r}"))
         return 2
-    getattr(allreduce_procs, name)(conn, *args)
+    getattr(TARGETS[name], name)(conn, *args)
     return 0
 
 

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 import allreduce_procs as procs
+from ddp_step import DDP_KINDS
 
 from . import net
 from .plan import MACHINE_IF, Plan
@@ -39,8 +40,11 @@ class NodeProcess:
         # the namespaces emulate separate machines, but share this host's
         # /dev/shm and boot id: shared memory would bypass the links measured
         env["DDPWIRE_SHM"] = "0"
+        # and a hostname of its own, as a separate machine has: nothing may
+        # take two nodes for one host
         self.popen = subprocess.Popen(
-            net.exec_prefix(netns) + [sys.executable, _NODE, str(child.fileno())],
+            net.exec_prefix(netns) + ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                                      netns, sys.executable, _NODE, str(child.fileno())],
             pass_fds=[child.fileno()], env=env, cwd=_REPO)
         child.close()
         self.conn = parent
@@ -104,6 +108,13 @@ class ClusterGroup(procs.ProcessGroup):
             for rank in range(n):
                 self._add_in(p.workers[rank].netns, "_gloo_worker",
                              (port, rank, n, size, p.workers[0].address), f"gloo-rank-{rank}")
+        elif self.kind in DDP_KINDS:
+            # a DDP script on each rank's machine, rank 0's store on worker 0
+            port = GLOO_BASE_PORT + _gloo_groups
+            _gloo_groups += 1
+            for rank in range(n):
+                self._add_in(p.workers[rank].netns, "_ddp_rank",
+                             (self.kind, port, rank, n, p.workers[0].address), f"ddp-rank-{rank}")
         elif self.kind == "tcp":
             self._add_in(p.coordinator.netns, "_tcp_receiver", (size, p.coordinator.address),
                          "tcp-receiver")

@@ -41,23 +41,18 @@ bench/test_bench_allreduce.py, whose process bodies run here unchanged.
 """
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import os
 import statistics
 
 import pytest
 
-from . import net, params, plan, report, shaping
+from . import net, report, shaping
+from .conftest import PARAMS
 from .nodes import ClusterGroup, procs
 
 MiB = 1 << 20
 WARMUP = 1
-
-try:
-    PARAMS = params.ClusterParams.from_env(os.environ)
-except ValueError as exc:
-    raise pytest.UsageError(str(exc))
 
 CASES = []
 for _mib in PARAMS.sizes_mib:
@@ -65,27 +60,6 @@ for _mib in PARAMS.sizes_mib:
     for _n in PARAMS.workers:
         for _kind in PARAMS.kinds:
             CASES.append(pytest.param(_kind, _n, _mib, id=f"{_mib}MiB-N{_n}-{_kind}"))
-
-
-@pytest.fixture(scope="session")
-def cluster_plan():
-    """The emulated network for the whole run, removed at the end whatever happens."""
-    reason = net.why_unavailable()
-    if reason:
-        pytest.skip(reason)
-    p = plan.make_plan(PARAMS.max_workers, PARAMS.coord_rate, PARAMS.worker_rate,
-                       congestion=PARAMS.congestion)
-    cluster = net.Cluster(p)
-    try:
-        cluster.__enter__()
-    except net.NetworkUnavailable as exc:
-        pytest.skip(f"cannot build the emulated cluster: {exc}")
-    # should the fixture's teardown itself be skipped (a second Ctrl-C)
-    atexit.register(cluster.close)
-    try:
-        yield p
-    finally:
-        cluster.close()
 
 
 @pytest.mark.parametrize("kind,n,size_mib", CASES)

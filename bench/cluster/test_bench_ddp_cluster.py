@@ -1,0 +1,54 @@
+"""A DDP training step over the emulated cluster: backend "ddpwire" against gloo.
+
+Each rank is an unmodified DDP script (bench/ddp_step.py: a 15.7M-parameter
+MLP, batch 8, SGD) in a namespace of its own with a hostname of its own and
+a tbf-shaped link, so nothing can take two ranks for one host: no shared
+memory, every bucket over the links. Kinds: "ddp-gloo" (torch's gloo),
+"ddp-ddpwire" (the backend's default, DDP's float32 buckets on the rank
+links) and "ddp-ddpwire-bf16" (its bf16_wire_hook: bfloat16 on the wire),
+for each N of DDPWIRE_CLUSTER_WORKERS. Needs root, iproute2 and torch:
+
+    DDPWIRE_CLUSTER_WORKERS=2,4 python -m pytest bench/cluster/test_bench_ddp_cluster.py \\
+        --benchmark-json=docs/cluster-ddp-1g.json
+    python bench/cluster/report_ddp.py docs/cluster-ddp-1g.json
+
+A step is from the first rank's start of forward to the last rank's end of
+optimizer.step (CLOCK_MONOTONIC stamps); every rank must end with the same
+weights (their SHA-256), and the ddpwire kinds must have run on the links.
+DDPWIRE_CLUSTER_ROUNDS sets the timed steps (default 3, after 2 warm-ups:
+DDP builds its buckets during the first).
+"""
+from __future__ import annotations
+
+import importlib.util
+import statistics
+
+import pytest
+
+from ddp_step import DDP_KINDS, parameter_count
+
+from .conftest import PARAMS
+from .nodes import ClusterGroup, procs
+
+WARMUP = 2
+
+CASES = [pytest.param(kind, n, id=f"N{n}-{kind}") for n in PARAMS.workers for kind in DDP_KINDS]
+
+
+@pytest.mark.parametrize("kind,n", CASES)
+def test_ddp_step(benchmark, cluster_plan, kind, n):
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("DDP needs torch")
+    benchmark.group = f"DDP N={n}"
+    rounds = PARAMS.rounds
+    group = ClusterGroup(kind, n, 4 * parameter_count(), WARMUP + rounds, cluster_plan)
+    summary = procs.run_rounds(benchmark, group, rounds, WARMUP)
+    spans = procs.step_spans(group.step_stamps[WARMUP:])
+    ranks = summary["workers"]
+    assert len({r["weights_sha256"] for r in ranks}) == 1, "the ranks' weights differ"
+    if kind != "ddp-gloo":
+        assert all(r["rank_links"] for r in ranks), "a ddpwire rank did not use the rank links"
+    benchmark.extra_info.update(
+        kind=kind, workers=n, parameters=parameter_count(), rounds=rounds, warmup=WARMUP,
+        step_spans=spans, step_span_median=statistics.median(spans),
+        worker_rate_bps=PARAMS.worker_rate, coord_rate_bps=PARAMS.coord_rate)

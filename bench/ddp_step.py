@@ -1,0 +1,85 @@
+"""A plain DDP training step as a benchmark process body (bench/cluster's
+DDP cases, tests/test_cluster_harness.py).
+
+The model is an MLP of 15.7M float32 parameters (1024-4096-2048-1024-1024-10),
+trained with SGD on a batch of 8 per rank: an unmodified DDP script whose
+only knob is the backend's name ("gloo" or "ddpwire") and, for "ddpwire-bf16",
+ddpwire's 16-bit bucket hook. It speaks bench/allreduce_procs.py's step
+protocol: each "step" is one forward, backward (DDP's bucketed allreduces
+overlapping it) and optimizer step.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from datetime import timedelta
+from typing import Any, Dict
+
+from allreduce_procs import _serve
+
+#: the DDP cases: name -> (torch.distributed backend, ddpwire hook or None)
+DDP_KINDS = {"ddp-gloo": ("gloo", None), "ddp-ddpwire": ("ddpwire", None),
+             "ddp-ddpwire-bf16": ("ddpwire", "bf16")}
+WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
+BATCH = 8
+
+
+def parameter_count() -> int:
+    """Weights and biases of the benchmark's MLP."""
+    return sum(a * b + b for a, b in zip(WIDTHS, WIDTHS[1:]))
+
+
+def _model() -> Any:
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str) -> None:
+    backend, hook = DDP_KINDS[kind]
+
+    def setup() -> Dict[str, Any]:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import ddpwire.torch  # noqa: F401  (registers "ddpwire")
+
+        # n ranks share this machine's cores: more intra-op threads would contend
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                                world_size=n, timeout=timedelta(seconds=120))
+        ddp = DDP(_model())
+        if hook == "bf16":
+            from ddpwire.torch.hooks import bf16_wire_hook
+
+            ddp.register_comm_hook(None, bf16_wire_hook)
+        gen = torch.Generator().manual_seed(100 + rank)
+        group = dist.distributed_c10d._get_default_group()
+        return {"dist": dist, "torch": torch, "ddp": ddp,
+                "opt": torch.optim.SGD(ddp.parameters(), lr=0.01),
+                "x": torch.randn(BATCH, WIDTHS[0], generator=gen),
+                "y": torch.randint(0, WIDTHS[-1], (BATCH,), generator=gen),
+                "links": bool(getattr(group, "rank_links", False))}
+
+    def step(st: Dict[str, Any]) -> None:
+        st["opt"].zero_grad()
+        st["torch"].nn.functional.cross_entropy(st["ddp"](st["x"]), st["y"]).backward()
+        st["opt"].step()
+
+    def finish(st: Dict[str, Any]) -> Dict[str, Any]:
+        digest = hashlib.sha256()
+        for p in st["ddp"].module.parameters():
+            digest.update(p.detach().numpy().tobytes())
+        st["dist"].destroy_process_group()
+        # DDP keeps every rank's parameters identical: the test compares digests
+        return {"average_ok": True, "weights_sha256": digest.hexdigest(),
+                "rank_links": st["links"]}
+
+    _serve(conn, setup, step, finish)
