@@ -477,6 +477,36 @@ def test_the_coordinator_names_the_worker_that_vanished_not_one_that_gave_up_aft
     assert Coordinator._mesh_culprit([CollectiveError(1, NONE, "x"), report], 1).worker_id == 0
 
 
+def test_a_silent_worker_still_heard_from_is_not_named_for_one_that_is_not():
+    from ddpwire.messages import CollectiveError, StepReport, NO_WORKER as NONE
+    report = StepReport(2, 0, 10, 0.0, 0, 0, NONE, 0, 0.0)
+    silent = [WorkerLost(f"worker {w} silent past the deadline", worker_id=w, step=2)
+              for w in range(3)]
+    culprit = Coordinator._mesh_culprit
+    # both silent at the deadline, worker 0 still heartbeating: worker 1
+    assert culprit(silent[:2], 2, {0, 1}, {0}) is silent[1]
+    assert culprit(silent[:2], 2, {0, 1}, {0}, final=False) is silent[1]
+    # nothing tells them apart: not sure yet (a live one may still name the
+    # peer it waits for), and at the very end the lowest
+    assert culprit(silent[:2], 2, {0, 1}, set(), final=False) is None
+    assert culprit(silent[:2], 2, {0, 1}, {0, 1}, final=False) is None
+    assert culprit(silent[:2], 2, {0, 1}, set()) is silent[0]
+    # worker 0 names the peer it waits for: that one, with worker 0's words
+    waits = CollectiveError(2, 1, "worker 1 (mesh link) silent past the deadline")
+    exc = culprit([waits, silent[1]], 2, {1}, set(), final=False)
+    assert exc.worker_id == 1 and exc.step == 2
+    assert "worker 0 could not finish" in str(exc) and "worker 1 (mesh link)" in str(exc)
+    # a worker whose heartbeats stopped (or that disconnected) before one
+    # merely silent, heard or not
+    stopped = WorkerLost("worker 1 silent for 1.5 s", worker_id=1, step=2)
+    assert culprit([silent[0], stopped], 2, {0}, {0}, final=False) is stopped
+    assert culprit([silent[0], stopped], 2, {0}, set()) is stopped
+    # one silent, the rest answered: sure at once
+    assert culprit([report, silent[1], report], 2, {1}, set(), final=False) is silent[1]
+    # three silent, two heard from: the third, however numbered
+    assert culprit(silent, 2, {0, 1, 2}, {0, 2}, final=False) is silent[1]
+
+
 def _congestion_of(sock):
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
 
