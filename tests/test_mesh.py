@@ -262,6 +262,67 @@ def test_a_worker_that_never_opens_its_links_is_named_after_the_timeout():
     assert "worker 0 did not open its mesh link within 1 s" in str(exc)
 
 
+def test_a_worker_held_up_before_its_step_is_named_not_the_one_waiting_for_it():
+    # worker 1 does not start step 1 until the coordinator has given up;
+    # worker 0 computes for longer than the coordinator's grace and then
+    # waits for worker 1's slice. Its wait counts from the coordinator's last
+    # message (step 0's go-ahead), as the coordinator's does, so it names
+    # worker 1 to the coordinator in time, though both are silent at the
+    # coordinator's deadline.
+    from ddpwire.coordinator import MESH_BLAME_GRACE
+
+    grads = gradients(2, 1000, seed=9)
+    release = threading.Event()
+
+    def body(w):
+        w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+        if w.worker_id == 1:
+            release.wait(TIMEOUT)
+            return "held"
+        time.sleep(MESH_BLAME_GRACE + 0.2)
+        w.allreduce(1, grads[0], 1.0, 1, 1)
+
+    s = Session(2, body, timeout=2.0)
+    try:
+        s.coord.allreduce(0)
+        with pytest.raises(WorkerLost) as info:
+            s.coord.allreduce(1)
+    finally:
+        release.set()
+        s.join()
+    assert info.value.worker_id == 1 and info.value.step == 1, info.value
+    assert "worker 0 could not finish" in str(info.value)
+    exc = s.errors[0]
+    assert isinstance(exc, WorkerLost) and exc.worker_id == 1 and exc.step == 1, repr(exc)
+
+
+def test_a_worker_that_comes_to_its_step_past_the_deadline_is_the_one_named():
+    # worker 0 computes past the timeout (counted from step 0's go-ahead);
+    # worker 1, waiting for its slice, names it to the coordinator, and
+    # worker 0 names itself rather than the peer that waited for it
+    grads = gradients(2, 1000, seed=10)
+
+    def body(w):
+        w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+        if w.worker_id == 0:
+            time.sleep(1.3)
+        w.allreduce(1, grads[w.worker_id], 1.0, 1, 1)
+
+    s = Session(2, body, timeout=1.0)
+    try:
+        s.coord.allreduce(0)
+        with pytest.raises(WorkerLost) as info:
+            s.coord.allreduce(1)
+    finally:
+        s.join()
+    assert info.value.worker_id == 0 and info.value.step == 1, info.value
+    assert "worker 1 could not finish" in str(info.value)
+    assert isinstance(s.errors[1], WorkerLost) and s.errors[1].worker_id == 0
+    late = s.errors[0]
+    assert isinstance(late, WorkerLost) and late.worker_id == 0 and late.step == 1, repr(late)
+    assert "after the coordinator's last message" in str(late)
+
+
 def test_gradients_of_different_lengths_are_a_typed_error():
     grads = [np.ones(1000, np.float32), np.ones(1001, np.float32)]
     s = Session(2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
