@@ -61,9 +61,9 @@ class Channel:
         # is detected sooner than the (long) compute timeout.
         self.heartbeat_timeout = heartbeat_timeout
         self.send_lock = threading.Lock()
-        #: time.monotonic() when read_head last returned a message (None
-        #: before the first): on a worker, when the coordinator last spoke,
-        #: which is where the coordinator's wait for this worker's step began
+        #: time.monotonic() when the last message other than a Heartbeat
+        #: was read here (None before the first): on a worker, when the
+        #: coordinator last spoke, where its wait for this worker's step began
         self.last_message_at: Optional[float] = None
 
     @property
