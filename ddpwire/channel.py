@@ -82,6 +82,10 @@ class Channel:
         # is detected sooner than the (long) compute timeout.
         self.heartbeat_timeout = heartbeat_timeout
         self.send_lock = threading.Lock()
+        #: time.monotonic() when the last message other than a Heartbeat
+        #: was read here (None before the first): on a worker, when the
+        #: coordinator last spoke, where its wait for this worker's step began
+        self.last_message_at: Optional[float] = None
 
     @property
     def peer_id(self) -> Optional[int]:
@@ -125,13 +129,23 @@ class Channel:
         peer silent for ``heartbeat_timeout`` is lost sooner."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout
-        allowed = tuple(expected) + (Heartbeat,)
         while True:
-            obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
-                                        deadline=deadline, expect=allowed, step=step, what=what)
+            obj = self.read_frame(expected, step=step, what=what, deadline=deadline)
             if isinstance(obj, Heartbeat):
                 continue
             return obj
+
+    def read_frame(self, expected: Sequence[type], *, deadline: float,
+                   step: Optional[int] = None, what: str = "receiving") -> Any:
+        """The next frame, a Heartbeat included (read_head without skipping
+        them): for a caller that watches several peers at once and counts a
+        Heartbeat as a sign of life. It must be complete by ``deadline``."""
+        obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+                                    deadline=deadline, expect=tuple(expected) + (Heartbeat,),
+                                    step=step, what=what)
+        if not isinstance(obj, Heartbeat):
+            self.last_message_at = time.monotonic()
+        return obj
 
     def expect(self, expected: Sequence[type], *, step: Optional[int] = None,
                deadline: Optional[float] = None) -> Any:

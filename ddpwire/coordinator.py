@@ -13,11 +13,12 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import AbstractSet, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from .messages import (
     BlockGradientPayload,
     CollectiveError,
     GradientPayload,
+    Heartbeat,
     MeshPeers,
     NO_WORKER,
     NonBlockGradientPayload,
@@ -60,6 +62,14 @@ from .sessioninfo import WorkerInfo
 __all__ = ["Coordinator"]
 
 log = logging.getLogger(__name__)
+
+#: How long past its deadline a mesh step's collect keeps listening when
+#: more than one worker is silent and nothing says which stalled: a worker
+#: waiting on a peer gives up when the step's deadline passes (it counts it
+#: from the coordinator's last message, as the coordinator does) and sends
+#: a CollectiveError naming that peer, which arrives a moment after the
+#: coordinator's own deadline. Capped at the timeout.
+MESH_BLAME_GRACE = 1.0
 
 
 def _bind(bind: Tuple[str, int], backlog: int) -> socket.socket:
@@ -106,7 +116,10 @@ class Coordinator:
     ``timeout`` bounds every wait on a worker: a worker that has not sent the
     message waited for within that time (Heartbeats do not count), or that
     goes silent that long while streaming it, raises
-    :class:`~ddpwire.WorkerLost` naming it and the step. With ``heartbeat``
+    :class:`~ddpwire.WorkerLost` naming it and the step (a mesh step with
+    several workers silent at its deadline listens up to
+    :data:`MESH_BLAME_GRACE` longer, for the one that stalled to be named
+    by a live one waiting for it; docs/sessions.md). With ``heartbeat``
     (seconds) set, the coordinator sends Heartbeat frames to idle workers at
     that interval, and declares a worker lost after ``heartbeat_timeout`` of
     complete silence (the reference does not speak heartbeats: leave it off
@@ -504,24 +517,20 @@ class Coordinator:
     def _mesh_collect(self, step: int, part: Optional[Tuple[int, Optional[list]]] = None
                       ) -> ReduceResult:
         """Every worker's StepReport for a mesh step: their slices are
-        averaged, none applied. A non-finite element anywhere (``part``: the
+        averaged, none applied. A worker that fails the step is named as
+        :meth:`_mesh_answers` and :meth:`_mesh_culprit` find it, and every
+        connection closes. A non-finite element anywhere (``part``: the
         coordinator's own part, from :meth:`_mesh_part`) halts the step
         here: every worker hears which, the connections close."""
         t0 = time.perf_counter()
         self._require_workers()
-        deadline = time.monotonic() + self.timeout
         reports: List[StepReport] = []
-        answers: List[object] = []
-        for chan in self._channels:
-            try:
-                answers.append(chan.expect([StepReport, CollectiveError], step=step,
-                                           deadline=deadline))
-            except WorkerLost as exc:
-                answers.append(exc)
-        failed = [a for a in answers if not isinstance(a, StepReport)]
-        if failed:
+        answers, silent, alive = self._mesh_answers(step)
+        if not all(isinstance(a, StepReport) for a in answers):
             self._abandon()
-            raise self._mesh_culprit(answers, step)
+            culprit = self._mesh_culprit(answers, step, silent, alive)
+            assert culprit is not None
+            raise culprit
         for chan, msg in zip(self._channels, answers):
             wid = chan.peer_id
             if msg.step != step:
@@ -562,22 +571,140 @@ class Coordinator:
         result.reduce_time = time.perf_counter() - t1
         return result
 
+    def _mesh_answers(self, step: int) -> Tuple[List[object], Set[int], Set[int]]:
+        """Every worker's answer to a mesh step, all watched at once: a
+        StepReport, a CollectiveError, or the WorkerLost of a worker that
+        disconnected, went quiet for ``heartbeat_timeout`` (with heartbeats)
+        or sent nothing by the deadline, ``timeout`` from now.
+
+        Returns (answers, silent, alive): ``silent`` the workers that sent
+        nothing but heartbeats by the deadline (and its grace), ``alive``
+        those of them that were heard (a Heartbeat) within the last
+        ``heartbeat_timeout`` (or grace) before the end. When at the deadline
+        the answers do not yet single out a culprit (:meth:`_mesh_culprit`),
+        the silent workers are listened to for up to :data:`MESH_BLAME_GRACE`
+        longer: a live one waiting on a peer reports that peer then."""
+        chans = self._channels
+        what = "waiting for StepReport or CollectiveError"
+        start = time.monotonic()
+        deadline = start + self.timeout
+        end = deadline
+        grace = min(MESH_BLAME_GRACE, self.timeout)
+        window = self.heartbeat_timeout if self.heartbeat_timeout is not None else grace
+        answers: List[object] = [None] * len(chans)
+        heard: List[Optional[float]] = [None] * len(chans)  # each one's last frame in this wait
+        silent: Set[int] = set()
+
+        def quiet_since(w: int) -> float:
+            last = heard[w]
+            return start if last is None else last
+
+        def alive(now: float) -> Set[int]:
+            return {w for w in silent if heard[w] is not None and now - quiet_since(w) < window}
+
+        def settle(w: int, answer: object) -> None:
+            answers[w] = answer
+            silent.discard(w)
+            sel.unregister(chans[w].conn.sock)
+
+        def sure(now: float) -> bool:
+            return self._mesh_culprit(answers, step, silent, alive(now), final=False) is not None
+
+        sel = selectors.DefaultSelector()
+        in_grace = False
+        try:
+            for w, chan in enumerate(chans):
+                if chan.conn.fileno() < 0:
+                    answers[w] = WorkerLost(f"{chan.conn.peer_name} connection is closed",
+                                            worker_id=chan.peer_id, step=step)
+                else:
+                    sel.register(chan.conn.sock, selectors.EVENT_READ, w)
+            while sel.get_map():
+                now = time.monotonic()
+                if now >= end:
+                    if in_grace:
+                        break
+                    for key in sel.get_map().values():
+                        w, chan = key.data, chans[key.data]
+                        silent.add(w)
+                        answers[w] = WorkerLost(
+                            f"{chan.conn.peer_name} silent (heartbeats aside) past the deadline "
+                            f"({self.timeout:g} s) while {what}", worker_id=chan.peer_id,
+                            step=step)
+                    if sure(now):
+                        break
+                    in_grace, end = True, deadline + grace
+                    continue
+                # wake at the end, or when a quiet worker reaches its heartbeat limit
+                wake = end
+                for key in sel.get_map().values():
+                    limit = chans[key.data].heartbeat_timeout
+                    if limit is not None:
+                        wake = min(wake, quiet_since(key.data) + limit)
+                for key, _ in sel.select(max(0.0, wake - now)):
+                    w = key.data
+                    try:
+                        msg = chans[w].read_frame([StepReport, CollectiveError], step=step,
+                                                  what=what, deadline=end)
+                    except WorkerLost as exc:
+                        settle(w, exc)
+                        continue
+                    heard[w] = time.monotonic()
+                    if not isinstance(msg, Heartbeat):
+                        settle(w, msg)
+                now = time.monotonic()
+                for key in list(sel.get_map().values()):
+                    w, chan = key.data, chans[key.data]
+                    limit = chan.heartbeat_timeout
+                    if limit is not None and now - quiet_since(w) >= limit:
+                        settle(w, WorkerLost(f"{chan.conn.peer_name} silent for {limit:g} s while "
+                                             f"{what}", worker_id=chan.peer_id, step=step))
+                # in the grace, stop as soon as the answers single out the culprit
+                if in_grace and sure(now):
+                    break
+        finally:
+            sel.close()
+        return answers, silent, alive(time.monotonic())
+
     @staticmethod
-    def _mesh_culprit(answers: List[object], step: int) -> WorkerLost:
-        """The error for a mesh step some worker could not finish. When one
-        worker fails, the others that were linked to it fail too and close
-        their links, so a worker may blame one that only gave up after it:
-        a worker that answered (a report, or a CollectiveError of its own)
-        is alive, and the one to name is a silent or vanished worker that is
-        blamed, else any silent or vanished one, else the lowest blamed."""
-        lost = [w for w, a in enumerate(answers) if isinstance(a, WorkerLost)]
+    def _mesh_culprit(answers: List[object], step: int, silent: AbstractSet[int] = frozenset(),
+                      alive: AbstractSet[int] = frozenset(), *,
+                      final: bool = True) -> Optional[WorkerLost]:
+        """The error for a mesh step some worker could not finish, naming
+        the worker to blame: the one place that chooses it.
+
+        ``answers[w]`` is worker w's StepReport, its CollectiveError (it is
+        alive, and blames the worker it names, or itself), or a WorkerLost:
+        it vanished (disconnected, or its heartbeats stopped), or, for w in
+        ``silent``, it sent nothing by the deadline; ``alive`` are the silent
+        workers still heard from (heartbeats). When one worker fails, those
+        linked to it fail too and close their links, so a worker may blame
+        one that only gave up after it. The culprit is the first of:
+
+        1. a worker that did not answer and that some CollectiveError blames;
+        2. a worker that vanished;
+        3. a silent worker not heard from;
+        4. a silent worker still heard from;
+        5. a blamed worker (every worker answered);
+
+        the lowest-numbered within the first of these that has any. With
+        ``final`` False the answers may not be all in: None when the choice
+        is not sure yet, that is when it would be one of several silent
+        workers (3 or 4), of which a live one may still name another."""
+        unanswered = [w for w, a in enumerate(answers) if isinstance(a, WorkerLost)]
         blamed = {w: (w if a.worker_id == NO_WORKER else a.worker_id)
                   for w, a in enumerate(answers) if isinstance(a, CollectiveError)}
         named = sorted(set(blamed.values()))
-        culprit = next((w for w in named if w in lost), None)
-        if culprit is None:
-            culprit = lost[0] if lost else named[0]
-        reporter = next((w for w, b in blamed.items() if b == culprit), None)
+        tiers = [[w for w in named if w in unanswered],
+                 [w for w in unanswered if w not in silent],
+                 [w for w in unanswered if w in silent and w not in alive],
+                 [w for w in unanswered if w in silent and w in alive],
+                 named]
+        rank, tier = next((k, t) for k, t in enumerate(tiers) if t)
+        if not final and rank in (2, 3) and len(tier) > 1:
+            return None
+        culprit = tier[0]
+        reporter = next((w for w, b in sorted(blamed.items()) if b == culprit), None)
         if reporter is not None:
             detail = answers[reporter].detail  # type: ignore[union-attr]
             return WorkerLost(f"worker {reporter} could not finish its part of the mesh step: "

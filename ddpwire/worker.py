@@ -37,6 +37,7 @@ from .errors import (
     ProtocolError,
     ShutdownDuringReduce,
     UnexpectedMessage,
+    WorkerLost,
 )
 from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
 from .messages import (
@@ -201,7 +202,13 @@ class Worker:
         Connecting is retried until ``connect_timeout`` (default ``timeout``)
         so workers may start before the coordinator. ``timeout`` then bounds
         every wait on the coordinator: no awaited message within it raises
-        :class:`~ddpwire.CoordinatorLost`. ``heartbeat`` (seconds) turns on
+        :class:`~ddpwire.CoordinatorLost`. In a mesh session it also bounds
+        each flat step's part on this worker, its links and reduce-scatter,
+        counted from the coordinator's last message before it (the
+        ShardAssignment, or the previous step's go-ahead), as the
+        coordinator counts its wait for the step: give workers the
+        coordinator's timeout, so that one left waiting on a stalled peer
+        names it in time. ``heartbeat`` (seconds) turns on
         Heartbeat frames both ways (a ddpwire coordinator only; the reference
         coordinator rejects them). ``socket_threads`` makes :meth:`allreduce`
         send from a thread of its own while it receives, so the two kernel
@@ -469,8 +476,8 @@ class Worker:
             raise DdpwireError(f"step {self._mesh_sent[0]}'s average not yet received",
                                worker_id=self._worker_id, step=step)
         try:
+            deadline = self._step_deadline(step)
             links = self._links()
-            deadline = time.monotonic() + self._chan.timeout
             # with a coordinator share a GradientPayload to the coordinator
             # goes out with the slices: no heartbeat may land inside it
             with self._chan.send_lock if links.coordinator_share else contextlib.nullcontext():
@@ -483,6 +490,28 @@ class Worker:
             self._break_session(step, exc)
             raise
         self._mesh_sent = (step, len(gradients))
+
+    def _step_deadline(self, step: int) -> float:
+        """When this worker's part of a mesh step (its links, its
+        reduce-scatter) must be done: ``timeout`` after the coordinator's
+        last message, the step's ShardAssignment or the previous step's
+        go-ahead. The coordinator's wait for the step's reports starts then
+        too, so a worker left waiting on a stalled peer gives up, and names
+        that peer to the coordinator, no later than the coordinator's own
+        deadline (not ``timeout`` after its own computing ended, which
+        would be too late to be heard). A worker that only comes to its
+        step after that is itself the late one: WorkerLost naming it."""
+        now = time.monotonic()
+        since = self._chan.last_message_at
+        if since is None:
+            return now + self._chan.timeout
+        deadline = since + self._chan.timeout
+        if deadline <= now:
+            raise WorkerLost(f"worker {self._worker_id} came to its part of mesh step {step} "
+                             f"{now - since:.3g} s after the coordinator's last message, past "
+                             f"the step's {self._chan.timeout:g} s timeout",
+                             worker_id=self._worker_id, step=step)
+        return deadline
 
     def _mesh_receive(self, out: Optional[np.ndarray]) -> AveragedGradient:
         if self._mesh_sent is None:
