@@ -12,6 +12,8 @@ every connection still handshaking:
   client that has not been admitted costs at most that;
 - an admitted worker that disconnects before the join completes frees its
   slot (the next worker admitted takes its id);
+- a handshake that completes when no slot is free (several may complete in
+  one pass of the loop) is refused as full right there;
 - once every slot is filled, :class:`Refuser` answers later connections on
   a thread of its own: a ddpwire worker gets JoinRefused saying why, anything
   else is closed; the log names the refused address.
@@ -270,6 +272,8 @@ class Admission:
 
     def _on_join(self, sel: selectors.BaseSelector, p: _Pending, join: JoinRequest) -> None:
         p.join = join
+        if self._refused_as_full(sel, p):
+            return
         offered = join.extensions or {}
         why = samples_mismatch(self.samples, offered)
         if why is not None:
@@ -304,8 +308,21 @@ class Admission:
             return
         self._admit(sel, p)
 
+    def _refused_as_full(self, sel: selectors.BaseSelector, p: _Pending) -> bool:
+        """Refuse ``p`` when no slot is free. One select() batch may complete
+        more handshakes than there are slots left: each is checked here, as
+        it completes, so a surplus worker hears at once and the join goes on
+        with the others."""
+        if None in self.slots:
+            return False
+        self.handshakes.end(sel, p, "every worker slot is taken",
+                            (RefusalReason.FULL, "every worker slot is taken"))
+        return True
+
     def _admit(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         assert p.join is not None
+        if self._refused_as_full(sel, p):
+            return
         worker_id = self.slots.index(None)
         offered = p.join.extensions
         granted: Dict[int, bytes] = {}

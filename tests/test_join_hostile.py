@@ -4,6 +4,8 @@ and late workers refused at once; bounded memory before admission."""
 from __future__ import annotations
 
 import logging
+import os
+import select
 import socket
 import threading
 import time
@@ -12,12 +14,50 @@ import tracemalloc
 import pytest
 
 import ddpwire
-from ddpwire import Coordinator, Worker, encode_frame
-from ddpwire.extensions import RefusalReason
+from ddpwire import Coordinator, Worker, auth, encode_frame
+from ddpwire import mesh as meshmod
+from ddpwire.extensions import Extension, RefusalReason
 
-from session_helpers import recv_exact, spawn
+from session_helpers import recv_exact, recv_frame, spawn
 
 ADDR = ("127.0.0.1", 0)
+
+
+@pytest.fixture(params=["star", "mesh"])
+def topology(request) -> str:
+    """The surplus-worker tests run on both topologies: a mesh session sends
+    every admitted worker a MeshPeers once the slots are filled, the star
+    does not."""
+    return request.param
+
+
+def unread_at(port: int) -> int:
+    """How many established connections to ``port`` on this host hold bytes
+    their server has not read yet, accepted or still in the listen backlog
+    (Linux's /proc/net/tcp: rx_queue)."""
+    count = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.split(":")[1], 16) == port and state == "01" and \
+                    int(queues.split(":")[1], 16) > 0:
+                count += 1
+    return count
+
+
+def until_unread(coord, n: int) -> None:
+    """Return once ``n`` connections to the coordinator hold bytes it has not
+    read: while its loop is not running, its next select() then finds them
+    all ready in one batch, whatever the scheduling."""
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("needs Linux's /proc/net/tcp to see what the coordinator has not read")
+    port = coord.local_addr[1]
+    deadline = time.monotonic() + 30
+    while unread_at(port) < n:
+        assert time.monotonic() < deadline, f"{unread_at(port)} of {n} connections hold bytes"
+        time.sleep(0.01)
 
 
 def connect(coord) -> socket.socket:
@@ -194,9 +234,9 @@ def test_a_worker_that_leaves_before_the_join_completes_frees_its_slot():
         wb.close()
 
 
-def test_late_and_surplus_workers_are_refused_at_once(caplog):
+def test_late_and_surplus_workers_are_refused_at_once(caplog, topology):
     caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
-    with Coordinator(ADDR, expect_workers=1, timeout=30) as coord:
+    with Coordinator(ADDR, expect_workers=1, timeout=30, topology=topology) as coord:
         first = worker(coord)
         coord.wait_for_workers()
         w0 = first.join_result()
@@ -216,9 +256,9 @@ def test_late_and_surplus_workers_are_refused_at_once(caplog):
     assert len(refused) >= 2 and not any("(worker" in m for m in refused)
 
 
-def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full():
+def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full(topology):
     token = "s3cret-token"
-    with Coordinator(ADDR, expect_workers=1, token=token) as coord:
+    with Coordinator(ADDR, expect_workers=1, token=token, topology=topology) as coord:
         join = spawn(coord.wait_for_workers)
         # a ddpwire peer that offers the token handshake, then stalls
         stalled = connect(coord)
@@ -235,6 +275,82 @@ def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full():
         refusal = ddpwire.decode_frame(head + recv_exact(stalled, int.from_bytes(head, "big")))
         assert isinstance(refusal, ddpwire.JoinRefused) and refusal.reason == RefusalReason.FULL
     stalled.close()
+
+
+def test_surplus_join_requests_in_one_batch_are_refused_as_full(topology):
+    """Three complete JoinRequests for two slots, all waiting when the
+    coordinator's loop first reads: two join, and the third hears at once
+    that every slot is taken instead of waiting out its 60 s."""
+    with Coordinator(ADDR, expect_workers=2, topology=topology) as coord:
+        threads = [spawn(lambda i=i: Worker.connect(coord.local_addr, node_id=f"w{i}", timeout=60))
+                   for i in range(3)]
+        until_unread(coord, 3)
+        infos = coord.wait_for_workers(timeout=30)
+        outcomes = []
+        for t in threads:
+            try:  # join_result's 30 s bound is half the worker's own timeout
+                outcomes.append(t.join_result(timeout=30))
+            except ddpwire.JoinRefusedError as exc:
+                outcomes.append(exc)
+        joined = [o for o in outcomes if isinstance(o, Worker)]
+        refused = [o for o in outcomes if isinstance(o, ddpwire.JoinRefusedError)]
+        assert len(joined) == 2 and len(refused) == 1, outcomes
+        assert refused[0].reason == RefusalReason.FULL
+        assert "every worker slot is taken" in str(refused[0])
+        assert sorted(w.worker_id for w in joined) == sorted(i.worker_id for i in infos) == [0, 1]
+        assert coord.mesh == (topology == "mesh")
+        for w in joined:
+            w.close()
+
+
+def test_surplus_auth_proofs_in_one_batch_are_refused_as_full(topology):
+    """The same with a token: three workers past their AuthChallenge send
+    their AuthProof while the coordinator's loop is not running; two join,
+    the third is refused as full."""
+    token = b"s3cret-token"
+    with Coordinator(ADDR, expect_workers=2, token=token, topology=topology,
+                     handshake_timeout=60) as coord:
+        listeners, peers = [], []
+        for i in range(3):
+            offer = {int(Extension.AUTH): auth.new_nonce()}
+            if topology == "mesh":
+                listeners.append(meshmod.listen("127.0.0.1"))
+                offer[int(Extension.MESH)] = meshmod.offer(listeners[-1])
+            sock = socket.create_connection(coord.local_addr, timeout=60)
+            sock.sendall(encode_frame(ddpwire.JoinRequest(node_id=f"w{i}", gpu_count=0,
+                                                          backend="cpu", extensions=offer)))
+            peers.append((sock, offer[int(Extension.AUTH)]))
+        # short runs of the loop, each ending in JoinTimeout with nobody
+        # admitted, until every peer has its challenge
+        challenges = {}
+        for _ in range(200):
+            if len(challenges) == len(peers):
+                break
+            with pytest.raises(ddpwire.JoinTimeout):
+                coord.wait_for_workers(timeout=0.1)
+            waiting = [s for s, _ in peers if s not in challenges]
+            for sock in select.select(waiting, [], [], 0)[0]:
+                challenges[sock] = recv_frame(sock)
+        assert len(challenges) == len(peers)
+        for sock, nonce in peers:
+            assert isinstance(challenges[sock], ddpwire.AuthChallenge)
+            sock.sendall(encode_frame(ddpwire.AuthProof(
+                proof=auth.worker_proof(token, nonce, bytes(challenges[sock].nonce)))))
+        until_unread(coord, 3)
+        infos = coord.wait_for_workers(timeout=30)
+        assert sorted(i.worker_id for i in infos) == [0, 1]
+        # each answer is there at once: the sockets' 60 s timeout never runs out
+        answers = [recv_frame(sock) for sock, _ in peers]
+        accepted = [a for a in answers if isinstance(a, ddpwire.JoinAccepted)]
+        refused = [a for a in answers if isinstance(a, ddpwire.JoinRefused)]
+        assert len(accepted) == 2 and len(refused) == 1, answers
+        assert refused[0].reason == RefusalReason.FULL
+        assert refused[0].detail == "every worker slot is taken"
+        assert coord.mesh == (topology == "mesh")
+    for sock, _ in peers:
+        sock.close()
+    for lsock in listeners:
+        lsock.close()
 
 
 def test_samples_per_step_must_agree():
