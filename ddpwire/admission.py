@@ -148,7 +148,15 @@ class _Handshakes:
             self.end(sel, p, f"connection failed: {exc}")
             return []
         if not data:
-            self.end(sel, p, "disconnected during the handshake")
+            if p.coordinator_nonce:
+                # a worker checks our proof before it sends its own, and
+                # closes without a word when it does not match
+                log.warning("worker from %s gave up the handshake after this coordinator's "
+                            "AuthChallenge: its token differs from this coordinator's (check "
+                            "%s or --token-file on both sides)", p.name, auth.TOKEN_ENV)
+                self.drop(sel, p)
+            else:
+                self.end(sel, p, "disconnected during the handshake")
             return []
         try:
             return p.reader.feed(data)
@@ -164,6 +172,10 @@ class _Handshakes:
         refusal = refusal or p.refusal
         if refusal is not None and p.join is not None and p.join.extensions is not None:
             _send_small(p.sock, JoinRefused(reason=int(refusal[0]), detail=refusal[1]))
+        self.drop(sel, p)
+
+    def drop(self, sel: Optional[selectors.BaseSelector], p: _Pending) -> None:
+        """Forget and close a handshake, saying nothing."""
         self.pending.pop(p.sock, None)
         if sel is not None:
             try:
@@ -279,10 +291,22 @@ class Admission:
         if why is not None:
             self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
             return
+        nonce = offered.get(Extension.AUTH)
         if self.token is None:
+            if nonce is not None:
+                # it would refuse us anyway, for want of a proof; refusing
+                # first keeps it out of the slots and says which side to fix
+                self.handshakes.end(
+                    sel, p, f"it offered a token, and this coordinator has none (start it with "
+                            f"the workers' token, --token-file or {auth.TOKEN_ENV}, or drop the "
+                            f"token from the worker)",
+                    (RefusalReason.AUTH_FAILED,
+                     f"this coordinator has no token configured, so it cannot prove it knows "
+                     f"the worker's: start it with the same token (--token-file or "
+                     f"{auth.TOKEN_ENV}), or drop the token from the worker"))
+                return
             self._admit(sel, p)
             return
-        nonce = offered.get(Extension.AUTH)
         if nonce is None:
             self.handshakes.end(sel, p, "no token offered (this coordinator requires one)",
                        (RefusalReason.AUTH_REQUIRED, "this coordinator requires a token"))

@@ -102,25 +102,38 @@ def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> 
         delay = min(delay * 2, 1.0)
 
 
-def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes) -> JoinAccepted:
+def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
+                     where: str) -> JoinAccepted:
     """The coordinator's answer to our JoinRequest, through the token
-    handshake when we have a token (docs/extensions.md, "Authentication")."""
+    handshake when we have a token (docs/extensions.md, "Authentication").
+    ``where`` (host:port) names the coordinator when this worker gives up."""
     reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused])
     if isinstance(reply, AuthChallenge):
         if token is None:
-            raise AuthenticationFailed(RefusalReason.AUTH_REQUIRED,
-                                       "the coordinator requires a token and this worker has none")
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_REQUIRED,
+                f"the coordinator at {where} requires a token and this worker has none: start "
+                f"it with the coordinator's token (--token-file or {auth.TOKEN_ENV})",
+                by_worker=True)
         expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
         if not auth.proof_matches(expected, bytes(reply.proof)):
             # a peer that does not know the token learns nothing from us
-            raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
-                                       "the coordinator could not prove it knows the token")
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_FAILED,
+                f"the coordinator at {where} does not know this worker's token (its proof did "
+                f"not match): the tokens differ; check {auth.TOKEN_ENV} or --token-file on "
+                f"both sides", by_worker=True)
         chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
         reply = chan.expect([JoinAccepted, JoinRefused])
     elif token is not None and isinstance(reply, JoinAccepted):
-        raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
-                                   "the coordinator admitted this worker without proving the token "
-                                   "(it has no token, or it is not a ddpwire coordinator)")
+        # a ddpwire coordinator without a token refuses the offer instead:
+        # this is the reference coordinator, or an older ddpwire one
+        raise AuthenticationFailed(
+            RefusalReason.AUTH_FAILED,
+            f"the coordinator at {where} admitted this worker without proving it knows the "
+            f"token: it has no token configured (or it is not a ddpwire coordinator), so it "
+            f"cannot prove it; start it with the same token, or drop the token from this worker",
+            by_worker=True)
     if isinstance(reply, JoinRefused):
         cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
                                                        RefusalReason.AUTH_FAILED) else JoinRefusedError
@@ -259,7 +272,7 @@ class Worker:
             # it may tell this worker why it is refused.
             chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
                                   extensions=offer))
-            accepted = _await_admission(chan, secret, nonce)
+            accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
             _check_samples(granted, samples_per_step)
