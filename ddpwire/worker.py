@@ -539,10 +539,12 @@ class Worker:
         # CollectiveError as gradient bytes: closing is all it can be told
         if not cut and isinstance(exc, DdpwireError) and \
                 not isinstance(exc, (CoordinatorLost, NonFiniteGradient)):
+            # the message alone: the CollectiveError carries the worker and
+            # the step, and the coordinator's error names them again
             try:
                 self._chan.send(CollectiveError(
                     seq=step, worker_id=NO_WORKER if blamed is None else blamed,
-                    detail=str(exc)[:1000]), step=step)
+                    detail=exc.message[:1000]), step=step)
             except DdpwireError:
                 pass  # the coordinator is gone too: closing says the rest
         self._chan.close()
