@@ -26,13 +26,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import auth
 from ._core import FrameReader, encode_frame, tag_max_payload
 from .channel import still_open
 from .errors import JoinTimeout, ProtocolError
-from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
+from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch, steps_mismatch
 from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
 from .sessioninfo import WorkerInfo
 
@@ -203,12 +203,15 @@ class Admission:
 
     def __init__(self, listener: socket.socket, *, expect_workers: int, token: Optional[bytes],
                  grants: Mapping[int, bytes], samples: Optional[int], handshake_timeout: float,
-                 max_frame: int) -> None:
+                 max_frame: int, per_block: Optional[bool] = None,
+                 gradient_length: Optional[int] = None) -> None:
         self.listener = listener
         self.expect_workers = expect_workers
         self.token = token
         self.grants = dict(grants)
         self.samples = samples
+        self.per_block = per_block
+        self.gradient_length = gradient_length
         self.max_frame = max_frame
         self.slots: List[Optional[Admitted]] = [None] * expect_workers
         self.handshakes = _Handshakes(listener, handshake_timeout, max_frame)
@@ -287,9 +290,7 @@ class Admission:
         if self._refused_as_full(sel, p):
             return
         offered = join.extensions or {}
-        why = samples_mismatch(self.samples, offered)
-        if why is not None:
-            self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
+        if self._refused_for_offer(sel, p, lambda: samples_mismatch(self.samples, offered)):
             return
         nonce = offered.get(Extension.AUTH)
         if self.token is None:
@@ -343,12 +344,33 @@ class Admission:
                             (RefusalReason.FULL, "every worker slot is taken"))
         return True
 
+    def _refused_for_offer(self, sel: selectors.BaseSelector, p: _Pending,
+                           check: Callable[[], Optional[str]]) -> bool:
+        """Refuse ``p`` when ``check()`` finds a value it offered disagrees
+        (reason MISMATCH) or is malformed (PROTOCOL: a client's bad entry
+        must end its own handshake, not the join)."""
+        try:
+            why = check()
+        except ProtocolError as exc:
+            self.handshakes.end(sel, p, str(exc), (RefusalReason.PROTOCOL, str(exc)))
+            return True
+        if why is None:
+            return False
+        self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
+        return True
+
     def _admit(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         assert p.join is not None
         if self._refused_as_full(sel, p):
             return
-        worker_id = self.slots.index(None)
         offered = p.join.extensions
+        # held to the workers admitted so far, so checked here, after the
+        # token: an outsider can neither set the session's values nor learn them
+        joined = [s.join.extensions or {} for s in self.slots if s is not None]
+        if self._refused_for_offer(sel, p, lambda: steps_mismatch(
+                self.per_block, self.gradient_length, offered or {}, joined)):
+            return
+        worker_id = self.slots.index(None)
         granted: Dict[int, bytes] = {}
         if offered is not None:
             for kind, value in self.grants.items():
@@ -358,6 +380,9 @@ class Admission:
                 granted[Extension.AUTH] = b""
             if Extension.SAMPLES in offered:
                 granted[Extension.SAMPLES] = encode_u64(self.samples or 0)
+            for kind in (Extension.PER_BLOCK, Extension.GRADIENT_LENGTH):
+                if kind in offered:
+                    granted[kind] = b""
         reply = JoinAccepted(worker_id=worker_id, total_workers=self.expect_workers,
                              extensions=granted if offered is not None else None)
         if not _send_small(p.sock, reply):

@@ -38,7 +38,7 @@ from .errors import (
     ShutdownDuringReduce,
     UnexpectedMessage,
 )
-from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
+from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
 from .messages import (
     AuthChallenge,
     AuthProof,
@@ -208,6 +208,8 @@ class Worker:
         samples_per_step: Optional[int] = None,
         mesh: bool = True,
         tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION,
+        per_block: Optional[bool] = None,
+        gradient_length: Optional[int] = None,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
 
@@ -226,7 +228,11 @@ class Worker:
         it too (:class:`~ddpwire.AuthenticationFailed`). ``extensions``
         (type -> value) are offered to the coordinator; what it granted is
         :attr:`extensions` afterwards. ``samples_per_step``, the value this
-        worker was given, lets a ddpwire coordinator refuse a mismatch.
+        worker was given, lets a ddpwire coordinator refuse a mismatch; so do
+        ``per_block`` (whether this worker will send per-block or flat steps)
+        and ``gradient_length`` (the elements of one step's gradient, over
+        every block), so that workers of another mode or another model are
+        refused at the join rather than failing at step 0.
         ``mesh`` offers to average flat steps with the other workers
         directly (:mod:`ddpwire.mesh`; the coordinator decides): this worker
         then listens on a port of its own, on the address it reaches the
@@ -253,6 +259,12 @@ class Worker:
         offer: Dict[int, bytes] = dict(extensions or {})
         if samples_per_step:
             offer[Extension.SAMPLES] = encode_u64(samples_per_step)
+        if per_block is not None:
+            offer[Extension.PER_BLOCK] = encode_flag(per_block)
+        if gradient_length is not None:
+            if gradient_length < 1:
+                raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
+            offer[Extension.GRADIENT_LENGTH] = encode_u64(gradient_length)
         nonce = auth.new_nonce() if secret is not None else b""
         if secret is not None:
             offer[Extension.AUTH] = nonce

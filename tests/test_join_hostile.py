@@ -366,6 +366,93 @@ def test_samples_per_step_must_agree():
         w.close()
 
 
+@pytest.mark.parametrize("coordinator_per_block", [True, False])
+def test_the_step_mode_must_agree_with_the_coordinators(caplog, coordinator_per_block):
+    """A worker that would send flat steps to a per-block coordinator (or
+    the other way) is refused at the join, saying which flag to change,
+    instead of failing at step 0 on a message of the wrong type."""
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    with Coordinator(ADDR, expect_workers=1, per_block=coordinator_per_block) as coord:
+        join = spawn(coord.wait_for_workers)
+        with pytest.raises(ddpwire.JoinRefusedError) as info:
+            Worker.connect(coord.local_addr, timeout=10, per_block=not coordinator_per_block)
+        assert info.value.reason == RefusalReason.MISMATCH
+        want = ("this coordinator runs per-block steps (--per-block); start the worker with "
+                "--per-block" if coordinator_per_block else
+                "this coordinator runs flat steps; start the worker without --per-block")
+        assert info.value.detail == want
+        ok = worker(coord, per_block=coordinator_per_block)
+        join.join_result()
+        ok.join_result().close()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 1 and want in refused[0]
+
+
+def test_without_a_mode_of_its_own_the_coordinator_holds_workers_to_the_first_ones():
+    with Coordinator(ADDR, expect_workers=2, topology="star") as coord:
+        first = worker(coord, per_block=True)
+        coord.wait_for_workers(count=1, timeout=30)
+        join = spawn(lambda: coord.wait_for_workers(timeout=30))
+        with pytest.raises(ddpwire.JoinRefusedError) as info:
+            Worker.connect(coord.local_addr, timeout=10, per_block=False)
+        assert info.value.reason == RefusalReason.MISMATCH
+        assert info.value.detail == ("the workers that joined run per-block steps (--per-block); "
+                                     "start this worker with --per-block too")
+        second = worker(coord, per_block=True)
+        join.join_result()
+        for t in (first, second):
+            t.join_result().close()
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["first-worker", "coordinator"])
+def test_the_gradient_length_must_agree(caplog, configured):
+    """Workers whose models differ are refused at the join, not at step 0:
+    the coordinator's own gradient_length, or else the first worker's,
+    sets the length every other worker must offer."""
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    kw = dict(gradient_length=2405) if configured else {}
+    with Coordinator(ADDR, expect_workers=2, **kw) as coord:
+        first = worker(coord, gradient_length=2405)
+        coord.wait_for_workers(count=1, timeout=30)
+        join = spawn(lambda: coord.wait_for_workers(timeout=30))
+        with pytest.raises(ddpwire.JoinRefusedError) as info:
+            Worker.connect(coord.local_addr, timeout=10, gradient_length=21392)
+        assert info.value.reason == RefusalReason.MISMATCH
+        want = ("this worker's model has 21392 gradient elements, this coordinator's "
+                "gradient_length is 2405: every worker must train the model it was set up for"
+                if configured else
+                "this worker's model has 21392 gradient elements, the others' 2405: every "
+                "worker must train the same model")
+        assert info.value.detail == want
+        second = worker(coord, gradient_length=2405)
+        infos = join.join_result()
+        assert sorted(i.worker_id for i in infos) == [0, 1]
+        for t in (first, second):
+            t.join_result().close()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 1 and want in refused[0]
+
+
+@pytest.mark.parametrize("kind,value", [
+    (Extension.SAMPLES, b"abc"), (Extension.PER_BLOCK, b"\x02"),
+    (Extension.GRADIENT_LENGTH, b"\x01\x00")], ids=["samples", "per_block", "gradient_length"])
+def test_a_malformed_offer_ends_its_own_handshake_not_the_join(kind, value):
+    """A value of the wrong size (or a flag other than 0 or 1) is refused as
+    a protocol error; the join goes on (it used to end in ProtocolError)."""
+    with Coordinator(ADDR, expect_workers=1) as coord:
+        bad = connect(coord)
+        bad.sendall(encode_frame(ddpwire.JoinRequest(node_id="bad", gpu_count=0, backend="cpu",
+                                                     extensions={int(kind): value})))
+        good = worker(coord)
+        infos = coord.wait_for_workers(timeout=30)
+        good.join_result().close()
+        refusal = recv_frame(bad)
+        assert isinstance(refusal, ddpwire.JoinRefused)
+        assert refusal.reason == RefusalReason.PROTOCOL
+        assert all(i.node_id != "bad" for i in infos)
+    bad.close()
+
+
 def test_binding_beyond_loopback_without_a_token_warns(caplog):
     caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
     with Coordinator(("0.0.0.0", 0), expect_workers=1):
