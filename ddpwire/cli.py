@@ -160,7 +160,8 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
                      topology=getattr(args, "topology", "auto"),
                      compression=getattr(args, "compression", None),
                      coordinator_share=getattr(args, "coordinator_share", "auto"),
-                     receive_window=getattr(args, "receive_window", "auto")) as coord:
+                     receive_window=getattr(args, "receive_window", "auto"),
+                     per_block=args.per_block) as coord:
         h, p = coord.local_addr
         log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
         coord.wait_for_workers()

@@ -132,7 +132,12 @@ class Coordinator:
     (:class:`ddpwire.extensions.Extension`) to the value granted to a worker
     that offers them; ``samples_per_step``, when known at the join, is handed
     to ddpwire workers, and a worker that was given another value is
-    refused.
+    refused. So is a ddpwire worker that says it sends per-block steps when
+    ``per_block`` is False, or flat steps when it is True, or whose gradient
+    has another number of elements than ``gradient_length``; where either is
+    None, the first worker to offer one sets it for the others. A
+    per-block coordinator keeps the star (per-block steps never take the
+    mesh).
 
     Gradients are averaged as they stream in, through a ring of
     ``ring_bytes`` per worker. ``socket_threads`` gives each worker
@@ -205,11 +210,21 @@ class Coordinator:
         shared_memory: bool = True,
         coordinator_share: Union[str, float] = "auto",
         receive_window: Union[str, int, None] = "auto",
+        per_block: Optional[bool] = None,
+        gradient_length: Optional[int] = None,
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
         if topology not in ("auto", "star", "mesh"):
             raise ValueError(f"topology must be 'auto', 'star' or 'mesh', got {topology!r}")
+        if per_block and topology == "mesh":
+            raise ValueError("per-block steps always take the star: topology 'mesh' needs "
+                             "flat steps")
+        if gradient_length is not None and gradient_length < 1:
+            raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
+        #: the steps this coordinator runs: True per-block, False flat, None not said
+        self.per_block = per_block
+        self.gradient_length = gradient_length
         self.codec = _mesh.codec_of(compression)
         if compression is not None and topology == "star":
             raise ValueError("compression travels on the mesh: it needs topology 'auto' or 'mesh'")
@@ -246,7 +261,7 @@ class Coordinator:
             else (3.0 * self.heartbeat if self.heartbeat else None))
         self._token = normalize_token(token)
         self._grants = dict(extensions or {})
-        if topology != "star":
+        if topology != "star" and not per_block:
             self._grants[Extension.MESH] = b""
         self.total_samples = 0
         if samples_per_step is not None:
@@ -307,7 +322,8 @@ class Coordinator:
             self._admission = Admission(
                 self._listener, expect_workers=self.expect_workers, token=self._token,
                 grants=self._grants, samples=self.total_samples or None,
-                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame)
+                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame,
+                per_block=self.per_block, gradient_length=self.gradient_length)
         until = self.expect_workers if count is None else min(count, self.expect_workers)
         admitted = self._admission.run(time.monotonic() + limit, limit, until)
         if len(admitted) < self.expect_workers:
@@ -331,6 +347,14 @@ class Coordinator:
     def _announce_topology(self, admitted: list) -> None:
         """Choose the star or the mesh for flat steps and tell every worker
         that was granted the mesh which (an empty MeshPeers keeps the star)."""
+        if self.per_block:
+            # no worker was granted the mesh: nothing to tell them
+            log.info("per-block steps run on the star, through this coordinator")
+            if self.compression:
+                log.warning("compression=%r is off: it travels on the mesh only",
+                            self.compression)
+            self._limit_receive(admitted)
+            return
         addresses: List[Optional[Tuple[str, int]]] = []
         hosts: List[Optional[bytes]] = []
         for a in admitted:

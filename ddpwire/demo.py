@@ -101,6 +101,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
     with tempfile.TemporaryDirectory(prefix="ddpwire-demo-") as tmp, \
             Coordinator(("127.0.0.1", 0), expect_workers=args.workers, timeout=args.timeout,
                         join_timeout=max(args.timeout, 120.0), samples_per_step=args.samples,
+                        per_block=args.per_block,
                         # the workers read $DDPWIRE_TOKEN too, when it is set
                         token=load_token(None)) as coord:
         addr = coord.local_addr

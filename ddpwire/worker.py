@@ -39,7 +39,7 @@ from .errors import (
     UnexpectedMessage,
     WorkerLost,
 )
-from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
+from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
 from .messages import (
     AuthChallenge,
     AuthProof,
@@ -103,25 +103,38 @@ def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> 
         delay = min(delay * 2, 1.0)
 
 
-def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes) -> JoinAccepted:
+def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
+                     where: str) -> JoinAccepted:
     """The coordinator's answer to our JoinRequest, through the token
-    handshake when we have a token (docs/extensions.md, "Authentication")."""
+    handshake when we have a token (docs/extensions.md, "Authentication").
+    ``where`` (host:port) names the coordinator when this worker gives up."""
     reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused])
     if isinstance(reply, AuthChallenge):
         if token is None:
-            raise AuthenticationFailed(RefusalReason.AUTH_REQUIRED,
-                                       "the coordinator requires a token and this worker has none")
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_REQUIRED,
+                f"the coordinator at {where} requires a token and this worker has none: start "
+                f"it with the coordinator's token (--token-file or {auth.TOKEN_ENV})",
+                by_worker=True)
         expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
         if not auth.proof_matches(expected, bytes(reply.proof)):
             # a peer that does not know the token learns nothing from us
-            raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
-                                       "the coordinator could not prove it knows the token")
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_FAILED,
+                f"the coordinator at {where} does not know this worker's token (its proof did "
+                f"not match): the tokens differ; check {auth.TOKEN_ENV} or --token-file on "
+                f"both sides", by_worker=True)
         chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
         reply = chan.expect([JoinAccepted, JoinRefused])
     elif token is not None and isinstance(reply, JoinAccepted):
-        raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
-                                   "the coordinator admitted this worker without proving the token "
-                                   "(it has no token, or it is not a ddpwire coordinator)")
+        # a ddpwire coordinator without a token refuses the offer instead:
+        # this is the reference coordinator, or an older ddpwire one
+        raise AuthenticationFailed(
+            RefusalReason.AUTH_FAILED,
+            f"the coordinator at {where} admitted this worker without proving it knows the "
+            f"token: it has no token configured (or it is not a ddpwire coordinator), so it "
+            f"cannot prove it; start it with the same token, or drop the token from this worker",
+            by_worker=True)
     if isinstance(reply, JoinRefused):
         cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
                                                        RefusalReason.AUTH_FAILED) else JoinRefusedError
@@ -196,6 +209,8 @@ class Worker:
         samples_per_step: Optional[int] = None,
         mesh: bool = True,
         tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION,
+        per_block: Optional[bool] = None,
+        gradient_length: Optional[int] = None,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
 
@@ -220,7 +235,11 @@ class Worker:
         it too (:class:`~ddpwire.AuthenticationFailed`). ``extensions``
         (type -> value) are offered to the coordinator; what it granted is
         :attr:`extensions` afterwards. ``samples_per_step``, the value this
-        worker was given, lets a ddpwire coordinator refuse a mismatch.
+        worker was given, lets a ddpwire coordinator refuse a mismatch; so do
+        ``per_block`` (whether this worker will send per-block or flat steps)
+        and ``gradient_length`` (the elements of one step's gradient, over
+        every block), so that workers of another mode or another model are
+        refused at the join rather than failing at step 0.
         ``mesh`` offers to average flat steps with the other workers
         directly (:mod:`ddpwire.mesh`; the coordinator decides): this worker
         then listens on a port of its own, on the address it reaches the
@@ -247,6 +266,12 @@ class Worker:
         offer: Dict[int, bytes] = dict(extensions or {})
         if samples_per_step:
             offer[Extension.SAMPLES] = encode_u64(samples_per_step)
+        if per_block is not None:
+            offer[Extension.PER_BLOCK] = encode_flag(per_block)
+        if gradient_length is not None:
+            if gradient_length < 1:
+                raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
+            offer[Extension.GRADIENT_LENGTH] = encode_u64(gradient_length)
         nonce = auth.new_nonce() if secret is not None else b""
         if secret is not None:
             offer[Extension.AUTH] = nonce
@@ -266,7 +291,7 @@ class Worker:
             # it may tell this worker why it is refused.
             chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
                                   extensions=offer))
-            accepted = _await_admission(chan, secret, nonce)
+            accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
             _check_samples(granted, samples_per_step)
@@ -552,10 +577,12 @@ class Worker:
         # CollectiveError as gradient bytes: closing is all it can be told
         if not cut and isinstance(exc, DdpwireError) and \
                 not isinstance(exc, (CoordinatorLost, NonFiniteGradient)):
+            # the message alone: the CollectiveError carries the worker and
+            # the step, and the coordinator's error names them again
             try:
                 self._chan.send(CollectiveError(
                     seq=step, worker_id=NO_WORKER if blamed is None else blamed,
-                    detail=str(exc)[:1000]), step=step)
+                    detail=exc.message[:1000]), step=step)
             except DdpwireError:
                 pass  # the coordinator is gone too: closing says the rest
         self._chan.close()

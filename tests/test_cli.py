@@ -205,6 +205,34 @@ def test_standalone_coordinator_and_workers(tmp_path):
 
 
 @needs_torch
+def test_a_per_block_coordinator_refuses_a_flat_worker_at_the_join():
+    """The worker hears at the join which flag to add, instead of both sides
+    failing at step 0; the coordinator does not claim flat steps on a mesh."""
+    port = free_port()
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "1",
+                                   "--steps", "1", "--samples", "32", "--per-block",
+                                   "--timeout", "60"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60", "--samples", "32"]
+    try:
+        flat = run(worker)
+        per_block = run(worker + ["--per-block", "--blocks", "4"])
+        coord.wait(timeout=120)
+    finally:
+        coord.kill()
+    coord_log = coord.stderr.read()
+    assert flat.returncode == 1
+    assert flat.stderr.strip().splitlines()[-1] == (
+        "ddpwire: error: the coordinator refused to admit this worker: this coordinator runs "
+        "per-block steps (--per-block); start the worker with --per-block")
+    assert per_block.returncode == 0, per_block.stderr
+    assert coord.returncode == 0, coord_log
+    assert "start the worker with --per-block" in coord_log
+    assert "per-block steps run on the star" in coord_log
+    assert "flat steps run on" not in coord_log
+
+
+@needs_torch
 def test_torchrun_rank0_hosts_the_coordinator():
     # `python -m torch.distributed.run` is what the torchrun script runs
     torchrun = [sys.executable, "-m", "torch.distributed.run"]

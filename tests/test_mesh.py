@@ -327,11 +327,15 @@ def test_gradients_of_different_lengths_are_a_typed_error():
     grads = [np.ones(1000, np.float32), np.ones(1001, np.float32)]
     s = Session(2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
     try:
-        with pytest.raises((WorkerLost, GradientMismatch)):
+        with pytest.raises((WorkerLost, GradientMismatch)) as info:
             s.coord.allreduce(0)
     finally:
         s.join()
     assert any(isinstance(e, GradientMismatch) for e in s.errors.values()), s.errors
+    # each text names its worker and step once: a worker's error travels to
+    # the coordinator without the context the coordinator adds again
+    for exc in [info.value, *s.errors.values()]:
+        assert str(exc).count("step 0)") == 1, str(exc)
 
 
 def test_per_block_steps_keep_the_star_in_a_mesh_session():

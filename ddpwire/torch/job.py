@@ -114,12 +114,16 @@ def train_worker(
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     if join_turn is not None:
         join_turn.wait_turn()
-    # samples_per_step goes along so that a coordinator given another value
-    # refuses this worker instead of training a different model
+    # samples_per_step, the step mode and the model's size go along so that
+    # a coordinator running other steps refuses this worker at the join
+    # instead of failing at step 0; the trainer's buffer holds every
+    # trainable parameter, in either mode
+    gradient_length = sum(p.numel() for p in net.parameters() if p.requires_grad)
     worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
                             node_id=node_id, timeout=timeout, token=token,
                             samples_per_step=samples_per_step, mesh=mesh,
-                            tcp_congestion=tcp_congestion)
+                            tcp_congestion=tcp_congestion, per_block=per_block,
+                            gradient_length=gradient_length)
     if join_turn is not None:
         join_turn.joined()
     with worker:
