@@ -22,7 +22,6 @@ from .launch import from_environment, parse_addr
 from .mesh import DEFAULT_CONGESTION
 from .progress import ProgressBar, break_line
 from .serve import serve
-from .threads import default_threads
 from .torch_check import require_torch
 
 __all__ = ["main"]
@@ -64,8 +63,8 @@ def _worker_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker process (default: the usable cores divided by "
-                        "the workers on this machine, unless OMP_NUM_THREADS is set; 0 leaves "
-                        "torch's own default)")
+                        "the workers of the session on this machine, counted once every worker "
+                        "has joined, unless OMP_NUM_THREADS is set; 0 leaves torch's own default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,13 +200,12 @@ def run_worker(args: argparse.Namespace) -> int:
         # worker ids are the order of joining: join in rank order so id == rank
         from .torch.rank_order import RankOrder
         join_turn = RankOrder.from_environment(launch.rank, launch.world_size, args.timeout)
-    # torchrun's LOCAL_WORLD_SIZE workers share this machine's cores
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    threads = default_threads(local) if args.threads is None else args.threads
+    # without --threads the job counts the session's workers on this machine
+    # once they have all joined (ddpwire.threads.workers_here)
     report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           device=args.device, node_id=node_id, timeout=args.timeout,
-                          seed=args.seed, threads=threads, join_turn=join_turn,
+                          seed=args.seed, threads=args.threads, join_turn=join_turn,
                           token=load_token(args.token_file),
                           mesh=not getattr(args, "no_mesh", False),
                           tcp_congestion=None if args.tcp_congestion == "system"

@@ -17,7 +17,8 @@ from ddpwire import cli
 from ddpwire.launch import Launch, from_environment, parse_addr
 from ddpwire.progress import ProgressBar
 from ddpwire.serve import StepReport
-from ddpwire.threads import default_threads, threads_per_worker, usable_cores
+from ddpwire.threads import (connections_to, default_threads, threads_per_worker, usable_cores,
+                             workers_here)
 
 PY = [sys.executable, "-m", "ddpwire"]
 
@@ -157,6 +158,41 @@ def test_threads_per_worker_split_the_cores():
     # OMP_NUM_THREADS (torchrun sets it) is left to torch; else the split
     assert default_threads(2, {"OMP_NUM_THREADS": "3"}) == 0
     assert default_threads(2, {}) == threads_per_worker(2)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's table of TCP sockets")
+def test_connections_to_a_peer_are_counted_from_the_kernel_table():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = server.getsockname()
+        clients = [socket.create_connection(addr) for _ in range(3)]
+        accepted = [server.accept()[0] for _ in clients]
+        try:
+            # the accepted ends point elsewhere: only the three clients count
+            assert connections_to(addr) == 3
+            assert workers_here(clients[0], env={}) == 3
+        finally:
+            for s in clients + accepted:
+                s.close()
+    assert connections_to(("no-such-host", 1)) is None
+
+
+def test_connections_table_is_read_in_the_kernels_byte_order(tmp_path):
+    import struct
+    word = "%08X" % struct.unpack("=I", socket.inet_aton("10.1.2.3"))[0]
+    table = tmp_path / "tcp"
+    table.write_text(
+        "  sl  local_address rem_address   st tx_queue\n"
+        f"   0: 0100007F:9C40 {word}:7531 01 0\n"
+        f"   1: 0100007F:9C41 {word}:7531 06 0\n"  # TIME_WAIT: gone
+        f"   2: 0100007F:9C42 {word}:7532 01 0\n")  # another port
+    assert connections_to(("10.1.2.3", 0x7531), {socket.AF_INET: str(table)}) == 1
+    assert connections_to(("10.1.2.3", 0x7531), {socket.AF_INET: str(tmp_path / "none")}) is None
+
+
+def test_workers_here_without_a_table_is_torchruns_count():
+    with socket.socket() as unconnected:  # no peer: nothing to count
+        assert workers_here(unconnected, env={"LOCAL_WORLD_SIZE": "4"}) == 4
+        assert workers_here(unconnected, env={}) == 1
 
 
 @needs_torch
@@ -347,3 +383,41 @@ def test_coordinator_options_reach_the_coordinator(monkeypatch):
         cli.run_coordinator(args)
     assert seen["coordinator_share"] == 0.2
     assert seen["receive_window"] == 128 << 10
+
+
+def _session(tmp_path, coordinator_args, worker_args=(), workers=2, env=None):
+    """A `ddpwire coordinator` and ``workers`` `ddpwire worker` processes on
+    loopback, run to the end; returns (coordinator, workers, reports)."""
+    port = free_port()
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}",
+                                   "--workers", str(workers), "--timeout", "60",
+                                   *coordinator_args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    reports = [tmp_path / f"w{i}.json" for i in range(workers)]
+    procs = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60",
+                                    "--report", str(r), *worker_args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in reports]
+    outputs = {}
+    try:
+        for p in procs + [coord]:
+            outputs[p.pid] = p.communicate(timeout=240)
+    finally:
+        for p in procs + [coord]:
+            p.kill()
+    return coord, procs, outputs, reports
+
+
+@needs_torch
+@pytest.mark.parametrize("topology", ["auto", "star"])
+def test_workers_on_one_host_share_its_cores_by_default(tmp_path, topology):
+    # no --threads, no torchrun: each worker counts the workers of its session
+    # on this host once every one has joined, mesh or star
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+    coord, procs, outputs, reports = _session(
+        tmp_path, ["--steps", "2", "--samples", "64", "--topology", topology],
+        ["--samples", "64"], env=env)
+    assert coord.returncode == 0, outputs[coord.pid][1]
+    assert all(p.returncode == 0 for p in procs), [outputs[p.pid][1] for p in procs]
+    expected = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert [json.loads(r.read_text())["threads"] for r in reports] == [expected, expected]

@@ -20,7 +20,8 @@ from .data import ArrayDataset, digits_split, token_sequences
 from .device import choose_device
 from .models import DigitsMLP, TinyTransformer
 from .rank_order import RankOrder
-from ..threads import apply_threads
+from .._text import counted
+from ..threads import apply_threads, default_threads, usable_cores, workers_here
 from .trainer import DataParallelTrainer, evaluate
 
 __all__ = ["WorkerReport", "build_task", "weights_digest", "train_worker"]
@@ -82,6 +83,31 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+class _ThreadsAtStart:
+    """The worker, for the trainer, setting torch's threads once the first
+    shard has come: only then has every worker of the session joined, so
+    only then can the workers sharing this machine be counted
+    (:func:`ddpwire.threads.workers_here`). Everything else is the worker's."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self.threads = 0  # in use, once set
+        self._decided = False
+
+    def receive_shard(self) -> Any:
+        shard = self._worker.receive_shard()
+        if not self._decided:
+            self._decided = True
+            here = workers_here(self._worker.channel.conn.sock)
+            self.threads = apply_threads(default_threads(here))
+            log.info("torch threads: %d (%d usable cores, %s of this session on this machine)",
+                     self.threads, usable_cores(), counted(here, "worker"))
+        return shard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+
 def train_worker(
     addr: Tuple[str, int],
     *,
@@ -94,7 +120,7 @@ def train_worker(
     node_id: Optional[str] = None,
     timeout: float = 120.0,
     seed: int = 0,
-    threads: int = 0,
+    threads: Optional[int] = 0,
     join_turn: Optional[RankOrder] = None,
     token: Optional[bytes] = None,
     mesh: bool = True,
@@ -102,11 +128,14 @@ def train_worker(
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
-    ``threads``: torch's intra-op threads (0 keeps torch's default).
+    ``threads``: torch's intra-op threads (0 keeps torch's default; None:
+    the usable cores split between the workers of the session on this
+    machine, counted once every worker has joined, or torch's default where
+    OMP_NUM_THREADS is set).
     ``join_turn``: under torchrun, join only after the previous rank did.
     ``token``: authenticate both ways (docs/security.md).
     ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`."""
-    used_threads = apply_threads(threads)
+    used_threads = apply_threads(threads) if threads is not None else 0
     choice = choose_device(device)
     net, train, held = build_task(model, seed=seed, blocks=blocks)
     net = net.to(choice.device)
@@ -123,7 +152,10 @@ def train_worker(
     if join_turn is not None:
         join_turn.joined()
     with worker:
-        trainer = DataParallelTrainer(worker, net, optimizer, train, device=choice.device,
+        session: Any = worker
+        if threads is None:
+            session = _ThreadsAtStart(worker)
+        trainer = DataParallelTrainer(session, net, optimizer, train, device=choice.device,
                                       samples_per_step=samples_per_step, seed=seed,
                                       per_block=per_block)
         try:
@@ -137,7 +169,7 @@ def train_worker(
             steps=len(results), held_out_loss=loss, held_out_accuracy=accuracy,
             weights_sha256=weights_digest(net),
             mean_exposed_comm_s=sum(exposed) / len(exposed) if exposed else 0.0,
-            threads=used_threads,
+            threads=session.threads if threads is None else used_threads,
             train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
             train_total=[r.total for r in results])
     log.info("worker %d done: %d steps, held-out accuracy %.1f%%", report.worker_id,
