@@ -44,8 +44,13 @@ def _token(p: argparse.ArgumentParser) -> None:
                         f"${TOKEN_ENV} if set, else no token)")
 
 
-def _training(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+DEFAULT_STEPS = 60
+
+
+def _training(p: argparse.ArgumentParser, steps_help: Optional[str] = None) -> None:
+    # a worker's default is None, so that a --steps it was given can be told apart
+    p.add_argument("--steps", type=int, default=None if steps_help else DEFAULT_STEPS,
+                   help=steps_help or f"training steps (default {DEFAULT_STEPS})")
     p.add_argument("--samples", type=int, default=256,
                    help="samples per step, split between the workers (default 256)")
     p.add_argument("--per-block", action="store_true",
@@ -114,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "system's)")
     _token(w)
     _worker_model(w)
-    _training(w)
+    _training(w, steps_help=f"under torchrun, the training steps of the coordinator rank 0 hosts "
+                            f"(default {DEFAULT_STEPS}); elsewhere refused: the coordinator's "
+                            f"--steps sets how long the run is")
     _common(w)
 
     d = sub.add_parser("demo", help="coordinator and N local worker processes training a real model")
@@ -148,6 +155,11 @@ def _window(text: str) -> Union[str, int, None]:
     return int(digits) * scale
 
 
+class UsageError(ValueError):
+    """A command line asking for what the command cannot do: one line on
+    stderr and exit status 2, as for argparse's own errors."""
+
+
 def run_coordinator(args: argparse.Namespace, bind=None) -> List:
     host, port = bind or parse_addr(args.bind)
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
@@ -174,15 +186,23 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    launch = from_environment(args.connect)
+    if launch.rank is None and args.steps is not None:
+        # nothing on the wire tells a coordinator a worker's steps: a value
+        # here would be silently ignored, the run as long as the coordinator says
+        raise UsageError("--steps is for the coordinator: the coordinator's --steps sets how "
+                         "long the run is, and a worker trains until the coordinator ends it "
+                         "(under torchrun, rank 0 hosts the coordinator and takes --steps)")
     require_torch("ddpwire worker")
     from .torch.job import train_worker  # torch only here
 
-    launch = from_environment(args.connect)
     hosted: Optional[threading.Thread] = None
     failure: List[BaseException] = []
     if launch.hosts_coordinator:
         # torchrun's rank 0 also runs the coordinator, on every interface
         coord_args = argparse.Namespace(**vars(args), workers=launch.world_size)
+        if coord_args.steps is None:
+            coord_args.steps = DEFAULT_STEPS
 
         def host() -> None:
             try:
@@ -255,6 +275,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return run_worker(args)
         from .demo import run_demo
         return run_demo(args, model=_model(args))
+    except UsageError as exc:
+        print(f"ddpwire: error: {exc}", file=sys.stderr)
+        return 2
     except (DdpwireError, OSError, ValueError) as exc:
         break_line()
         print(f"ddpwire: error: {exc}", file=sys.stderr)

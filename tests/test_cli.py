@@ -421,3 +421,16 @@ def test_workers_on_one_host_share_its_cores_by_default(tmp_path, topology):
     assert all(p.returncode == 0 for p in procs), [outputs[p.pid][1] for p in procs]
     expected = max(1, len(os.sched_getaffinity(0)) // 2)
     assert [json.loads(r.read_text())["threads"] for r in reports] == [expected, expected]
+
+
+def test_worker_steps_outside_torchrun_is_refused():
+    # the coordinator decides how long the run is; a worker's --steps would
+    # be silently ignored, so it is refused before anything else happens
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
+    proc = run(["worker", "--connect", f"127.0.0.1:{free_port()}", "--steps", "5",
+                "--timeout", "30"], env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ddpwire: error: --steps")
+    assert "coordinator's --steps" in lines[0]
