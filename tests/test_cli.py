@@ -315,16 +315,71 @@ def test_torchrun_environment():
         from_environment(None, {})
 
 
-def test_progress_bar_off_a_terminal_prints_a_tenth_of_the_steps():
-    stream = io.StringIO()
-    bar = ProgressBar(20, stream=stream)
-    for step in range(20):
-        bar.update(StepReport(step, 1.0 / (step + 1), 0.5, 32, 0.001, 0.01))
+class FakeClock:
+    """Seconds that pass only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_bar(bar, clock, steps, seconds_each, samples=32):
+    for step in range(steps):
+        clock.now += seconds_each
+        bar.update(StepReport(step, 1.0 / (step + 1), 0.5, samples, 0.001, seconds_each))
+
+
+def test_progress_off_a_terminal_shows_every_two_seconds_and_the_ends():
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(100, stream=stream, clock=clock)
+    _run_bar(bar, clock, 100, 0.5)
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 10
-    assert lines[-1].startswith("step 20/20 [########################]")
-    assert "loss 0.0500" in lines[-1] and "acc  50.0%" in lines[-1] and "allreduce   1.00 ms" in lines[-1]
-    assert bar.throughput > 0
+    # the first step, then each step 2 s after the last line shown, and the last
+    assert [int(line.split()[1].split("/")[0]) for line in lines] == [1, *range(5, 100, 4), 100]
+    assert lines[-1].startswith("step 100/100 [########################]")
+    # every line: loss, accuracy, the throughput of the time since the last line, allreduce
+    assert "loss 0.0100" in lines[-1] and "acc  50.0%" in lines[-1]
+    assert all("loss " in line and "acc " in line and " 64 samples/s" in line
+               and "allreduce   1.00 ms" in line for line in lines[1:-1])
+    assert bar.done == 100 and bar.throughput == pytest.approx(64.0)
+
+
+def test_progress_of_a_long_run_shows_within_seconds():
+    # a tenth of 100000 steps was the first line, minutes in
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(100000, stream=stream, clock=clock)
+    _run_bar(bar, clock, 5000, 0.001)
+    steps = [int(line.split()[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == [1, 2001, 4001]
+
+
+def test_progress_on_a_terminal_redraws_at_most_ten_times_a_second():
+    clock, term = FakeClock(), FakeTerminal()
+    bar = ProgressBar(1000, stream=term, clock=clock)
+    _run_bar(bar, clock, 1000, 0.01)
+    draws = term.getvalue().split("\r")[1:]
+    assert len(draws) == 1 + 99 + 1  # the first step, every tenth of a second, the last
+    assert draws[-1].startswith("step 1000/1000") and draws[-1].endswith("\n")
+    assert all(not d.endswith("\n") for d in draws[:-1])
+
+
+def test_progress_takes_a_missing_loss_from_the_pooled_figures():
+    clock, stream = FakeClock(), io.StringIO()
+    asked = []
+
+    def pooled(step):
+        asked.append(step)
+        return 2.0 + step, 0.25
+
+    bar = ProgressBar(10, stream=stream, clock=clock, pooled=pooled)
+    for step in range(10):
+        clock.now += 1.0
+        bar.update(StepReport(step, None, None, 32, 0.001, 1.0))
+    lines = stream.getvalue().splitlines()
+    assert asked == [0, 2, 4, 6, 8, 9]  # only the steps that show
+    assert all(f"loss {2.0 + s:.4f}  acc  25.0%" in line for s, line in zip(asked, lines))
 
 
 def test_report_line_goes_out_in_one_write(monkeypatch, tmp_path):
