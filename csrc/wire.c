@@ -89,6 +89,8 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "collectives";
         if (value == DDPW_EXT_MESH)
             return "mesh";
+        if (value == DDPW_EXT_STEPS)
+            return "steps";
         return NULL;
     case DDPW_CODES_REFUSAL:
         return value < 7 ? REFUSAL_NAMES[value] : NULL;

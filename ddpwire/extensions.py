@@ -26,7 +26,8 @@ def _enum(name: str, doc: str) -> type:
     return cls
 
 
-Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLES, COLLECTIVES).")
+Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLES, COLLECTIVES, "
+                                "MESH, STEPS).")
 RefusalReason = _enum("RefusalReason", "JoinRefused.reason codes.")
 CollectiveKind = _enum("CollectiveKind", "CollectiveRequest/CollectiveResult.kind codes.")
 ReduceOp = _enum("ReduceOp", "CollectiveRequest.op codes.")

@@ -489,3 +489,96 @@ def test_worker_steps_outside_torchrun_is_refused():
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("ddpwire: error: --steps")
     assert "coordinator's --steps" in lines[0]
+
+
+class _Lines:
+    """The lines of a process's stream, read on a thread, so that a test
+    waits for a line with a deadline instead of blocking on the pipe."""
+
+    def __init__(self, stream) -> None:
+        import queue
+        import threading
+        self.seen: list = []
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, predicate, timeout: float = 180.0) -> str:
+        """The first line (from here on) for which ``predicate`` holds."""
+        import queue
+        import time
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no such line within {timeout:g} s: {''.join(self.seen)[-3000:]}")
+            if line is None:
+                pytest.fail("the stream ended first: " + "".join(self.seen)[-3000:])
+            self.seen.append(line)
+            if predicate(line):
+                return line
+
+    def rest(self, timeout: float = 120.0) -> str:
+        """Everything read, once the stream has ended."""
+        self._thread.join(timeout)
+        while not self._queue.empty():
+            line = self._queue.get()
+            if line is not None:
+                self.seen.append(line)
+        return "".join(self.seen)
+
+
+@needs_torch
+@pytest.mark.parametrize("sig,topology", [(signal.SIGTERM, "auto"), (signal.SIGINT, "auto"),
+                                          (signal.SIGTERM, "star")],
+                         ids=["sigterm", "sigint", "sigterm-star"])
+def test_a_stopped_coordinator_tells_its_workers(tmp_path, sig, topology):
+    port = free_port()
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
+                                   "--steps", "100000000", "--samples", "64", "--timeout", "60",
+                                   "--topology", topology],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reports = [tmp_path / f"w{i}.json" for i in range(2)]
+    workers = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60",
+                                      "--samples", "64", "--report", str(r)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for r in reports]
+    try:
+        coord_err = _Lines(coord.stderr)
+        coord_err.wait_for(lambda line: line.startswith("step "))  # training has begun
+        coord.send_signal(sig)
+        coord_log = coord_err.rest()
+        coord.wait(timeout=120)
+        outs = [w.communicate(timeout=120) for w in workers]
+    finally:
+        for p in [coord] + workers:
+            p.kill()
+    name = "terminated" if sig == signal.SIGTERM else "interrupted"
+    assert coord.returncode == 128 + sig, coord_log
+    assert coord_log.rstrip().endswith(f"ddpwire: {name}"), coord_log
+    for w, (_out, err) in zip(workers, outs):
+        assert w.returncode == 3, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("ddpwire: the coordinator stopped the run after "), err
+        assert last.endswith(" of 100000000 steps"), err
+        assert "bytes)" not in err and "Traceback" not in err, err
+    # each worker still reports what it trained
+    results = [json.loads(r.read_text()) for r in reports]
+    assert all(r["stopped_early"] and r["run_steps"] == 100000000 for r in results)
+    assert results[0]["steps"] == results[1]["steps"]
+
+
+def test_a_lost_peer_is_one_line_without_frame_internals():
+    from ddpwire.errors import CoordinatorLost
+    exc = CoordinatorLost("coordinator 10.0.0.1:29400 disconnected while waiting for StepCommit "
+                          "or Shutdown (0 of 4 bytes)", step=146)
+    assert cli._one_line(exc) == ("coordinator 10.0.0.1:29400 disconnected while waiting for "
+                                  "StepCommit or Shutdown (step 146)")
+    # other errors keep their words
+    assert cli._one_line(ValueError("a (1 of 2 bytes) value")) == "a (1 of 2 bytes) value"

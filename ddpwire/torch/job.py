@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..errors import ShutdownDuringReduce
+from ..extensions import Extension, decode_u64
 from ..mesh import DEFAULT_CONGESTION
 from ..worker import Worker
 from .data import ArrayDataset, digits_split, token_sequences
@@ -22,7 +24,7 @@ from .models import DigitsMLP, TinyTransformer
 from .rank_order import RankOrder
 from .._text import counted
 from ..threads import apply_threads, default_threads, usable_cores, workers_here
-from .trainer import DataParallelTrainer, evaluate
+from .trainer import DataParallelTrainer, StepResult, evaluate
 
 __all__ = ["WorkerReport", "build_task", "weights_digest", "train_worker"]
 
@@ -42,6 +44,11 @@ class WorkerReport:
     weights_sha256: str
     mean_exposed_comm_s: float
     threads: int = 0
+    #: the run's length as the coordinator announced it at the join (the
+    #: steps extension); 0 when it did not, as a reference coordinator
+    run_steps: int = 0
+    #: the coordinator ended the run early: inside a step, or before run_steps
+    stopped_early: bool = False
     # per step, this worker's shard: mean loss, correct and total samples
     # (the per-block protocol carries no loss, so the demo reads them here)
     train_loss: List[float] = field(default_factory=list)
@@ -125,6 +132,7 @@ def train_worker(
     token: Optional[bytes] = None,
     mesh: bool = True,
     tcp_congestion: Optional[str] = DEFAULT_CONGESTION,
+    on_step: Optional[Callable[[StepResult], None]] = None,
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
@@ -134,7 +142,12 @@ def train_worker(
     OMP_NUM_THREADS is set).
     ``join_turn``: under torchrun, join only after the previous rank did.
     ``token``: authenticate both ways (docs/security.md).
-    ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`."""
+    ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`.
+    ``on_step``: called with each step's result as it ends.
+
+    A Shutdown where an average was due, or before the run's length that a
+    ddpwire coordinator announces at the join, ends training all the same:
+    the report then says ``stopped_early``."""
     used_threads = apply_threads(threads) if threads is not None else 0
     choice = choose_device(device)
     net, train, held = build_task(model, seed=seed, blocks=blocks)
@@ -145,10 +158,12 @@ def train_worker(
         join_turn.wait_turn()
     # samples_per_step goes along so that a coordinator given another value
     # refuses this worker instead of training a different model
+    # the steps entry asks how long the run is, so that a Shutdown before
+    # its end is told from the end (docs/extensions.md)
     worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
                             node_id=node_id, timeout=timeout, token=token,
                             samples_per_step=samples_per_step, mesh=mesh,
-                            tcp_congestion=tcp_congestion)
+                            tcp_congestion=tcp_congestion, extensions={Extension.STEPS: b""})
     if join_turn is not None:
         join_turn.joined()
     with worker:
@@ -158,10 +173,25 @@ def train_worker(
         trainer = DataParallelTrainer(session, net, optimizer, train, device=choice.device,
                                       samples_per_step=samples_per_step, seed=seed,
                                       per_block=per_block)
+        results: List[StepResult] = []
+        inside_step = False
         try:
-            results = trainer.train()
+            while True:
+                result = trainer.step()
+                if result is None:
+                    break
+                results.append(result)
+                if on_step is not None:
+                    on_step(result)
+        except ShutdownDuringReduce as exc:
+            # a Shutdown in place of an average: the coordinator was stopped
+            # (the step is not applied; the weights are those of the last one)
+            log.debug("%s", exc)
+            inside_step = True
         finally:
             trainer.close()
+        granted = worker.extensions.get(Extension.STEPS)
+        run_steps = decode_u64(granted) if granted is not None else 0
         loss, accuracy = evaluate(net, held, choice.device)
         exposed = [r.timings.exposed_comm_s for r in results]
         report = WorkerReport(
@@ -170,6 +200,7 @@ def train_worker(
             weights_sha256=weights_digest(net),
             mean_exposed_comm_s=sum(exposed) / len(exposed) if exposed else 0.0,
             threads=session.threads if threads is None else used_threads,
+            run_steps=run_steps, stopped_early=inside_step or len(results) < run_steps,
             train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
             train_total=[r.total for r in results])
     log.info("worker %d done: %d steps, held-out accuracy %.1f%%", report.worker_id,
