@@ -13,7 +13,7 @@ import re
 import signal
 import sys
 import threading
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from ._version import __version__
 from .auth import TOKEN_ENV, load_token
@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordinator HOST:PORT (default under torchrun: MASTER_ADDR, MASTER_PORT+1)")
     w.add_argument("--node-id", default=None, help="name reported to the coordinator")
     w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
+    w.add_argument("--step-lines", action="store_true",
+                   help="print each step's loss, correct and total samples of this worker's shard "
+                        "on stdout as it ends, one JSON line per step (the per-block demo shows "
+                        "them, since block messages carry no loss)")
     w.add_argument("--no-mesh", action="store_true",
                    help="do not offer to average with the other workers directly (no listening port)")
     w.add_argument("--tcp-congestion", default=DEFAULT_CONGESTION, metavar="NAME",
@@ -322,7 +326,8 @@ def run_worker(args: argparse.Namespace) -> int:
                           token=load_token(args.token_file),
                           mesh=not getattr(args, "no_mesh", False),
                           tcp_congestion=None if args.tcp_congestion == "system"
-                          else args.tcp_congestion)
+                          else args.tcp_congestion,
+                          on_step=_print_step if args.step_lines else None)
     if hosted is not None:
         hosted.join(args.timeout)
         if failure:
@@ -338,6 +343,12 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"ddpwire: the coordinator stopped the run after {length}", file=sys.stderr)
         return EXIT_STOPPED
     return 0
+
+
+def _print_step(result: Any) -> None:
+    """A --step-lines line: the step and this worker's figures on its shard."""
+    write_line(json.dumps({"step": result.step, "loss": result.loss, "correct": result.correct,
+                           "total": result.total}))
 
 
 def write_line(text: str) -> None:
