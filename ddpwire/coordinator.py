@@ -308,7 +308,8 @@ class Coordinator:
             self._channels.append(chan)
             self.workers.append(a.info())
         self._refuser = Refuser(self._admission.handshakes,
-                                detail=f"training has started with {self.expect_workers} workers")
+                                detail=f"training has started with "
+                                       f"{counted(self.expect_workers, 'worker')}")
         self._admission = None
         self._announce_topology(admitted)
         if self.heartbeat and self._heartbeat_thread is None:
@@ -348,8 +349,9 @@ class Coordinator:
             table = MeshPeers(key=_mesh.new_key(), codec=int(self.codec),
                               shared_memory=int(shared), coordinator_share=self.share,
                               peers=_mesh.format_peers(addresses))  # type: ignore[arg-type]
-            log.info("flat steps run on the mesh between the %d workers (%s%s%s)",
-                     len(admitted), self.compression or "float32",
+            log.info("flat steps run on the mesh %s (%s%s%s)",
+                     f"between the {len(admitted)} workers" if len(admitted) > 1
+                     else "of its 1 worker", self.compression or "float32",
                      ", in shared memory" if shared else "",
                      f", {self.share / 65536:.1%} through the coordinator" if self.share else "")
         else:
@@ -735,7 +737,7 @@ class Coordinator:
     def _require_workers(self) -> None:
         if len(self._channels) < self.expect_workers:
             raise DdpwireError(
-                f"only {len(self._channels)} of {self.expect_workers} workers joined: "
+                f"only {len(self._channels)} of {counted(self.expect_workers, 'worker')} joined: "
                 "call wait_for_workers() first")
 
     def _collect_heads(self, kind: _Kind, step: Optional[int], key: Optional[int],

@@ -14,6 +14,7 @@ import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._text import counted
 from .auth import load_token
 from .coordinator import Coordinator
 from .errors import DdpwireError
@@ -167,8 +168,8 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                         token=load_token(None)) as coord:
         addr = coord.local_addr
         reports = [os.path.join(tmp, f"worker{i}.json") for i in range(args.workers)]
-        print(f"ddpwire demo: {args.workers} workers on {addr[0]}:{addr[1]}, model {model}, "
-              f"{args.steps} steps of {args.samples} samples"
+        print(f"ddpwire demo: {counted(args.workers, 'worker')} on {addr[0]}:{addr[1]}, "
+              f"model {model}, {counted(args.steps, 'step')} of {counted(args.samples, 'sample')}"
               f"{', per-block' if args.per_block else ''}; "
               f"torch threads per worker: {threads or _torch_default()}", file=out, flush=True)
         # Own sessions: a Ctrl-C at the terminal reaches the demo alone, which
@@ -228,6 +229,9 @@ def _summary(args: argparse.Namespace, steps, bar: ProgressBar, results: List[di
           f"(loss {first['held_out_loss']:.4f})", file=out)
     print(f"throughput {bar.throughput:,.0f} samples/s over {elapsed:.2f} s; "
           f"allreduce {allreduce_ms:.2f} ms per step", file=out)
+    if len(results) == 1:
+        print(f"weights of the only worker (sha256 {first['weights_sha256'][:16]})", file=out)
+        return 0
     if len(digests) == 1:
         print(f"weights identical on all {len(results)} workers (sha256 {first['weights_sha256'][:16]})",
               file=out)

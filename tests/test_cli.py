@@ -590,3 +590,46 @@ def test_a_lost_peer_is_one_line_without_frame_internals():
                                   "StepCommit or Shutdown (step 146)")
     # other errors keep their words
     assert cli._one_line(ValueError("a (1 of 2 bytes) value")) == "a (1 of 2 bytes) value"
+
+
+def test_counted_agrees_with_its_number():
+    from ddpwire._text import counted
+    assert [counted(n, "worker") for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
+    assert counted(1, "CUDA device") == "1 CUDA device"
+    assert counted(3, "entry", "entries") == "3 entries"
+
+
+def test_messages_about_one_worker_say_worker(caplog, capsys):
+    import logging
+    import threading
+    from ddpwire import Coordinator, DdpwireError, JoinRefusedError, Worker
+    caplog.set_level(logging.INFO)
+    assert cli.main(["coordinator", "--bind", "127.0.0.1:0", "--workers", "1",
+                     "--join-timeout", "0.2"]) == 1
+    assert "waiting for 1 worker" in caplog.text and "1 workers" not in caplog.text
+    assert "0 of 1 worker joined within 0.2 s" in capsys.readouterr().err
+    caplog.clear()
+    with Coordinator(("127.0.0.1", 0), 1, timeout=10, join_timeout=30) as coord:
+        with pytest.raises(DdpwireError, match="only 0 of 1 worker joined"):
+            coord.send_shard_assignments(0)
+        joined = []
+        t = threading.Thread(
+            target=lambda: joined.append(Worker.connect(coord.local_addr, timeout=10)))
+        t.start()
+        coord.wait_for_workers()
+        t.join(30)
+        with pytest.raises(JoinRefusedError, match="training has started with 1 worker$"):
+            Worker.connect(coord.local_addr, timeout=10)
+        joined[0].close()
+    assert "flat steps run on the mesh of its 1 worker" in caplog.text
+    assert "1 workers" not in caplog.text
+
+
+@needs_torch
+def test_a_demo_of_one_worker_says_worker():
+    proc = run(["demo", "--workers", "1", "--steps", "1", "--samples", "16"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ddpwire demo: 1 worker on ")
+    assert ", model mlp, 1 step of 16 samples;" in proc.stdout.splitlines()[0]
+    assert "weights of the only worker (sha256 " in proc.stdout
+    assert "1 workers" not in proc.stdout + proc.stderr and "1 steps" not in proc.stdout

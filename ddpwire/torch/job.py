@@ -203,6 +203,7 @@ def train_worker(
             run_steps=run_steps, stopped_early=inside_step or len(results) < run_steps,
             train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
             train_total=[r.total for r in results])
-    log.info("worker %d done: %d steps, held-out accuracy %.1f%%", report.worker_id,
-             report.steps, 100 * accuracy)
+    log.info("worker %d done: %s%s, held-out accuracy %.1f%%", report.worker_id,
+             counted(report.steps, "step"), " (stopped early)" if report.stopped_early else "",
+             100 * accuracy)
     return report
