@@ -15,10 +15,10 @@ import sys
 import threading
 from typing import Any, List, Optional, Union
 
+from ._text import counted
 from ._version import __version__
 from .auth import TOKEN_ENV, load_token
 from .coordinator import Coordinator
-from ._text import counted
 from .errors import DdpwireError, PeerLost
 from .extensions import Extension, encode_u64
 from .incast import FLOOR
