@@ -67,7 +67,7 @@ def _training(p: argparse.ArgumentParser, steps_help: Optional[str] = None) -> N
                    help="transformer blocks (per-block mode; default 4)")
 
 
-def _worker_model(p: argparse.ArgumentParser) -> None:
+def _worker_model(p: argparse.ArgumentParser, workers_here: str) -> None:
     p.add_argument("--model", choices=["mlp", "transformer"], default=None,
                    help="demo model: mlp on digits (default) or transformer (default with --per-block)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
@@ -75,9 +75,9 @@ def _worker_model(p: argparse.ArgumentParser) -> None:
                    help="cuda, cuda:N, mps or cpu (default: CUDA, else MPS, else CPU; env DDPWIRE_DEVICE)")
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker process (default: the usable cores divided by "
-                        "the workers of the session on this machine, counted once every worker "
-                        "has joined, unless OMP_NUM_THREADS is set; 0 leaves torch's own default)")
+                   help=f"torch threads per worker process (default: the usable cores divided by "
+                        f"{workers_here}, unless OMP_NUM_THREADS is set; 0 leaves torch's own "
+                        f"default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "kernel lets a socket choose (default: %(default)s; 'system' keeps the "
                         "system's)")
     _token(w)
-    _worker_model(w)
+    _worker_model(w, "the workers of the session on this machine, counted once every worker "
+                     "has joined")
     _training(w, steps_help=f"under torchrun, the training steps of the coordinator rank 0 hosts "
                             f"(default {DEFAULT_STEPS}); elsewhere refused: the coordinator's "
                             f"--steps sets how long the run is")
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="coordinator and N local worker processes training a real model")
     d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    _worker_model(d)
+    _worker_model(d, "--workers")
     _training(d)
     _common(d)
     return parser
