@@ -93,6 +93,8 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "per_block";
         if (value == DDPW_EXT_GRADIENT_LENGTH)
             return "gradient_length";
+        if (value == DDPW_EXT_STEPS)
+            return "steps";
         return NULL;
     case DDPW_CODES_REFUSAL:
         return value < 7 ? REFUSAL_NAMES[value] : NULL;

@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import auth
 from ._core import FrameReader, encode_frame, tag_max_payload
+from ._text import counted
 from .channel import still_open
 from .errors import JoinTimeout, ProtocolError
 from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch, steps_mismatch
@@ -235,7 +236,8 @@ class Admission:
             while self._joined() < until:
                 now = time.monotonic()
                 if now >= deadline:
-                    raise JoinTimeout(f"{self._joined()} of {self.expect_workers} workers joined "
+                    expected = counted(self.expect_workers, "worker")
+                    raise JoinTimeout(f"{self._joined()} of {expected} joined "
                                       f"within {limit:g} s{self._describe_pending()}")
                 if now >= next_report:
                     log.info("waiting for workers: %d of %d joined%s; %.0f s left", self._joined(),

@@ -86,6 +86,11 @@ class Channel:
         #: was read here (None before the first): on a worker, when the
         #: coordinator last spoke, where its wait for this worker's step began
         self.last_message_at: Optional[float] = None
+        #: a send has begun and not completed (send(), a heartbeat, or the
+        #: coordinator's sends to every worker at once): true while a frame
+        #: goes out, and after an exception cut one short, when the stream
+        #: is inside a frame for good and no other frame may follow it
+        self.frame_open = False
 
     @property
     def peer_id(self) -> Optional[int]:
@@ -104,8 +109,10 @@ class Channel:
         it lies (scatter-gather), never copied into the frame."""
         parts = encode_frame_parts(msg, max_frame=self.max_frame)
         with self.send_lock:
+            self.frame_open = True
             self.conn.send_parts(parts, self.timeout, step=step,
                                  what=f"sending {type(msg).__name__}")
+            self.frame_open = False
 
     def try_send_heartbeat(self, node_id: str) -> None:
         """Send a Heartbeat unless a frame is being sent (bytes are flowing then)."""
@@ -113,7 +120,9 @@ class Channel:
             return
         try:
             msg = Heartbeat(node_id=node_id, timestamp_ms=int(time.time() * 1000))
+            self.frame_open = True
             self.conn.send_parts(encode_frame_parts(msg), self.read_timeout, what="sending Heartbeat")
+            self.frame_open = False
         finally:
             self.send_lock.release()
 

@@ -28,6 +28,7 @@ from . import mesh as _mesh
 from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
+from ._text import counted
 from .admission import Admission, Refuser
 from .auth import normalize_token
 from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
@@ -335,7 +336,8 @@ class Coordinator:
             self._channels.append(chan)
             self.workers.append(a.info())
         self._refuser = Refuser(self._admission.handshakes,
-                                detail=f"training has started with {self.expect_workers} workers")
+                                detail=f"training has started with "
+                                       f"{counted(self.expect_workers, 'worker')}")
         self._admission = None
         self._announce_topology(admitted)
         if self.heartbeat and self._heartbeat_thread is None:
@@ -383,8 +385,9 @@ class Coordinator:
             table = MeshPeers(key=_mesh.new_key(), codec=int(self.codec),
                               shared_memory=int(shared), coordinator_share=self.share,
                               peers=_mesh.format_peers(addresses))  # type: ignore[arg-type]
-            log.info("flat steps run on the mesh between the %d workers (%s%s%s)",
-                     len(admitted), self.compression or "float32",
+            log.info("flat steps run on the mesh %s (%s%s%s)",
+                     f"between the {len(admitted)} workers" if len(admitted) > 1
+                     else "of its 1 worker", self.compression or "float32",
                      ", in shared memory" if shared else "",
                      f", {self.share / 65536:.1%} through the coordinator" if self.share else "")
         else:
@@ -885,7 +888,7 @@ class Coordinator:
     def _require_workers(self) -> None:
         if len(self._channels) < self.expect_workers:
             raise DdpwireError(
-                f"only {len(self._channels)} of {self.expect_workers} workers joined: "
+                f"only {len(self._channels)} of {counted(self.expect_workers, 'worker')} joined: "
                 "call wait_for_workers() first")
 
     def _collect_heads(self, kind: _Kind, step: Optional[int], key: Optional[int],
@@ -970,13 +973,20 @@ class Coordinator:
 
     @contextlib.contextmanager
     def _sending_to_all(self) -> Iterator[None]:
-        """Hold every worker's send lock: a heartbeat must not land inside a frame."""
-        for chan in self._channels:
-            chan.send_lock.acquire()
+        """Hold every worker's send lock: a heartbeat must not land inside a
+        frame. Each connection's frame stays open (Channel.frame_open) when
+        the block ends in an exception."""
+        held: List[Channel] = []
         try:
-            yield
-        finally:
             for chan in self._channels:
+                chan.send_lock.acquire()
+                held.append(chan)
+                chan.frame_open = True
+            yield
+            for chan in held:
+                chan.frame_open = False
+        finally:
+            for chan in held:
                 chan.send_lock.release()
 
     def broadcast_averaged(self, step: int, result: ReduceResult) -> None:
@@ -1006,3 +1016,78 @@ class Coordinator:
                 chan.send(Shutdown())
             except DdpwireError as exc:
                 log.warning("could not send Shutdown to worker %s: %s", chan.peer_id, exc)
+
+    @property
+    def mid_frame(self) -> bool:
+        """Whether some worker connection is inside a frame this coordinator
+        sends (or one that an exception cut short): no other frame, a
+        Shutdown included, may go there before it ends."""
+        return any(chan.frame_open for chan in self._channels)
+
+    def stop_workers(self, grace: float = 10.0) -> int:
+        """End the run before its last step (the caller was interrupted):
+        send Shutdown to every worker whose connection is between two frames,
+        then give each up to ``grace`` seconds to hang up. Returns how many
+        were told.
+
+        A worker waiting for a shard then ends its run as after the last
+        step; one waiting for an average raises ShutdownDuringReduce. A
+        connection left inside a frame (an exception cut the frame short) is
+        skipped: a Shutdown there would be read as the rest of that frame.
+        The wait for the hang-up matters: a worker may still be sending its
+        gradients, and closing with them unread would reset the connection,
+        failing that send before the worker reads the Shutdown."""
+        grace = check_timeout("grace", grace)
+        deadline = time.monotonic() + grace
+        self._stop.set()  # no heartbeat after the Shutdown
+        frame = encode_frame_parts(Shutdown())
+        told: List[Channel] = []
+        for chan in self._channels:
+            if chan.conn.fileno() < 0:
+                continue  # closed: a failed step abandoned it
+            # the heartbeat thread may be inside a frame: it is short, wait
+            if not chan.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            try:
+                if chan.frame_open:
+                    log.info("worker %s: its connection is inside a frame, no Shutdown",
+                             chan.peer_id)
+                    continue
+                chan.conn.send_parts(frame, min(grace, self.timeout), what="sending Shutdown")
+                told.append(chan)
+            except DdpwireError as exc:
+                log.debug("could not send Shutdown to worker %s: %s", chan.peer_id, exc)
+            finally:
+                chan.send_lock.release()
+        self._await_hang_up(told, deadline)
+        return len(told)
+
+    @staticmethod
+    def _await_hang_up(chans: List[Channel], deadline: float) -> None:
+        """Read and drop what each connection still brings until its worker
+        closes it, or the deadline passes."""
+        sel = selectors.DefaultSelector()
+        try:
+            for chan in chans:
+                try:
+                    chan.conn.sock.shutdown(socket.SHUT_WR)  # nothing more from here
+                    sel.register(chan.conn.sock, selectors.EVENT_READ)
+                except (OSError, ValueError):
+                    continue
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.info("%s still connected after the Shutdown",
+                             counted(len(sel.get_map()), "worker"))
+                    return
+                for key, _ in sel.select(left):
+                    try:
+                        data = key.fileobj.recv(1 << 16, socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(key.fileobj)
+        finally:
+            sel.close()

@@ -25,6 +25,7 @@ from . import mesh as _mesh
 from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
+from ._text import counted
 from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
 from .errors import (
     AuthenticationFailed,
@@ -405,7 +406,8 @@ class Worker:
             self._mesh_send(step, gradients, loss, correct, total)
             return self._mesh_receive(out)
         if self._owed:
-            raise DdpwireError(f"allreduce: {len(self._owed)} earlier average(s) not yet received",
+            raise DdpwireError(f"allreduce: {counted(len(self._owed), 'earlier average')} "
+                               f"not yet received",
                                worker_id=self._worker_id, step=step)
         out = result_buffer(out, len(gradients))
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,

@@ -139,7 +139,7 @@ def test_trickling_cannot_extend_the_handshake_or_the_join():
                     return i
             return len(frame)
         t = spawn(trickle)
-        with pytest.raises(ddpwire.JoinTimeout, match="0 of 1 workers joined within 1.5 s"):
+        with pytest.raises(ddpwire.JoinTimeout, match="0 of 1 worker joined within 1.5 s"):
             coord.wait_for_workers(timeout=1.5)
         assert peer_closed(trickler)
         stop.set()
