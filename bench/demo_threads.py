@@ -15,6 +15,8 @@ import statistics
 import subprocess
 import sys
 
+from ddpwire.threads import usable_cores
+
 THROUGHPUT = re.compile(r"throughput ([\d,]+) samples/s over ([\d.]+) s; allreduce ([\d.]+) ms")
 
 
@@ -55,7 +57,7 @@ def main() -> None:
                    f"--samples {args.samples} --repeats {args.repeats} --out {args.out}",
         "before": "--threads 0: torch's default threads in every worker",
         "after": "default: usable cores // workers threads per worker",
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": usable_cores(),
         "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
         "median_samples_per_s_before": before, "median_samples_per_s_after": after,
         "ratio_after_over_before": round(after / before, 2),

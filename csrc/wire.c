@@ -89,6 +89,12 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "collectives";
         if (value == DDPW_EXT_MESH)
             return "mesh";
+        if (value == DDPW_EXT_PER_BLOCK)
+            return "per_block";
+        if (value == DDPW_EXT_GRADIENT_LENGTH)
+            return "gradient_length";
+        if (value == DDPW_EXT_STEPS)
+            return "steps";
         return NULL;
     case DDPW_CODES_REFUSAL:
         return value < 7 ? REFUSAL_NAMES[value] : NULL;

@@ -72,7 +72,10 @@ typedef enum ddpw_ext_type {
     DDPW_EXT_AUTH = 0x0001,
     DDPW_EXT_SAMPLES = 0x0002,
     DDPW_EXT_COLLECTIVES = 0x0003,
-    DDPW_EXT_MESH = 0x0004
+    DDPW_EXT_MESH = 0x0004,
+    DDPW_EXT_PER_BLOCK = 0x0005,
+    DDPW_EXT_GRADIENT_LENGTH = 0x0006,
+    DDPW_EXT_STEPS = 0x0007
 } ddpw_ext_type;
 
 /* MeshPeers.codec: how gradient slices travel between mesh peers. */

@@ -12,6 +12,8 @@ every connection still handshaking:
   client that has not been admitted costs at most that;
 - an admitted worker that disconnects before the join completes frees its
   slot (the next worker admitted takes its id);
+- a handshake that completes when no slot is free (several may complete in
+  one pass of the loop) is refused as full right there;
 - once every slot is filled, :class:`Refuser` answers later connections on
   a thread of its own: a ddpwire worker gets JoinRefused saying why, anything
   else is closed; the log names the refused address.
@@ -24,13 +26,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import auth
 from ._core import FrameReader, encode_frame, tag_max_payload
+from ._text import counted
 from .channel import still_open
 from .errors import JoinTimeout, ProtocolError
-from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
+from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch, steps_mismatch
 from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
 from .sessioninfo import WorkerInfo
 
@@ -146,7 +149,15 @@ class _Handshakes:
             self.end(sel, p, f"connection failed: {exc}")
             return []
         if not data:
-            self.end(sel, p, "disconnected during the handshake")
+            if p.coordinator_nonce:
+                # a worker checks our proof before it sends its own, and
+                # closes without a word when it does not match
+                log.warning("worker from %s gave up the handshake after this coordinator's "
+                            "AuthChallenge: its token differs from this coordinator's (check "
+                            "%s or --token-file on both sides)", p.name, auth.TOKEN_ENV)
+                self.drop(sel, p)
+            else:
+                self.end(sel, p, "disconnected during the handshake")
             return []
         try:
             return p.reader.feed(data)
@@ -162,6 +173,10 @@ class _Handshakes:
         refusal = refusal or p.refusal
         if refusal is not None and p.join is not None and p.join.extensions is not None:
             _send_small(p.sock, JoinRefused(reason=int(refusal[0]), detail=refusal[1]))
+        self.drop(sel, p)
+
+    def drop(self, sel: Optional[selectors.BaseSelector], p: _Pending) -> None:
+        """Forget and close a handshake, saying nothing."""
         self.pending.pop(p.sock, None)
         if sel is not None:
             try:
@@ -189,12 +204,15 @@ class Admission:
 
     def __init__(self, listener: socket.socket, *, expect_workers: int, token: Optional[bytes],
                  grants: Mapping[int, bytes], samples: Optional[int], handshake_timeout: float,
-                 max_frame: int) -> None:
+                 max_frame: int, per_block: Optional[bool] = None,
+                 gradient_length: Optional[int] = None) -> None:
         self.listener = listener
         self.expect_workers = expect_workers
         self.token = token
         self.grants = dict(grants)
         self.samples = samples
+        self.per_block = per_block
+        self.gradient_length = gradient_length
         self.max_frame = max_frame
         self.slots: List[Optional[Admitted]] = [None] * expect_workers
         self.handshakes = _Handshakes(listener, handshake_timeout, max_frame)
@@ -218,7 +236,8 @@ class Admission:
             while self._joined() < until:
                 now = time.monotonic()
                 if now >= deadline:
-                    raise JoinTimeout(f"{self._joined()} of {self.expect_workers} workers joined "
+                    expected = counted(self.expect_workers, "worker")
+                    raise JoinTimeout(f"{self._joined()} of {expected} joined "
                                       f"within {limit:g} s{self._describe_pending()}")
                 if now >= next_report:
                     log.info("waiting for workers: %d of %d joined%s; %.0f s left", self._joined(),
@@ -270,15 +289,27 @@ class Admission:
 
     def _on_join(self, sel: selectors.BaseSelector, p: _Pending, join: JoinRequest) -> None:
         p.join = join
-        offered = join.extensions or {}
-        why = samples_mismatch(self.samples, offered)
-        if why is not None:
-            self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
+        if self._refused_as_full(sel, p):
             return
-        if self.token is None:
-            self._admit(sel, p)
+        offered = join.extensions or {}
+        if self._refused_for_offer(sel, p, lambda: samples_mismatch(self.samples, offered)):
             return
         nonce = offered.get(Extension.AUTH)
+        if self.token is None:
+            if nonce is not None:
+                # it would refuse us anyway, for want of a proof; refusing
+                # first keeps it out of the slots and says which side to fix
+                self.handshakes.end(
+                    sel, p, f"it offered a token, and this coordinator has none (start it with "
+                            f"the workers' token, --token-file or {auth.TOKEN_ENV}, or drop the "
+                            f"token from the worker)",
+                    (RefusalReason.AUTH_FAILED,
+                     f"this coordinator has no token configured, so it cannot prove it knows "
+                     f"the worker's: start it with the same token (--token-file or "
+                     f"{auth.TOKEN_ENV}), or drop the token from the worker"))
+                return
+            self._admit(sel, p)
+            return
         if nonce is None:
             self.handshakes.end(sel, p, "no token offered (this coordinator requires one)",
                        (RefusalReason.AUTH_REQUIRED, "this coordinator requires a token"))
@@ -304,10 +335,44 @@ class Admission:
             return
         self._admit(sel, p)
 
+    def _refused_as_full(self, sel: selectors.BaseSelector, p: _Pending) -> bool:
+        """Refuse ``p`` when no slot is free. One select() batch may complete
+        more handshakes than there are slots left: each is checked here, as
+        it completes, so a surplus worker hears at once and the join goes on
+        with the others."""
+        if None in self.slots:
+            return False
+        self.handshakes.end(sel, p, "every worker slot is taken",
+                            (RefusalReason.FULL, "every worker slot is taken"))
+        return True
+
+    def _refused_for_offer(self, sel: selectors.BaseSelector, p: _Pending,
+                           check: Callable[[], Optional[str]]) -> bool:
+        """Refuse ``p`` when ``check()`` finds a value it offered disagrees
+        (reason MISMATCH) or is malformed (PROTOCOL: a client's bad entry
+        must end its own handshake, not the join)."""
+        try:
+            why = check()
+        except ProtocolError as exc:
+            self.handshakes.end(sel, p, str(exc), (RefusalReason.PROTOCOL, str(exc)))
+            return True
+        if why is None:
+            return False
+        self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
+        return True
+
     def _admit(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         assert p.join is not None
-        worker_id = self.slots.index(None)
+        if self._refused_as_full(sel, p):
+            return
         offered = p.join.extensions
+        # held to the workers admitted so far, so checked here, after the
+        # token: an outsider can neither set the session's values nor learn them
+        joined = [s.join.extensions or {} for s in self.slots if s is not None]
+        if self._refused_for_offer(sel, p, lambda: steps_mismatch(
+                self.per_block, self.gradient_length, offered or {}, joined)):
+            return
+        worker_id = self.slots.index(None)
         granted: Dict[int, bytes] = {}
         if offered is not None:
             for kind, value in self.grants.items():
@@ -317,6 +382,9 @@ class Admission:
                 granted[Extension.AUTH] = b""
             if Extension.SAMPLES in offered:
                 granted[Extension.SAMPLES] = encode_u64(self.samples or 0)
+            for kind in (Extension.PER_BLOCK, Extension.GRADIENT_LENGTH):
+                if kind in offered:
+                    granted[kind] = b""
         reply = JoinAccepted(worker_id=worker_id, total_workers=self.expect_workers,
                              extensions=granted if offered is not None else None)
         if not _send_small(p.sock, reply):

@@ -82,6 +82,15 @@ class Channel:
         # is detected sooner than the (long) compute timeout.
         self.heartbeat_timeout = heartbeat_timeout
         self.send_lock = threading.Lock()
+        #: time.monotonic() when the last message other than a Heartbeat
+        #: was read here (None before the first): on a worker, when the
+        #: coordinator last spoke, where its wait for this worker's step began
+        self.last_message_at: Optional[float] = None
+        #: a send has begun and not completed (send(), a heartbeat, or the
+        #: coordinator's sends to every worker at once): true while a frame
+        #: goes out, and after an exception cut one short, when the stream
+        #: is inside a frame for good and no other frame may follow it
+        self.frame_open = False
 
     @property
     def peer_id(self) -> Optional[int]:
@@ -100,8 +109,10 @@ class Channel:
         it lies (scatter-gather), never copied into the frame."""
         parts = encode_frame_parts(msg, max_frame=self.max_frame)
         with self.send_lock:
+            self.frame_open = True
             self.conn.send_parts(parts, self.timeout, step=step,
                                  what=f"sending {type(msg).__name__}")
+            self.frame_open = False
 
     def try_send_heartbeat(self, node_id: str) -> None:
         """Send a Heartbeat unless a frame is being sent (bytes are flowing then)."""
@@ -109,7 +120,9 @@ class Channel:
             return
         try:
             msg = Heartbeat(node_id=node_id, timestamp_ms=int(time.time() * 1000))
+            self.frame_open = True
             self.conn.send_parts(encode_frame_parts(msg), self.read_timeout, what="sending Heartbeat")
+            self.frame_open = False
         finally:
             self.send_lock.release()
 
@@ -125,13 +138,23 @@ class Channel:
         peer silent for ``heartbeat_timeout`` is lost sooner."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout
-        allowed = tuple(expected) + (Heartbeat,)
         while True:
-            obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
-                                        deadline=deadline, expect=allowed, step=step, what=what)
+            obj = self.read_frame(expected, step=step, what=what, deadline=deadline)
             if isinstance(obj, Heartbeat):
                 continue
             return obj
+
+    def read_frame(self, expected: Sequence[type], *, deadline: float,
+                   step: Optional[int] = None, what: str = "receiving") -> Any:
+        """The next frame, a Heartbeat included (read_head without skipping
+        them): for a caller that watches several peers at once and counts a
+        Heartbeat as a sign of life. It must be complete by ``deadline``."""
+        obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+                                    deadline=deadline, expect=tuple(expected) + (Heartbeat,),
+                                    step=step, what=what)
+        if not isinstance(obj, Heartbeat):
+            self.last_message_at = time.monotonic()
+        return obj
 
     def expect(self, expected: Sequence[type], *, step: Optional[int] = None,
                deadline: Optional[float] = None) -> Any:

@@ -9,25 +9,32 @@ import argparse
 import json
 import logging
 import os
+import re
+import signal
 import sys
 import threading
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
+from ._text import counted
 from ._version import __version__
 from .auth import TOKEN_ENV, load_token
 from .coordinator import Coordinator
-from .errors import DdpwireError
+from .errors import DdpwireError, PeerLost
+from .extensions import Extension, encode_u64
 from .incast import FLOOR
 from .launch import from_environment, parse_addr
 from .mesh import DEFAULT_CONGESTION
 from .progress import ProgressBar, break_line
-from .serve import serve
-from .threads import default_threads
+from .serve import StepReport, serve
 from .torch_check import require_torch
 
 __all__ = ["main"]
 
 log = logging.getLogger("ddpwire")
+
+#: ``ddpwire worker``'s exit status when the coordinator ended the run
+#: before its last step (it was interrupted or terminated): not an error
+EXIT_STOPPED = 3
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,8 +52,13 @@ def _token(p: argparse.ArgumentParser) -> None:
                         f"${TOKEN_ENV} if set, else no token)")
 
 
-def _training(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+DEFAULT_STEPS = 60
+
+
+def _training(p: argparse.ArgumentParser, steps_help: Optional[str] = None) -> None:
+    # a worker's default is None, so that a --steps it was given can be told apart
+    p.add_argument("--steps", type=_positive, default=None if steps_help else DEFAULT_STEPS,
+                   help=steps_help or f"training steps (default {DEFAULT_STEPS})")
     p.add_argument("--samples", type=int, default=256,
                    help="samples per step, split between the workers (default 256)")
     p.add_argument("--per-block", action="store_true",
@@ -55,7 +67,7 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="transformer blocks (per-block mode; default 4)")
 
 
-def _worker_model(p: argparse.ArgumentParser) -> None:
+def _worker_model(p: argparse.ArgumentParser, workers_here: str) -> None:
     p.add_argument("--model", choices=["mlp", "transformer"], default=None,
                    help="demo model: mlp on digits (default) or transformer (default with --per-block)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
@@ -63,9 +75,9 @@ def _worker_model(p: argparse.ArgumentParser) -> None:
                    help="cuda, cuda:N, mps or cpu (default: CUDA, else MPS, else CPU; env DDPWIRE_DEVICE)")
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker process (default: the usable cores divided by "
-                        "the workers on this machine, unless OMP_NUM_THREADS is set; 0 leaves "
-                        "torch's own default)")
+                   help=f"torch threads per worker process (default: the usable cores divided by "
+                        f"{workers_here}, unless OMP_NUM_THREADS is set; 0 leaves torch's own "
+                        f"default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddpwire {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("coordinator", help="run a standalone coordinator (no torch needed)")
+    c = sub.add_parser("coordinator", help="run a standalone coordinator (no torch needed)",
+                       epilog="Exit status: 0 when the run is done, 1 on an error, 2 for a bad "
+                              "command line, 130 when interrupted (Ctrl-C, SIGINT), 143 when "
+                              "terminated (SIGTERM). Interrupted or terminated, it first sends "
+                              "its workers Shutdown (once the frame it is sending them ends).")
     c.add_argument("--bind", default="0.0.0.0:29400", help="HOST:PORT to listen on (default 0.0.0.0:29400)")
     c.add_argument("--workers", type=int, required=True, help="number of workers to wait for")
     c.add_argument("--join-timeout", type=float, default=600.0,
@@ -102,11 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     _training(c)
     _common(c)
 
-    w = sub.add_parser("worker", help="join a coordinator and train the demo model")
+    w = sub.add_parser("worker", help="join a coordinator and train the demo model",
+                       epilog="Exit status: 0 when the run is done, 1 on an error (the "
+                              "coordinator lost included), 2 for a bad command line, 3 when the "
+                              "coordinator stopped the run before its last step (interrupted or "
+                              "terminated: the worker still writes its report).")
     w.add_argument("--connect", default=None,
                    help="coordinator HOST:PORT (default under torchrun: MASTER_ADDR, MASTER_PORT+1)")
     w.add_argument("--node-id", default=None, help="name reported to the coordinator")
     w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
+    w.add_argument("--step-lines", action="store_true",
+                   help="print each step's loss, correct and total samples of this worker's shard "
+                        "on stdout as it ends, one JSON line per step (the per-block demo shows "
+                        "them, since block messages carry no loss)")
     w.add_argument("--no-mesh", action="store_true",
                    help="do not offer to average with the other workers directly (no listening port)")
     w.add_argument("--tcp-congestion", default=DEFAULT_CONGESTION, metavar="NAME",
@@ -114,16 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "kernel lets a socket choose (default: %(default)s; 'system' keeps the "
                         "system's)")
     _token(w)
-    _worker_model(w)
-    _training(w)
+    _worker_model(w, "the workers of the session on this machine, counted once every worker "
+                     "has joined")
+    _training(w, steps_help=f"under torchrun, the training steps of the coordinator rank 0 hosts "
+                            f"(default {DEFAULT_STEPS}); elsewhere refused: the coordinator's "
+                            f"--steps sets how long the run is")
     _common(w)
 
     d = sub.add_parser("demo", help="coordinator and N local worker processes training a real model")
     d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    _worker_model(d)
+    _worker_model(d, "--workers")
     _training(d)
     _common(d)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number from 1; got {text!r}")
+    return value
 
 
 def _share(text: str) -> Union[str, float]:
@@ -149,7 +186,62 @@ def _window(text: str) -> Union[str, int, None]:
     return int(digits) * scale
 
 
-def run_coordinator(args: argparse.Namespace, bind=None) -> List:
+class UsageError(ValueError):
+    """A command line asking for what the command cannot do: one line on
+    stderr and exit status 2, as for argparse's own errors."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM in the coordinator command, raised in the main
+    thread as Ctrl-C raises KeyboardInterrupt; ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while the coordinator command runs.
+
+    Either raises :class:`Interrupted` in the main thread: at once while no
+    frame towards a worker is open, else once the step ends, since the
+    workers are then sent Shutdown (:meth:`Coordinator.stop_workers`),
+    which may only go between two frames. A second signal while the first
+    waits raises at once. Outside the main thread (a hosted coordinator)
+    nothing is installed."""
+
+    def __init__(self) -> None:
+        self.coordinator: Optional[Coordinator] = None
+        self.pending: Optional[int] = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        coord = self.coordinator
+        if self.pending is None and coord is not None and coord.mid_frame:
+            self.pending = signum
+            return
+        raise Interrupted(signum)
+
+    def at_step_end(self) -> None:
+        """Raise the signal that came inside the step, if one did."""
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            raise Interrupted(signum)
+
+
+def run_coordinator(args: argparse.Namespace, bind=None,
+                    stops: Optional[StopSignals] = None) -> List:
     host, port = bind or parse_addr(args.bind)
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
     with Coordinator((host, port), expect_workers=args.workers, timeout=args.timeout,
@@ -160,30 +252,56 @@ def run_coordinator(args: argparse.Namespace, bind=None) -> List:
                      topology=getattr(args, "topology", "auto"),
                      compression=getattr(args, "compression", None),
                      coordinator_share=getattr(args, "coordinator_share", "auto"),
-                     receive_window=getattr(args, "receive_window", "auto")) as coord:
+                     receive_window=getattr(args, "receive_window", "auto"),
+                     per_block=args.per_block,
+                     # ddpwire workers learn the run's length, and so tell
+                     # a Shutdown before its end (stop_workers) from the end
+                     extensions={Extension.STEPS: encode_u64(args.steps)}) as coord:
         h, p = coord.local_addr
-        log.info("coordinator listening on %s:%d, waiting for %d workers", h, p, args.workers)
+        log.info("coordinator listening on %s:%d, waiting for %s", h, p,
+                 counted(args.workers, "worker"))
         coord.wait_for_workers()
+        if stops is not None:
+            stops.coordinator = coord
         bar = ProgressBar(args.steps)
+
+        def on_step(report: StepReport) -> None:
+            bar.update(report)
+            if stops is not None:
+                stops.at_step_end()  # a frame boundary: a signal may stop the run here
         try:
             serve(coord, steps=args.steps, total_samples=args.samples, per_block=args.per_block,
-                  num_blocks=args.blocks, on_step=bar.update)
+                  num_blocks=args.blocks, on_step=on_step)
+        except KeyboardInterrupt:
+            bar.close()
+            told = coord.stop_workers()
+            log.info("stopped the run after %d of %s: Shutdown sent to %d of %s", bar.done,
+                     counted(args.steps, "step"), told, counted(len(coord.workers), "worker"))
+            raise
         finally:
             bar.close()
-        log.info("done: %d steps, %.0f samples/s", args.steps, bar.throughput)
+        log.info("done: %s, %.0f samples/s", counted(args.steps, "step"), bar.throughput)
         return []
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    launch = from_environment(args.connect)
+    if launch.rank is None and args.steps is not None:
+        # the coordinator decides how long the run is (the steps extension
+        # tells the worker, never the other way): a value here would be ignored
+        raise UsageError("--steps is for the coordinator: the coordinator's --steps sets how "
+                         "long the run is, and a worker trains until the coordinator ends it "
+                         "(under torchrun, rank 0 hosts the coordinator and takes --steps)")
     require_torch("ddpwire worker")
     from .torch.job import train_worker  # torch only here
 
-    launch = from_environment(args.connect)
     hosted: Optional[threading.Thread] = None
     failure: List[BaseException] = []
     if launch.hosts_coordinator:
         # torchrun's rank 0 also runs the coordinator, on every interface
         coord_args = argparse.Namespace(**vars(args), workers=launch.world_size)
+        if coord_args.steps is None:
+            coord_args.steps = DEFAULT_STEPS
 
         def host() -> None:
             try:
@@ -201,17 +319,17 @@ def run_worker(args: argparse.Namespace) -> int:
         # worker ids are the order of joining: join in rank order so id == rank
         from .torch.rank_order import RankOrder
         join_turn = RankOrder.from_environment(launch.rank, launch.world_size, args.timeout)
-    # torchrun's LOCAL_WORLD_SIZE workers share this machine's cores
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    threads = default_threads(local) if args.threads is None else args.threads
+    # without --threads the job counts the session's workers on this machine
+    # once they have all joined (ddpwire.threads.workers_here)
     report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           device=args.device, node_id=node_id, timeout=args.timeout,
-                          seed=args.seed, threads=threads, join_turn=join_turn,
+                          seed=args.seed, threads=args.threads, join_turn=join_turn,
                           token=load_token(args.token_file),
                           mesh=not getattr(args, "no_mesh", False),
                           tcp_congestion=None if args.tcp_congestion == "system"
-                          else args.tcp_congestion)
+                          else args.tcp_congestion,
+                          on_step=_print_step if args.step_lines else None)
     if hosted is not None:
         hosted.join(args.timeout)
         if failure:
@@ -221,7 +339,18 @@ def run_worker(args: argparse.Namespace) -> int:
             json.dump(report.to_dict(), f)
     else:
         write_line(json.dumps(report.to_dict(per_step=False)))
+    if report.stopped_early:
+        length = (f"{report.steps} of {counted(report.run_steps, 'step')}" if report.run_steps
+                  else counted(report.steps, "step"))
+        print(f"ddpwire: the coordinator stopped the run after {length}", file=sys.stderr)
+        return EXIT_STOPPED
     return 0
+
+
+def _print_step(result: Any) -> None:
+    """A --step-lines line: the step and this worker's figures on its shard."""
+    write_line(json.dumps({"step": result.step, "loss": result.loss, "correct": result.correct,
+                           "total": result.total}))
 
 
 def write_line(text: str) -> None:
@@ -251,17 +380,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         if args.command == "coordinator":
-            run_coordinator(args)
+            with StopSignals() as stops:
+                run_coordinator(args, stops=stops)
             return 0
         if args.command == "worker":
             return run_worker(args)
         from .demo import run_demo
         return run_demo(args, model=_model(args))
+    except UsageError as exc:
+        print(f"ddpwire: error: {exc}", file=sys.stderr)
+        return 2
     except (DdpwireError, OSError, ValueError) as exc:
         break_line()
-        print(f"ddpwire: error: {exc}", file=sys.stderr)
+        log.debug("%s", exc, exc_info=True)
+        print(f"ddpwire: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         break_line()
-        print("ddpwire: interrupted", file=sys.stderr)
-        return 130
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"ddpwire: {'terminated' if signum == signal.SIGTERM else 'interrupted'}",
+              file=sys.stderr)
+        return 128 + signum
+
+
+# How far into a frame a lost peer went ("(0 of 4 bytes)") is for the debug
+# log: the user needs who was lost, and while waiting for what.
+_FRAME_PROGRESS = re.compile(r" \(\d+ of \d+ bytes\)")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as the command's one line."""
+    text = str(exc)
+    return _FRAME_PROGRESS.sub("", text) if isinstance(exc, PeerLost) else text

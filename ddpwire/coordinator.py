@@ -13,11 +13,12 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import AbstractSet, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from . import mesh as _mesh
 from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
+from ._text import counted
 from .admission import Admission, Refuser
 from .auth import normalize_token
 from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
@@ -46,6 +48,7 @@ from .messages import (
     BlockGradientPayload,
     CollectiveError,
     GradientPayload,
+    Heartbeat,
     MeshPeers,
     NO_WORKER,
     NonBlockGradientPayload,
@@ -60,6 +63,14 @@ from .sessioninfo import WorkerInfo
 __all__ = ["Coordinator"]
 
 log = logging.getLogger(__name__)
+
+#: How long past its deadline a mesh step's collect keeps listening when
+#: more than one worker is silent and nothing says which stalled: a worker
+#: waiting on a peer gives up when the step's deadline passes (it counts it
+#: from the coordinator's last message, as the coordinator does) and sends
+#: a CollectiveError naming that peer, which arrives a moment after the
+#: coordinator's own deadline. Capped at the timeout.
+MESH_BLAME_GRACE = 1.0
 
 
 def _bind(bind: Tuple[str, int], backlog: int) -> socket.socket:
@@ -106,7 +117,10 @@ class Coordinator:
     ``timeout`` bounds every wait on a worker: a worker that has not sent the
     message waited for within that time (Heartbeats do not count), or that
     goes silent that long while streaming it, raises
-    :class:`~ddpwire.WorkerLost` naming it and the step. With ``heartbeat``
+    :class:`~ddpwire.WorkerLost` naming it and the step (a mesh step with
+    several workers silent at its deadline listens up to
+    :data:`MESH_BLAME_GRACE` longer, for the one that stalled to be named
+    by a live one waiting for it; docs/sessions.md). With ``heartbeat``
     (seconds) set, the coordinator sends Heartbeat frames to idle workers at
     that interval, and declares a worker lost after ``heartbeat_timeout`` of
     complete silence (the reference does not speak heartbeats: leave it off
@@ -119,7 +133,12 @@ class Coordinator:
     (:class:`ddpwire.extensions.Extension`) to the value granted to a worker
     that offers them; ``samples_per_step``, when known at the join, is handed
     to ddpwire workers, and a worker that was given another value is
-    refused.
+    refused. So is a ddpwire worker that says it sends per-block steps when
+    ``per_block`` is False, or flat steps when it is True, or whose gradient
+    has another number of elements than ``gradient_length``; where either is
+    None, the first worker to offer one sets it for the others. A
+    per-block coordinator keeps the star (per-block steps never take the
+    mesh).
 
     Gradients are averaged as they stream in, through a ring of
     ``ring_bytes`` per worker. ``socket_threads`` gives each worker
@@ -192,11 +211,21 @@ class Coordinator:
         shared_memory: bool = True,
         coordinator_share: Union[str, float] = "auto",
         receive_window: Union[str, int, None] = "auto",
+        per_block: Optional[bool] = None,
+        gradient_length: Optional[int] = None,
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
         if topology not in ("auto", "star", "mesh"):
             raise ValueError(f"topology must be 'auto', 'star' or 'mesh', got {topology!r}")
+        if per_block and topology == "mesh":
+            raise ValueError("per-block steps always take the star: topology 'mesh' needs "
+                             "flat steps")
+        if gradient_length is not None and gradient_length < 1:
+            raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
+        #: the steps this coordinator runs: True per-block, False flat, None not said
+        self.per_block = per_block
+        self.gradient_length = gradient_length
         self.codec = _mesh.codec_of(compression)
         if compression is not None and topology == "star":
             raise ValueError("compression travels on the mesh: it needs topology 'auto' or 'mesh'")
@@ -233,7 +262,7 @@ class Coordinator:
             else (3.0 * self.heartbeat if self.heartbeat else None))
         self._token = normalize_token(token)
         self._grants = dict(extensions or {})
-        if topology != "star":
+        if topology != "star" and not per_block:
             self._grants[Extension.MESH] = b""
         self.total_samples = 0
         if samples_per_step is not None:
@@ -294,7 +323,8 @@ class Coordinator:
             self._admission = Admission(
                 self._listener, expect_workers=self.expect_workers, token=self._token,
                 grants=self._grants, samples=self.total_samples or None,
-                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame)
+                handshake_timeout=self.handshake_timeout, max_frame=self.max_frame,
+                per_block=self.per_block, gradient_length=self.gradient_length)
         until = self.expect_workers if count is None else min(count, self.expect_workers)
         admitted = self._admission.run(time.monotonic() + limit, limit, until)
         if len(admitted) < self.expect_workers:
@@ -306,7 +336,8 @@ class Coordinator:
             self._channels.append(chan)
             self.workers.append(a.info())
         self._refuser = Refuser(self._admission.handshakes,
-                                detail=f"training has started with {self.expect_workers} workers")
+                                detail=f"training has started with "
+                                       f"{counted(self.expect_workers, 'worker')}")
         self._admission = None
         self._announce_topology(admitted)
         if self.heartbeat and self._heartbeat_thread is None:
@@ -318,6 +349,14 @@ class Coordinator:
     def _announce_topology(self, admitted: list) -> None:
         """Choose the star or the mesh for flat steps and tell every worker
         that was granted the mesh which (an empty MeshPeers keeps the star)."""
+        if self.per_block:
+            # no worker was granted the mesh: nothing to tell them
+            log.info("per-block steps run on the star, through this coordinator")
+            if self.compression:
+                log.warning("compression=%r is off: it travels on the mesh only",
+                            self.compression)
+            self._limit_receive(admitted)
+            return
         addresses: List[Optional[Tuple[str, int]]] = []
         hosts: List[Optional[bytes]] = []
         for a in admitted:
@@ -346,8 +385,9 @@ class Coordinator:
             table = MeshPeers(key=_mesh.new_key(), codec=int(self.codec),
                               shared_memory=int(shared), coordinator_share=self.share,
                               peers=_mesh.format_peers(addresses))  # type: ignore[arg-type]
-            log.info("flat steps run on the mesh between the %d workers (%s%s%s)",
-                     len(admitted), self.compression or "float32",
+            log.info("flat steps run on the mesh %s (%s%s%s)",
+                     f"between the {len(admitted)} workers" if len(admitted) > 1
+                     else "of its 1 worker", self.compression or "float32",
                      ", in shared memory" if shared else "",
                      f", {self.share / 65536:.1%} through the coordinator" if self.share else "")
         else:
@@ -504,24 +544,20 @@ class Coordinator:
     def _mesh_collect(self, step: int, part: Optional[Tuple[int, Optional[list]]] = None
                       ) -> ReduceResult:
         """Every worker's StepReport for a mesh step: their slices are
-        averaged, none applied. A non-finite element anywhere (``part``: the
+        averaged, none applied. A worker that fails the step is named as
+        :meth:`_mesh_answers` and :meth:`_mesh_culprit` find it, and every
+        connection closes. A non-finite element anywhere (``part``: the
         coordinator's own part, from :meth:`_mesh_part`) halts the step
         here: every worker hears which, the connections close."""
         t0 = time.perf_counter()
         self._require_workers()
-        deadline = time.monotonic() + self.timeout
         reports: List[StepReport] = []
-        answers: List[object] = []
-        for chan in self._channels:
-            try:
-                answers.append(chan.expect([StepReport, CollectiveError], step=step,
-                                           deadline=deadline))
-            except WorkerLost as exc:
-                answers.append(exc)
-        failed = [a for a in answers if not isinstance(a, StepReport)]
-        if failed:
+        answers, silent, alive = self._mesh_answers(step)
+        if not all(isinstance(a, StepReport) for a in answers):
             self._abandon()
-            raise self._mesh_culprit(answers, step)
+            culprit = self._mesh_culprit(answers, step, silent, alive)
+            assert culprit is not None
+            raise culprit
         for chan, msg in zip(self._channels, answers):
             wid = chan.peer_id
             if msg.step != step:
@@ -562,22 +598,140 @@ class Coordinator:
         result.reduce_time = time.perf_counter() - t1
         return result
 
+    def _mesh_answers(self, step: int) -> Tuple[List[object], Set[int], Set[int]]:
+        """Every worker's answer to a mesh step, all watched at once: a
+        StepReport, a CollectiveError, or the WorkerLost of a worker that
+        disconnected, went quiet for ``heartbeat_timeout`` (with heartbeats)
+        or sent nothing by the deadline, ``timeout`` from now.
+
+        Returns (answers, silent, alive): ``silent`` the workers that sent
+        nothing but heartbeats by the deadline (and its grace), ``alive``
+        those of them that were heard (a Heartbeat) within the last
+        ``heartbeat_timeout`` (or grace) before the end. When at the deadline
+        the answers do not yet single out a culprit (:meth:`_mesh_culprit`),
+        the silent workers are listened to for up to :data:`MESH_BLAME_GRACE`
+        longer: a live one waiting on a peer reports that peer then."""
+        chans = self._channels
+        what = "waiting for StepReport or CollectiveError"
+        start = time.monotonic()
+        deadline = start + self.timeout
+        end = deadline
+        grace = min(MESH_BLAME_GRACE, self.timeout)
+        window = self.heartbeat_timeout if self.heartbeat_timeout is not None else grace
+        answers: List[object] = [None] * len(chans)
+        heard: List[Optional[float]] = [None] * len(chans)  # each one's last frame in this wait
+        silent: Set[int] = set()
+
+        def quiet_since(w: int) -> float:
+            last = heard[w]
+            return start if last is None else last
+
+        def alive(now: float) -> Set[int]:
+            return {w for w in silent if heard[w] is not None and now - quiet_since(w) < window}
+
+        def settle(w: int, answer: object) -> None:
+            answers[w] = answer
+            silent.discard(w)
+            sel.unregister(chans[w].conn.sock)
+
+        def sure(now: float) -> bool:
+            return self._mesh_culprit(answers, step, silent, alive(now), final=False) is not None
+
+        sel = selectors.DefaultSelector()
+        in_grace = False
+        try:
+            for w, chan in enumerate(chans):
+                if chan.conn.fileno() < 0:
+                    answers[w] = WorkerLost(f"{chan.conn.peer_name} connection is closed",
+                                            worker_id=chan.peer_id, step=step)
+                else:
+                    sel.register(chan.conn.sock, selectors.EVENT_READ, w)
+            while sel.get_map():
+                now = time.monotonic()
+                if now >= end:
+                    if in_grace:
+                        break
+                    for key in sel.get_map().values():
+                        w, chan = key.data, chans[key.data]
+                        silent.add(w)
+                        answers[w] = WorkerLost(
+                            f"{chan.conn.peer_name} silent (heartbeats aside) past the deadline "
+                            f"({self.timeout:g} s) while {what}", worker_id=chan.peer_id,
+                            step=step)
+                    if sure(now):
+                        break
+                    in_grace, end = True, deadline + grace
+                    continue
+                # wake at the end, or when a quiet worker reaches its heartbeat limit
+                wake = end
+                for key in sel.get_map().values():
+                    limit = chans[key.data].heartbeat_timeout
+                    if limit is not None:
+                        wake = min(wake, quiet_since(key.data) + limit)
+                for key, _ in sel.select(max(0.0, wake - now)):
+                    w = key.data
+                    try:
+                        msg = chans[w].read_frame([StepReport, CollectiveError], step=step,
+                                                  what=what, deadline=end)
+                    except WorkerLost as exc:
+                        settle(w, exc)
+                        continue
+                    heard[w] = time.monotonic()
+                    if not isinstance(msg, Heartbeat):
+                        settle(w, msg)
+                now = time.monotonic()
+                for key in list(sel.get_map().values()):
+                    w, chan = key.data, chans[key.data]
+                    limit = chan.heartbeat_timeout
+                    if limit is not None and now - quiet_since(w) >= limit:
+                        settle(w, WorkerLost(f"{chan.conn.peer_name} silent for {limit:g} s while "
+                                             f"{what}", worker_id=chan.peer_id, step=step))
+                # in the grace, stop as soon as the answers single out the culprit
+                if in_grace and sure(now):
+                    break
+        finally:
+            sel.close()
+        return answers, silent, alive(time.monotonic())
+
     @staticmethod
-    def _mesh_culprit(answers: List[object], step: int) -> WorkerLost:
-        """The error for a mesh step some worker could not finish. When one
-        worker fails, the others that were linked to it fail too and close
-        their links, so a worker may blame one that only gave up after it:
-        a worker that answered (a report, or a CollectiveError of its own)
-        is alive, and the one to name is a silent or vanished worker that is
-        blamed, else any silent or vanished one, else the lowest blamed."""
-        lost = [w for w, a in enumerate(answers) if isinstance(a, WorkerLost)]
+    def _mesh_culprit(answers: List[object], step: int, silent: AbstractSet[int] = frozenset(),
+                      alive: AbstractSet[int] = frozenset(), *,
+                      final: bool = True) -> Optional[WorkerLost]:
+        """The error for a mesh step some worker could not finish, naming
+        the worker to blame: the one place that chooses it.
+
+        ``answers[w]`` is worker w's StepReport, its CollectiveError (it is
+        alive, and blames the worker it names, or itself), or a WorkerLost:
+        it vanished (disconnected, or its heartbeats stopped), or, for w in
+        ``silent``, it sent nothing by the deadline; ``alive`` are the silent
+        workers still heard from (heartbeats). When one worker fails, those
+        linked to it fail too and close their links, so a worker may blame
+        one that only gave up after it. The culprit is the first of:
+
+        1. a worker that did not answer and that some CollectiveError blames;
+        2. a worker that vanished;
+        3. a silent worker not heard from;
+        4. a silent worker still heard from;
+        5. a blamed worker (every worker answered);
+
+        the lowest-numbered within the first of these that has any. With
+        ``final`` False the answers may not be all in: None when the choice
+        is not sure yet, that is when it would be one of several silent
+        workers (3 or 4), of which a live one may still name another."""
+        unanswered = [w for w, a in enumerate(answers) if isinstance(a, WorkerLost)]
         blamed = {w: (w if a.worker_id == NO_WORKER else a.worker_id)
                   for w, a in enumerate(answers) if isinstance(a, CollectiveError)}
         named = sorted(set(blamed.values()))
-        culprit = next((w for w in named if w in lost), None)
-        if culprit is None:
-            culprit = lost[0] if lost else named[0]
-        reporter = next((w for w, b in blamed.items() if b == culprit), None)
+        tiers = [[w for w in named if w in unanswered],
+                 [w for w in unanswered if w not in silent],
+                 [w for w in unanswered if w in silent and w not in alive],
+                 [w for w in unanswered if w in silent and w in alive],
+                 named]
+        rank, tier = next((k, t) for k, t in enumerate(tiers) if t)
+        if not final and rank in (2, 3) and len(tier) > 1:
+            return None
+        culprit = tier[0]
+        reporter = next((w for w, b in sorted(blamed.items()) if b == culprit), None)
         if reporter is not None:
             detail = answers[reporter].detail  # type: ignore[union-attr]
             return WorkerLost(f"worker {reporter} could not finish its part of the mesh step: "
@@ -734,7 +888,7 @@ class Coordinator:
     def _require_workers(self) -> None:
         if len(self._channels) < self.expect_workers:
             raise DdpwireError(
-                f"only {len(self._channels)} of {self.expect_workers} workers joined: "
+                f"only {len(self._channels)} of {counted(self.expect_workers, 'worker')} joined: "
                 "call wait_for_workers() first")
 
     def _collect_heads(self, kind: _Kind, step: Optional[int], key: Optional[int],
@@ -819,13 +973,20 @@ class Coordinator:
 
     @contextlib.contextmanager
     def _sending_to_all(self) -> Iterator[None]:
-        """Hold every worker's send lock: a heartbeat must not land inside a frame."""
-        for chan in self._channels:
-            chan.send_lock.acquire()
+        """Hold every worker's send lock: a heartbeat must not land inside a
+        frame. Each connection's frame stays open (Channel.frame_open) when
+        the block ends in an exception."""
+        held: List[Channel] = []
         try:
-            yield
-        finally:
             for chan in self._channels:
+                chan.send_lock.acquire()
+                held.append(chan)
+                chan.frame_open = True
+            yield
+            for chan in held:
+                chan.frame_open = False
+        finally:
+            for chan in held:
                 chan.send_lock.release()
 
     def broadcast_averaged(self, step: int, result: ReduceResult) -> None:
@@ -855,3 +1016,78 @@ class Coordinator:
                 chan.send(Shutdown())
             except DdpwireError as exc:
                 log.warning("could not send Shutdown to worker %s: %s", chan.peer_id, exc)
+
+    @property
+    def mid_frame(self) -> bool:
+        """Whether some worker connection is inside a frame this coordinator
+        sends (or one that an exception cut short): no other frame, a
+        Shutdown included, may go there before it ends."""
+        return any(chan.frame_open for chan in self._channels)
+
+    def stop_workers(self, grace: float = 10.0) -> int:
+        """End the run before its last step (the caller was interrupted):
+        send Shutdown to every worker whose connection is between two frames,
+        then give each up to ``grace`` seconds to hang up. Returns how many
+        were told.
+
+        A worker waiting for a shard then ends its run as after the last
+        step; one waiting for an average raises ShutdownDuringReduce. A
+        connection left inside a frame (an exception cut the frame short) is
+        skipped: a Shutdown there would be read as the rest of that frame.
+        The wait for the hang-up matters: a worker may still be sending its
+        gradients, and closing with them unread would reset the connection,
+        failing that send before the worker reads the Shutdown."""
+        grace = check_timeout("grace", grace)
+        deadline = time.monotonic() + grace
+        self._stop.set()  # no heartbeat after the Shutdown
+        frame = encode_frame_parts(Shutdown())
+        told: List[Channel] = []
+        for chan in self._channels:
+            if chan.conn.fileno() < 0:
+                continue  # closed: a failed step abandoned it
+            # the heartbeat thread may be inside a frame: it is short, wait
+            if not chan.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            try:
+                if chan.frame_open:
+                    log.info("worker %s: its connection is inside a frame, no Shutdown",
+                             chan.peer_id)
+                    continue
+                chan.conn.send_parts(frame, min(grace, self.timeout), what="sending Shutdown")
+                told.append(chan)
+            except DdpwireError as exc:
+                log.debug("could not send Shutdown to worker %s: %s", chan.peer_id, exc)
+            finally:
+                chan.send_lock.release()
+        self._await_hang_up(told, deadline)
+        return len(told)
+
+    @staticmethod
+    def _await_hang_up(chans: List[Channel], deadline: float) -> None:
+        """Read and drop what each connection still brings until its worker
+        closes it, or the deadline passes."""
+        sel = selectors.DefaultSelector()
+        try:
+            for chan in chans:
+                try:
+                    chan.conn.sock.shutdown(socket.SHUT_WR)  # nothing more from here
+                    sel.register(chan.conn.sock, selectors.EVENT_READ)
+                except (OSError, ValueError):
+                    continue
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.info("%s still connected after the Shutdown",
+                             counted(len(sel.get_map()), "worker"))
+                    return
+                for key, _ in sel.select(left):
+                    try:
+                        data = key.fileobj.recv(1 << 16, socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(key.fileobj)
+        finally:
+            sel.close()

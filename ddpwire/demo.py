@@ -12,8 +12,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from ._text import counted
 from .auth import load_token
 from .coordinator import Coordinator
 from .errors import DdpwireError
@@ -37,7 +38,8 @@ def _worker_command(args: argparse.Namespace, model: str, addr, report: str, thr
            "--lr", str(args.lr), "--seed", str(args.seed), "--timeout", str(args.timeout),
            "--report", report, "--log-level", "WARNING", "--threads", str(threads)]
     if args.per_block:
-        cmd.append("--per-block")
+        # block messages carry no loss: the progress reads the workers' own
+        cmd += ["--per-block", "--step-lines"]
     if args.device:
         cmd += ["--device", args.device]
     return cmd
@@ -84,6 +86,67 @@ class _Watch:
                           f"before training ended (its error is above)")
 
 
+class _StepLines:
+    """Every worker's own loss and counts per step (the JSON lines of
+    ``ddpwire worker --step-lines``), read from its stdout on a thread of
+    its own, pooled for the progress lines of per-block steps.
+
+    A worker prints a step's line as the step ends, right after it received
+    the last average, so the line of a step the coordinator has just
+    finished may still be on its way: :meth:`pooled` waits for it, at most
+    ``timeout`` seconds."""
+
+    def __init__(self, procs: List[subprocess.Popen], timeout: float) -> None:
+        self._timeout = timeout
+        self._cond = threading.Condition()
+        self._figures: List[Dict[int, Tuple[float, int, int]]] = [{} for _ in procs]
+        self._ended = [False] * len(procs)
+        self._threads = [threading.Thread(target=self._read, args=(i, p.stdout), daemon=True,
+                                          name=f"ddpwire-demo-steps-{i}")
+                         for i, p in enumerate(procs)]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, i: int, stream: Any) -> None:
+        try:
+            for line in stream:
+                try:
+                    d = json.loads(line)
+                    figures = (float(d["loss"]), int(d["correct"]), int(d["total"]))
+                    step = int(d["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # not a step line
+                with self._cond:
+                    self._figures[i][step] = figures
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._ended[i] = True
+                self._cond.notify_all()
+
+    def pooled(self, step: int) -> Optional[Tuple[float, float]]:
+        """(loss, accuracy) of ``step`` over every worker's shard, weighted
+        by its samples; None when some worker's line did not come."""
+        with self._cond:
+            self._cond.wait_for(lambda: all(step in f or ended for f, ended
+                                            in zip(self._figures, self._ended)), self._timeout)
+            got = [f.get(step) for f in self._figures]
+            for f in self._figures:  # the bar asks in step order: earlier ones are done with
+                for old in [k for k in f if k <= step]:
+                    del f[old]
+        if any(g is None for g in got):
+            log.warning("no loss for step %d: some worker's figures did not come", step)
+            return None
+        total = sum(g[2] for g in got)  # type: ignore[index]
+        loss = sum(g[0] * g[2] for g in got) / max(total, 1)  # type: ignore[index]
+        return loss, sum(g[1] for g in got) / max(total, 1)  # type: ignore[index]
+
+    def close(self, timeout: float) -> None:
+        """Wait for the readers (the workers have exited: their stdout ended)."""
+        for t in self._threads:
+            t.join(timeout)
+
+
 def _torch_default() -> str:
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     return f"OMP_NUM_THREADS={omp}" if omp else "torch's default"
@@ -101,18 +164,21 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
     with tempfile.TemporaryDirectory(prefix="ddpwire-demo-") as tmp, \
             Coordinator(("127.0.0.1", 0), expect_workers=args.workers, timeout=args.timeout,
                         join_timeout=max(args.timeout, 120.0), samples_per_step=args.samples,
+                        per_block=args.per_block,
                         # the workers read $DDPWIRE_TOKEN too, when it is set
                         token=load_token(None)) as coord:
         addr = coord.local_addr
         reports = [os.path.join(tmp, f"worker{i}.json") for i in range(args.workers)]
-        print(f"ddpwire demo: {args.workers} workers on {addr[0]}:{addr[1]}, model {model}, "
-              f"{args.steps} steps of {args.samples} samples"
+        print(f"ddpwire demo: {counted(args.workers, 'worker')} on {addr[0]}:{addr[1]}, "
+              f"model {model}, {counted(args.steps, 'step')} of {counted(args.samples, 'sample')}"
               f"{', per-block' if args.per_block else ''}; "
               f"torch threads per worker: {threads or _torch_default()}", file=out, flush=True)
         # Own sessions: a Ctrl-C at the terminal reaches the demo alone, which
         # then stops its workers, instead of every process printing it.
-        procs = [subprocess.Popen(_worker_command(args, model, addr, r, threads), start_new_session=True)
+        procs = [subprocess.Popen(_worker_command(args, model, addr, r, threads), start_new_session=True,
+                                  stdout=subprocess.PIPE if args.per_block else None, text=True)
                  for r in reports]
+        lines = _StepLines(procs, args.timeout) if args.per_block else None
         bar = ProgressBar(args.steps, stream=out)
         watch = _Watch(procs)
         try:
@@ -121,7 +187,8 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                     coord.wait_for_workers()
                     for info in coord.workers:
                         log.info("worker %d: %s (%s)", info.worker_id, info.node_id, info.backend)
-                    bar = ProgressBar(args.steps, stream=out)
+                    bar = ProgressBar(args.steps, stream=out,
+                                      pooled=lines.pooled if lines is not None else None)
                     steps = serve(coord, steps=args.steps, total_samples=args.samples,
                                   per_block=args.per_block, num_blocks=args.blocks, on_step=bar.update)
             except (KeyboardInterrupt, DdpwireError):
@@ -142,6 +209,8 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            if lines is not None:
+                lines.close(args.timeout)
         failed = [i for i, p in enumerate(procs) if p.returncode != 0]
         if failed:
             raise DdpwireError(f"worker processes {failed} exited with an error")
@@ -155,30 +224,18 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
 def _summary(args: argparse.Namespace, steps, bar: ProgressBar, results: List[dict], out) -> int:
     digests = {r["weights_sha256"] for r in results}
     first = min(results, key=lambda r: r["worker_id"])
-    if args.per_block:
-        # block messages carry no loss: the workers' own figures, pooled per step
-        _print_training_curve(results, args.steps, out)
     allreduce_ms = 1000 * sum(s.allreduce_time for s in steps) / max(len(steps), 1)
     elapsed = bar.last - bar.start
     print(f"held-out accuracy {100 * first['held_out_accuracy']:.1f}% "
           f"(loss {first['held_out_loss']:.4f})", file=out)
     print(f"throughput {bar.throughput:,.0f} samples/s over {elapsed:.2f} s; "
           f"allreduce {allreduce_ms:.2f} ms per step", file=out)
+    if len(results) == 1:
+        print(f"weights of the only worker (sha256 {first['weights_sha256'][:16]})", file=out)
+        return 0
     if len(digests) == 1:
         print(f"weights identical on all {len(results)} workers (sha256 {first['weights_sha256'][:16]})",
               file=out)
         return 0
     print(f"weights DIFFER between workers: {len(digests)} distinct digests", file=out)
     return 1
-
-
-def _print_training_curve(results: List[dict], steps: int, out) -> None:
-    """Loss and accuracy over all workers' shards, at about ten steps of the run."""
-    n = min(len(r["train_loss"]) for r in results)
-    shown = sorted({min(n - 1, i * max(1, n // 10)) for i in range(10)} | {n - 1}) if n else []
-    for step in shown:
-        total = sum(r["train_total"][step] for r in results)
-        loss = sum(r["train_loss"][step] * r["train_total"][step] for r in results) / max(total, 1)
-        correct = sum(r["train_correct"][step] for r in results)
-        print(f"step {step + 1:>{len(str(steps))}}/{steps}  train loss {loss:.4f}  "
-              f"acc {100 * correct / max(total, 1):5.1f}%", file=out)

@@ -157,17 +157,23 @@ class JoinRefusedError(DdpwireError, ConnectionRefusedError):
     started, the token is missing or wrong, or an offered value (such as the
     samples per step) disagrees. ``reason`` is the JoinRefused reason code
     (:class:`ddpwire.extensions.RefusalReason`), ``detail`` the coordinator's
-    words."""
+    words. ``by_worker`` is True where this worker itself ended the join
+    (the coordinator could not prove the token): the text then says so
+    instead of blaming the coordinator."""
 
-    def __init__(self, reason: int, detail: str, **context: Optional[int]) -> None:
+    def __init__(self, reason: int, detail: str, *, by_worker: bool = False,
+                 **context: Optional[int]) -> None:
         self.reason = reason
         self.detail = detail
-        super().__init__(f"the coordinator refused to admit this worker: {detail}", **context)
+        self.by_worker = by_worker
+        super().__init__(detail if by_worker else
+                         f"the coordinator refused to admit this worker: {detail}", **context)
 
 
 class AuthenticationFailed(JoinRefusedError):
     """Token authentication failed: this side has no token or the wrong one,
-    or the peer could not prove that it knows the token."""
+    or the peer could not prove that it knows the token (``by_worker``: this
+    worker gave up on the coordinator, rather than being refused by it)."""
 
 
 class ShutdownDuringReduce(DdpwireError):

@@ -6,15 +6,15 @@ csrc/wire.h defines them once; nothing here restates a number.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ._core import _codes
 
 __all__ = ["Extension", "RefusalReason", "CollectiveKind", "ReduceOp", "DType", "Codec",
-           "decode_u16",
-           "decode_u64", "encode_u16", "encode_u64", "samples_mismatch"]
+           "decode_flag", "decode_u16", "decode_u64", "encode_flag", "encode_u16", "encode_u64",
+           "samples_mismatch", "steps_mismatch"]
 
 _FAMILIES, _DTYPE_SIZES = _codes()
 
@@ -26,7 +26,8 @@ def _enum(name: str, doc: str) -> type:
     return cls
 
 
-Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLES, COLLECTIVES).")
+Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLES, COLLECTIVES, "
+                               "MESH, PER_BLOCK, GRADIENT_LENGTH, STEPS).")
 RefusalReason = _enum("RefusalReason", "JoinRefused.reason codes.")
 CollectiveKind = _enum("CollectiveKind", "CollectiveRequest/CollectiveResult.kind codes.")
 ReduceOp = _enum("ReduceOp", "CollectiveRequest.op codes.")
@@ -60,8 +61,23 @@ DType = _DTypeCodes(  # type: ignore[call-overload]
 
 
 # Entry values that are one integer (the samples entry's u64, the
-# collectives entry's u16 version), little-endian like every field after the
-# frame's length prefix.
+# collectives entry's u16 version, the per-block entry's u8 flag),
+# little-endian like every field after the frame's length prefix.
+
+def encode_flag(value: bool) -> bytes:
+    """The value of an entry holding one u8 that is 0 or 1."""
+    return b"\x01" if value else b"\x00"
+
+
+def decode_flag(value: bytes) -> bool:
+    """The u8 flag in an entry value; another size, or a byte other than 0
+    or 1, is a ProtocolError."""
+    flag = _decode_uint(value, 1)
+    if flag > 1:
+        from .errors import ProtocolError
+        raise ProtocolError(f"extension entry: a flag is 0 or 1, got {flag}")
+    return bool(flag)
+
 
 def encode_u64(value: int) -> bytes:
     """The value of an entry holding one u64."""
@@ -107,4 +123,49 @@ def samples_mismatch(coordinator: Optional[int], entries: Mapping[int, bytes],
         worker = theirs
     if coordinator and worker and coordinator != worker:
         return f"samples per step differ: coordinator {coordinator}, worker {worker}"
+    return None
+
+
+def steps_mismatch(per_block: Optional[bool], gradient_length: Optional[int],
+                   offer: Mapping[int, bytes],
+                   joined: Sequence[Mapping[int, bytes]]) -> Optional[str]:
+    """Why a worker's offer (``offer``, its JoinRequest entries) would send
+    other steps than the session's, or None: per-block against flat steps,
+    or a gradient of another length. Each is held to the coordinator's own
+    value (``per_block``, ``gradient_length``; None: not configured), else
+    to the first worker in ``joined`` (the offers of those admitted, in
+    worker order) that offered one. An entry not offered, or a length of 0,
+    agrees with anything: a reference worker offers none. The words say what
+    to change on the command line."""
+    mode = offer.get(Extension.PER_BLOCK)
+    if mode is not None:
+        theirs = decode_flag(mode)
+        if per_block is not None:
+            if theirs != per_block:
+                return ("this coordinator runs per-block steps (--per-block); start the worker "
+                        "with --per-block" if per_block else
+                        "this coordinator runs flat steps; start the worker without --per-block")
+        else:
+            first = next((decode_flag(e[Extension.PER_BLOCK]) for e in joined
+                          if Extension.PER_BLOCK in e), None)
+            if first is not None and theirs != first:
+                return ("the workers that joined run per-block steps (--per-block); start this "
+                        "worker with --per-block too" if first else
+                        "the workers that joined run flat steps; start this worker without "
+                        "--per-block")
+    value = offer.get(Extension.GRADIENT_LENGTH)
+    length = decode_u64(value) if value is not None else 0
+    if length:
+        if gradient_length:
+            if length != gradient_length:
+                return (f"this worker's model has {length} gradient elements, this "
+                        f"coordinator's gradient_length is {gradient_length}: every worker must "
+                        f"train the model it was set up for")
+        else:
+            first_length = next((n for n in (decode_u64(e[Extension.GRADIENT_LENGTH])
+                                             for e in joined if Extension.GRADIENT_LENGTH in e)
+                                 if n), None)
+            if first_length is not None and length != first_length:
+                return (f"this worker's model has {length} gradient elements, the others' "
+                        f"{first_length}: every worker must train the same model")
     return None

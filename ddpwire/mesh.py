@@ -65,6 +65,7 @@ import numpy as np
 from . import _core
 from . import reduce as _reduce
 from . import shm as _shm
+from ._text import counted
 from .channel import Channel, check_timeout
 from .errors import (DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError,
                      ShutdownDuringReduce, UnexpectedMessage, WorkerLost)
@@ -192,7 +193,8 @@ def parse_peers(text: str, world: int) -> List[Tuple[str, int]]:
     an IP address (IPv6 in brackets) and a port from 1 to 65535."""
     entries = text.split(",") if text else []
     if len(entries) != world:
-        raise ProtocolError(f"MeshPeers.peers names {len(entries)} workers, the session has {world}")
+        raise ProtocolError(f"MeshPeers.peers names {counted(len(entries), 'worker')}, "
+                            f"the session has {world}")
     out = []
     for i, entry in enumerate(entries):
         host, sep, port_text = entry.rpartition(":")

@@ -3,15 +3,24 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO, Tuple
 
 from .serve import StepReport
 
-__all__ = ["ProgressBar", "break_line"]
+__all__ = ["ProgressBar", "break_line", "EVERY_S", "REDRAW_S"]
+
+#: seconds between two progress lines off a terminal (a log, CI)
+EVERY_S = 2.0
+#: seconds between two redraws on a terminal: drawing every step of a fast
+#: run would cost more than the step
+REDRAW_S = 0.1
 
 # The bar whose terminal line is unfinished (no newline yet), so that an
 # error or "interrupted" can start on a line of its own.
 _open_bar: Optional["ProgressBar"] = None
+
+#: (step) -> (loss, accuracy) pooled over the workers, or None when unknown
+Pooled = Callable[[int], Optional[Tuple[float, float]]]
 
 
 def break_line() -> None:
@@ -21,42 +30,81 @@ def break_line() -> None:
 
 
 class ProgressBar:
-    """Redraws one line per step on a terminal; elsewhere (a log, CI) prints a
-    line every tenth of the run so output stays short."""
+    """The progress of a run: on a terminal one line redrawn in place (at
+    most every ``redraw`` seconds), elsewhere a line of its own every
+    ``every`` seconds; the first and the last step always show. However
+    long the run, something shows within a few seconds.
 
-    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24) -> None:
+    Each line carries the step, the loss and accuracy of that step, the
+    throughput since the previous line and the step's allreduce time. A
+    report without loss (per-block steps: block messages carry none) takes
+    it from ``pooled`` where given, asked only for the steps that show.
+    ``clock`` (seconds) is ``time.perf_counter`` but for tests.
+    """
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24, *,
+                 every: float = EVERY_S, redraw: float = REDRAW_S,
+                 clock: Callable[[], float] = time.perf_counter,
+                 pooled: Optional[Pooled] = None) -> None:
         self.total = total
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.perf_counter()
+        self.every = every
+        self.redraw = redraw
+        self.clock = clock
+        self.pooled = pooled
+        self.start = clock()
         self.samples = 0
+        self.done = 0  # steps reported so far
         self.last = self.start
+        self._shown: Optional[float] = None  # when a line last showed
+        # throughput is measured over a window that restarts every line off
+        # a terminal, every `every` seconds on one (redraws are too close)
+        self._window = (self.start, 0)
         self._line_open = False
 
     def update(self, report: StepReport) -> None:
-        """Count the step's samples and redraw (or print) the line."""
+        """Count the step's samples and, when due, draw (or print) the line."""
         global _open_bar
         done = report.step + 1
+        self.done += 1
         self.samples += report.samples
-        self.last = time.perf_counter()
-        filled = int(self.width * done / max(self.total, 1))
-        bar = "#" * filled + "." * (self.width - filled)
-        parts = [f"step {done:>{len(str(self.total))}}/{self.total} [{bar}]"]
-        if report.global_loss is not None:
-            parts.append(f"loss {report.global_loss:.4f}")
-        if report.accuracy is not None:
-            parts.append(f"acc {100 * report.accuracy:5.1f}%")
-        parts.append(f"allreduce {1000 * report.allreduce_time:6.2f} ms")
-        line = "  ".join(parts)
+        now = self.clock()
+        self.last = now
+        finished = done == self.total
+        gap = self.redraw if self.tty else self.every
+        if not (self._shown is None or finished or now - self._shown >= gap):
+            return
+        line = self._line(report, done, now)
+        self._shown = now
+        if not self.tty or now - self._window[0] >= self.every:
+            self._window = (now, self.samples)
         if self.tty:
-            finished = done == self.total
             self.stream.write("\r" + line + ("\n" if finished else ""))
             self._line_open = not finished
             _open_bar = None if finished else self
-        elif done == self.total or done % max(1, self.total // 10) == 0:
+        else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def _line(self, report: StepReport, done: int, now: float) -> str:
+        filled = int(self.width * done / max(self.total, 1))
+        bar = "#" * filled + "." * (self.width - filled)
+        parts = [f"step {done:>{len(str(self.total))}}/{self.total} [{bar}]"]
+        loss, accuracy = report.global_loss, report.accuracy
+        if loss is None and self.pooled is not None:
+            pooled = self.pooled(report.step)
+            if pooled is not None:
+                loss, accuracy = pooled
+        if loss is not None:
+            parts.append(f"loss {loss:.4f}")
+        if accuracy is not None:
+            parts.append(f"acc {100 * accuracy:5.1f}%")
+        since, samples = self._window
+        parts.append(f"{(self.samples - samples) / max(now - since, 1e-9):,.0f} samples/s")
+        parts.append(f"allreduce {1000 * report.allreduce_time:6.2f} ms")
+        return "  ".join(parts)
 
     def close(self) -> None:
         """End an unfinished terminal line (a run cut short); else nothing."""

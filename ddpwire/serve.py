@@ -51,6 +51,10 @@ def serve(
     blocks in backward order (``num_blocks - 1`` down to 0), then the
     non-block components, as the workers' trainer sends them.
     """
+    if coord.per_block is not None and coord.per_block != per_block:
+        # its workers were admitted for the other mode: every step would fail
+        raise ValueError(f"serve(per_block={per_block}) on a coordinator built with "
+                         f"per_block={coord.per_block}")
     coord.set_total_samples(total_samples)
     reports = []
     for step in range(steps):

@@ -9,20 +9,15 @@ vectors of a megabyte or more, and only with cores to run them.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
+
+# looked up here at each call, so a test may patch it on this module
+from .threads import usable_cores
 
 __all__ = ["MIN_BYTES", "usable_cores", "for_coordinator", "for_worker"]
 
 # smallest vector the defaults put on threads
 MIN_BYTES = 1 << 20
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (a container's limit, not the host's)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def for_coordinator(choice: Optional[bool], workers: int, nbytes: int) -> bool:

@@ -25,6 +25,7 @@ from . import mesh as _mesh
 from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
+from ._text import counted
 from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
 from .errors import (
     AuthenticationFailed,
@@ -37,8 +38,9 @@ from .errors import (
     ProtocolError,
     ShutdownDuringReduce,
     UnexpectedMessage,
+    WorkerLost,
 )
-from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch
+from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
 from .messages import (
     AuthChallenge,
     AuthProof,
@@ -102,25 +104,38 @@ def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> 
         delay = min(delay * 2, 1.0)
 
 
-def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes) -> JoinAccepted:
+def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
+                     where: str) -> JoinAccepted:
     """The coordinator's answer to our JoinRequest, through the token
-    handshake when we have a token (docs/extensions.md, "Authentication")."""
+    handshake when we have a token (docs/extensions.md, "Authentication").
+    ``where`` (host:port) names the coordinator when this worker gives up."""
     reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused])
     if isinstance(reply, AuthChallenge):
         if token is None:
-            raise AuthenticationFailed(RefusalReason.AUTH_REQUIRED,
-                                       "the coordinator requires a token and this worker has none")
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_REQUIRED,
+                f"the coordinator at {where} requires a token and this worker has none: start "
+                f"it with the coordinator's token (--token-file or {auth.TOKEN_ENV})",
+                by_worker=True)
         expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
         if not auth.proof_matches(expected, bytes(reply.proof)):
             # a peer that does not know the token learns nothing from us
-            raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
-                                       "the coordinator could not prove it knows the token")
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_FAILED,
+                f"the coordinator at {where} does not know this worker's token (its proof did "
+                f"not match): the tokens differ; check {auth.TOKEN_ENV} or --token-file on "
+                f"both sides", by_worker=True)
         chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
         reply = chan.expect([JoinAccepted, JoinRefused])
     elif token is not None and isinstance(reply, JoinAccepted):
-        raise AuthenticationFailed(RefusalReason.AUTH_FAILED,
-                                   "the coordinator admitted this worker without proving the token "
-                                   "(it has no token, or it is not a ddpwire coordinator)")
+        # a ddpwire coordinator without a token refuses the offer instead:
+        # this is the reference coordinator, or an older ddpwire one
+        raise AuthenticationFailed(
+            RefusalReason.AUTH_FAILED,
+            f"the coordinator at {where} admitted this worker without proving it knows the "
+            f"token: it has no token configured (or it is not a ddpwire coordinator), so it "
+            f"cannot prove it; start it with the same token, or drop the token from this worker",
+            by_worker=True)
     if isinstance(reply, JoinRefused):
         cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
                                                        RefusalReason.AUTH_FAILED) else JoinRefusedError
@@ -195,13 +210,21 @@ class Worker:
         samples_per_step: Optional[int] = None,
         mesh: bool = True,
         tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION,
+        per_block: Optional[bool] = None,
+        gradient_length: Optional[int] = None,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
 
         Connecting is retried until ``connect_timeout`` (default ``timeout``)
         so workers may start before the coordinator. ``timeout`` then bounds
         every wait on the coordinator: no awaited message within it raises
-        :class:`~ddpwire.CoordinatorLost`. ``heartbeat`` (seconds) turns on
+        :class:`~ddpwire.CoordinatorLost`. In a mesh session it also bounds
+        each flat step's part on this worker, its links and reduce-scatter,
+        counted from the coordinator's last message before it (the
+        ShardAssignment, or the previous step's go-ahead), as the
+        coordinator counts its wait for the step: give workers the
+        coordinator's timeout, so that one left waiting on a stalled peer
+        names it in time. ``heartbeat`` (seconds) turns on
         Heartbeat frames both ways (a ddpwire coordinator only; the reference
         coordinator rejects them). ``socket_threads`` makes :meth:`allreduce`
         send from a thread of its own while it receives, so the two kernel
@@ -213,7 +236,11 @@ class Worker:
         it too (:class:`~ddpwire.AuthenticationFailed`). ``extensions``
         (type -> value) are offered to the coordinator; what it granted is
         :attr:`extensions` afterwards. ``samples_per_step``, the value this
-        worker was given, lets a ddpwire coordinator refuse a mismatch.
+        worker was given, lets a ddpwire coordinator refuse a mismatch; so do
+        ``per_block`` (whether this worker will send per-block or flat steps)
+        and ``gradient_length`` (the elements of one step's gradient, over
+        every block), so that workers of another mode or another model are
+        refused at the join rather than failing at step 0.
         ``mesh`` offers to average flat steps with the other workers
         directly (:mod:`ddpwire.mesh`; the coordinator decides): this worker
         then listens on a port of its own, on the address it reaches the
@@ -240,6 +267,12 @@ class Worker:
         offer: Dict[int, bytes] = dict(extensions or {})
         if samples_per_step:
             offer[Extension.SAMPLES] = encode_u64(samples_per_step)
+        if per_block is not None:
+            offer[Extension.PER_BLOCK] = encode_flag(per_block)
+        if gradient_length is not None:
+            if gradient_length < 1:
+                raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
+            offer[Extension.GRADIENT_LENGTH] = encode_u64(gradient_length)
         nonce = auth.new_nonce() if secret is not None else b""
         if secret is not None:
             offer[Extension.AUTH] = nonce
@@ -259,7 +292,7 @@ class Worker:
             # it may tell this worker why it is refused.
             chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
                                   extensions=offer))
-            accepted = _await_admission(chan, secret, nonce)
+            accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
             _check_samples(granted, samples_per_step)
@@ -373,7 +406,8 @@ class Worker:
             self._mesh_send(step, gradients, loss, correct, total)
             return self._mesh_receive(out)
         if self._owed:
-            raise DdpwireError(f"allreduce: {len(self._owed)} earlier average(s) not yet received",
+            raise DdpwireError(f"allreduce: {counted(len(self._owed), 'earlier average')} "
+                               f"not yet received",
                                worker_id=self._worker_id, step=step)
         out = result_buffer(out, len(gradients))
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
@@ -469,8 +503,8 @@ class Worker:
             raise DdpwireError(f"step {self._mesh_sent[0]}'s average not yet received",
                                worker_id=self._worker_id, step=step)
         try:
+            deadline = self._step_deadline(step)
             links = self._links()
-            deadline = time.monotonic() + self._chan.timeout
             # with a coordinator share a GradientPayload to the coordinator
             # goes out with the slices: no heartbeat may land inside it
             with self._chan.send_lock if links.coordinator_share else contextlib.nullcontext():
@@ -483,6 +517,28 @@ class Worker:
             self._break_session(step, exc)
             raise
         self._mesh_sent = (step, len(gradients))
+
+    def _step_deadline(self, step: int) -> float:
+        """When this worker's part of a mesh step (its links, its
+        reduce-scatter) must be done: ``timeout`` after the coordinator's
+        last message, the step's ShardAssignment or the previous step's
+        go-ahead. The coordinator's wait for the step's reports starts then
+        too, so a worker left waiting on a stalled peer gives up, and names
+        that peer to the coordinator, no later than the coordinator's own
+        deadline (not ``timeout`` after its own computing ended, which
+        would be too late to be heard). A worker that only comes to its
+        step after that is itself the late one: WorkerLost naming it."""
+        now = time.monotonic()
+        since = self._chan.last_message_at
+        if since is None:
+            return now + self._chan.timeout
+        deadline = since + self._chan.timeout
+        if deadline <= now:
+            raise WorkerLost(f"worker {self._worker_id} came to its part of mesh step {step} "
+                             f"{now - since:.3g} s after the coordinator's last message, past "
+                             f"the step's {self._chan.timeout:g} s timeout",
+                             worker_id=self._worker_id, step=step)
+        return deadline
 
     def _mesh_receive(self, out: Optional[np.ndarray]) -> AveragedGradient:
         if self._mesh_sent is None:
@@ -523,10 +579,12 @@ class Worker:
         # CollectiveError as gradient bytes: closing is all it can be told
         if not cut and isinstance(exc, DdpwireError) and \
                 not isinstance(exc, (CoordinatorLost, NonFiniteGradient)):
+            # the message alone: the CollectiveError carries the worker and
+            # the step, and the coordinator's error names them again
             try:
                 self._chan.send(CollectiveError(
                     seq=step, worker_id=NO_WORKER if blamed is None else blamed,
-                    detail=str(exc)[:1000]), step=step)
+                    detail=exc.message[:1000]), step=step)
             except DdpwireError:
                 pass  # the coordinator is gone too: closing says the rest
         self._chan.close()

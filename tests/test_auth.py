@@ -3,8 +3,10 @@ token, nobody without it takes a slot, a replayed handshake fails, and a fake
 coordinator that cannot prove the token learns nothing."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +23,18 @@ TOKEN = "correct horse battery staple"
 
 def worker(coord, **kw):
     return spawn(lambda: Worker.connect(coord.local_addr, 0, "cpu", timeout=10, **kw))
+
+
+def logged(caplog, text: str, within: float = 10.0) -> str:
+    """The first coordinator log line holding ``text``, waiting for it: the
+    coordinator's loop runs on another thread."""
+    deadline = time.monotonic() + within
+    while True:
+        for record in list(caplog.records):
+            if text in record.getMessage():
+                return record.getMessage()
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.01)
 
 
 def raw_offer(coord, nonce: bytes) -> socket.socket:
@@ -77,16 +91,52 @@ def test_a_peer_without_an_offer_is_closed_without_an_extension_byte():
         good.join_result().close()
 
 
-def test_a_wrong_token_fails_on_the_worker_first():
+def test_a_wrong_token_fails_on_the_worker_first(caplog):
     """The coordinator proves the token first: a worker with another token
-    finds out, and sends no proof of its own."""
+    finds out, and sends no proof of its own. Each side says what happened
+    and what to check: the worker gave up, the coordinator refused nothing."""
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
     with Coordinator(ADDR, expect_workers=1, token=TOKEN) as coord:
         join = spawn(coord.wait_for_workers)
-        with pytest.raises(ddpwire.AuthenticationFailed, match="could not prove"):
+        host, port = coord.local_addr
+        with pytest.raises(ddpwire.AuthenticationFailed) as info:
             Worker.connect(coord.local_addr, timeout=10, token="wrong")
+        text = str(info.value)
+        assert info.value.reason == RefusalReason.AUTH_FAILED
+        assert f"the coordinator at {host}:{port} does not know this worker's token" in text
+        assert "the tokens differ" in text and "DDPWIRE_TOKEN" in text and "--token-file" in text
+        assert "refused" not in text
+        said = logged(caplog, "gave up the handshake")
+        assert said.startswith("worker from 127.0.0.1:")
+        assert "its token differs from this coordinator's" in said
+        assert not any("disconnected during the handshake" in r.getMessage()
+                       for r in caplog.records)
         good = worker(coord, token=TOKEN)
         join.join_result()
         good.join_result().close()
+
+
+def test_a_worker_with_a_token_is_refused_by_a_coordinator_without_one(caplog):
+    """A coordinator without a token cannot prove one: it refuses a worker
+    that offers one, before it takes a slot, and both sides say which token
+    to add or drop."""
+    caplog.set_level(logging.INFO, logger="ddpwire.coordinator")
+    with Coordinator(ADDR, expect_workers=1) as coord:
+        join = spawn(coord.wait_for_workers)
+        with pytest.raises(ddpwire.AuthenticationFailed) as info:
+            Worker.connect(coord.local_addr, timeout=10, token=TOKEN)
+        assert info.value.reason == RefusalReason.AUTH_FAILED
+        assert "has no token" in str(info.value)
+        assert "start it with the same token" in str(info.value)
+        assert "drop the token from the worker" in str(info.value)
+        plain = worker(coord)  # the slot is still free
+        assert [i.worker_id for i in join.join_result()] == [0]
+        plain.join_result().close()
+    lines = [r.getMessage() for r in caplog.records]
+    refused = [m for m in lines if m.startswith("refused a connection from 127.0.0.1:")]
+    assert len(refused) == 1 and "offered a token, and this coordinator has none" in refused[0]
+    assert sum(" joined: " in m for m in lines) == 1, lines
+    assert not any("before the join completed" in m for m in lines), lines
 
 
 def test_a_wrong_proof_is_refused_by_the_coordinator():
@@ -160,7 +210,7 @@ def fake_coordinator(answer):
 def test_a_fake_coordinator_that_cannot_prove_the_token_learns_nothing():
     lsock, t = fake_coordinator(lambda req: ddpwire.AuthChallenge(nonce=os.urandom(32),
                                                                   proof=os.urandom(32)))
-    with pytest.raises(ddpwire.AuthenticationFailed, match="could not prove"):
+    with pytest.raises(ddpwire.AuthenticationFailed, match="does not know this worker's token"):
         Worker.connect(lsock.getsockname(), timeout=10, token=TOKEN)
     request, rest = t.join_result()
     lsock.close()
@@ -170,9 +220,17 @@ def test_a_fake_coordinator_that_cannot_prove_the_token_learns_nothing():
 
 
 def test_a_coordinator_that_skips_the_challenge_is_refused_by_a_worker_with_a_token():
+    """The reference coordinator (or an older ddpwire one) has no token and
+    admits anyone: the worker gives up, and says it did and why."""
     lsock, t = fake_coordinator(lambda req: ddpwire.JoinAccepted(worker_id=0, total_workers=1))
-    with pytest.raises(ddpwire.AuthenticationFailed, match="without proving the token"):
+    host, port = lsock.getsockname()
+    with pytest.raises(ddpwire.AuthenticationFailed) as info:
         Worker.connect(lsock.getsockname(), timeout=10, token=TOKEN)
+    text = str(info.value)
+    assert text.startswith(f"the coordinator at {host}:{port} admitted this worker without "
+                           f"proving it knows the token: it has no token configured")
+    assert "start it with the same token, or drop the token from this worker" in text
+    assert "refused" not in text
     t.join_result()
     lsock.close()
 

@@ -17,7 +17,8 @@ from ddpwire import cli
 from ddpwire.launch import Launch, from_environment, parse_addr
 from ddpwire.progress import ProgressBar
 from ddpwire.serve import StepReport
-from ddpwire.threads import default_threads, threads_per_worker, usable_cores
+from ddpwire.threads import (connections_to, default_threads, threads_per_worker, usable_cores,
+                             workers_here)
 
 PY = [sys.executable, "-m", "ddpwire"]
 
@@ -51,12 +52,20 @@ def test_demo_trains_two_workers_to_identical_weights():
 
 
 @needs_torch
-def test_per_block_demo_shows_loss_and_accuracy():
+def test_per_block_demo_shows_loss_and_accuracy_as_it_trains():
+    # block messages carry no loss: the progress lines pool the workers' own
+    # figures for the step they show, while training runs
     proc = run(["demo", "--workers", "2", "--steps", "4", "--samples", "64", "--per-block"])
     assert proc.returncode == 0, proc.stderr
-    curve = [line for line in proc.stdout.splitlines() if "train loss" in line]
-    assert curve and curve[-1].startswith("step 4/4")
-    assert all(" acc " in line and "%" in line for line in curve)
+    lines = proc.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("step ")]
+    steps = [int(line.split()[1].split("/")[0]) for line in progress]
+    assert steps[0] == 1 and steps[-1] == 4 and steps == sorted(set(steps))
+    assert all(" loss " in line and " acc " in line and "%" in line and "samples/s" in line
+               for line in progress), proc.stdout
+    # nothing printed again after training: the summary follows the last step
+    assert lines.index(progress[-1]) + 1 == next(i for i, line in enumerate(lines)
+                                                 if line.startswith("held-out accuracy"))
     assert "weights identical on all 2 workers" in proc.stdout
 
 
@@ -159,6 +168,41 @@ def test_threads_per_worker_split_the_cores():
     assert default_threads(2, {}) == threads_per_worker(2)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's table of TCP sockets")
+def test_connections_to_a_peer_are_counted_from_the_kernel_table():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = server.getsockname()
+        clients = [socket.create_connection(addr) for _ in range(3)]
+        accepted = [server.accept()[0] for _ in clients]
+        try:
+            # the accepted ends point elsewhere: only the three clients count
+            assert connections_to(addr) == 3
+            assert workers_here(clients[0], env={}) == 3
+        finally:
+            for s in clients + accepted:
+                s.close()
+    assert connections_to(("no-such-host", 1)) is None
+
+
+def test_connections_table_is_read_in_the_kernels_byte_order(tmp_path):
+    import struct
+    word = "%08X" % struct.unpack("=I", socket.inet_aton("10.1.2.3"))[0]
+    table = tmp_path / "tcp"
+    table.write_text(
+        "  sl  local_address rem_address   st tx_queue\n"
+        f"   0: 0100007F:9C40 {word}:7531 01 0\n"
+        f"   1: 0100007F:9C41 {word}:7531 06 0\n"  # TIME_WAIT: gone
+        f"   2: 0100007F:9C42 {word}:7532 01 0\n")  # another port
+    assert connections_to(("10.1.2.3", 0x7531), {socket.AF_INET: str(table)}) == 1
+    assert connections_to(("10.1.2.3", 0x7531), {socket.AF_INET: str(tmp_path / "none")}) is None
+
+
+def test_workers_here_without_a_table_is_torchruns_count():
+    with socket.socket() as unconnected:  # no peer: nothing to count
+        assert workers_here(unconnected, env={"LOCAL_WORLD_SIZE": "4"}) == 4
+        assert workers_here(unconnected, env={}) == 1
+
+
 @needs_torch
 def test_standalone_coordinator_and_workers(tmp_path):
     port = free_port()
@@ -202,6 +246,34 @@ def test_standalone_coordinator_and_workers(tmp_path):
     assert all(r["steps"] == 3 for r in results)
     assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
     assert "a-shared-secret" not in " ".join(coord.args)
+
+
+@needs_torch
+def test_a_per_block_coordinator_refuses_a_flat_worker_at_the_join():
+    """The worker hears at the join which flag to add, instead of both sides
+    failing at step 0; the coordinator does not claim flat steps on a mesh."""
+    port = free_port()
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "1",
+                                   "--steps", "1", "--samples", "32", "--per-block",
+                                   "--timeout", "60"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60", "--samples", "32"]
+    try:
+        flat = run(worker)
+        per_block = run(worker + ["--per-block", "--blocks", "4"])
+        coord.wait(timeout=120)
+    finally:
+        coord.kill()
+    coord_log = coord.stderr.read()
+    assert flat.returncode == 1
+    assert flat.stderr.strip().splitlines()[-1] == (
+        "ddpwire: error: the coordinator refused to admit this worker: this coordinator runs "
+        "per-block steps (--per-block); start the worker with --per-block")
+    assert per_block.returncode == 0, per_block.stderr
+    assert coord.returncode == 0, coord_log
+    assert "start the worker with --per-block" in coord_log
+    assert "per-block steps run on the star" in coord_log
+    assert "flat steps run on" not in coord_log
 
 
 @needs_torch
@@ -279,16 +351,71 @@ def test_torchrun_environment():
         from_environment(None, {})
 
 
-def test_progress_bar_off_a_terminal_prints_a_tenth_of_the_steps():
-    stream = io.StringIO()
-    bar = ProgressBar(20, stream=stream)
-    for step in range(20):
-        bar.update(StepReport(step, 1.0 / (step + 1), 0.5, 32, 0.001, 0.01))
+class FakeClock:
+    """Seconds that pass only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_bar(bar, clock, steps, seconds_each, samples=32):
+    for step in range(steps):
+        clock.now += seconds_each
+        bar.update(StepReport(step, 1.0 / (step + 1), 0.5, samples, 0.001, seconds_each))
+
+
+def test_progress_off_a_terminal_shows_every_two_seconds_and_the_ends():
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(100, stream=stream, clock=clock)
+    _run_bar(bar, clock, 100, 0.5)
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 10
-    assert lines[-1].startswith("step 20/20 [########################]")
-    assert "loss 0.0500" in lines[-1] and "acc  50.0%" in lines[-1] and "allreduce   1.00 ms" in lines[-1]
-    assert bar.throughput > 0
+    # the first step, then each step 2 s after the last line shown, and the last
+    assert [int(line.split()[1].split("/")[0]) for line in lines] == [1, *range(5, 100, 4), 100]
+    assert lines[-1].startswith("step 100/100 [########################]")
+    # every line: loss, accuracy, the throughput of the time since the last line, allreduce
+    assert "loss 0.0100" in lines[-1] and "acc  50.0%" in lines[-1]
+    assert all("loss " in line and "acc " in line and " 64 samples/s" in line
+               and "allreduce   1.00 ms" in line for line in lines[1:-1])
+    assert bar.done == 100 and bar.throughput == pytest.approx(64.0)
+
+
+def test_progress_of_a_long_run_shows_within_seconds():
+    # a tenth of 100000 steps was the first line, minutes in
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(100000, stream=stream, clock=clock)
+    _run_bar(bar, clock, 5000, 0.001)
+    steps = [int(line.split()[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == [1, 2001, 4001]
+
+
+def test_progress_on_a_terminal_redraws_at_most_ten_times_a_second():
+    clock, term = FakeClock(), FakeTerminal()
+    bar = ProgressBar(1000, stream=term, clock=clock)
+    _run_bar(bar, clock, 1000, 0.01)
+    draws = term.getvalue().split("\r")[1:]
+    assert len(draws) == 1 + 99 + 1  # the first step, every tenth of a second, the last
+    assert draws[-1].startswith("step 1000/1000") and draws[-1].endswith("\n")
+    assert all(not d.endswith("\n") for d in draws[:-1])
+
+
+def test_progress_takes_a_missing_loss_from_the_pooled_figures():
+    clock, stream = FakeClock(), io.StringIO()
+    asked = []
+
+    def pooled(step):
+        asked.append(step)
+        return 2.0 + step, 0.25
+
+    bar = ProgressBar(10, stream=stream, clock=clock, pooled=pooled)
+    for step in range(10):
+        clock.now += 1.0
+        bar.update(StepReport(step, None, None, 32, 0.001, 1.0))
+    lines = stream.getvalue().splitlines()
+    assert asked == [0, 2, 4, 6, 8, 9]  # only the steps that show
+    assert all(f"loss {2.0 + s:.4f}  acc  25.0%" in line for s, line in zip(asked, lines))
 
 
 def test_report_line_goes_out_in_one_write(monkeypatch, tmp_path):
@@ -347,3 +474,190 @@ def test_coordinator_options_reach_the_coordinator(monkeypatch):
         cli.run_coordinator(args)
     assert seen["coordinator_share"] == 0.2
     assert seen["receive_window"] == 128 << 10
+
+
+def _session(tmp_path, coordinator_args, worker_args=(), workers=2, env=None):
+    """A `ddpwire coordinator` and ``workers`` `ddpwire worker` processes on
+    loopback, run to the end; returns (coordinator, workers, reports)."""
+    port = free_port()
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}",
+                                   "--workers", str(workers), "--timeout", "60",
+                                   *coordinator_args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    reports = [tmp_path / f"w{i}.json" for i in range(workers)]
+    procs = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60",
+                                    "--report", str(r), *worker_args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in reports]
+    outputs = {}
+    try:
+        for p in procs + [coord]:
+            outputs[p.pid] = p.communicate(timeout=240)
+    finally:
+        for p in procs + [coord]:
+            p.kill()
+    return coord, procs, outputs, reports
+
+
+@needs_torch
+@pytest.mark.parametrize("topology", ["auto", "star"])
+def test_workers_on_one_host_share_its_cores_by_default(tmp_path, topology):
+    # no --threads, no torchrun: each worker counts the workers of its session
+    # on this host once every one has joined, mesh or star
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+    coord, procs, outputs, reports = _session(
+        tmp_path, ["--steps", "2", "--samples", "64", "--topology", topology],
+        ["--samples", "64"], env=env)
+    assert coord.returncode == 0, outputs[coord.pid][1]
+    assert all(p.returncode == 0 for p in procs), [outputs[p.pid][1] for p in procs]
+    expected = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert [json.loads(r.read_text())["threads"] for r in reports] == [expected, expected]
+
+
+def test_worker_steps_outside_torchrun_is_refused():
+    # the coordinator decides how long the run is; a worker's --steps would
+    # be silently ignored, so it is refused before anything else happens
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
+    proc = run(["worker", "--connect", f"127.0.0.1:{free_port()}", "--steps", "5",
+                "--timeout", "30"], env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ddpwire: error: --steps")
+    assert "coordinator's --steps" in lines[0]
+
+
+class _Lines:
+    """The lines of a process's stream, read on a thread, so that a test
+    waits for a line with a deadline instead of blocking on the pipe."""
+
+    def __init__(self, stream) -> None:
+        import queue
+        import threading
+        self.seen: list = []
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, predicate, timeout: float = 180.0) -> str:
+        """The first line (from here on) for which ``predicate`` holds."""
+        import queue
+        import time
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no such line within {timeout:g} s: {''.join(self.seen)[-3000:]}")
+            if line is None:
+                pytest.fail("the stream ended first: " + "".join(self.seen)[-3000:])
+            self.seen.append(line)
+            if predicate(line):
+                return line
+
+    def rest(self, timeout: float = 120.0) -> str:
+        """Everything read, once the stream has ended."""
+        self._thread.join(timeout)
+        while not self._queue.empty():
+            line = self._queue.get()
+            if line is not None:
+                self.seen.append(line)
+        return "".join(self.seen)
+
+
+@needs_torch
+@pytest.mark.parametrize("sig,topology", [(signal.SIGTERM, "auto"), (signal.SIGINT, "auto"),
+                                          (signal.SIGTERM, "star")],
+                         ids=["sigterm", "sigint", "sigterm-star"])
+def test_a_stopped_coordinator_tells_its_workers(tmp_path, sig, topology):
+    port = free_port()
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
+                                   "--steps", "100000000", "--samples", "64", "--timeout", "60",
+                                   "--topology", topology],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reports = [tmp_path / f"w{i}.json" for i in range(2)]
+    workers = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60",
+                                      "--samples", "64", "--report", str(r)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for r in reports]
+    try:
+        coord_err = _Lines(coord.stderr)
+        coord_err.wait_for(lambda line: line.startswith("step "))  # training has begun
+        coord.send_signal(sig)
+        coord_log = coord_err.rest()
+        coord.wait(timeout=120)
+        outs = [w.communicate(timeout=120) for w in workers]
+    finally:
+        for p in [coord] + workers:
+            p.kill()
+    name = "terminated" if sig == signal.SIGTERM else "interrupted"
+    assert coord.returncode == 128 + sig, coord_log
+    assert coord_log.rstrip().endswith(f"ddpwire: {name}"), coord_log
+    for w, (_out, err) in zip(workers, outs):
+        assert w.returncode == 3, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("ddpwire: the coordinator stopped the run after "), err
+        assert last.endswith(" of 100000000 steps"), err
+        assert "bytes)" not in err and "Traceback" not in err, err
+    # each worker still reports what it trained
+    results = [json.loads(r.read_text()) for r in reports]
+    assert all(r["stopped_early"] and r["run_steps"] == 100000000 for r in results)
+    assert results[0]["steps"] == results[1]["steps"]
+
+
+def test_a_lost_peer_is_one_line_without_frame_internals():
+    from ddpwire.errors import CoordinatorLost
+    exc = CoordinatorLost("coordinator 10.0.0.1:29400 disconnected while waiting for StepCommit "
+                          "or Shutdown (0 of 4 bytes)", step=146)
+    assert cli._one_line(exc) == ("coordinator 10.0.0.1:29400 disconnected while waiting for "
+                                  "StepCommit or Shutdown (step 146)")
+    # other errors keep their words
+    assert cli._one_line(ValueError("a (1 of 2 bytes) value")) == "a (1 of 2 bytes) value"
+
+
+def test_counted_agrees_with_its_number():
+    from ddpwire._text import counted
+    assert [counted(n, "worker") for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
+    assert counted(1, "CUDA device") == "1 CUDA device"
+    assert counted(3, "entry", "entries") == "3 entries"
+
+
+def test_messages_about_one_worker_say_worker(caplog, capsys):
+    import logging
+    import threading
+    from ddpwire import Coordinator, DdpwireError, JoinRefusedError, Worker
+    caplog.set_level(logging.INFO)
+    assert cli.main(["coordinator", "--bind", "127.0.0.1:0", "--workers", "1",
+                     "--join-timeout", "0.2"]) == 1
+    assert "waiting for 1 worker" in caplog.text and "1 workers" not in caplog.text
+    assert "0 of 1 worker joined within 0.2 s" in capsys.readouterr().err
+    caplog.clear()
+    with Coordinator(("127.0.0.1", 0), 1, timeout=10, join_timeout=30) as coord:
+        with pytest.raises(DdpwireError, match="only 0 of 1 worker joined"):
+            coord.send_shard_assignments(0)
+        joined = []
+        t = threading.Thread(
+            target=lambda: joined.append(Worker.connect(coord.local_addr, timeout=10)))
+        t.start()
+        coord.wait_for_workers()
+        t.join(30)
+        with pytest.raises(JoinRefusedError, match="training has started with 1 worker$"):
+            Worker.connect(coord.local_addr, timeout=10)
+        joined[0].close()
+    assert "flat steps run on the mesh of its 1 worker" in caplog.text
+    assert "1 workers" not in caplog.text
+
+
+@needs_torch
+def test_a_demo_of_one_worker_says_worker():
+    proc = run(["demo", "--workers", "1", "--steps", "1", "--samples", "16"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ddpwire demo: 1 worker on ")
+    assert ", model mlp, 1 step of 16 samples;" in proc.stdout.splitlines()[0]
+    assert "weights of the only worker (sha256 " in proc.stdout
+    assert "1 workers" not in proc.stdout + proc.stderr and "1 steps" not in proc.stdout

@@ -4,6 +4,8 @@ and late workers refused at once; bounded memory before admission."""
 from __future__ import annotations
 
 import logging
+import os
+import select
 import socket
 import threading
 import time
@@ -12,12 +14,50 @@ import tracemalloc
 import pytest
 
 import ddpwire
-from ddpwire import Coordinator, Worker, encode_frame
-from ddpwire.extensions import RefusalReason
+from ddpwire import Coordinator, Worker, auth, encode_frame
+from ddpwire import mesh as meshmod
+from ddpwire.extensions import Extension, RefusalReason
 
-from session_helpers import recv_exact, spawn
+from session_helpers import recv_exact, recv_frame, spawn
 
 ADDR = ("127.0.0.1", 0)
+
+
+@pytest.fixture(params=["star", "mesh"])
+def topology(request) -> str:
+    """The surplus-worker tests run on both topologies: a mesh session sends
+    every admitted worker a MeshPeers once the slots are filled, the star
+    does not."""
+    return request.param
+
+
+def unread_at(port: int) -> int:
+    """How many established connections to ``port`` on this host hold bytes
+    their server has not read yet, accepted or still in the listen backlog
+    (Linux's /proc/net/tcp: rx_queue)."""
+    count = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.split(":")[1], 16) == port and state == "01" and \
+                    int(queues.split(":")[1], 16) > 0:
+                count += 1
+    return count
+
+
+def until_unread(coord, n: int) -> None:
+    """Return once ``n`` connections to the coordinator hold bytes it has not
+    read: while its loop is not running, its next select() then finds them
+    all ready in one batch, whatever the scheduling."""
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("needs Linux's /proc/net/tcp to see what the coordinator has not read")
+    port = coord.local_addr[1]
+    deadline = time.monotonic() + 30
+    while unread_at(port) < n:
+        assert time.monotonic() < deadline, f"{unread_at(port)} of {n} connections hold bytes"
+        time.sleep(0.01)
 
 
 def connect(coord) -> socket.socket:
@@ -99,7 +139,7 @@ def test_trickling_cannot_extend_the_handshake_or_the_join():
                     return i
             return len(frame)
         t = spawn(trickle)
-        with pytest.raises(ddpwire.JoinTimeout, match="0 of 1 workers joined within 1.5 s"):
+        with pytest.raises(ddpwire.JoinTimeout, match="0 of 1 worker joined within 1.5 s"):
             coord.wait_for_workers(timeout=1.5)
         assert peer_closed(trickler)
         stop.set()
@@ -194,9 +234,9 @@ def test_a_worker_that_leaves_before_the_join_completes_frees_its_slot():
         wb.close()
 
 
-def test_late_and_surplus_workers_are_refused_at_once(caplog):
+def test_late_and_surplus_workers_are_refused_at_once(caplog, topology):
     caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
-    with Coordinator(ADDR, expect_workers=1, timeout=30) as coord:
+    with Coordinator(ADDR, expect_workers=1, timeout=30, topology=topology) as coord:
         first = worker(coord)
         coord.wait_for_workers()
         w0 = first.join_result()
@@ -216,9 +256,9 @@ def test_late_and_surplus_workers_are_refused_at_once(caplog):
     assert len(refused) >= 2 and not any("(worker" in m for m in refused)
 
 
-def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full():
+def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full(topology):
     token = "s3cret-token"
-    with Coordinator(ADDR, expect_workers=1, token=token) as coord:
+    with Coordinator(ADDR, expect_workers=1, token=token, topology=topology) as coord:
         join = spawn(coord.wait_for_workers)
         # a ddpwire peer that offers the token handshake, then stalls
         stalled = connect(coord)
@@ -237,6 +277,82 @@ def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full():
     stalled.close()
 
 
+def test_surplus_join_requests_in_one_batch_are_refused_as_full(topology):
+    """Three complete JoinRequests for two slots, all waiting when the
+    coordinator's loop first reads: two join, and the third hears at once
+    that every slot is taken instead of waiting out its 60 s."""
+    with Coordinator(ADDR, expect_workers=2, topology=topology) as coord:
+        threads = [spawn(lambda i=i: Worker.connect(coord.local_addr, node_id=f"w{i}", timeout=60))
+                   for i in range(3)]
+        until_unread(coord, 3)
+        infos = coord.wait_for_workers(timeout=30)
+        outcomes = []
+        for t in threads:
+            try:  # join_result's 30 s bound is half the worker's own timeout
+                outcomes.append(t.join_result(timeout=30))
+            except ddpwire.JoinRefusedError as exc:
+                outcomes.append(exc)
+        joined = [o for o in outcomes if isinstance(o, Worker)]
+        refused = [o for o in outcomes if isinstance(o, ddpwire.JoinRefusedError)]
+        assert len(joined) == 2 and len(refused) == 1, outcomes
+        assert refused[0].reason == RefusalReason.FULL
+        assert "every worker slot is taken" in str(refused[0])
+        assert sorted(w.worker_id for w in joined) == sorted(i.worker_id for i in infos) == [0, 1]
+        assert coord.mesh == (topology == "mesh")
+        for w in joined:
+            w.close()
+
+
+def test_surplus_auth_proofs_in_one_batch_are_refused_as_full(topology):
+    """The same with a token: three workers past their AuthChallenge send
+    their AuthProof while the coordinator's loop is not running; two join,
+    the third is refused as full."""
+    token = b"s3cret-token"
+    with Coordinator(ADDR, expect_workers=2, token=token, topology=topology,
+                     handshake_timeout=60) as coord:
+        listeners, peers = [], []
+        for i in range(3):
+            offer = {int(Extension.AUTH): auth.new_nonce()}
+            if topology == "mesh":
+                listeners.append(meshmod.listen("127.0.0.1"))
+                offer[int(Extension.MESH)] = meshmod.offer(listeners[-1])
+            sock = socket.create_connection(coord.local_addr, timeout=60)
+            sock.sendall(encode_frame(ddpwire.JoinRequest(node_id=f"w{i}", gpu_count=0,
+                                                          backend="cpu", extensions=offer)))
+            peers.append((sock, offer[int(Extension.AUTH)]))
+        # short runs of the loop, each ending in JoinTimeout with nobody
+        # admitted, until every peer has its challenge
+        challenges = {}
+        for _ in range(200):
+            if len(challenges) == len(peers):
+                break
+            with pytest.raises(ddpwire.JoinTimeout):
+                coord.wait_for_workers(timeout=0.1)
+            waiting = [s for s, _ in peers if s not in challenges]
+            for sock in select.select(waiting, [], [], 0)[0]:
+                challenges[sock] = recv_frame(sock)
+        assert len(challenges) == len(peers)
+        for sock, nonce in peers:
+            assert isinstance(challenges[sock], ddpwire.AuthChallenge)
+            sock.sendall(encode_frame(ddpwire.AuthProof(
+                proof=auth.worker_proof(token, nonce, bytes(challenges[sock].nonce)))))
+        until_unread(coord, 3)
+        infos = coord.wait_for_workers(timeout=30)
+        assert sorted(i.worker_id for i in infos) == [0, 1]
+        # each answer is there at once: the sockets' 60 s timeout never runs out
+        answers = [recv_frame(sock) for sock, _ in peers]
+        accepted = [a for a in answers if isinstance(a, ddpwire.JoinAccepted)]
+        refused = [a for a in answers if isinstance(a, ddpwire.JoinRefused)]
+        assert len(accepted) == 2 and len(refused) == 1, answers
+        assert refused[0].reason == RefusalReason.FULL
+        assert refused[0].detail == "every worker slot is taken"
+        assert coord.mesh == (topology == "mesh")
+    for sock, _ in peers:
+        sock.close()
+    for lsock in listeners:
+        lsock.close()
+
+
 def test_samples_per_step_must_agree():
     with Coordinator(ADDR, expect_workers=1, samples_per_step=256) as coord:
         join = spawn(coord.wait_for_workers)
@@ -248,6 +364,93 @@ def test_samples_per_step_must_agree():
         w = ok.join_result()
         assert ddpwire.extensions.decode_u64(w.extensions[ddpwire.extensions.Extension.SAMPLES]) == 256
         w.close()
+
+
+@pytest.mark.parametrize("coordinator_per_block", [True, False])
+def test_the_step_mode_must_agree_with_the_coordinators(caplog, coordinator_per_block):
+    """A worker that would send flat steps to a per-block coordinator (or
+    the other way) is refused at the join, saying which flag to change,
+    instead of failing at step 0 on a message of the wrong type."""
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    with Coordinator(ADDR, expect_workers=1, per_block=coordinator_per_block) as coord:
+        join = spawn(coord.wait_for_workers)
+        with pytest.raises(ddpwire.JoinRefusedError) as info:
+            Worker.connect(coord.local_addr, timeout=10, per_block=not coordinator_per_block)
+        assert info.value.reason == RefusalReason.MISMATCH
+        want = ("this coordinator runs per-block steps (--per-block); start the worker with "
+                "--per-block" if coordinator_per_block else
+                "this coordinator runs flat steps; start the worker without --per-block")
+        assert info.value.detail == want
+        ok = worker(coord, per_block=coordinator_per_block)
+        join.join_result()
+        ok.join_result().close()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 1 and want in refused[0]
+
+
+def test_without_a_mode_of_its_own_the_coordinator_holds_workers_to_the_first_ones():
+    with Coordinator(ADDR, expect_workers=2, topology="star") as coord:
+        first = worker(coord, per_block=True)
+        coord.wait_for_workers(count=1, timeout=30)
+        join = spawn(lambda: coord.wait_for_workers(timeout=30))
+        with pytest.raises(ddpwire.JoinRefusedError) as info:
+            Worker.connect(coord.local_addr, timeout=10, per_block=False)
+        assert info.value.reason == RefusalReason.MISMATCH
+        assert info.value.detail == ("the workers that joined run per-block steps (--per-block); "
+                                     "start this worker with --per-block too")
+        second = worker(coord, per_block=True)
+        join.join_result()
+        for t in (first, second):
+            t.join_result().close()
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["first-worker", "coordinator"])
+def test_the_gradient_length_must_agree(caplog, configured):
+    """Workers whose models differ are refused at the join, not at step 0:
+    the coordinator's own gradient_length, or else the first worker's,
+    sets the length every other worker must offer."""
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    kw = dict(gradient_length=2405) if configured else {}
+    with Coordinator(ADDR, expect_workers=2, **kw) as coord:
+        first = worker(coord, gradient_length=2405)
+        coord.wait_for_workers(count=1, timeout=30)
+        join = spawn(lambda: coord.wait_for_workers(timeout=30))
+        with pytest.raises(ddpwire.JoinRefusedError) as info:
+            Worker.connect(coord.local_addr, timeout=10, gradient_length=21392)
+        assert info.value.reason == RefusalReason.MISMATCH
+        want = ("this worker's model has 21392 gradient elements, this coordinator's "
+                "gradient_length is 2405: every worker must train the model it was set up for"
+                if configured else
+                "this worker's model has 21392 gradient elements, the others' 2405: every "
+                "worker must train the same model")
+        assert info.value.detail == want
+        second = worker(coord, gradient_length=2405)
+        infos = join.join_result()
+        assert sorted(i.worker_id for i in infos) == [0, 1]
+        for t in (first, second):
+            t.join_result().close()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 1 and want in refused[0]
+
+
+@pytest.mark.parametrize("kind,value", [
+    (Extension.SAMPLES, b"abc"), (Extension.PER_BLOCK, b"\x02"),
+    (Extension.GRADIENT_LENGTH, b"\x01\x00")], ids=["samples", "per_block", "gradient_length"])
+def test_a_malformed_offer_ends_its_own_handshake_not_the_join(kind, value):
+    """A value of the wrong size (or a flag other than 0 or 1) is refused as
+    a protocol error; the join goes on (it used to end in ProtocolError)."""
+    with Coordinator(ADDR, expect_workers=1) as coord:
+        bad = connect(coord)
+        bad.sendall(encode_frame(ddpwire.JoinRequest(node_id="bad", gpu_count=0, backend="cpu",
+                                                     extensions={int(kind): value})))
+        good = worker(coord)
+        infos = coord.wait_for_workers(timeout=30)
+        good.join_result().close()
+        refusal = recv_frame(bad)
+        assert isinstance(refusal, ddpwire.JoinRefused)
+        assert refusal.reason == RefusalReason.PROTOCOL
+        assert all(i.node_id != "bad" for i in infos)
+    bad.close()
 
 
 def test_binding_beyond_loopback_without_a_token_warns(caplog):

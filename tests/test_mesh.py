@@ -262,15 +262,80 @@ def test_a_worker_that_never_opens_its_links_is_named_after_the_timeout():
     assert "worker 0 did not open its mesh link within 1 s" in str(exc)
 
 
+def test_a_worker_held_up_before_its_step_is_named_not_the_one_waiting_for_it():
+    # worker 1 does not start step 1 until the coordinator has given up;
+    # worker 0 computes for longer than the coordinator's grace and then
+    # waits for worker 1's slice. Its wait counts from the coordinator's last
+    # message (step 0's go-ahead), as the coordinator's does, so it names
+    # worker 1 to the coordinator in time, though both are silent at the
+    # coordinator's deadline.
+    from ddpwire.coordinator import MESH_BLAME_GRACE
+
+    grads = gradients(2, 1000, seed=9)
+    release = threading.Event()
+
+    def body(w):
+        w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+        if w.worker_id == 1:
+            release.wait(TIMEOUT)
+            return "held"
+        time.sleep(MESH_BLAME_GRACE + 0.2)
+        w.allreduce(1, grads[0], 1.0, 1, 1)
+
+    s = Session(2, body, timeout=2.0)
+    try:
+        s.coord.allreduce(0)
+        with pytest.raises(WorkerLost) as info:
+            s.coord.allreduce(1)
+    finally:
+        release.set()
+        s.join()
+    assert info.value.worker_id == 1 and info.value.step == 1, info.value
+    assert "worker 0 could not finish" in str(info.value)
+    exc = s.errors[0]
+    assert isinstance(exc, WorkerLost) and exc.worker_id == 1 and exc.step == 1, repr(exc)
+
+
+def test_a_worker_that_comes_to_its_step_past_the_deadline_is_the_one_named():
+    # worker 0 computes past the timeout (counted from step 0's go-ahead);
+    # worker 1, waiting for its slice, names it to the coordinator, and
+    # worker 0 names itself rather than the peer that waited for it
+    grads = gradients(2, 1000, seed=10)
+
+    def body(w):
+        w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
+        if w.worker_id == 0:
+            time.sleep(1.3)
+        w.allreduce(1, grads[w.worker_id], 1.0, 1, 1)
+
+    s = Session(2, body, timeout=1.0)
+    try:
+        s.coord.allreduce(0)
+        with pytest.raises(WorkerLost) as info:
+            s.coord.allreduce(1)
+    finally:
+        s.join()
+    assert info.value.worker_id == 0 and info.value.step == 1, info.value
+    assert "worker 1 could not finish" in str(info.value)
+    assert isinstance(s.errors[1], WorkerLost) and s.errors[1].worker_id == 0
+    late = s.errors[0]
+    assert isinstance(late, WorkerLost) and late.worker_id == 0 and late.step == 1, repr(late)
+    assert "after the coordinator's last message" in str(late)
+
+
 def test_gradients_of_different_lengths_are_a_typed_error():
     grads = [np.ones(1000, np.float32), np.ones(1001, np.float32)]
     s = Session(2, lambda w: w.allreduce(0, grads[w.worker_id], 1.0, 1, 1))
     try:
-        with pytest.raises((WorkerLost, GradientMismatch)):
+        with pytest.raises((WorkerLost, GradientMismatch)) as info:
             s.coord.allreduce(0)
     finally:
         s.join()
     assert any(isinstance(e, GradientMismatch) for e in s.errors.values()), s.errors
+    # each text names its worker and step once: a worker's error travels to
+    # the coordinator without the context the coordinator adds again
+    for exc in [info.value, *s.errors.values()]:
+        assert str(exc).count("step 0)") == 1, str(exc)
 
 
 def test_per_block_steps_keep_the_star_in_a_mesh_session():
@@ -475,6 +540,36 @@ def test_the_coordinator_names_the_worker_that_vanished_not_one_that_gave_up_aft
     assert Coordinator._mesh_culprit([report, lost, report], 1) is lost
     # a blame without a worker names the worker that sent it
     assert Coordinator._mesh_culprit([CollectiveError(1, NONE, "x"), report], 1).worker_id == 0
+
+
+def test_a_silent_worker_still_heard_from_is_not_named_for_one_that_is_not():
+    from ddpwire.messages import CollectiveError, StepReport, NO_WORKER as NONE
+    report = StepReport(2, 0, 10, 0.0, 0, 0, NONE, 0, 0.0)
+    silent = [WorkerLost(f"worker {w} silent past the deadline", worker_id=w, step=2)
+              for w in range(3)]
+    culprit = Coordinator._mesh_culprit
+    # both silent at the deadline, worker 0 still heartbeating: worker 1
+    assert culprit(silent[:2], 2, {0, 1}, {0}) is silent[1]
+    assert culprit(silent[:2], 2, {0, 1}, {0}, final=False) is silent[1]
+    # nothing tells them apart: not sure yet (a live one may still name the
+    # peer it waits for), and at the very end the lowest
+    assert culprit(silent[:2], 2, {0, 1}, set(), final=False) is None
+    assert culprit(silent[:2], 2, {0, 1}, {0, 1}, final=False) is None
+    assert culprit(silent[:2], 2, {0, 1}, set()) is silent[0]
+    # worker 0 names the peer it waits for: that one, with worker 0's words
+    waits = CollectiveError(2, 1, "worker 1 (mesh link) silent past the deadline")
+    exc = culprit([waits, silent[1]], 2, {1}, set(), final=False)
+    assert exc.worker_id == 1 and exc.step == 2
+    assert "worker 0 could not finish" in str(exc) and "worker 1 (mesh link)" in str(exc)
+    # a worker whose heartbeats stopped (or that disconnected) before one
+    # merely silent, heard or not
+    stopped = WorkerLost("worker 1 silent for 1.5 s", worker_id=1, step=2)
+    assert culprit([silent[0], stopped], 2, {0}, {0}, final=False) is stopped
+    assert culprit([silent[0], stopped], 2, {0}, set()) is stopped
+    # one silent, the rest answered: sure at once
+    assert culprit([report, silent[1], report], 2, {1}, set(), final=False) is silent[1]
+    # three silent, two heard from: the third, however numbered
+    assert culprit(silent, 2, {0, 1, 2}, {0, 2}, final=False) is silent[1]
 
 
 def _congestion_of(sock):

@@ -401,3 +401,28 @@ def test_frames_over_the_reference_limit_need_max_frame_on_both_sides():
         coord.wait_for_workers()
         coord.broadcast_averaged(0, coord.collect_and_reduce(0))
         assert np.array_equal(t.join_result(), grads)
+
+
+def test_stop_workers_sends_shutdown_between_frames_only():
+    # worker 1's gradient is far larger than the socket buffers: it is still
+    # being sent when the Shutdown goes out, and must still get through
+    big = np.ones(8 << 20, np.float32)
+
+    def body(w):
+        shard = w.receive_shard()
+        w.send_gradients(shard.step, big, 1.0, 1, 1)
+        return w.receive_averaged()
+
+    with Coordinator(ADDR, 2, timeout=30, topology="star") as coord:
+        threads = start_workers(coord, 2, body)
+        coord.wait_for_workers()
+        coord.send_shard_assignments(0)
+        assert not coord.mid_frame
+        # as if an exception had cut a frame to worker 0 short
+        coord.channel(0).frame_open = True
+        assert coord.mid_frame
+        assert coord.stop_workers(grace=20) == 1
+    with pytest.raises(ddpwire.ShutdownDuringReduce):
+        threads[1].join_result()
+    with pytest.raises(ddpwire.CoordinatorLost):  # told nothing: it only sees the close
+        threads[0].join_result()

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fake_cluster import FakeCluster, run_workers  # noqa: E402
+from session_helpers import spawn  # noqa: E402
 
 from ddpwire import Coordinator, Worker  # noqa: E402
 from ddpwire.errors import CoordinatorLost, NonFiniteGradient, ShutdownDuringReduce  # noqa: E402
@@ -284,3 +285,41 @@ def test_nan_gradient_halts_the_coordinator_and_every_worker(per_block, halt, to
             assert t.error.worker_id == 1 and np.isnan(t.error.value)
         assert t.results is None  # no step completed: nothing NaN was ever applied
         assert all(torch.isfinite(p).all() for p in t.trainer.model.parameters())
+
+
+def test_train_worker_is_refused_at_the_join_for_another_step_mode_or_model():
+    """train_worker offers its step mode and its model's gradient length:
+    a worker of another mode, or with another model, is refused at the
+    join with what to change, and the others train on."""
+    from ddpwire.errors import JoinRefusedError
+    from ddpwire.extensions import RefusalReason
+    from ddpwire.serve import serve
+    from ddpwire.torch.job import build_task, train_worker
+
+    def length(model):
+        return sum(p.numel() for p in build_task(model)[0].parameters())
+
+    with Coordinator(("127.0.0.1", 0), expect_workers=2, per_block=False, timeout=TIMEOUT,
+                     samples_per_step=64) as coord:
+        def run():
+            return train_worker(coord.local_addr, model="mlp", samples_per_step=64,
+                                timeout=TIMEOUT)
+        first = spawn(run)
+        coord.wait_for_workers(count=1, timeout=TIMEOUT)
+        join = spawn(lambda: coord.wait_for_workers(timeout=TIMEOUT))
+        with pytest.raises(JoinRefusedError) as per_block:
+            train_worker(coord.local_addr, model="transformer", per_block=True,
+                         samples_per_step=64, timeout=TIMEOUT)
+        with pytest.raises(JoinRefusedError) as other_model:
+            train_worker(coord.local_addr, model="transformer", samples_per_step=64,
+                         timeout=TIMEOUT)
+        second = spawn(run)
+        join.join_result()
+        serve(coord, steps=1, total_samples=64)
+        reports = [first.join_result(), second.join_result()]
+    assert per_block.value.reason == other_model.value.reason == RefusalReason.MISMATCH
+    assert "this coordinator runs flat steps; start the worker without --per-block" in \
+        str(per_block.value)
+    assert (f"this worker's model has {length('transformer')} gradient elements, the others' "
+            f"{length('mlp')}: every worker must train the same model") in str(other_model.value)
+    assert [r.steps for r in reports] == [1, 1]

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .._text import counted
 from ..errors import DeviceUnavailable
 
 __all__ = ["DeviceChoice", "choose_device", "DEVICE_ENV"]
@@ -90,7 +91,8 @@ def choose_device(override: Optional[str] = None) -> DeviceChoice:
         count = torch.cuda.device_count()
         if index is not None and index >= count:
             raise DeviceUnavailable(
-                f"device {override!r} (from {source}) asked for, but only {count} CUDA device(s) present"
+                f"device {override!r} (from {source}) asked for, but only "
+                f"{counted(count, 'CUDA device')} present"
             )
         choice = _cuda(index)
     elif kind == "mps":

@@ -9,19 +9,22 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..errors import ShutdownDuringReduce
+from ..extensions import Extension, decode_u64
 from ..mesh import DEFAULT_CONGESTION
 from ..worker import Worker
 from .data import ArrayDataset, digits_split, token_sequences
 from .device import choose_device
 from .models import DigitsMLP, TinyTransformer
 from .rank_order import RankOrder
-from ..threads import apply_threads
-from .trainer import DataParallelTrainer, evaluate
+from .._text import counted
+from ..threads import apply_threads, default_threads, usable_cores, workers_here
+from .trainer import DataParallelTrainer, StepResult, evaluate
 
 __all__ = ["WorkerReport", "build_task", "weights_digest", "train_worker"]
 
@@ -41,6 +44,11 @@ class WorkerReport:
     weights_sha256: str
     mean_exposed_comm_s: float
     threads: int = 0
+    #: the run's length as the coordinator announced it at the join (the
+    #: steps extension); 0 when it did not, as a reference coordinator
+    run_steps: int = 0
+    #: the coordinator ended the run early: inside a step, or before run_steps
+    stopped_early: bool = False
     # per step, this worker's shard: mean loss, correct and total samples
     # (the per-block protocol carries no loss, so the demo reads them here)
     train_loss: List[float] = field(default_factory=list)
@@ -82,6 +90,31 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+class _ThreadsAtStart:
+    """The worker, for the trainer, setting torch's threads once the first
+    shard has come: only then has every worker of the session joined, so
+    only then can the workers sharing this machine be counted
+    (:func:`ddpwire.threads.workers_here`). Everything else is the worker's."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self.threads = 0  # in use, once set
+        self._decided = False
+
+    def receive_shard(self) -> Any:
+        shard = self._worker.receive_shard()
+        if not self._decided:
+            self._decided = True
+            here = workers_here(self._worker.channel.conn.sock)
+            self.threads = apply_threads(default_threads(here))
+            log.info("torch threads: %d (%d usable cores, %s of this session on this machine)",
+                     self.threads, usable_cores(), counted(here, "worker"))
+        return shard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+
 def train_worker(
     addr: Tuple[str, int],
     *,
@@ -94,19 +127,28 @@ def train_worker(
     node_id: Optional[str] = None,
     timeout: float = 120.0,
     seed: int = 0,
-    threads: int = 0,
+    threads: Optional[int] = 0,
     join_turn: Optional[RankOrder] = None,
     token: Optional[bytes] = None,
     mesh: bool = True,
     tcp_congestion: Optional[str] = DEFAULT_CONGESTION,
+    on_step: Optional[Callable[[StepResult], None]] = None,
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
-    ``threads``: torch's intra-op threads (0 keeps torch's default).
+    ``threads``: torch's intra-op threads (0 keeps torch's default; None:
+    the usable cores split between the workers of the session on this
+    machine, counted once every worker has joined, or torch's default where
+    OMP_NUM_THREADS is set).
     ``join_turn``: under torchrun, join only after the previous rank did.
     ``token``: authenticate both ways (docs/security.md).
-    ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`."""
-    used_threads = apply_threads(threads)
+    ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`.
+    ``on_step``: called with each step's result as it ends.
+
+    A Shutdown where an average was due, or before the run's length that a
+    ddpwire coordinator announces at the join, ends training all the same:
+    the report then says ``stopped_early``."""
+    used_threads = apply_threads(threads) if threads is not None else 0
     choice = choose_device(device)
     net, train, held = build_task(model, seed=seed, blocks=blocks)
     net = net.to(choice.device)
@@ -114,22 +156,46 @@ def train_worker(
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     if join_turn is not None:
         join_turn.wait_turn()
-    # samples_per_step goes along so that a coordinator given another value
-    # refuses this worker instead of training a different model
+    # samples_per_step, the step mode and the model's size go along so that
+    # a coordinator running other steps refuses this worker at the join
+    # instead of failing at step 0 (the trainer's buffer holds every
+    # trainable parameter, in either mode); the steps entry asks how long
+    # the run is, so that a Shutdown before its end is told from the end
+    # (docs/extensions.md)
+    gradient_length = sum(p.numel() for p in net.parameters() if p.requires_grad)
     worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
                             node_id=node_id, timeout=timeout, token=token,
                             samples_per_step=samples_per_step, mesh=mesh,
-                            tcp_congestion=tcp_congestion)
+                            tcp_congestion=tcp_congestion, per_block=per_block,
+                            gradient_length=gradient_length, extensions={Extension.STEPS: b""})
     if join_turn is not None:
         join_turn.joined()
     with worker:
-        trainer = DataParallelTrainer(worker, net, optimizer, train, device=choice.device,
+        session: Any = worker
+        if threads is None:
+            session = _ThreadsAtStart(worker)
+        trainer = DataParallelTrainer(session, net, optimizer, train, device=choice.device,
                                       samples_per_step=samples_per_step, seed=seed,
                                       per_block=per_block)
+        results: List[StepResult] = []
+        inside_step = False
         try:
-            results = trainer.train()
+            while True:
+                result = trainer.step()
+                if result is None:
+                    break
+                results.append(result)
+                if on_step is not None:
+                    on_step(result)
+        except ShutdownDuringReduce as exc:
+            # a Shutdown in place of an average: the coordinator was stopped
+            # (the step is not applied; the weights are those of the last one)
+            log.debug("%s", exc)
+            inside_step = True
         finally:
             trainer.close()
+        granted = worker.extensions.get(Extension.STEPS)
+        run_steps = decode_u64(granted) if granted is not None else 0
         loss, accuracy = evaluate(net, held, choice.device)
         exposed = [r.timings.exposed_comm_s for r in results]
         report = WorkerReport(
@@ -137,9 +203,11 @@ def train_worker(
             steps=len(results), held_out_loss=loss, held_out_accuracy=accuracy,
             weights_sha256=weights_digest(net),
             mean_exposed_comm_s=sum(exposed) / len(exposed) if exposed else 0.0,
-            threads=used_threads,
+            threads=session.threads if threads is None else used_threads,
+            run_steps=run_steps, stopped_early=inside_step or len(results) < run_steps,
             train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
             train_total=[r.total for r in results])
-    log.info("worker %d done: %d steps, held-out accuracy %.1f%%", report.worker_id,
-             report.steps, 100 * accuracy)
+    log.info("worker %d done: %s%s, held-out accuracy %.1f%%", report.worker_id,
+             counted(report.steps, "step"), " (stopped early)" if report.stopped_early else "",
+             100 * accuracy)
     return report
