@@ -134,10 +134,9 @@ def _record(host: str, port: int) -> np.ndarray:
     return out
 
 
-def _peers(gathered: np.ndarray, world: int) -> List[Tuple[str, int]]:
-    texts = [bytes(gathered[r * _ADDRESS_BYTES:(r + 1) * _ADDRESS_BYTES]).rstrip(b"\0").decode()
-             for r in range(world)]
-    return _mesh.parse_peers(",".join(texts), world)
+def _addresses(gathered: np.ndarray, world: int) -> List[str]:
+    return [bytes(gathered[r * _ADDRESS_BYTES:(r + 1) * _ADDRESS_BYTES]).rstrip(b"\0")
+            .decode("utf-8", "replace") for r in range(world)]
 
 
 def form_links(client: object, rank: int, world: int, *, listen_host: str, advertise: str,
@@ -167,17 +166,17 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
     gathered = client.call(Kind.ALLGATHER, DType.UINT8, 0,  # type: ignore[attr-defined]
                            _record(advertise, port), timeout)
     try:
+        texts = _addresses(gathered, world)
+        silent = [r for r, text in enumerate(texts) if text.endswith(":0")]
+        if silent and not why:
+            why = f"rank {silent[0]} has no listening port"
         if not why:
-            peers = _peers(gathered, world)
-            if any(p == 0 for _, p in peers):
-                why = "a rank has no listening port"
-            else:
-                try:
-                    links = _mesh._connect_links(listener, peers, rank, key.tobytes(),
-                                                 link_timeout, max_frame,
-                                                 _mesh.check_congestion(_mesh.DEFAULT_CONGESTION))
-                except (DdpwireError, OSError) as exc:
-                    why = f"rank {rank}: {exc}"
+            try:
+                links = _mesh._connect_links(listener, _mesh.parse_peers(",".join(texts), world),
+                                             rank, key.tobytes(), link_timeout, max_frame,
+                                             _mesh.check_congestion(_mesh.DEFAULT_CONGESTION))
+            except (DdpwireError, OSError) as exc:
+                why = f"rank {rank}: {exc}"
     finally:
         if listener is not None:
             listener.close()

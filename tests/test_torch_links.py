@@ -1,0 +1,213 @@
+"""The torch backend's rank-to-rank links (ddpwire/torch/links.py): DDP's
+buckets reduce-scattered and allgathered between the ranks, with the bits
+the service computes, and a group that keeps to the service, never hangs,
+when the links cannot open."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ddpwire.collectives import CollectiveAborted, DType, Kind, Op  # noqa: E402
+from ddpwire.torch import links as _links  # noqa: E402
+
+import test_torch_backend as tb  # noqa: E402
+
+# loopback ranks on the links: no shared memory, every float32 bucket large
+# enough; or through the service, every bucket too small for the links
+ON_LINKS = {"DDPWIRE_SHM": "0", "DDPWIRE_SHM_MIN_BYTES": "4"}
+ON_SERVICE = {"DDPWIRE_SHM": "0", "DDPWIRE_SHM_MIN_BYTES": str(1 << 40)}
+
+
+def _run(tmp_path, label, backend, extra, world=3):
+    out = tmp_path / label
+    codes, outputs = tb.finish(tb.start_ranks(world, out, [backend, "gloo"], torchrun_env=False,
+                                              extra=extra))
+    assert codes == [0] * world, "\n".join(outputs)
+    return ([tb.load(out, backend, r) for r in range(world)],
+            [tb.load(out, "gloo", r) for r in range(world)])
+
+
+def _params(state):
+    return [n for n in state if "running" not in n and "num_batches" not in n]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddpwire", "ddpwire+bf16"])
+def test_ddp_on_the_links_gives_the_services_bits(tmp_path, backend):
+    links, gloo = _run(tmp_path, "links", backend, ON_LINKS)
+    service, _ = _run(tmp_path, "service", backend, ON_SERVICE)
+    assert [r["plane"] for r in links] == ["links"] * 3
+    for name in links[0]["state"]:
+        for r in range(3):
+            assert torch.equal(links[r]["state"][name], service[r]["state"][name]), (name, r)
+    tol = dict(rtol=1e-5, atol=1e-6) if backend == "ddpwire" else dict(rtol=1e-2, atol=2e-3)
+    for name in _params(links[0]["state"]):
+        for r in range(1, 3):  # DDP keeps the parameters identical on every rank
+            assert torch.equal(links[r]["state"][name], links[0]["state"][name]), (name, r)
+        torch.testing.assert_close(links[0]["state"][name], gloo[0]["state"][name], **tol)
+    for r in range(3):  # the other collectives still go through the service
+        tb._same_collectives(links[r]["collectives"], gloo[r]["collectives"])
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_on_the_links(tmp_path):
+    procs = tb.start_ranks(3, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                           extra={**ON_LINKS, "DDP_KILL_AT": "2:3", "DDP_TIMEOUT": "30",
+                                  "DDP_STEPS": "50"})
+    codes, outputs = tb.finish(procs, limit=tb.LIMIT)
+    assert codes[2] == 17
+    for rank in (0, 1):
+        assert codes[rank] != 0
+        assert "CollectiveAborted" in outputs[rank] and "rank 2" in outputs[rank], outputs[rank]
+
+
+class _Group:
+    """``world`` ranks' set-up collectives in threads: a broadcast is the
+    root's data, an allgather every rank's in rank order (what the service
+    answers)."""
+
+    def __init__(self, world):
+        self.world = world
+        self._barrier = threading.Barrier(world, timeout=30)
+        self._slots = [None] * world
+
+    def client(self, rank):
+        group = self
+
+        class Client:
+            def call(self, kind, dtype, root, data, timeout):
+                group._slots[rank] = np.array(data, dtype=np.uint8, copy=True)
+                group._barrier.wait()
+                got = (group._slots[root].copy() if kind is Kind.BROADCAST
+                       else np.concatenate(group._slots))
+                group._barrier.wait()
+                return got
+        return Client()
+
+
+def _form_all(world, per_rank):
+    """form_links on ``world`` threads; ``per_rank(rank)`` gives its keyword
+    arguments. Returns each rank's RankLinks or None (or its exception)."""
+    group = _Group(world)
+    got = [None] * world
+
+    def run(rank):
+        try:
+            got[rank] = _links.form_links(group.client(rank), rank, world, timeout=10.0,
+                                          **per_rank(rank))
+        except BaseException as exc:  # handed to the test
+            got[rank] = exc
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "form_links hung"
+    return got
+
+
+def _loopback(rank):
+    return dict(listen_host="127.0.0.1", advertise="127.0.0.1")
+
+
+def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
+    world, n = 3, 100_003
+    ranks = _form_all(world, _loopback)
+    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    inputs[1][77] = np.nan  # passed on, as gloo does
+    from ddpwire.collectives import combine
+    try:
+        for op in (Op.SUM, Op.AVG):
+            want = combine(op, DType.FLOAT32, inputs)
+            bufs = [x.copy() for x in inputs]
+            threads = [threading.Thread(target=ranks[r].allreduce, args=(bufs[r], op))
+                       for r in range(world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            for r in range(world):
+                assert np.array_equal(bufs[r].view(np.uint32), want.view(np.uint32)), (op, r)
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_a_rank_that_cannot_listen_keeps_every_rank_on_the_service(caplog):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        with caplog.at_level(logging.WARNING, logger="ddpwire.torch.links"):
+            got = _form_all(3, lambda r: dict(_loopback(r), **({"ports": (port, port)}
+                                                               if r == 1 else {})))
+    finally:
+        taken.close()
+    assert got == [None, None, None]
+    assert "go through rank 0" in caplog.text and f"every port of {port}-{port}" in caplog.text
+
+
+def test_a_rank_nobody_can_reach_keeps_every_rank_on_the_service(caplog):
+    # rank 2 listens on 127.0.0.2 but says 127.0.0.1: nobody can dial it
+    def where(rank):
+        return dict(listen_host="127.0.0.2" if rank == 2 else "127.0.0.1", advertise="127.0.0.1")
+    with caplog.at_level(logging.WARNING, logger="ddpwire.torch.links"):
+        got = _form_all(3, where)
+    assert got == [None, None, None]
+    assert "go through rank 0" in caplog.text and "cannot reach worker 2" in caplog.text
+
+
+def test_the_listening_port_is_pinned_to_the_range_asked(monkeypatch):
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    base = probe.getsockname()[1]
+    probe.close()
+    lo, hi = base, min(base + 40, 65535)
+    seen = []
+    real_listen = _links._mesh.listen
+
+    def listen(host, backlog=64, **kw):
+        sock = real_listen(host, backlog, **kw)
+        seen.append(sock.getsockname()[1])
+        return sock
+    monkeypatch.setattr(_links._mesh, "listen", listen)
+    monkeypatch.setenv(_links.PORTS_ENV, f"{lo}-{hi}")
+    ranks = _form_all(2, lambda r: dict(_loopback(r), ports=_links.ports_from_env()))
+    try:
+        assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+        assert len(seen) == 2 and all(lo <= p <= hi for p in seen), (seen, lo, hi)
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_a_port_range_is_parsed_or_refused():
+    from ddpwire.mesh import parse_ports
+    assert parse_ports("29600-29700") == (29600, 29700)
+    assert parse_ports("29600") == (29600, 29600)
+    for bad in ("x", "5-2", "0-10", "1-70000"):
+        with pytest.raises(ValueError, match="FIRST-LAST"):
+            parse_ports(bad)
+
+
+def test_after_a_failure_every_later_call_raises_the_first_cause():
+    ranks = _form_all(2, _loopback)
+    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    ranks[1].close()  # rank 1 leaves
+    buf = np.ones(1000, dtype=np.float32)
+    with pytest.raises(CollectiveAborted) as first:
+        ranks[0].allreduce(buf, Op.SUM)
+    assert first.value.rank == 1
+    with pytest.raises(CollectiveAborted) as again:
+        ranks[0].allreduce(buf, Op.SUM)
+    assert again.value is first.value
+    ranks[0].close()
