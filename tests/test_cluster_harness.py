@@ -352,3 +352,22 @@ def test_report_table(tmp_path):
     # no gloo at N=4 in this file: no ratio
     assert star4.split(" | ")[3] == "–"
     assert report.main(["report.py"]) == 2
+
+
+def test_the_ddp_step_model_has_the_parameters_it_says():
+    import ddp_step
+    count = ddp_step.parameter_count()
+    assert 15_000_000 < count < 16_500_000  # the 16M-parameter DDP script
+    torch = pytest.importorskip("torch")
+    assert sum(p.numel() for p in ddp_step._model().parameters()) == count
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_every_node_target_is_a_body_of_its_module():
+    sys.path.insert(0, os.path.join(_BENCH, "cluster"))
+    try:
+        import node
+    finally:
+        sys.path.remove(os.path.join(_BENCH, "cluster"))
+    for name, module in node.TARGETS.items():
+        assert callable(getattr(module, name)), name
