@@ -93,6 +93,8 @@ MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
 #: enough that the kernel work left after the last range is short, large
 #: enough that the pause between two calls is noise next to a range's transfer
 RANGE_BYTES = 8 << 20
+#: the vector sizes whose scratch a Mesh keeps (a process group's buckets)
+SCRATCH_SIZES = 8
 #: The congestion control the mesh links ask for (where the kernel lets a
 #: socket choose, Linux). Every worker sends N-1 bulk flows at once through
 #: its one link and the step ends with the slowest flow, so the links want
@@ -445,7 +447,7 @@ class Mesh:
         self.timeout = timeout
         self._dtype = _WIRE_DTYPE[self.codec]
         self._half = _HALF_NAME.get(self.codec)
-        self._scratch: Dict[Tuple[str, int], np.ndarray] = {}
+        self._scratch: Dict[Tuple[str, int, str], np.ndarray] = {}
         # the averaged slice between the two exchanges, and its step
         self._own: Optional[np.ndarray] = None
         self._step: Optional[int] = None
@@ -510,13 +512,18 @@ class Mesh:
         return [None if c is None else c.conn for c in self.links]
 
     def _buffer(self, name: str, n: int, dtype: np.dtype) -> np.ndarray:
-        """Scratch reused from step to step (one allocation per size)."""
-        key = (name, n)
-        buf = self._scratch.get(key)
-        if buf is None or buf.dtype != dtype:
-            for old in [k for k in self._scratch if k[0] == name]:
-                del self._scratch[old]
-            buf = self._scratch[key] = np.empty(n, dtype=dtype)
+        """Scratch reused from step to step: one allocation per size, for the
+        last :data:`SCRATCH_SIZES` sizes of each use (DDP's buckets come in a
+        few sizes, every step: a fresh array each time would fault its pages
+        in again)."""
+        key = (name, n, np.dtype(dtype).str)
+        buf = self._scratch.pop(key, None)
+        if buf is None:
+            sizes = [k for k in self._scratch if k[0] == name]
+            for old in sizes[:max(0, len(sizes) - SCRATCH_SIZES + 1)]:
+                del self._scratch[old]  # the least recently used (dicts keep order)
+            buf = np.empty(n, dtype=dtype)
+        self._scratch[key] = buf
         return buf
 
     def _submit(self, fn: Callable[..., object], *args: object) -> Future:
