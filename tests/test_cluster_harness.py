@@ -371,3 +371,23 @@ def test_every_node_target_is_a_body_of_its_module():
         sys.path.remove(os.path.join(_BENCH, "cluster"))
     for name, module in node.TARGETS.items():
         assert callable(getattr(module, name)), name
+
+
+def test_ddp_report_table(tmp_path):
+    sys.path.insert(0, os.path.join(_BENCH, "cluster"))
+    try:
+        import report_ddp
+    finally:
+        sys.path.remove(os.path.join(_BENCH, "cluster"))
+
+    def bench(kind, n, spans):
+        return {"extra_info": {"kind": kind, "workers": n, "step_spans": spans,
+                               "worker_rate_bps": 10**9}}
+    path = tmp_path / "ddp.json"
+    path.write_text(json.dumps({"commit_info": {"id": "abcdef0123", "dirty": False}, "benchmarks": [
+        bench("ddp-gloo", 4, [1.0, 0.9, 1.1]), bench("ddp-ddpwire", 4, [0.95, 0.9, 0.99]),
+        bench("ddp-ddpwire-bf16", 4, [0.5, 0.6, 0.55]), bench("ddp-gloo", 2, [0.7])]}))
+    text = report_ddp.table(str(path))
+    assert "commit abcdef0, links 1 Gbit/s" in text
+    assert "| 4 | 1000 | 950 | 0.95x | 550 | 0.55x |" in text
+    assert "| 2 | 700 | – | – | – | – |" in text
