@@ -3,8 +3,11 @@ messages (docs/extensions.md), as plain Python objects.
 
 Field names and order follow the wire layout (see docs/protocol-notes.md),
 except MeshPeers.coordinator_share, which comes last so that it may be left out.
-Each class carries its wire ``TAG``. The byte layout itself lives in the
-compiled codec (:mod:`ddpwire._core`); these classes only hold values.
+Each class carries its wire ``TAG``. :data:`LAYOUTS` is the one description
+of every message's bytes (tag, fields in wire order, wire types); the
+compiled codec (:mod:`ddpwire._core`) implements it, and these classes only
+hold values; tests/test_message_table.py checks the codec, the classes and
+the docs against the table.
 
 Value types:
 
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Sequence
+from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,6 +70,8 @@ __all__ = [
     "StepCommit",
     "NO_WORKER",
     "MESSAGE_TYPES",
+    "Layout",
+    "LAYOUTS",
 ]
 
 # A float32 buffer: what a gradients field holds or accepts.
@@ -491,3 +496,71 @@ MESSAGE_TYPES = {
         StepCommit,
     )
 }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One message's place on the wire: its tag, who sends it, and its
+    fields in wire order with their wire types (``u8`` ``u16`` ``u32``
+    ``u64`` ``f32``; ``string``: u32 byte count and UTF-8; ``f32vec``: u64
+    count and float32 elements; ``u32list``: u32 count and u32 elements;
+    ``bytes32``: 32 raw bytes; ``bytes``: u64 byte count and the bytes).
+    ``extensible``: an extension block may follow the last field."""
+
+    tag: int
+    name: str
+    direction: str
+    fields: Tuple[Tuple[str, str], ...]
+    extensible: bool = False
+
+
+def _layout(tag: int, name: str, direction: str, body: str, extensible: bool = False) -> Layout:
+    fields = tuple(tuple(f.split(": ")) for f in body.split(", ")) if body else ()
+    return Layout(tag, name, direction, fields, extensible)  # type: ignore[arg-type]
+
+
+#: The one description of every message's layout, in tag order. The C codec
+#: (csrc/wire.h, wire.c), the classes above and the tables of
+#: docs/extensions.md are checked against it, byte by byte where it counts,
+#: by tests/test_message_table.py: a message changed in one place and not
+#: another fails there.
+LAYOUTS: Tuple[Layout, ...] = (
+    _layout(0x01, "JoinRequest", "worker → coordinator",
+            "node_id: string, gpu_count: u32, backend: string", extensible=True),
+    _layout(0x02, "JoinAccepted", "coordinator → worker",
+            "worker_id: u32, total_workers: u32", extensible=True),
+    _layout(0x03, "ShardAssignment", "coordinator → worker",
+            "step: u64, shard_start: u64, shard_end: u64"),
+    _layout(0x04, "GradientPayload", "worker → coordinator",
+            "step: u64, worker_id: u32, gradients: f32vec, loss: f32, correct: u64, total: u64"),
+    _layout(0x05, "AveragedGradient", "coordinator → worker",
+            "step: u64, gradients: f32vec, global_loss: f32"),
+    _layout(0x06, "Heartbeat", "both", "node_id: string, timestamp_ms: u64"),
+    _layout(0x07, "Shutdown", "coordinator → worker", ""),
+    _layout(0x08, "BlockGradientPayload", "worker → coordinator",
+            "step: u64, worker_id: u32, block_idx: u32, num_blocks: u32, "
+            "component_sizes: u32list, gradients: f32vec"),
+    _layout(0x09, "AveragedBlockGradient", "coordinator → worker",
+            "step: u64, block_idx: u32, component_sizes: u32list, gradients: f32vec"),
+    _layout(0x0A, "NonBlockGradientPayload", "worker → coordinator",
+            "step: u64, worker_id: u32, component: u8, gradients: f32vec"),
+    _layout(0x0B, "AveragedNonBlockGradient", "coordinator → worker",
+            "step: u64, component: u8, gradients: f32vec"),
+    _layout(0x40, "AuthChallenge", "coordinator → worker", "nonce: bytes32, proof: bytes32"),
+    _layout(0x41, "AuthProof", "worker → coordinator", "proof: bytes32"),
+    _layout(0x42, "JoinRefused", "coordinator → worker", "reason: u8, detail: string"),
+    _layout(0x43, "CollectiveRequest", "worker → coordinator; worker → worker (mesh link)",
+            "seq: u64, kind: u8, op: u8, dtype: u8, root: u32, count: u64, data: bytes"),
+    _layout(0x44, "CollectiveResult", "coordinator → worker",
+            "seq: u64, kind: u8, dtype: u8, count: u64, data: bytes"),
+    _layout(0x45, "CollectiveError", "coordinator → worker; worker → coordinator in a mesh step",
+            "seq: u64, worker_id: u32, detail: string"),
+    _layout(0x46, "MeshPeers", "coordinator → worker",
+            "key: bytes32, codec: u8, shared_memory: u8, coordinator_share: u16, peers: string"),
+    _layout(0x47, "PeerHello", "worker → worker (mesh link)", "worker_id: u32, proof: bytes32"),
+    _layout(0x48, "StepReport", "worker → coordinator",
+            "step: u64, worker_id: u32, count: u64, loss: f32, correct: u64, total: u64, "
+            "bad_worker: u32, bad_index: u64, bad_value: f32"),
+    _layout(0x49, "StepCommit", "coordinator → worker",
+            "step: u64, global_loss: f32, bad_worker: u32, bad_index: u64, bad_value: f32"),
+)
