@@ -237,6 +237,8 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     # the library decides threads by core count and vector size, as a user gets it
     "ddpwire-auto": DdpwireKind({"socket_threads": None}, {"socket_threads": None}),
     "ddpwire-baseline": DdpwireKind(_LOOP, _LOOP, baseline=True),
+    "ddpwire-bf16-baseline": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "bf16"},
+                                         _LOOP, baseline=True),
     # the star through the coordinator whatever "auto" would pick, so the
     # earlier "ddpwire" figures stay comparable
     "ddpwire-star": DdpwireKind({**_LOOP, "topology": "star"}, _LOOP),

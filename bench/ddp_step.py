@@ -13,13 +13,17 @@ from __future__ import annotations
 import hashlib
 import os
 from datetime import timedelta
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
-from allreduce_procs import _serve
+from allreduce_procs import _serve, use_baseline
 
-#: the DDP cases: name -> (torch.distributed backend, ddpwire hook or None)
-DDP_KINDS = {"ddp-gloo": ("gloo", None), "ddp-ddpwire": ("ddpwire", None),
-             "ddp-ddpwire-bf16": ("ddpwire", "bf16")}
+#: the DDP cases: name -> (torch.distributed backend, ddpwire hook or None,
+#: whether ddpwire comes from the older checkout $DDPWIRE_BASELINE names)
+DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None, False),
+             "ddp-ddpwire-bf16": ("ddpwire", "bf16", False),
+             "ddp-ddpwire-baseline": ("ddpwire", None, True)}
+#: what a run measures unless told otherwise: the baseline needs a checkout
+DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
 BATCH = 8
 
@@ -40,10 +44,12 @@ def _model() -> Any:
     return nn.Sequential(*layers[:-1])
 
 
-def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str) -> None:
-    backend, hook = DDP_KINDS[kind]
+def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
+              baseline: Optional[str] = None) -> None:
+    backend, hook, _ = DDP_KINDS[kind]
 
     def setup() -> Dict[str, Any]:
+        use_baseline(baseline)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist

@@ -60,8 +60,7 @@ def test_params_defaults_and_env():
     {"DDPWIRE_CLUSTER_WORKERS": ""}, {"DDPWIRE_CLUSTER_ROUNDS": "0"},
     {"DDPWIRE_CLUSTER_KINDS": "ddpwire,nccl"}, {"DDPWIRE_CLUSTER_WORKER_RATE": "fast"},
     {"DDPWIRE_CLUSTER_TCP": "cubic; reboot"}, {"DDPWIRE_CLUSTER_TCP": "Cubic"},
-    # the baseline imports another checkout, which the namespaces do not run
-    {"DDPWIRE_CLUSTER_KINDS": "ddpwire-baseline"}, {"DDPWIRE_CLUSTER_KINDS": ","},
+    {"DDPWIRE_CLUSTER_KINDS": ","},
 ])
 def test_params_refuse(env):
     with pytest.raises(ValueError):
@@ -157,7 +156,9 @@ def test_why_unavailable_names_a_reason_or_none():
 
 def test_kind_table_rows():
     k = procs.DDPWIRE_KINDS
-    assert set(params.KINDS) == (set(k) - {"ddpwire-baseline"}) | {"gloo"}
+    # the baseline kinds too: they import $DDPWIRE_BASELINE's checkout
+    assert set(params.KINDS) == set(k) | {"gloo"}
+    assert k["ddpwire-bf16-baseline"].baseline and k["ddpwire-bf16-baseline"].compression == "bf16"
     assert set(params.DEFAULT_KINDS) <= set(params.KINDS)
     # "ddpwire" stays the library's default: no topology, no compression passed
     assert "topology" not in k["ddpwire"].coordinator and k["ddpwire"].topology == "auto"

@@ -27,6 +27,15 @@ _ctx = mp.get_context("spawn")
 _gloo_groups = 0
 
 
+def _baseline(kind: str) -> str:
+    """The older checkout a baseline kind imports ddpwire from."""
+    path = os.environ.get(procs.BASELINE_ENV)
+    if not path:
+        raise ValueError(f"kind {kind} needs ${procs.BASELINE_ENV}: a built checkout of "
+                         f"the commit to compare with")
+    return path
+
+
 class NodeProcess:
     """A subprocess in a namespace, with the few mp.Process methods ProcessGroup uses."""
 
@@ -92,16 +101,16 @@ class ClusterGroup(procs.ProcessGroup):
         global _gloo_groups
         p, n, size = self.plan, self.n, self.size
         if self.kind in procs.DDPWIRE_KINDS:
+            baseline = None
             if procs.ddpwire_kind(self.kind).baseline:
-                # params.KINDS leaves it out: a cluster run measures one checkout
-                raise ValueError(f"kind {self.kind} does not run in the cluster")
+                baseline = _baseline(self.kind)
             procs.start_ddpwire(
                 self,
                 lambda args: self._launch(p.coordinator.netns, "_ddpwire_coordinator", args,
                                           "ddpwire-coordinator"),
                 lambda rank, args: self._add_in(p.workers[rank].netns, "_ddpwire_worker", args,
                                                 f"ddpwire-worker-{rank}"),
-                None, host=p.coordinator.address)
+                baseline, host=p.coordinator.address)
         elif self.kind == "gloo":
             port = GLOO_BASE_PORT + _gloo_groups
             _gloo_groups += 1
@@ -112,9 +121,11 @@ class ClusterGroup(procs.ProcessGroup):
             # a DDP script on each rank's machine, rank 0's store on worker 0
             port = GLOO_BASE_PORT + _gloo_groups
             _gloo_groups += 1
+            baseline = _baseline(self.kind) if DDP_KINDS[self.kind][2] else None
             for rank in range(n):
                 self._add_in(p.workers[rank].netns, "_ddp_rank",
-                             (self.kind, port, rank, n, p.workers[0].address), f"ddp-rank-{rank}")
+                             (self.kind, port, rank, n, p.workers[0].address, baseline),
+                             f"ddp-rank-{rank}")
         elif self.kind == "tcp":
             self._add_in(p.coordinator.netns, "_tcp_receiver", (size, p.coordinator.address),
                          "tcp-receiver")

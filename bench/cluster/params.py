@@ -11,9 +11,9 @@ from typing import List, Mapping, Optional, Tuple
 
 import allreduce_procs as procs
 
-# bench/allreduce_procs.py's table is the one list of ddpwire kinds; a cluster
-# run measures this checkout only, so not the baseline
-KINDS = tuple(k for k, spec in procs.DDPWIRE_KINDS.items() if not spec.baseline) + ("gloo",)
+# bench/allreduce_procs.py's table is the one list of ddpwire kinds; the
+# baseline ones run the checkout $DDPWIRE_BASELINE names, in the same run
+KINDS = tuple(procs.DDPWIRE_KINDS) + ("gloo",)
 # the star and the mesh, plain and compressed, against gloo's ring
 DEFAULT_KINDS = ("ddpwire-star", "ddpwire-mesh", "ddpwire-bf16", "gloo")
 

@@ -5,8 +5,10 @@ MLP, batch 8, SGD) in a namespace of its own with a hostname of its own and
 a tbf-shaped link, so nothing can take two ranks for one host: no shared
 memory, every bucket over the links. Kinds: "ddp-gloo" (torch's gloo),
 "ddp-ddpwire" (the backend's default, DDP's float32 buckets on the rank
-links) and "ddp-ddpwire-bf16" (its bf16_wire_hook: bfloat16 on the wire),
-for each N of DDPWIRE_CLUSTER_WORKERS. Needs root, iproute2 and torch:
+links), "ddp-ddpwire-bf16" (its bf16_wire_hook: bfloat16 on the wire) and,
+with DDPWIRE_CLUSTER_DDP_KINDS naming it, "ddp-ddpwire-baseline" (the
+backend of the checkout $DDPWIRE_BASELINE names), for each N of
+DDPWIRE_CLUSTER_WORKERS. Needs root, iproute2 and torch:
 
     DDPWIRE_CLUSTER_WORKERS=2,4 python -m pytest bench/cluster/test_bench_ddp_cluster.py \\
         --benchmark-json=docs/cluster-ddp-1g.json
@@ -21,18 +23,25 @@ DDP builds its buckets during the first).
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
 
 import pytest
 
-from ddp_step import DDP_KINDS, parameter_count
+from ddp_step import DDP_KINDS, DEFAULT_DDP_KINDS, parameter_count
 
 from .conftest import PARAMS
 from .nodes import ClusterGroup, procs
 
 WARMUP = 2
 
-CASES = [pytest.param(kind, n, id=f"N{n}-{kind}") for n in PARAMS.workers for kind in DDP_KINDS]
+# DDPWIRE_CLUSTER_DDP_KINDS picks some of DDP_KINDS ("ddp-ddpwire-baseline"
+# runs the backend of the checkout $DDPWIRE_BASELINE names, in the same run)
+_KINDS = [k.strip() for k in os.environ.get("DDPWIRE_CLUSTER_DDP_KINDS",
+                                            ",".join(DEFAULT_DDP_KINDS)).split(",") if k.strip()]
+if any(k not in DDP_KINDS for k in _KINDS):
+    raise pytest.UsageError(f"DDPWIRE_CLUSTER_DDP_KINDS must name some of {', '.join(DDP_KINDS)}")
+CASES = [pytest.param(kind, n, id=f"N{n}-{kind}") for n in PARAMS.workers for kind in _KINDS]
 
 
 @pytest.mark.parametrize("kind,n", CASES)
@@ -46,7 +55,7 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
     spans = procs.step_spans(group.step_stamps[WARMUP:])
     ranks = summary["workers"]
     assert len({r["weights_sha256"] for r in ranks}) == 1, "the ranks' weights differ"
-    if kind != "ddp-gloo":
+    if kind in ("ddp-ddpwire", "ddp-ddpwire-bf16"):
         assert all(r["rank_links"] for r in ranks), "a ddpwire rank did not use the rank links"
     benchmark.extra_info.update(
         kind=kind, workers=n, parameters=parameter_count(), rounds=rounds, warmup=WARMUP,
