@@ -13,10 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ddpwire.collectives import CollectiveAborted, DType, Kind, Op  # noqa: E402
+from ddpwire.collectives import CollectiveAborted, Kind, Op  # noqa: E402
 from ddpwire.torch import links as _links  # noqa: E402
 
 import test_torch_backend as tb  # noqa: E402
+from session_helpers import reference_allreduce  # noqa: E402
 
 # loopback ranks on the links: no shared memory, every float32 bucket large
 # enough; or through the service, every bucket too small for the links
@@ -123,10 +124,9 @@ def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
     rng = np.random.default_rng(5)
     inputs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
     inputs[1][77] = np.nan  # passed on, as gloo does
-    from ddpwire.collectives import combine
     try:
         for op in (Op.SUM, Op.AVG):
-            want = combine(op, DType.FLOAT32, inputs)
+            want = reference_allreduce(inputs, op)
             bufs = [x.copy() for x in inputs]
             threads = [threading.Thread(target=ranks[r].allreduce, args=(bufs[r], op))
                        for r in range(world)]
