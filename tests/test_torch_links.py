@@ -13,10 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ddpwire.collectives import CollectiveAborted, Kind, Op  # noqa: E402
+from ddpwire.collectives import CollectiveAborted, Op  # noqa: E402
 from ddpwire.torch import links as _links  # noqa: E402
 
 import test_torch_backend as tb  # noqa: E402
+# the fake set-up collectives: shared with tests/test_flat_matrix.py
+from rank_group import form_all as _form_all, loopback as _loopback  # noqa: E402
 from session_helpers import reference_allreduce  # noqa: E402
 
 # loopback ranks on the links: no shared memory, every float32 bucket large
@@ -66,55 +68,6 @@ def test_a_killed_rank_is_named_on_the_links(tmp_path):
     for rank in (0, 1):
         assert codes[rank] != 0
         assert "CollectiveAborted" in outputs[rank] and "rank 2" in outputs[rank], outputs[rank]
-
-
-class _Group:
-    """``world`` ranks' set-up collectives in threads: a broadcast is the
-    root's data, an allgather every rank's in rank order (what the service
-    answers)."""
-
-    def __init__(self, world):
-        self.world = world
-        self._barrier = threading.Barrier(world, timeout=30)
-        self._slots = [None] * world
-
-    def client(self, rank):
-        group = self
-
-        class Client:
-            def call(self, kind, dtype, root, data, timeout):
-                group._slots[rank] = np.array(data, dtype=np.uint8, copy=True)
-                group._barrier.wait()
-                got = (group._slots[root].copy() if kind is Kind.BROADCAST
-                       else np.concatenate(group._slots))
-                group._barrier.wait()
-                return got
-        return Client()
-
-
-def _form_all(world, per_rank):
-    """form_links on ``world`` threads; ``per_rank(rank)`` gives its keyword
-    arguments. Returns each rank's RankLinks or None (or its exception)."""
-    group = _Group(world)
-    got = [None] * world
-
-    def run(rank):
-        try:
-            got[rank] = _links.form_links(group.client(rank), rank, world, timeout=10.0,
-                                          **per_rank(rank))
-        except BaseException as exc:  # handed to the test
-            got[rank] = exc
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "form_links hung"
-    return got
-
-
-def _loopback(rank):
-    return dict(listen_host="127.0.0.1", advertise="127.0.0.1")
 
 
 def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
