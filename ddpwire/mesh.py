@@ -18,11 +18,11 @@ cuts them, and the coordinator's part, for every worker alike):
    to every other, straight into their output buffers.
 
 Each exchange moves its frames' elements in consecutive element ranges
-(:data:`ddpwire.plan.RANGE_BYTES` of one peer's slice at most), one GIL-free call per
-range: while range c+1 travels, a helper thread of the Mesh averages (or
-widens) range c, and narrows the outgoing ranges ahead of their call. The
-kernels are element-wise, so the bits are those of one pass over the
-whole slice; the bytes on the wire are the same frames either way.
+(:data:`ddpwire.plan.RANGE_BYTES` of one peer's slice at most), one
+GIL-free call per range: while range c+1 travels, a helper thread of the
+Mesh averages (or widens) range c, and narrows the outgoing ranges ahead of
+their call. The kernels are element-wise, so the bits are those of one pass
+over the whole slice; the bytes on the wire are the same frames either way.
 
 So every worker ends with the bits the star gives, and no worker holds any
 averaged element before the coordinator has seen that the whole vector is
@@ -445,9 +445,10 @@ class Mesh:
         # The coordinator saw every worker on one host: the first step
         # tries to set up a shared segment, and steps use it once every
         # worker has attached. The segment's kernels (csrc/shm.c) cut equal
-        # slices only, so unequal fractions keep the links; the decision
-        # is local, but every worker has the same fractions, so all decide
-        # alike (worker 0 would otherwise wait for set-up notes).
+        # slices only, so unequal fractions keep the links. No worker asks
+        # the others: all were given the same fractions, so all decide
+        # alike (one that tried the segment alone would wait for set-up
+        # answers that never come).
         self._want_shared = (bool(shared_memory) and self.codec == Codec.FLOAT32
                              and Plan(0, self.world, self.fractions).equal)
         self.plane: Optional[SharedPlane] = None
@@ -502,7 +503,7 @@ class Mesh:
         if helper is not None:
             helper.shutdown(wait=True, cancel_futures=True)
 
-    def plan(self, count: int) -> Plan:
+    def plan_for(self, count: int) -> Plan:
         """The cut of a ``count``-element vector: this mesh's fractions,
         codec and coordinator share (kept for the last few lengths, as the
         scratch is)."""
@@ -806,7 +807,7 @@ class Mesh:
         if self.plane is not None:
             return self.plane.reduce_scatter(step, gradients, deadline)
         n, me = self.world, self.worker_id
-        plan = self.plan(len(gradients))
+        plan = self.plan_for(len(gradients))
         leg = self._leg(step, gradients, tail, plan)
         bounds = plan.bounds
         lo, hi = bounds[me]
@@ -891,7 +892,7 @@ class Mesh:
         part, self._part = self._part, None
         self._own = self._step = None
         n, me = self.world, self.worker_id
-        plan = self.plan(len(out))
+        plan = self.plan_for(len(out))
         bounds = plan.bounds
         lo, hi = bounds[me]
         if self._half is None:
