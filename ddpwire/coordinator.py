@@ -25,6 +25,7 @@ import numpy as np
 from . import _core
 from . import incast as _incast
 from . import mesh as _mesh
+from . import plan as _plan
 from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
@@ -569,10 +570,10 @@ class Coordinator:
                 self._abandon()
                 raise GradientMismatch("gradients length", want, msg.count, worker_id=wid,
                                        step=step)
-            if part is not None and _mesh.coordinator_part(msg.count, self.share) != part[0]:
+            if part is not None and _plan.coordinator_part(msg.count, self.share) != part[0]:
                 self._abandon()
                 raise GradientMismatch("coordinator's part length (for its gradients' length)",
-                                       _mesh.coordinator_part(msg.count, self.share), part[0],
+                                       _plan.coordinator_part(msg.count, self.share), part[0],
                                        worker_id=wid, step=step)
             reports.append(msg)
         t1 = time.perf_counter()

@@ -3,8 +3,9 @@ only decides whether the result may be applied.
 
 The star moves N vectors through the coordinator's link each way; the mesh
 moves 2·(N−1)/N of one vector through each worker's link, as a ring does,
-in two hops. Worker w owns slice w of the vector (N contiguous, near-equal
-element ranges):
+in two hops. Worker w owns slice w of the vector (N contiguous element
+ranges, near-equal unless the Mesh is given fractions; :mod:`ddpwire.plan`
+cuts them, and the coordinator's part, for every worker alike):
 
 1. reduce-scatter: every worker sends slice j of its gradient to worker j
    and receives its own slice from every other; the owner averages it as
@@ -17,11 +18,11 @@ element ranges):
    to every other, straight into their output buffers.
 
 Each exchange moves its frames' elements in consecutive element ranges
-(:data:`RANGE_BYTES` of one peer's slice at most), one GIL-free call per
-range: while range c+1 travels, a helper thread of the Mesh averages (or
-widens) range c, and narrows the outgoing ranges ahead of their call. The
-kernels are element-wise, so the bits are those of one pass over the
-whole slice; the bytes on the wire are the same frames either way.
+(:data:`ddpwire.plan.RANGE_BYTES` of one peer's slice at most), one
+GIL-free call per range: while range c+1 travels, a helper thread of the
+Mesh averages (or widens) range c, and narrows the outgoing ranges ahead of
+their call. The kernels are element-wise, so the bits are those of one pass
+over the whole slice; the bytes on the wire are the same frames either way.
 
 So every worker ends with the bits the star gives, and no worker holds any
 averaged element before the coordinator has seen that the whole vector is
@@ -63,6 +64,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
+from . import plan as _plan
 from . import reduce as _reduce
 from . import shm as _shm
 from ._text import counted
@@ -72,11 +74,13 @@ from .errors import (DdpwireError, GradientMismatch, NonFiniteGradient, Protocol
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
 from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientPayload, MeshPeers,
                        PeerHello, Shutdown)
+# the plan's helpers stay importable from here (their home before ddpwire.plan)
+from .plan import Plan, coordinator_part, range_bounds, range_count, slice_bounds
 
 __all__ = ["CODECS", "Mesh", "SharedPlane", "SliceOutcome", "auto_share", "codec_of",
            "coordinator_part", "format_peers", "listen", "parse_peers", "parse_ports", "offer",
            "peer_host",
-           "peer_port", "range_bounds", "share_value", "slice_bounds"]
+           "peer_port", "range_bounds", "range_count", "share_value", "slice_bounds"]
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +93,6 @@ _HALF_NAME = {Codec.BF16: "bf16", Codec.FP16: "fp16"}
 _HELLO_LABEL = b"ddpwire mesh hello v1"
 HOST_ID_BYTES = 16  # ddpwire.shm.host_id()
 MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
-#: the most bytes of one peer's slice an exchange moves per call: small
-#: enough that the kernel work left after the last range is short, large
-#: enough that the pause between two calls is noise next to a range's transfer
-RANGE_BYTES = 8 << 20
 #: the vector sizes whose scratch a Mesh keeps (a process group's buckets)
 SCRATCH_SIZES = 8
 #: The congestion control the mesh links ask for (where the kernel lets a
@@ -225,18 +225,6 @@ def new_key() -> bytes:
     return secrets.token_bytes(32)
 
 
-def slice_bounds(count: int, world: int) -> List[Tuple[int, int]]:
-    """Worker w's slice of a ``count``-element vector: [w·count//N, (w+1)·count//N)."""
-    return [(w * count // world, (w + 1) * count // world) for w in range(world)]
-
-
-def coordinator_part(count: int, share: int) -> int:
-    """How many elements at the end of a ``count``-element vector the
-    coordinator averages itself, for MeshPeers.coordinator_share ``share``
-    (65536ths of the vector, rounded down)."""
-    return (count * share) >> 16
-
-
 def share_value(fraction: float) -> int:
     """MeshPeers.coordinator_share for a fraction of the vector in [0, 1)."""
     if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
@@ -262,21 +250,6 @@ def auto_share(workers: int) -> float:
     docs/benchmarks.md). At N = 2 the floors are equal, so two workers keep
     the plain mesh."""
     return 0.75 / (workers + 1) if workers >= 3 else 0.0
-
-
-def range_bounds(length: int, parts: int) -> List[Tuple[int, int]]:
-    """Range c of ``parts`` consecutive ranges of a ``length``-element slice:
-    [c·length//parts, (c+1)·length//parts); some are empty when the slice is
-    shorter than ``parts``."""
-    return [(c * length // parts, (c + 1) * length // parts) for c in range(parts)]
-
-
-def range_count(slice_bytes: int) -> int:
-    """How many ranges an exchange whose largest slice has ``slice_bytes``
-    bytes moves. Every worker derives it from the vector's length alone, so
-    all split a slice the same way (a different split would still move the
-    same bytes, only with other pauses)."""
-    return max(1, -(-slice_bytes // RANGE_BYTES))
 
 
 # ---- the links ----
@@ -427,12 +400,22 @@ class _CoordinatorLeg:
 
 class Mesh:
     """A worker's links to every other worker of a mesh session, and the two
-    exchanges of a mesh step (reduce-scatter, then allgather)."""
+    exchanges of a mesh step (reduce-scatter, then allgather).
+
+    ``fractions`` (one per worker, relative; None: equal) says how much of
+    each vector every worker averages, cut by :class:`ddpwire.plan.Plan`;
+    a worker with fraction 0 owns no element but still sends the others
+    their slices and receives the whole average. Every worker must be given
+    the same fractions: a cut that differs is a GradientMismatch naming the
+    worker, at the heads, before any element moves. Unequal fractions keep
+    the steps on the links (see ``shared_memory``)."""
 
     def __init__(self, links: List[Optional[Channel]], worker_id: int, codec: Codec,
                  timeout: float, shared_memory: bool = False,
-                 coordinator: Optional[Channel] = None, coordinator_share: int = 0) -> None:
+                 coordinator: Optional[Channel] = None, coordinator_share: int = 0,
+                 fractions: Optional[Sequence[float]] = None) -> None:
         _check_share(coordinator_share, coordinator, codec, shared_memory, worker_id)
+        self.fractions = _plan.check_fractions(fractions, len(links))
         self.links = links
         #: the connection to the coordinator, which averages the last
         #: coordinator_part() elements of each step itself (none when 0)
@@ -448,6 +431,7 @@ class Mesh:
         self._dtype = _WIRE_DTYPE[self.codec]
         self._half = _HALF_NAME.get(self.codec)
         self._scratch: Dict[Tuple[str, int, str], np.ndarray] = {}
+        self._plans: Dict[int, Plan] = {}  # by vector length, as the scratch
         # the averaged slice between the two exchanges, and its step
         self._own: Optional[np.ndarray] = None
         self._step: Optional[int] = None
@@ -460,21 +444,33 @@ class Mesh:
         self._closed = False
         # The coordinator saw every worker on one host: the first step
         # tries to set up a shared segment, and steps use it once every
-        # worker has attached.
-        self._want_shared = bool(shared_memory) and self.codec == Codec.FLOAT32
+        # worker has attached. The segment's kernels (csrc/shm.c) cut equal
+        # slices only, so unequal fractions keep the links. No worker asks
+        # the others: all were given the same fractions, so all decide
+        # alike (one that tried the segment alone would wait for set-up
+        # answers that never come).
+        self._want_shared = (bool(shared_memory) and self.codec == Codec.FLOAT32
+                             and Plan(0, self.world, self.fractions).equal)
         self.plane: Optional[SharedPlane] = None
 
     @classmethod
     def connect(cls, listener: socket.socket, table: MeshPeers, worker_id: int, world: int, *,
                 timeout: float, max_frame: int,
                 congestion: Optional[str] = DEFAULT_CONGESTION,
-                coordinator: Optional[Channel] = None) -> "Mesh":
+                coordinator: Optional[Channel] = None,
+                fractions: Optional[Sequence[float]] = None) -> "Mesh":
         """Open the links a MeshPeers names (closing ``listener`` afterwards),
         each sending under TCP congestion control ``congestion`` where the
         kernel has it (:data:`DEFAULT_CONGESTION`; None: the system's).
         ``coordinator`` is this worker's connection to the coordinator, which
-        carries the coordinator's part of each step when the table gives it one."""
+        carries the coordinator's part of each step when the table gives it one.
+        ``fractions``: as for :class:`Mesh` (MeshPeers carries none)."""
         timeout = check_timeout("timeout", timeout)
+        try:
+            _plan.check_fractions(fractions, world)
+        except ValueError:
+            listener.close()  # before any link opens
+            raise
         if len(table.key) != 32:
             raise ProtocolError("MeshPeers.key must be 32 bytes")
         peers = parse_peers(table.peers, world)
@@ -491,7 +487,7 @@ class Mesh:
             listener.close()
         return cls(links, worker_id, Codec(table.codec), timeout,
                    shared_memory=bool(table.shared_memory), coordinator=coordinator,
-                   coordinator_share=table.coordinator_share)
+                   coordinator_share=table.coordinator_share, fractions=fractions)
 
     def close(self) -> None:
         """Close every link and stop the helper thread (after the kernel call
@@ -506,6 +502,18 @@ class Mesh:
         helper, self._helper = self._helper, None
         if helper is not None:
             helper.shutdown(wait=True, cancel_futures=True)
+
+    def plan_for(self, count: int) -> Plan:
+        """The cut of a ``count``-element vector: this mesh's fractions,
+        codec and coordinator share (kept for the last few lengths, as the
+        scratch is)."""
+        plan = self._plans.pop(count, None)
+        if plan is None:
+            if len(self._plans) >= SCRATCH_SIZES:
+                del self._plans[next(iter(self._plans))]  # the least recently used
+            plan = Plan(count, self.world, self.fractions, self.codec, self.coordinator_share)
+        self._plans[count] = plan
+        return plan
 
     @property
     def _conns(self) -> List[Optional["_core.Connection"]]:
@@ -742,12 +750,11 @@ class Mesh:
 
     # ---- the kernels of one range (on the helper thread) ----
 
-    def _narrow(self, gradients: np.ndarray, wire: np.ndarray,
-                bounds: Sequence[Tuple[int, int]], parts: int, c: int) -> None:
-        for a, b in bounds:
-            s, e = range_bounds(b - a, parts)[c]
+    def _narrow(self, gradients: np.ndarray, wire: np.ndarray, plan: Plan, c: int) -> None:
+        for j in range(plan.members):
+            s, e = plan.piece(j, c)
             if e > s:
-                _reduce.to_half(gradients[a + s:a + e], wire[a + s:a + e], codec=self._half)
+                _reduce.to_half(gradients[s:e], wire[s:e], codec=self._half)
 
     def _average(self, inputs: Sequence[np.ndarray], own: np.ndarray, s: int,
                  e: int) -> Optional[Tuple[int, int, float]]:
@@ -767,14 +774,13 @@ class Mesh:
             return int(bad.input), s + int(bad.index), float(bad.value)
         return None
 
-    def _widen(self, full: np.ndarray, out: np.ndarray, bounds: Sequence[Tuple[int, int]],
-               parts: int, c: int) -> None:
-        for j, (a, b) in enumerate(bounds):
+    def _widen(self, full: np.ndarray, out: np.ndarray, plan: Plan, c: int) -> None:
+        for j in range(plan.members):
             if j == self.worker_id:
                 continue
-            s, e = range_bounds(b - a, parts)[c]
+            s, e = plan.piece(j, c)
             if e > s:
-                _reduce.from_half(full[a + s:a + e], out[a + s:a + e], codec=self._half)
+                _reduce.from_half(full[s:e], out[s:e], codec=self._half)
 
     # ---- the step ----
 
@@ -801,9 +807,9 @@ class Mesh:
         if self.plane is not None:
             return self.plane.reduce_scatter(step, gradients, deadline)
         n, me = self.world, self.worker_id
-        leg = self._leg(step, gradients, tail)
-        ours = len(gradients) - (0 if leg is None else len(leg.data))
-        bounds = slice_bounds(ours, n)
+        plan = self.plan_for(len(gradients))
+        leg = self._leg(step, gradients, tail, plan)
+        bounds = plan.bounds
         lo, hi = bounds[me]
         if self._half is None:
             wire = gradients
@@ -825,12 +831,14 @@ class Mesh:
                 inputs.append(part)
         sends = [None if j == me else wire[a:b] for j, (a, b) in enumerate(bounds)]
         own = self._buffer("own", mine, wire.dtype)
-        parts = range_count(max(b - a for a, b in bounds) * wire.itemsize)
-        pieces = range_bounds(mine, parts)
+        parts = plan.parts
+        # a worker with fraction 0 owns no element: every range is empty
+        # and it only sends (its heads say count 0 to every owner)
+        pieces = plan.cuts(mine)
         # the narrowing runs ahead of the exchange (from before the heads),
         # the averaging one range behind it
         narrowed = [] if self._half is None else [
-            self._submit(self._narrow, gradients, wire, bounds, parts, c) for c in range(parts)]
+            self._submit(self._narrow, gradients, wire, plan, c) for c in range(parts)]
         averaged: List[Future] = []
 
         def before(c: int) -> None:
@@ -858,13 +866,12 @@ class Mesh:
         self._part = None if leg is None else leg.into
         return outcome
 
-    def _leg(self, step: int, gradients: np.ndarray,
-             tail: Tuple[float, int, int]) -> Optional[_CoordinatorLeg]:
+    def _leg(self, step: int, gradients: np.ndarray, tail: Tuple[float, int, int],
+             plan: Plan) -> Optional[_CoordinatorLeg]:
         if not self.coordinator_share:
             return None
         assert self.coordinator is not None and self._half is None
-        count = len(gradients)
-        data = gradients[count - coordinator_part(count, self.coordinator_share):]
+        data = gradients[plan.ours:]
         loss, correct, total = tail
         msg = GradientPayload(step=step, worker_id=self.worker_id, gradients=data, loss=loss,
                               correct=correct, total=total)
@@ -885,8 +892,8 @@ class Mesh:
         part, self._part = self._part, None
         self._own = self._step = None
         n, me = self.world, self.worker_id
-        ours = len(out) - (0 if part is None else len(part))
-        bounds = slice_bounds(ours, n)
+        plan = self.plan_for(len(out))
+        bounds = plan.bounds
         lo, hi = bounds[me]
         if self._half is None:
             # float32 lands where it belongs: nothing to do per range
@@ -894,15 +901,15 @@ class Mesh:
             parts = 1
             pending = [self._submit(np.copyto, out[lo:hi], own)]
             if part is not None:
-                pending.append(self._submit(np.copyto, out[ours:], part))
+                pending.append(self._submit(np.copyto, out[plan.ours:], part))
             after: Optional[Callable[[int], None]] = None
         else:
             full = self._buffer("gathered", len(out), own.dtype)
-            parts = range_count(max(b - a for a, b in bounds) * own.itemsize)
+            parts = plan.parts
             pending = [self._submit(self._widen_own, own, out[lo:hi])]
 
             def widen(c: int) -> None:
-                pending.append(self._submit(self._widen, full, out, bounds, parts, c))
+                pending.append(self._submit(self._widen, full, out, plan, c))
             after = widen
 
         sends = [None if j == me else own for j in range(n)]

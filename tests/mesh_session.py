@@ -58,24 +58,26 @@ class Session:
         self.coord.close()
 
 
-def flat_steps(grads, steps):
+def flat_steps(grads, steps, mesh=True):
     """A body: ``steps`` allreduces of the worker's gradient into one
-    buffer; the last average (a copy) and global loss."""
+    buffer; the last average (a copy) and global loss. The worker must be
+    on the mesh (``mesh``), or on the star (False)."""
     def body(w):
         g = grads[w.worker_id]
         out = np.empty(len(g), dtype=np.float32)
         for step in range(steps):
             result = w.allreduce(step, g, 0.5 + w.worker_id, w.worker_id, 10 + w.worker_id,
                                  out=out)
-        assert w.uses_mesh
+        assert w.uses_mesh == mesh
         return out.copy(), result.global_loss
     return body
 
 
-def run_flat_steps(grads, steps=3, **coordinator):
+def run_flat_steps(grads, steps=3, *, mesh=True, **coordinator):
     """A session of len(grads) workers running ``steps`` flat steps, every
-    one finished without an error; the Session, for its results."""
-    s = Session(len(grads), flat_steps(grads, steps), coordinator=coordinator)
+    one finished without an error, on the mesh (or, ``mesh`` False, the
+    star); the Session, for its results."""
+    s = Session(len(grads), flat_steps(grads, steps, mesh), coordinator=coordinator)
     try:
         for step in range(steps):
             s.coord.allreduce(step)
@@ -114,3 +116,62 @@ def untouched_out_step(grads, sentinel):
         finally:
             assert (out == sentinel).all()  # not one element applied
     return body
+
+
+# ---- Mesh objects on links made in-process (no coordinator) ----
+
+def mesh_group(n, codec=None, fractions=None, timeout=TIMEOUT):
+    """``n`` Mesh runners (worker ids 0..n-1) over loopback TCP links
+    opened here, pair by pair, without the PeerHello (nothing else can
+    reach them); ``codec`` a compression name (None: float32)."""
+    import socket
+
+    from ddpwire import mesh as meshmod
+
+    links = [[None] * n for _ in range(n)]
+    try:
+        for i in range(n):
+            for j in range(i + 1, n):
+                with socket.create_server(("127.0.0.1", 0)) as server:
+                    a = socket.create_connection(server.getsockname()[:2], timeout=timeout)
+                    b, _ = server.accept()
+                links[i][j] = meshmod._peer_channel(a, j, timeout, 1 << 30)
+                links[j][i] = meshmod._peer_channel(b, i, timeout, 1 << 30)
+        return [meshmod.Mesh(links[r], r, meshmod.codec_of(codec), timeout, fractions=fractions)
+                for r in range(n)]
+    except BaseException:
+        for row in links:
+            for chan in row:
+                if chan is not None:
+                    chan.close()
+        raise
+
+
+def mesh_allreduce(meshes, step, grads, op=None):
+    """One reduce-scatter and allgather of ``grads[r]`` on each mesh, in
+    threads: per worker its result, its SliceOutcome, its error (each None
+    where it did not come) and how many elements it averaged itself."""
+    import time
+
+    from ddpwire.extensions import ReduceOp
+
+    n = len(meshes)
+    outs, outcomes, errors, owned = [None] * n, [None] * n, [None] * n, [None] * n
+
+    def run(r):
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            outcomes[r] = meshes[r].reduce_scatter(step, grads[r], deadline,
+                                                   op=ReduceOp.AVG if op is None else op)
+            owned[r] = len(meshes[r]._own)
+            out = np.full(len(grads[r]), np.float32(-7.0), dtype=np.float32)
+            outs[r] = meshes[r].allgather(step, out, deadline)
+        except BaseException as exc:  # handed to the test
+            errors[r] = exc
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(3 * TIMEOUT)
+        assert not t.is_alive(), "a mesh step hung"
+    return outs, outcomes, errors, owned

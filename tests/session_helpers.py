@@ -1,9 +1,10 @@
-"""Helpers for session tests: workers in threads, raw peers, exact float32 means."""
+"""Helpers for session tests: workers in threads, raw peers, and the one
+reference of every flat allreduce (:func:`reference_allreduce`)."""
 from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -40,12 +41,85 @@ def spawn(target: Callable[[], Any]) -> Thread:
     return t
 
 
-def exact_mean(vectors: List[np.ndarray]) -> np.ndarray:
-    """The reference arithmetic: float32 sum in worker order, then / n."""
-    acc = vectors[0].astype(np.float32).copy()
-    for v in vectors[1:]:
-        acc = (acc + v).astype(np.float32)
-    return (acc / np.float32(len(vectors))).astype(np.float32)
+# ---- the one reference of every flat allreduce the tests check ----
+#
+# numpy's float32 steps, each correctly rounded, one element-wise operation
+# at a time, so any reassociation or other rounding in the kernels, the
+# star, the mesh, the shared segment or the rank links shows. The 16-bit
+# roundings are written here on the integer bits, independently of the
+# kernels' own (tests/test_half.py checks the kernels against them).
+
+def to_half_bits(x: Any, codec: str) -> np.ndarray:
+    """float32 to 16-bit words ("bf16" or "fp16"), round to nearest even.
+    A NaN keeps its sign, gets the quiet bit and keeps the top payload bits
+    (the module's rule; numpy's own NaN casts vary from loop to loop)."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    if codec == "bf16":
+        kept = u >> 16
+        dropped = u & 0xFFFF
+        up = (dropped > 0x8000) | ((dropped == 0x8000) & ((kept & 1) == 1))
+        out = (kept + up).astype(np.uint16)
+        out[nan] = (kept[nan] | 0x0040).astype(np.uint16)
+        return out
+    if codec == "fp16":
+        with np.errstate(all="ignore"):
+            out = x.astype(np.float16).view(np.uint16).copy()
+        out[nan] = (((u[nan] >> 16) & 0x8000) | 0x7E00
+                    | ((u[nan] >> 13) & 0x3FF)).astype(np.uint16)
+        return out
+    raise ValueError(f"codec must be 'bf16' or 'fp16', got {codec!r}")
+
+
+def from_half_bits(h: Any, codec: str) -> np.ndarray:
+    """16-bit words ("bf16" or "fp16") widened to float32, exactly (a NaN
+    keeps its sign and payload)."""
+    h = np.asarray(h).view(np.uint16)
+    if codec == "bf16":
+        return (h.astype(np.uint32) << 16).view(np.float32)
+    if codec == "fp16":
+        out = h.view(np.float16).astype(np.float32).view(np.uint32).copy()
+        nan = (h & 0x7FFF) > 0x7C00
+        w = h[nan].astype(np.uint32)
+        out[nan] = ((w & 0x8000) << 16) | 0x7F800000 | ((w & 0x3FF) << 13)
+        return out.view(np.float32)
+    raise ValueError(f"codec must be 'bf16' or 'fp16', got {codec!r}")
+
+
+def reference_allreduce(vectors: Sequence[Any], op: Any = "avg",
+                        codec: Optional[str] = None) -> np.ndarray:
+    """What every member of a flat allreduce must end with, bit for bit.
+
+    float32 (``codec`` None): the sum in member order, ((x0 + x1) + x2) ...,
+    then for AVG one true division by n. With ``codec`` "bf16" or "fp16":
+    each input rounded once to 16 bits (nearest even) and widened, summed
+    as above, divided, the result rounded once to 16 bits and widened.
+    ``op`` is "avg" or "sum", or an enum (ReduceOp, Op) of that name.
+    NaN and infinities go through as numpy's float32 arithmetic takes them.
+    """
+    name = (op if isinstance(op, str) else op.name).lower()
+    if name not in ("avg", "sum"):
+        raise ValueError(f"op must be avg or sum, got {op!r}")
+    xs = [np.asarray(v, dtype=np.float32) for v in vectors]
+    if not xs:
+        raise ValueError("no vectors to reduce")
+    if codec is not None:
+        xs = [from_half_bits(to_half_bits(x, codec), codec) for x in xs]
+    with np.errstate(all="ignore"):  # overflow and NaN are part of the contract
+        acc = np.array(xs[0], dtype=np.float32, copy=True)
+        for x in xs[1:]:
+            acc = np.add(acc, x, dtype=np.float32)
+        if name == "avg":
+            acc = np.divide(acc, np.float32(len(xs)), dtype=np.float32)
+    if codec is not None:
+        acc = from_half_bits(to_half_bits(acc, codec), codec)
+    return acc
+
+
+def exact_mean(vectors: Sequence[Any]) -> np.ndarray:
+    """The float32 average of :func:`reference_allreduce` (its older name)."""
+    return reference_allreduce(vectors)
 
 
 def raw_join(addr, node_id: str = "raw", timeout: float = 10.0) -> socket.socket:

@@ -1,8 +1,9 @@
 """16-bit gradients (ddpwire.reduce.to_half, from_half, mean_half) bit for bit.
 
-References: for fp16, numpy's float16 casts (round to nearest even); for bf16,
-a rounding written here on the integer bits, independently of the kernel's
-carry trick; and torch's own casts where torch is installed. NaN bits are
+References (the tests' one reference, tests/session_helpers.py): for fp16,
+numpy's float16 casts (round to nearest even); for bf16, a rounding written
+on the integer bits, independently of the kernel's carry trick; and torch's
+own casts where torch is installed. NaN bits are
 pinned by the module's rule (sign kept, quiet bit set, the top payload bits
 kept), not by numpy or torch, whose NaN bits differ from one loop to another.
 """
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 
 from ddpwire import NonFiniteGradient
 from ddpwire import reduce as R
+
+from session_helpers import from_half_bits, reference_allreduce, to_half_bits
 
 PATHS = R.available_paths()
 # over two threads' minimum range (2 * 2**18), not a whole number of blocks
@@ -26,39 +29,23 @@ def path(request):
 
 
 # ---- references ----
+# the 16-bit roundings and the mean are the tests' one reference
+# (tests/session_helpers.py), written on the integer bits
 
 def ref_to_bf16(x):
-    u = np.asarray(x, dtype=np.float32).view(np.uint32)
-    kept = u >> 16
-    dropped = u & 0xFFFF
-    up = (dropped > 0x8000) | ((dropped == 0x8000) & ((kept & 1) == 1))
-    out = (kept + up).astype(np.uint16)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    out[nan] = (kept[nan] | 0x0040).astype(np.uint16)
-    return out
+    return to_half_bits(x, "bf16")
 
 
 def ref_to_fp16(x):
-    x = np.asarray(x, dtype=np.float32)
-    with np.errstate(all="ignore"):
-        out = x.astype(np.float16).view(np.uint16).copy()
-    u = x.view(np.uint32)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    out[nan] = (((u[nan] >> 16) & 0x8000) | 0x7E00 | ((u[nan] >> 13) & 0x3FF)).astype(np.uint16)
-    return out
+    return to_half_bits(x, "fp16")
 
 
 def ref_from_bf16(h):
-    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return from_half_bits(h, "bf16")
 
 
 def ref_from_fp16(h):
-    h = np.asarray(h, dtype=np.uint16)
-    out = h.view(np.float16).astype(np.float32).view(np.uint32).copy()
-    nan = (h & 0x7FFF) > 0x7C00
-    w = h[nan].astype(np.uint32)
-    out[nan] = ((w & 0x8000) << 16) | 0x7F800000 | ((w & 0x3FF) << 13)
-    return out.view(np.float32)
+    return from_half_bits(h, "fp16")
 
 
 REF_TO = {"bf16": ref_to_bf16, "fp16": ref_to_fp16}
@@ -66,15 +53,11 @@ REF_FROM = {"bf16": ref_from_bf16, "fp16": ref_from_fp16}
 
 
 def ref_mean_half(inputs, codec):
-    """Widen, sum in input order, divide, narrow: numpy float32 steps, each
-    correctly rounded, so any reassociation in the kernels shows."""
-    wide = [REF_FROM[codec](x) for x in inputs]
-    with np.errstate(all="ignore"):
-        s = wide[0].copy()
-        for w in wide[1:]:
-            s = np.add(s, w, dtype=np.float32)
-        s = np.divide(s, np.float32(len(inputs)), dtype=np.float32)
-    return REF_TO[codec](s)
+    """Widen, sum in input order, divide, narrow: the reference's 16-bit
+    average of inputs that are 16-bit words already (rounding them to 16
+    bits again changes nothing but a signalling NaN's quiet bit, and a NaN
+    sum may carry any payload)."""
+    return REF_TO[codec](reference_allreduce([REF_FROM[codec](x) for x in inputs], codec=codec))
 
 
 def assert_same_half(got, want, codec):

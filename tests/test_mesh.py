@@ -1,10 +1,10 @@
 """The mesh: workers average flat steps among themselves (ddpwire.mesh).
 
 Every test runs a real Coordinator and real Workers over loopback TCP, the
-workers as threads. The averages are compared bit for bit with the
-reference arithmetic (ddpwire.reduce.mean: a float32 sum in worker order,
-then a division), and for 16-bit codecs with an independent numpy
-reference.
+workers as threads. The averages are compared bit for bit with the tests'
+one reference (tests/session_helpers.py reference_allreduce: a float32 sum
+in worker order, then a division; for 16-bit codecs each input and the
+average rounded once), independent numpy arithmetic.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, Worker, reduce
+from ddpwire import Coordinator, Worker
 from ddpwire import mesh as meshmod
+from ddpwire import plan as planmod
 from ddpwire.errors import (
     DdpwireError,
     GradientMismatch,
@@ -31,6 +32,7 @@ from ddpwire.channel import Channel
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, flat_steps, gradients, halted_step,
                           run_flat_steps, untouched_out_step)
+from session_helpers import reference_allreduce
 
 
 @pytest.fixture(autouse=True, params=["links", "shared"])
@@ -55,7 +57,7 @@ def test_the_mesh_average_is_the_reference_bits_on_every_worker(n, count):
     finally:
         s.join()
     assert not s.errors, s.errors
-    want = reduce.mean(grads)
+    want = reference_allreduce(grads)
     star_loss = np.float32(0)
     for i in range(n):
         star_loss = np.float32(star_loss + np.float32(0.5 + i) * np.float32(10 + i))
@@ -70,7 +72,7 @@ def test_the_mesh_average_is_the_reference_bits_on_every_worker(n, count):
 
 def test_the_average_may_land_in_the_gradient_buffer_itself():
     grads = gradients(3, 50_001, seed=3)
-    want = reduce.mean(grads)
+    want = reference_allreduce(grads)
 
     def body(w):
         buf = grads[w.worker_id].copy()
@@ -87,27 +89,12 @@ def test_the_average_may_land_in_the_gradient_buffer_itself():
         assert np.array_equal(bits(s.results[i]), bits(want))
 
 
-def numpy_half_mean(grads, codec):
-    """An independent reference: numpy's float16 (round to nearest even) or
-    bf16 by integer rounding of the float32 bits."""
-    def narrow(x):
-        if codec == "fp16":
-            return x.astype(np.float16).astype(np.float32)
-        u = x.view(np.uint32).astype(np.uint64)
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-        return r.astype(np.uint32).view(np.float32)
-    acc = narrow(grads[0]).copy()
-    for g in grads[1:]:
-        acc = (acc + narrow(g)).astype(np.float32)
-    return narrow((acc / np.float32(len(grads))).astype(np.float32))
-
-
 def run_16_bit_steps(grads, codec):
     """Two steps with ``compression=codec``: every worker must end with the
-    numpy reference's bits, which are returned."""
+    reference's bits, which are returned."""
     n = len(grads)
     s = run_flat_steps(grads, 2, compression=codec)
-    want = numpy_half_mean(grads, codec)
+    want = reference_allreduce(grads, codec=codec)
     for i in range(n):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
     return want
@@ -118,7 +105,7 @@ def run_16_bit_steps(grads, codec):
 def test_16_bit_codecs_give_every_worker_the_same_rounded_average(codec, n):
     grads = gradients(n, 30_011, seed=n)
     want = run_16_bit_steps(grads, codec)
-    exact = reduce.mean(grads)
+    exact = reference_allreduce(grads)
     # the documented error: one rounding of each input and of the average
     # (8 bits of precision for bf16, 11 for fp16), relative to the largest value
     err = float(np.abs(want - exact).max()) / float(np.abs(np.stack(grads)).max())
@@ -140,7 +127,7 @@ def test_a_worker_without_the_mesh_keeps_the_star_for_everyone():
     finally:
         s.join()
     assert not s.errors, s.errors
-    want = reduce.mean(grads)
+    want = reference_allreduce(grads)
     assert np.array_equal(bits(r.avg_gradients), bits(want))
     for i in range(3):
         got, on_mesh = s.results[i]
@@ -352,7 +339,7 @@ def test_per_block_steps_keep_the_star_in_a_mesh_session():
     finally:
         s.join()
     assert not s.errors, s.errors
-    want = reduce.mean(blocks)
+    want = reference_allreduce(blocks)
     assert np.array_equal(bits(r.avg_gradients), bits(want))
     for i in range(2):
         assert np.array_equal(bits(s.results[i]), bits(want))
@@ -370,7 +357,7 @@ def test_collect_then_broadcast_is_the_reports_then_the_commit():
     finally:
         s.join()
     assert not s.errors
-    assert np.array_equal(bits(s.results[0][0]), bits(reduce.mean(grads)))
+    assert np.array_equal(bits(s.results[0][0]), bits(reference_allreduce(grads)))
 
 
 # ---- the links ----
@@ -382,8 +369,6 @@ def test_peer_table_parsing():
     for bad in ("10.0.0.1:5", "host:5,10.0.0.1:6", "10.0.0.1:0,10.0.0.1:1", "10.0.0.1,x"):
         with pytest.raises(ProtocolError):
             meshmod.parse_peers(bad, 2)
-    assert meshmod.slice_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
-    assert meshmod.slice_bounds(1, 3) == [(0, 0), (0, 0), (0, 1)]
 
 
 def test_a_stranger_on_a_mesh_port_is_dropped_and_the_mesh_still_forms():
@@ -425,7 +410,7 @@ def test_a_stranger_on_a_mesh_port_is_dropped_and_the_mesh_still_forms():
             t.start()
         for t in threads:
             t.join(TIMEOUT)
-        want = reduce.mean(grads)
+        want = reference_allreduce(grads)
         assert all(np.array_equal(bits(o), bits(want)) for o in outs)
     finally:
         for m in meshes.values():
@@ -436,20 +421,13 @@ def test_a_stranger_on_a_mesh_port_is_dropped_and_the_mesh_still_forms():
 
 # ---- the elements in ranges ----
 
-def test_range_bounds_cover_a_slice_in_order():
-    assert meshmod.range_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
-    assert meshmod.range_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
-    assert meshmod.range_bounds(0, 3) == [(0, 0)] * 3
-    assert meshmod.range_count(0) == 1
-    assert meshmod.range_count(meshmod.RANGE_BYTES) == 1
-    assert meshmod.range_count(meshmod.RANGE_BYTES + 1) == 2
-
+# (the cuts themselves: tests/test_plan.py)
 
 @pytest.fixture
 def tiny_ranges(monkeypatch):
     """Ranges of 3 float32 (or 6 16-bit) elements, so every slice below is
     cut in many ranges, some uneven and some empty."""
-    monkeypatch.setattr(meshmod, "RANGE_BYTES", 12)
+    monkeypatch.setattr(planmod, "RANGE_BYTES", 12)
 
 
 def helper_threads():
@@ -461,7 +439,7 @@ def helper_threads():
 def test_split_ranges_give_the_reference_bits(tiny_ranges, n, count):
     grads = gradients(n, count, seed=100 + n + count)
     s = run_flat_steps(grads, 2)
-    want = reduce.mean(grads)
+    want = reference_allreduce(grads)
     for i in range(n):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
     assert not helper_threads()  # closing each worker's mesh stopped its helper

@@ -13,8 +13,9 @@ import threading
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, reduce
+from ddpwire import Coordinator
 from ddpwire import mesh as meshmod
+from ddpwire import plan as planmod
 from ddpwire.errors import (GradientMismatch, NonFiniteGradient, PeerLost, ProtocolError,
                             WorkerLost)
 from ddpwire.extensions import Codec
@@ -22,6 +23,7 @@ from ddpwire.messages import MeshPeers
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, flat_steps, gradients, halted_step,
                           run_flat_steps, untouched_out_step)
+from session_helpers import reference_allreduce
 
 
 @pytest.fixture(autouse=True)
@@ -37,11 +39,11 @@ def star_loss(n):
 
 
 def test_the_part_is_the_vector_s_last_elements_rounded_down():
-    assert meshmod.coordinator_part(1000, 0) == 0
-    assert meshmod.coordinator_part(1000, 1 << 15) == 500
-    assert meshmod.coordinator_part(3, 1 << 15) == 1
-    assert meshmod.coordinator_part(1, 0xFFFF) == 0
-    assert meshmod.coordinator_part(1 << 40, 13107) == (13107 << 40) >> 16
+    assert planmod.coordinator_part(1000, 0) == 0
+    assert planmod.coordinator_part(1000, 1 << 15) == 500
+    assert planmod.coordinator_part(3, 1 << 15) == 1
+    assert planmod.coordinator_part(1, 0xFFFF) == 0
+    assert planmod.coordinator_part(1 << 40, 13107) == (13107 << 40) >> 16
     assert meshmod.share_value(0.2) == 13107 and meshmod.share_value(0) == 0
     assert meshmod.share_value(0.99999999) == 0xFFFF
     for bad in (-0.1, 1.0, float("nan"), "0.2", None):
@@ -70,7 +72,7 @@ def test_the_average_is_the_reference_bits_on_every_worker(n, count, share):
     grads = gradients(n, count, seed=n + count)
     s = run_flat_steps(grads, 3, coordinator_share=share, topology="mesh")
     assert s.coord.share == meshmod.share_value(share)
-    want = reduce.mean(grads)
+    want = reference_allreduce(grads)
     for i in range(n):
         got, loss = s.results[i]
         assert np.array_equal(bits(got), bits(want))
@@ -89,15 +91,15 @@ def test_collect_then_broadcast_with_a_share():
         s.join()
     assert not s.errors, s.errors
     for i in range(3):
-        assert np.array_equal(bits(s.results[i][0]), bits(reduce.mean(grads)))
+        assert np.array_equal(bits(s.results[i][0]), bits(reference_allreduce(grads)))
 
 
 def test_split_ranges_give_the_reference_bits(monkeypatch):
-    monkeypatch.setattr(meshmod, "RANGE_BYTES", 8)
+    monkeypatch.setattr(planmod, "RANGE_BYTES", 8)
     grads = gradients(4, 101, seed=3)
     s = run_flat_steps(grads, 2, coordinator_share=0.3)
     for i in range(4):
-        assert np.array_equal(bits(s.results[i][0]), bits(reduce.mean(grads)))
+        assert np.array_equal(bits(s.results[i][0]), bits(reference_allreduce(grads)))
 
 
 def test_heartbeats_never_land_inside_the_part():
@@ -117,7 +119,7 @@ def test_heartbeats_never_land_inside_the_part():
         s.join()
     assert not s.errors, s.errors
     for i in range(3):
-        assert np.array_equal(bits(s.results[i][0]), bits(reduce.mean(grads)))
+        assert np.array_equal(bits(s.results[i][0]), bits(reference_allreduce(grads)))
 
 
 @pytest.mark.parametrize("where", ["part", "part and slice", "part only worker 2"])

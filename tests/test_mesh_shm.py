@@ -14,12 +14,13 @@ import sys
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, reduce, shm
+from ddpwire import Coordinator, shm
 from ddpwire import mesh as meshmod
 from ddpwire.errors import NonFiniteGradient, WorkerLost
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, gradients, halted_step,
                           run_flat_steps, untouched_out_step)
+from session_helpers import reference_allreduce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +43,7 @@ def test_shared_memory_steps_give_the_reference_bits(n, count):
     before = set(os.listdir("/dev/shm"))
     s = run_flat_steps(grads)
     assert s.planes == {i: True for i in range(n)}
-    want = reduce.mean(grads)
+    want = reference_allreduce(grads)
     for i in range(n):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
     # the name went as soon as every worker had attached
@@ -115,7 +116,7 @@ def test_a_worker_that_leaves_after_its_report_is_named_and_nothing_is_applied(p
             w.receive_averaged(out=out)
         finally:
             assert (out == sentinel).all() or np.array_equal(bits(out),
-                                                             bits(reduce.mean(grads)))
+                                                             bits(reference_allreduce(grads)))
 
     s = Session(3, body, timeout=5.0)
     try:
@@ -141,7 +142,7 @@ def test_a_worker_that_cannot_attach_keeps_everyone_on_the_links(monkeypatch):
     s = run_flat_steps(grads)
     assert s.coord.mesh
     assert s.planes == {0: False, 1: False, 2: False}
-    want = reduce.mean(grads)
+    want = reference_allreduce(grads)
     for i in range(3):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
     assert not segments_of(os.getpid())
@@ -157,7 +158,7 @@ def test_shared_memory_turned_off_keeps_the_links(monkeypatch, how):
     grads = gradients(2, 10_000, seed=8)
     s = run_flat_steps(grads, **(coordinator or {}))
     assert s.planes == {0: False, 1: False}
-    assert np.array_equal(bits(s.results[0][0]), bits(reduce.mean(grads)))
+    assert np.array_equal(bits(s.results[0][0]), bits(reference_allreduce(grads)))
 
 
 def test_compression_keeps_the_links():

@@ -5,7 +5,7 @@ order, ((x0 + x1) + x2) + ..., then (for the mean, not the total) a division
 by k: each numpy step is a correctly rounded IEEE-754 float32 operation, so
 any reassociation, fused
 multiply-add or reciprocal multiplication in the kernels shows up as a
-differing bit.
+differing bit. It is the tests' one reference (tests/session_helpers.py).
 """
 import array
 
@@ -18,6 +18,8 @@ import ddpwire
 from ddpwire import NonFiniteGradient
 from ddpwire import reduce as R
 
+from session_helpers import reference_allreduce
+
 PATHS = R.available_paths()
 LENGTHS = [0, 1, 7, 4097]
 # Large enough that the kernels split it over threads (2 * 2**18 elements).
@@ -29,11 +31,8 @@ STREAM_LEN = (1 << 22) + 4099
 
 
 def reference(inputs, divide=True):
-    with np.errstate(all="ignore"):  # overflow and NaN are part of the contract
-        s = np.array(inputs[0], dtype=np.float32, copy=True)
-        for x in inputs[1:]:
-            s = np.add(s, x, dtype=np.float32)
-        return np.divide(s, np.float32(len(inputs)), dtype=np.float32) if divide else s
+    """The tests' one reference (tests/session_helpers.py): mean or total."""
+    return reference_allreduce(inputs, "avg" if divide else "sum")
 
 
 #: the two one-pass reductions of k buffers: (kernel, its reference)

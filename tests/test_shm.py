@@ -2,9 +2,10 @@
 and its use by the "ddpwire" torch backend), in real processes.
 
 The segment tests drive ddpwire.shm.Segment from processes started with
-'spawn' (ranks of their own, no service): bits against ddpwire.reduce, a
-killed or absent rank named, an abort, Ctrl-C in a barrier. The backend
-tests run tests/shm_script.py and tests/ddp_script.py ranks.
+'spawn' (ranks of their own, no service): bits against the tests' one
+reference (tests/session_helpers.py), a killed or absent rank named, an
+abort, Ctrl-C in a barrier. The backend tests run tests/shm_script.py and
+tests/ddp_script.py ranks.
 """
 import multiprocessing
 import os
@@ -19,8 +20,9 @@ import numpy as np
 import pytest
 
 from ddpwire import _core, shm
-from ddpwire import reduce as dreduce
-from ddpwire.collectives import CollectiveAborted, DType, Op, combine
+from ddpwire.collectives import CollectiveAborted, Op
+
+from session_helpers import reference_allreduce
 
 pytestmark = pytest.mark.skipif(shm._posixshmem is None or not os.path.isdir("/dev/shm"),
                                 reason="needs POSIX shared memory under /dev/shm")
@@ -81,15 +83,7 @@ def test_segment_allreduce_is_bit_exact_in_rank_order():
             seg.close()
         assert not os.path.exists("/dev/shm" + seg.name)
         for i, n in enumerate(SIZES):
-            ins = [inputs_of(r, i, n) for r in range(world)]
-            if op_of(i) is Op.AVG:
-                want = np.empty(n, dtype=np.float32)
-                try:
-                    dreduce.mean(ins, want)
-                except Exception:  # noqa: BLE001 - NonFiniteGradient: want is complete
-                    pass
-            else:
-                want = combine(Op.SUM, DType.FLOAT32, ins)
+            want = reference(op_of(i), [inputs_of(r, i, n) for r in range(world)])
             for r in range(world):
                 assert got[r][i].tobytes() == want.tobytes(), (world, i, r)
 
@@ -258,14 +252,8 @@ def in_process(world, body, region=REGION):
 
 
 def reference(op, ins):
-    if op is Op.SUM:
-        return combine(Op.SUM, DType.FLOAT32, ins)
-    want = np.empty(len(ins[0]), dtype=np.float32)
-    try:
-        dreduce.mean(ins, want)
-    except Exception:  # noqa: BLE001 - NonFiniteGradient: want is complete
-        pass
-    return want
+    """The tests' one reference (tests/session_helpers.py), SUM or AVG."""
+    return reference_allreduce(ins, op)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -341,9 +329,7 @@ def test_the_mesh_s_split_calls_read_the_own_slice_from_the_buffer(world):
 
     got = in_process(world, body)
     for i, n in enumerate(sizes):
-        ins = [inputs_of(r, 10 + i, n) for r in range(world)]
-        want = np.empty(n, dtype=np.float32)
-        dreduce.mean(ins, want)
+        want = reference(Op.AVG, [inputs_of(r, 10 + i, n) for r in range(world)])
         for r in range(world):
             report, out = got[r][i]
             assert report == (-1, 0, 0.0) and out.tobytes() == want.tobytes(), (world, i, r)
@@ -371,11 +357,7 @@ def test_a_non_finite_value_in_the_own_slice_is_reported_from_the_buffer():
     got = in_process(world, body)
     bad_rank, index, value = got[2][0]
     assert (bad_rank, index) == (2, 4000) and np.isnan(value)
-    want = np.empty(n, dtype=np.float32)
-    try:
-        dreduce.mean(xs, want)
-    except Exception:  # noqa: BLE001 - NonFiniteGradient: want is complete
-        pass
+    want = reference(Op.AVG, xs)
     for r in range(world):
         assert got[r][1].tobytes() == want.tobytes(), r
 
@@ -472,7 +454,7 @@ def expected(world, rounds, sizes):
         for j, n in enumerate(sizes):
             ins = [(torch.randn(n, generator=torch.Generator().manual_seed(1000 * (10 * i + j) + r))
                     * (r + 1)).numpy() for r in range(world)]
-            want.append(combine(Op.AVG if (i + j) % 2 else Op.SUM, DType.FLOAT32, ins))
+            want.append(reference(Op.AVG if (i + j) % 2 else Op.SUM, ins))
             want.append(np.full(3, float(i % world), dtype=np.float32))
     return want
 

@@ -13,6 +13,7 @@ import pytest
 
 import ddpwire
 from ddpwire._core import Connection, allreduce_stream
+from session_helpers import reference_allreduce
 from test_exchange_many import Spawned, tcp_pair
 
 COUNT = 300_003  # many 64 KiB reduce slices and threaded chunks
@@ -38,11 +39,8 @@ def grads_for(n, count, seed):
 
 
 def reference(grads):
-    acc = grads[0].copy()
-    with np.errstate(invalid="ignore", over="ignore"):
-        for g in grads[1:]:
-            acc = acc + g
-        return acc / np.float32(len(grads))
+    """The tests' one reference (tests/session_helpers.py): the float32 mean."""
+    return reference_allreduce(grads)
 
 
 def tail_of(i, round_):

@@ -13,10 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ddpwire.collectives import CollectiveAborted, DType, Kind, Op  # noqa: E402
+from ddpwire.collectives import CollectiveAborted, Op  # noqa: E402
 from ddpwire.torch import links as _links  # noqa: E402
 
 import test_torch_backend as tb  # noqa: E402
+# the fake set-up collectives: shared with tests/test_flat_matrix.py
+from rank_group import form_all as _form_all, loopback as _loopback  # noqa: E402
+from session_helpers import reference_allreduce  # noqa: E402
 
 # loopback ranks on the links: no shared memory, every float32 bucket large
 # enough; or through the service, every bucket too small for the links
@@ -67,55 +70,6 @@ def test_a_killed_rank_is_named_on_the_links(tmp_path):
         assert "CollectiveAborted" in outputs[rank] and "rank 2" in outputs[rank], outputs[rank]
 
 
-class _Group:
-    """``world`` ranks' set-up collectives in threads: a broadcast is the
-    root's data, an allgather every rank's in rank order (what the service
-    answers)."""
-
-    def __init__(self, world):
-        self.world = world
-        self._barrier = threading.Barrier(world, timeout=30)
-        self._slots = [None] * world
-
-    def client(self, rank):
-        group = self
-
-        class Client:
-            def call(self, kind, dtype, root, data, timeout):
-                group._slots[rank] = np.array(data, dtype=np.uint8, copy=True)
-                group._barrier.wait()
-                got = (group._slots[root].copy() if kind is Kind.BROADCAST
-                       else np.concatenate(group._slots))
-                group._barrier.wait()
-                return got
-        return Client()
-
-
-def _form_all(world, per_rank):
-    """form_links on ``world`` threads; ``per_rank(rank)`` gives its keyword
-    arguments. Returns each rank's RankLinks or None (or its exception)."""
-    group = _Group(world)
-    got = [None] * world
-
-    def run(rank):
-        try:
-            got[rank] = _links.form_links(group.client(rank), rank, world, timeout=10.0,
-                                          **per_rank(rank))
-        except BaseException as exc:  # handed to the test
-            got[rank] = exc
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "form_links hung"
-    return got
-
-
-def _loopback(rank):
-    return dict(listen_host="127.0.0.1", advertise="127.0.0.1")
-
-
 def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
     world, n = 3, 100_003
     ranks = _form_all(world, _loopback)
@@ -123,10 +77,9 @@ def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
     rng = np.random.default_rng(5)
     inputs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
     inputs[1][77] = np.nan  # passed on, as gloo does
-    from ddpwire.collectives import combine
     try:
         for op in (Op.SUM, Op.AVG):
-            want = combine(op, DType.FLOAT32, inputs)
+            want = reference_allreduce(inputs, op)
             bufs = [x.copy() for x in inputs]
             threads = [threading.Thread(target=ranks[r].allreduce, args=(bufs[r], op))
                        for r in range(world)]

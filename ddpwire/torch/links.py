@@ -25,11 +25,12 @@ import secrets
 import socket
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import mesh as _mesh
+from .. import plan as _plan
 from ..collectives import CollectiveAborted, DType, Kind, Op
 from ..errors import DdpwireError
 from ..extensions import Codec, ReduceOp
@@ -60,18 +61,26 @@ class RankLinks:
     them, one at a time, in the order every rank issues them (a group's
     collectives are issued in one order on every rank).
 
+    ``fractions`` (one per rank, relative; None: equal) is how much of each
+    vector every rank sums, as :class:`ddpwire.mesh.Mesh` takes it: every
+    rank must pass the same. A rank with fraction 0 sums nothing and still
+    gets the whole result.
+
     After a failure the links are closed and every later call raises the
     first error again, naming the rank at fault.
     """
 
-    def __init__(self, links: list, rank: int, timeout: float) -> None:
+    def __init__(self, links: list, rank: int, timeout: float,
+                 fractions: Optional[Sequence[float]] = None) -> None:
         self.rank = rank
         self.world = len(links)
         self.timeout = timeout
         self._links = links
+        self.fractions = fractions
         # one runner per wire codec, over the same links: float32 for the
         # default buckets, 16 bits for a bucket asked to travel in them
-        self._runners = {Codec.FLOAT32: _mesh.Mesh(links, rank, Codec.FLOAT32, timeout)}
+        self._runners = {Codec.FLOAT32: _mesh.Mesh(links, rank, Codec.FLOAT32, timeout,
+                                                   fractions=fractions)}
         self._seq = 0
         self._lock = threading.Lock()
         self.failure: Optional[CollectiveAborted] = None
@@ -80,7 +89,7 @@ class RankLinks:
         runner = self._runners.get(codec)
         if runner is None:
             runner = self._runners[codec] = _mesh.Mesh(self._links, self.rank, codec,
-                                                       self.timeout)
+                                                       self.timeout, fractions=self.fractions)
         return runner
 
     def allreduce(self, data: np.ndarray, op: Op, compression: Optional[str] = None) -> None:
@@ -141,15 +150,19 @@ def _addresses(gathered: np.ndarray, world: int) -> List[str]:
 
 def form_links(client: object, rank: int, world: int, *, listen_host: str, advertise: str,
                timeout: float, ports: Optional[Tuple[int, int]] = None,
-               max_frame: int = 1 << 30) -> Optional[RankLinks]:
+               max_frame: int = 1 << 30,
+               fractions: Optional[Sequence[float]] = None) -> Optional[RankLinks]:
     """Open this rank's links (every rank calls this once, right after the
     join, in the same order as its collectives). ``listen_host`` is the
     address the listener binds, ``advertise`` the one other ranks dial;
-    ``ports`` pins the listening port to a range. Returns None, on every
-    rank alike, when some rank could not open all its links: the group then
-    keeps to the service, and the reason is logged."""
+    ``ports`` pins the listening port to a range; ``fractions`` goes to
+    :class:`RankLinks` (checked here first, a ValueError before any
+    collective). Returns None, on every rank alike, when some rank could
+    not open all its links: the group then keeps to the service, and the
+    reason is logged."""
     if world < 2:
         return None
+    fractions = _plan.check_fractions(fractions, world)
     link_timeout = min(timeout, LINK_TIMEOUT)
     listener: Optional[socket.socket] = None
     links: Optional[list] = None
@@ -185,7 +198,7 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
     if links is not None and verdicts.all():
         log.info("rank %d: direct links to the %d other ranks carry the large allreduces",
                  rank, world - 1)
-        return RankLinks(links, rank, timeout)
+        return RankLinks(links, rank, timeout, fractions)
     if links is not None:
         for chan in links:
             if chan is not None:
