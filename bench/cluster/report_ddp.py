@@ -15,7 +15,9 @@ import sys
 from collections import defaultdict
 from typing import Dict
 
-KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
+KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-baseline")
+LABELS = {"ddp-ddpwire": "ddpwire", "ddp-ddpwire-bf16": "ddpwire bf16",
+          "ddp-ddpwire-baseline": "baseline"}
 
 
 def table(path: str) -> str:
@@ -29,16 +31,19 @@ def table(path: str) -> str:
         med[info["workers"]][info["kind"]] = statistics.median(info["step_spans"])
         rate = info.get("worker_rate_bps", rate)
     commit = data.get("commit_info", {})
+    # the baseline's column only where the file has it
+    kinds = [k for k in KINDS[1:] if k != "ddp-ddpwire-baseline"
+             or any(k in by for by in med.values())]
     rows = [f"`{path}`: commit {commit.get('id', '?')[:7]}"
             f"{' (dirty)' if commit.get('dirty') else ''}, links "
             f"{(rate or 0) / 1e9:g} Gbit/s", "",
-            "| ranks | gloo ms | ddpwire ms | / gloo | ddpwire bf16 ms | / gloo |",
-            "|---:|---:|---:|---:|---:|---:|"]
+            "| ranks | gloo ms | " + " | ".join(f"{LABELS[k]} ms | / gloo" for k in kinds) + " |",
+            "|---:|---:|" + "---:|---:|" * len(kinds)]
     for n in sorted(med):
         by = med[n]
         gloo = by.get("ddp-gloo")
         cells = [str(n), f"{gloo * 1e3:.0f}" if gloo else "–"]
-        for kind in KINDS[1:]:
+        for kind in kinds:
             value = by.get(kind)
             cells.append(f"{value * 1e3:.0f}" if value else "–")
             cells.append(f"{value / gloo:.2f}x" if value and gloo else "–")
