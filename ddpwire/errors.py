@@ -56,6 +56,21 @@ class DdpwireError(Exception):
             self.step = step
         return self
 
+    def again(self) -> "DdpwireError":
+        """This error once more, for a session call made after it ended the
+        session: the same type, text, worker and step, with this one (and
+        its traceback, where it first happened) as ``__cause__``.
+
+        A fresh object rather than this one raised again: raising one object
+        from every later call would stack each call's frames onto its
+        traceback, and hide where the session really ended."""
+        cls = type(self)
+        twin = cls.__new__(cls, *self.args)
+        twin.args = self.args  # OSError's __new__ leaves them to an __init__ not run here
+        twin.__dict__.update(self.__dict__)
+        twin.__cause__ = self
+        return twin
+
     def __str__(self) -> str:
         context = []
         if self.worker_id is not None:
