@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import ipaddress
 import logging
 import selectors
 import socket
@@ -32,8 +31,9 @@ from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
 from .admission import Admission, Refuser
-from .auth import normalize_token
-from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
+from .auth import TOKEN_ENV, normalize_token
+from .channel import (DEFAULT_MAX_FRAME, Channel, check_timeout, heartbeat_limit, message_name,
+                      result_buffer)
 from .errors import (
     DdpwireError,
     GradientMismatch,
@@ -43,6 +43,7 @@ from .errors import (
     WorkerLost,
 )
 from .extensions import Extension
+from .launch import is_loopback
 from .lifecycle import Lifecycle
 from .messages import (
     AveragedBlockGradient,
@@ -134,13 +135,6 @@ _COORDINATOR_MOVES: Dict[CoordinatorState, FrozenSet[CoordinatorState]] = {
     CoordinatorState.FAILED: frozenset({CoordinatorState.CLOSED}),
     CoordinatorState.CLOSED: frozenset(),
 }
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class Coordinator:
@@ -289,9 +283,7 @@ class Coordinator:
         self.socket_threads = socket_threads
         self.node_id = node_id
         self.heartbeat = None if heartbeat is None else check_timeout("heartbeat", heartbeat)
-        self.heartbeat_timeout = (
-            check_timeout("heartbeat_timeout", heartbeat_timeout) if heartbeat_timeout is not None
-            else (3.0 * self.heartbeat if self.heartbeat else None))
+        self.heartbeat_timeout = heartbeat_limit(self.heartbeat, heartbeat_timeout)
         self._token = normalize_token(token)
         self._grants = dict(extensions or {})
         if topology != "star" and not per_block:
@@ -300,10 +292,10 @@ class Coordinator:
         if samples_per_step is not None:
             self.set_total_samples(samples_per_step)
         self._listener = _bind(bind, backlog=max(16, expect_workers))
-        if self._token is None and not _is_loopback(bind[0]):
+        if self._token is None and not is_loopback(bind[0]):
             log.warning("listening on %s:%d without a token: any host that reaches this port can "
                         "join as a worker and change the averages (pass token=, --token-file or "
-                        "DDPWIRE_TOKEN; see docs/security.md)", *self.local_addr)
+                        "%s; see docs/security.md)", *self.local_addr, TOKEN_ENV)
         self._admission: Optional[Admission] = None
         self._refuser: Optional[Refuser] = None
         self._channels: List[Channel] = []
@@ -521,7 +513,7 @@ class Coordinator:
         for a in admitted:
             if self.receive_window != "auto":
                 window: Optional[int] = self.receive_window  # type: ignore[assignment]
-            elif self.mesh or _is_loopback(a.address[0]):
+            elif self.mesh or is_loopback(a.address[0]):
                 continue  # no N-to-1 stream here, or no link to share
             else:
                 window = _incast.receive_window(_incast.round_trip(a.sock), len(admitted))
@@ -535,7 +527,7 @@ class Coordinator:
             return _mesh.share_value(self.coordinator_share)  # type: ignore[arg-type]
         here = _shm.host_id()
         for a, host in zip(admitted, hosts):
-            if host == here or _is_loopback(a.address[0]) or \
+            if host == here or is_loopback(a.address[0]) or \
                     a.address[0] == a.sock.getsockname()[0]:
                 log.info("worker %d runs on this host: the mesh takes no coordinator share",
                          a.worker_id)

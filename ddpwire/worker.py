@@ -17,7 +17,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, ContextManager, Deque, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, ContextManager, Deque, Dict, FrozenSet, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 
@@ -27,7 +28,8 @@ from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
-from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
+from .channel import (DEFAULT_MAX_FRAME, Channel, check_timeout, heartbeat_limit, message_name,
+                      result_buffer)
 from .errors import (
     AuthenticationFailed,
     CoordinatorLost,
@@ -293,8 +295,7 @@ class Worker:
             "connect_timeout", connect_timeout)
         if heartbeat is not None:
             heartbeat = check_timeout("heartbeat", heartbeat)
-        if heartbeat_timeout is not None:
-            heartbeat_timeout = check_timeout("heartbeat_timeout", heartbeat_timeout)
+        hb_timeout = heartbeat_limit(heartbeat, heartbeat_timeout)
         secret = auth.normalize_token(token)
         if node_id is None:
             node_id = f"{socket.gethostname()}-{os.getpid()}"
@@ -311,8 +312,6 @@ class Worker:
         if secret is not None:
             offer[Extension.AUTH] = nonce
         sock = _dial(addr, time.monotonic() + connect_limit)
-        hb_timeout = heartbeat_timeout if heartbeat_timeout is not None else (
-            3.0 * heartbeat if heartbeat else None)
         chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
                        lost=CoordinatorLost, max_frame=max_frame)
         listener: Optional[socket.socket] = None
@@ -420,8 +419,9 @@ class Worker:
             cut = self._chan.frame_open or (mesh is not None and mesh.coordinator_frame_open)
             if mesh is not None:
                 mesh.close()
-            if tell and not cut and isinstance(cause, DdpwireError) and \
-                    not isinstance(cause, (CoordinatorLost, NonFiniteGradient)) and step is not None:
+            worth_telling = isinstance(cause, DdpwireError) and \
+                not isinstance(cause, (CoordinatorLost, NonFiniteGradient))
+            if tell and not cut and worth_telling and step is not None:
                 # the message alone: the CollectiveError carries the worker and
                 # the step, and the coordinator's error names them again
                 try:
