@@ -18,6 +18,7 @@ __all__ = [
     "PeerLost",
     "WorkerLost",
     "CoordinatorLost",
+    "CollectiveAborted",
     "JoinTimeout",
     "JoinRefusedError",
     "AuthenticationFailed",
@@ -160,6 +161,23 @@ class WorkerLost(PeerLost):
 
 class CoordinatorLost(PeerLost):
     """The coordinator disconnected or stayed silent past the timeout."""
+
+
+class CollectiveAborted(PeerLost):
+    """A process group (:mod:`ddpwire.collectives`) cannot go on: ``rank``
+    (None when no single rank is at fault) died, stayed silent past the
+    timeout, or issued a different collective. ``seq`` is the collective
+    that failed."""
+
+    def __init__(self, detail: str, *, rank: Optional[int], seq: Optional[int]) -> None:
+        self.rank = rank
+        self.seq = seq
+        self.detail = detail
+        super().__init__(detail, worker_id=rank, step=seq)
+
+    def __str__(self) -> str:
+        where = f"rank {self.rank}" if self.rank is not None else "no single rank"
+        return f"collective {self.seq} aborted ({where}): {self.detail}"
 
 
 class JoinTimeout(DdpwireError, TimeoutError):
