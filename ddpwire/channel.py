@@ -40,6 +40,22 @@ def check_timeout(name: str, value: float) -> float:
     return seconds
 
 
+#: heartbeat intervals a peer may stay silent before it is lost, where
+#: ``heartbeat_timeout`` is not given: one lost or late heartbeat is no loss
+HEARTBEAT_MISSES = 3.0
+
+
+def heartbeat_limit(heartbeat: Optional[float],
+                    heartbeat_timeout: Optional[float]) -> Optional[float]:
+    """How long a peer may stay silent before it is lost: ``heartbeat_timeout``
+    (checked), else :data:`HEARTBEAT_MISSES` intervals of ``heartbeat``; None
+    without heartbeats. Worker and coordinator both take it from here, so
+    their defaults cannot drift apart."""
+    if heartbeat_timeout is not None:
+        return check_timeout("heartbeat_timeout", heartbeat_timeout)
+    return HEARTBEAT_MISSES * heartbeat if heartbeat else None
+
+
 def result_buffer(out: Optional[np.ndarray], count: Optional[int]) -> Optional[np.ndarray]:
     """Where an average of ``count`` float32 elements goes: ``out`` when it
     can take them, a new array when ``out`` is None (None while ``count`` is

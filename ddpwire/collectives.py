@@ -23,9 +23,10 @@ import numpy as np
 
 from . import _core
 from . import reduce as _reduce
-from .errors import DdpwireError, NonFiniteGradient, PeerLost, ProtocolError
+# CollectiveAborted lives with the other errors; it stays importable from here
+from .errors import CollectiveAborted, DdpwireError, NonFiniteGradient, PeerLost, ProtocolError
 from .extensions import CollectiveKind, DType, ReduceOp
-from .messages import CollectiveError, CollectiveRequest, CollectiveResult, Heartbeat
+from .messages import NO_WORKER, CollectiveError, CollectiveRequest, CollectiveResult, Heartbeat
 
 __all__ = [
     "Kind",
@@ -42,8 +43,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: CollectiveError.worker_id when no rank is at fault
-NO_RANK = 0xFFFFFFFF
+#: CollectiveError.worker_id when no rank is at fault (a rank is a worker id here)
+NO_RANK = NO_WORKER
 
 # A rank may compute for as long as it likes between collectives: waits for
 # the next message rest on the service's own deadline (first rank + timeout)
@@ -63,22 +64,6 @@ Op = ReduceOp
 NUMPY_DTYPES: Dict[Any, np.dtype] = {d: d.numpy for d in DType}
 
 _FLOATS = {DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16}
-
-
-class CollectiveAborted(PeerLost):
-    """The group cannot go on: ``rank`` (None when no single rank is at fault)
-    died, stayed silent past the timeout, or issued a different collective.
-    ``seq`` is the collective that failed."""
-
-    def __init__(self, detail: str, *, rank: Optional[int], seq: Optional[int]) -> None:
-        self.rank = rank
-        self.seq = seq
-        self.detail = detail
-        super().__init__(detail, worker_id=rank, step=seq)
-
-    def __str__(self) -> str:
-        where = f"rank {self.rank}" if self.rank is not None else "no single rank"
-        return f"collective {self.seq} aborted ({where}): {self.detail}"
 
 
 # ---- arithmetic ----

@@ -10,15 +10,16 @@ workers. The join itself (concurrent handshakes, tokens, refusals) is
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
-import ipaddress
 import logging
 import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import AbstractSet, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Union
+from typing import (AbstractSet, ContextManager, Dict, FrozenSet, Iterator, List, Mapping,
+                    Optional, Set, Tuple, Union)
 
 import numpy as np
 
@@ -31,8 +32,9 @@ from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
 from .admission import Admission, Refuser
-from .auth import normalize_token
-from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
+from .auth import TOKEN_ENV, normalize_token
+from .channel import (DEFAULT_MAX_FRAME, Channel, check_timeout, heartbeat_limit, message_name,
+                      result_buffer)
 from .errors import (
     DdpwireError,
     GradientMismatch,
@@ -42,6 +44,8 @@ from .errors import (
     WorkerLost,
 )
 from .extensions import Extension
+from .launch import is_loopback
+from .lifecycle import Lifecycle
 from .messages import (
     AveragedBlockGradient,
     AveragedGradient,
@@ -61,7 +65,7 @@ from .messages import (
 from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "CoordinatorState"]
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +109,33 @@ _NON_BLOCK = _Kind(NonBlockGradientPayload, "component", AveragedNonBlockGradien
 AnyResult = Union[ReduceResult, BlockReduceResult, NonBlockReduceResult]
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+class CoordinatorState(enum.Enum):
+    """Where a :class:`Coordinator`'s session stands (:attr:`Coordinator.state`).
+
+    JOINING: admitting workers. READY: every worker joined and was told the
+    topology; steps run. FAILED: an error ended the session
+    (:attr:`Coordinator.failure`); the connections it left inside a frame
+    are closed (after a mesh step, every one), and every later step's call raises
+    that error again. CLOSED: :meth:`Coordinator.close`
+    ran. Forward only: nothing leaves FAILED but CLOSED, or CLOSED at all.
+    The coordinator needs no state within a step: each of its calls runs
+    its part of a step from start to end, and a failure anywhere in it
+    ends the session.
+    """
+
+    JOINING = "joining"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+_COORDINATOR_MOVES: Dict[CoordinatorState, FrozenSet[CoordinatorState]] = {
+    CoordinatorState.JOINING: frozenset({CoordinatorState.READY, CoordinatorState.FAILED,
+                                         CoordinatorState.CLOSED}),
+    CoordinatorState.READY: frozenset({CoordinatorState.FAILED, CoordinatorState.CLOSED}),
+    CoordinatorState.FAILED: frozenset({CoordinatorState.CLOSED}),
+    CoordinatorState.CLOSED: frozenset(),
+}
 
 
 class Coordinator:
@@ -258,9 +284,7 @@ class Coordinator:
         self.socket_threads = socket_threads
         self.node_id = node_id
         self.heartbeat = None if heartbeat is None else check_timeout("heartbeat", heartbeat)
-        self.heartbeat_timeout = (
-            check_timeout("heartbeat_timeout", heartbeat_timeout) if heartbeat_timeout is not None
-            else (3.0 * self.heartbeat if self.heartbeat else None))
+        self.heartbeat_timeout = heartbeat_limit(self.heartbeat, heartbeat_timeout)
         self._token = normalize_token(token)
         self._grants = dict(extensions or {})
         if topology != "star" and not per_block:
@@ -269,10 +293,10 @@ class Coordinator:
         if samples_per_step is not None:
             self.set_total_samples(samples_per_step)
         self._listener = _bind(bind, backlog=max(16, expect_workers))
-        if self._token is None and not _is_loopback(bind[0]):
+        if self._token is None and not is_loopback(bind[0]):
             log.warning("listening on %s:%d without a token: any host that reaches this port can "
                         "join as a worker and change the averages (pass token=, --token-file or "
-                        "DDPWIRE_TOKEN; see docs/security.md)", *self.local_addr)
+                        "%s; see docs/security.md)", *self.local_addr, TOKEN_ENV)
         self._admission: Optional[Admission] = None
         self._refuser: Optional[Refuser] = None
         self._channels: List[Channel] = []
@@ -280,7 +304,9 @@ class Coordinator:
         # Vector lengths are fixed by the first step that sees them: a worker
         # whose model differs is caught on its first gradient.
         self._lengths: Dict[Tuple[_Kind, Optional[int]], int] = {}
-        self._closed = False
+        self._life: Lifecycle[CoordinatorState] = Lifecycle(
+            CoordinatorState.JOINING, _COORDINATOR_MOVES, failed=CoordinatorState.FAILED,
+            closed=CoordinatorState.CLOSED, owner="the coordinator")
         self._stop = threading.Event()
         self._heartbeat_thread: Optional[threading.Thread] = None
 
@@ -304,6 +330,81 @@ class Coordinator:
         their own messages over it (docs/extensions.md)."""
         return self._channels[worker_id]
 
+    @property
+    def state(self) -> CoordinatorState:
+        """Where the session stands (:class:`CoordinatorState`)."""
+        return self._life.state
+
+    @property
+    def failure(self) -> Optional[DdpwireError]:
+        """The error that ended the session (None while none has): every
+        call after it raises it again, naming the same worker and step."""
+        return self._life.failure
+
+    # ---- the session's state and its one failure path ----
+
+    def _set_state(self, new: CoordinatorState) -> None:
+        """The one place the state changes (:meth:`Lifecycle.move`: forward only)."""
+        self._life.move(new)
+
+    def _talking(self, step: Optional[int], *, any_error: bool = False,
+                 mesh: bool = False) -> ContextManager[None]:
+        """Where a call talks to the workers about ``step``: an error there
+        ends the session through :meth:`_fail`; with ``any_error`` any
+        exception does, for a part that leaves the workers inside a frame
+        from this coordinator when it is cut short. ``mesh``: a mesh step."""
+        def fail(exc: BaseException) -> None:
+            self._fail(exc, step, mesh=mesh)
+        return self._life.failing(fail, any_error=any_error)
+
+    def _fail(self, cause: BaseException, step: Optional[int] = None, *,
+              mesh: bool = False) -> bool:
+        """End the session on ``cause``, once: keep it (the first cause;
+        :attr:`failure`) for every later call, and close the worker
+        connections, which is how the workers hear of it: the star's
+        protocol has no error message. Returns False when the session had
+        ended already.
+
+        Every connection a frame from here was cut short on closes (its
+        worker holds part of a reply that will never end), and when a mesh
+        step failed (``mesh``) every connection, so that the workers, who
+        wait on each other, all stop at once. A star connection between two frames stays
+        open until :meth:`close`, only for the Shutdown that
+        :meth:`shutdown_workers` or :meth:`stop_workers` may still send
+        there (the reference's way to stop a worker; after the two-call
+        path's halt nothing else went out, docs/sessions.md). The listening
+        socket stays until :meth:`close` too, refusing late workers."""
+        with self._life.lock:
+            if not self._life.record(cause, step=step, worker_id=None):
+                return False
+            for chan in self._channels:
+                if mesh or chan.frame_open:
+                    chan.close()
+            if all(chan.conn.fileno() < 0 for chan in self._channels):
+                self._release()  # nobody left to keep alive
+        return True
+
+    def _release(self) -> None:
+        """Close every worker connection and stop the heartbeat thread
+        (with the lock held; once more is harmless)."""
+        # the heartbeat thread may be inside a send on a connection closed
+        # below: Connection.close() then waits for it to leave the descriptor
+        self._stop.set()
+        for chan in self._channels:
+            chan.close()
+        beat = self._heartbeat_thread
+        if beat is not None and beat is not threading.current_thread():
+            beat.join(self.timeout)
+
+    def _check_ready(self) -> None:
+        """Before a step's call: the session's failure, or that it is
+        closed, or that the join is not done."""
+        self._life.check()
+        if self._life.state is CoordinatorState.JOINING:
+            raise DdpwireError(
+                f"only {self.worker_count} of {counted(self.expect_workers, 'worker')} joined: "
+                "call wait_for_workers() first")
+
     def wait_for_workers(self, timeout: Optional[float] = None, *,
                          count: Optional[int] = None) -> List[WorkerInfo]:
         """Admit workers until ``expect_workers`` have joined (or, with
@@ -318,6 +419,7 @@ class Coordinator:
         hears that training has started).
         """
         limit = self.join_timeout if timeout is None else check_timeout("timeout", timeout)
+        self._life.check()
         if self._refuser is not None:
             return list(self.workers)
         if self._admission is None:
@@ -340,7 +442,9 @@ class Coordinator:
                                 detail=f"training has started with "
                                        f"{counted(self.expect_workers, 'worker')}")
         self._admission = None
-        self._announce_topology(admitted)
+        with self._talking(None):
+            self._announce_topology(admitted)
+        self._set_state(CoordinatorState.READY)
         if self.heartbeat and self._heartbeat_thread is None:
             self._heartbeat_thread = threading.Thread(
                 target=self._send_heartbeats, name="ddpwire-coordinator-heartbeat", daemon=True)
@@ -410,7 +514,7 @@ class Coordinator:
         for a in admitted:
             if self.receive_window != "auto":
                 window: Optional[int] = self.receive_window  # type: ignore[assignment]
-            elif self.mesh or _is_loopback(a.address[0]):
+            elif self.mesh or is_loopback(a.address[0]):
                 continue  # no N-to-1 stream here, or no link to share
             else:
                 window = _incast.receive_window(_incast.round_trip(a.sock), len(admitted))
@@ -424,7 +528,7 @@ class Coordinator:
             return _mesh.share_value(self.coordinator_share)  # type: ignore[arg-type]
         here = _shm.host_id()
         for a, host in zip(admitted, hosts):
-            if host == here or _is_loopback(a.address[0]) or \
+            if host == here or is_loopback(a.address[0]) or \
                     a.address[0] == a.sock.getsockname()[0]:
                 log.info("worker %d runs on this host: the mesh takes no coordinator share",
                          a.worker_id)
@@ -441,13 +545,14 @@ class Coordinator:
                     log.debug("heartbeat to worker %s failed: %s", chan.peer_id, exc)
 
     def close(self) -> None:
-        """Close every connection and the listening socket."""
-        if self._closed:
-            return
-        self._closed = True
-        # the heartbeat thread may be inside a send on a connection closed
-        # below: Connection.close() then waits for it to leave the descriptor
-        self._stop.set()
+        """Close every connection and the listening socket. After a failure,
+        the failure stays what every call raises."""
+        with self._life.lock:
+            state = self._life.state
+            if state is CoordinatorState.CLOSED:
+                return
+            self._set_state(CoordinatorState.CLOSED)
+            self._release()
         if self._refuser is not None:
             self._refuser.close()
         if self._admission is not None:
@@ -455,8 +560,6 @@ class Coordinator:
             for slot in self._admission.slots:
                 if slot is not None:
                     slot.sock.close()
-        for chan in self._channels:
-            chan.close()
         self._listener.close()
 
     def __enter__(self) -> "Coordinator":
@@ -483,10 +586,11 @@ class Coordinator:
 
     def send_shard_assignments(self, step: int) -> None:
         """Send every worker its ShardAssignment for ``step``."""
-        self._require_workers()
-        for chan in self._channels:
-            start, end = self.shard_bounds(chan.peer_id)
-            chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end), step=step)
+        self._check_ready()
+        with self._talking(step):
+            for chan in self._channels:
+                start, end = self.shard_bounds(chan.peer_id)
+                chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end), step=step)
 
     # ---- averaging: one entry per message kind ----
 
@@ -502,15 +606,17 @@ class Coordinator:
         send the result with :meth:`broadcast_averaged` (that is the
         reference's collect_and_reduce).
 
-        What a failure leaves (docs/sessions.md, "Halting"): errors found in
+        What a failure leaves (docs/sessions.md, "Halting" and "When a
+        session fails"): any error ends the session and is raised again by
+        every later call; the connections it leaves inside a frame close
+        (after a mesh step, every connection). Errors found in
         the heads (GradientMismatch, UnexpectedMessage) come before any byte
-        of the average and leave the connections open. With ``reply``, a NaN
-        or +/-inf found later stops every send at once, drains the incoming
-        frames, closes every worker connection and raises NonFiniteGradient:
-        a worker may hold the first part of the average, never a complete
-        AveragedGradient (global_loss, its last field, is only sent once
-        every gradient has been checked), so none can apply it; a lost
-        worker (WorkerLost) closes every connection the same way.
+        of the average. With ``reply``, a NaN or +/-inf found later stops
+        every send at once, drains the incoming frames and raises
+        NonFiniteGradient: a worker may hold the first part of the average,
+        never a complete AveragedGradient (global_loss, its last field, is
+        only sent once every gradient has been checked), so none can apply
+        it; a lost worker (WorkerLost) ends it the same way.
 
         ``reduce_time`` covers the pass after the heads (transfer in,
         average, and with ``reply`` the transfer out); ``wait_time`` the
@@ -520,6 +626,7 @@ class Coordinator:
             if out is not None:
                 raise ValueError("out: in a mesh session the average stays on the workers "
                                  "(topology='star' keeps a copy here)")
+            self._check_ready()
             part = self._mesh_part(step) if self.share else None
             result = self._mesh_collect(step, part)
             if reply:
@@ -535,11 +642,9 @@ class Coordinator:
         StepCommit, which halts the step). Returns the part's length and,
         when some element was not finite, each worker's first (index in the
         part, value), index -1 for none."""
-        try:
+        # the workers are inside their reduce-scatter: cut short, it is over
+        with self._talking(step, any_error=True, mesh=True):
             result, bad = self._stream(_FLAT, step, None, None, True, pinned=False, halt=False)
-        except BaseException:
-            self._abandon()  # the workers are inside their reduce-scatter
-            raise
         return len(result.avg_gradients), bad
 
     def _mesh_collect(self, step: int, part: Optional[Tuple[int, Optional[list]]] = None
@@ -550,12 +655,15 @@ class Coordinator:
         connection closes. A non-finite element anywhere (``part``: the
         coordinator's own part, from :meth:`_mesh_part`) halts the step
         here: every worker hears which, the connections close."""
+        with self._talking(step, mesh=True):
+            return self._mesh_reports(step, part)
+
+    def _mesh_reports(self, step: int, part: Optional[Tuple[int, Optional[list]]]
+                      ) -> ReduceResult:
         t0 = time.perf_counter()
-        self._require_workers()
         reports: List[StepReport] = []
         answers, silent, alive = self._mesh_answers(step)
         if not all(isinstance(a, StepReport) for a in answers):
-            self._abandon()
             culprit = self._mesh_culprit(answers, step, silent, alive)
             assert culprit is not None
             raise culprit
@@ -567,11 +675,9 @@ class Coordinator:
                 raise GradientMismatch("worker_id", wid, msg.worker_id, worker_id=wid, step=step)
             want = self._lengths.get((_FLAT, None), reports[0].count if reports else msg.count)
             if msg.count != want:
-                self._abandon()
                 raise GradientMismatch("gradients length", want, msg.count, worker_id=wid,
                                        step=step)
             if part is not None and _plan.coordinator_part(msg.count, self.share) != part[0]:
-                self._abandon()
                 raise GradientMismatch("coordinator's part length (for its gradients' length)",
                                        _plan.coordinator_part(msg.count, self.share), part[0],
                                        worker_id=wid, step=step)
@@ -586,13 +692,16 @@ class Coordinator:
         if bad:
             bad_worker, bad_index, bad_value = min(bad, key=lambda b: (b[0], b[1]))
             log.error("worker %d sent a non-finite gradient at step %d: halting", bad_worker, step)
-            try:
-                self._broadcast(StepCommit(step=step, global_loss=0.0, bad_worker=bad_worker,
-                                           bad_index=bad_index, bad_value=bad_value), step)
-            finally:
-                self._abandon()
-            raise NonFiniteGradient(bad_worker, bad_index, bad_value, worker_id=bad_worker,
-                                    step=step)
+            # even an interrupted halt ends the session: its frames are cut short
+            with self._talking(step, any_error=True, mesh=True):
+                try:
+                    self._broadcast(StepCommit(step=step, global_loss=0.0, bad_worker=bad_worker,
+                                               bad_index=bad_index, bad_value=bad_value), step)
+                except DdpwireError as exc:
+                    # the halt is the cause; a worker not told hears the close
+                    log.warning("step %d: the halt did not reach every worker: %s", step, exc)
+                raise NonFiniteGradient(bad_worker, bad_index, bad_value, worker_id=bad_worker,
+                                        step=step)
         self._lengths.setdefault((_FLAT, None), reports[0].count)
         result = self._result(_FLAT, step, None, [], None,  # type: ignore[arg-type]
                               [(r.loss, r.correct, r.total) for r in reports], t1 - t0)
@@ -743,12 +852,9 @@ class Coordinator:
 
     def _mesh_commit(self, step: int, global_loss: float) -> None:
         """The go-ahead: every worker exchanges its averaged slice and applies."""
-        try:
+        with self._talking(step, any_error=True, mesh=True):
             self._broadcast(StepCommit(step=step, global_loss=global_loss, bad_worker=NO_WORKER,
                                        bad_index=0, bad_value=0.0), step)
-        except BaseException:
-            self._abandon()
-            raise
 
     def allreduce_block(self, step: Optional[int], block_idx: Optional[int],
                         out: Optional[np.ndarray] = None, *,
@@ -789,7 +895,9 @@ class Coordinator:
         # one the workers choose (step or key None) may change it
         pinned = step is not None and (kind.key is None or key is not None)
         result_buffer(out, None)  # a wrong out is refused before any head is read
-        return self._stream(kind, step, key, out, reply, pinned=pinned)[0]
+        self._check_ready()
+        with self._talking(step):
+            return self._stream(kind, step, key, out, reply, pinned=pinned)[0]
 
     def _stream(self, kind: _Kind, step: int, key: Optional[int], out: Optional[np.ndarray],
                 reply: bool, *, pinned: bool,
@@ -833,19 +941,16 @@ class Coordinator:
                 return encode_frame_parts(self._reply(kind, step, key, heads, out, loss),
                                           max_frame=self.max_frame)[2]
 
-            with self._sending_to_all():
-                try:
-                    _, bad = _core.allreduce_stream(
-                        conns, out, heads[0].tail_len, head, make_tail, self.timeout,
-                        ring_bytes=self.ring_bytes, socket_threads=threads, step=step,
-                        what=f"{what} into {kind.reply.__name__}", halt_on_nonfinite=halt)
-                    if halt:
-                        self._raise_bad(bad, step)
-                except BaseException:
-                    # Some workers hold part of a reply that will never be
-                    # finished: closing is the only way to tell them at once.
-                    self._abandon()
-                    raise
+            # Cut short by anything, it leaves some workers holding part of a
+            # reply that will never be finished: the session is over, and
+            # closing is the only way to tell them at once.
+            with self._sending_to_all(), self._talking(step, any_error=True):
+                _, bad = _core.allreduce_stream(
+                    conns, out, heads[0].tail_len, head, make_tail, self.timeout,
+                    ring_bytes=self.ring_bytes, socket_threads=threads, step=step,
+                    what=f"{what} into {kind.reply.__name__}", halt_on_nonfinite=halt)
+                if halt:
+                    self._raise_bad(bad, step)
         if pinned:
             self._lengths.setdefault((kind, key), len(out))
         result = done[0]
@@ -886,12 +991,6 @@ class Coordinator:
                             reduce_time=0.0, wait_time=wait_time,
                             worker_losses=[float(x) for x in losses])
 
-    def _require_workers(self) -> None:
-        if len(self._channels) < self.expect_workers:
-            raise DdpwireError(
-                f"only {len(self._channels)} of {counted(self.expect_workers, 'worker')} joined: "
-                "call wait_for_workers() first")
-
     def _collect_heads(self, kind: _Kind, step: Optional[int], key: Optional[int],
                        pinned: bool = True, failures: bool = False
                        ) -> Tuple[List["_core.FrameHead"], int, Optional[int]]:
@@ -899,7 +998,6 @@ class Coordinator:
         stay in the sockets for the streaming reduce. The heads of one step
         are due within one timeout: a worker's heartbeats do not extend it.
         A step or key of None is worker 0's. Returns (heads, step, key)."""
-        self._require_workers()
         deadline = time.monotonic() + self.timeout
         heads = []
         for chan in self._channels:
@@ -958,15 +1056,9 @@ class Coordinator:
         return _socket_threads.for_coordinator(self.socket_threads, len(self._channels),
                                                4 * heads[0].gradient_count)
 
-    def _abandon(self) -> None:
-        """Close every worker connection: the session cannot go on."""
-        for chan in self._channels:
-            chan.close()
-
     # ---- broadcast ----
 
     def _broadcast(self, msg: object, step: int) -> None:
-        self._require_workers()
         parts = encode_frame_parts(msg, max_frame=self.max_frame)
         with self._sending_to_all():
             _core.send_many([c.conn for c in self._channels], parts, self.timeout, step=step,
@@ -993,25 +1085,33 @@ class Coordinator:
     def broadcast_averaged(self, step: int, result: ReduceResult) -> None:
         """Send every worker the same AveragedGradient (in a mesh session, the
         StepCommit that lets them exchange and apply their averaged slices)."""
+        self._check_ready()
         if self.mesh:
             self._mesh_commit(step, result.global_loss)
             return
-        self._broadcast(AveragedGradient(step=step, gradients=result.avg_gradients,
-                                         global_loss=result.global_loss), step)
+        with self._talking(step):
+            self._broadcast(AveragedGradient(step=step, gradients=result.avg_gradients,
+                                             global_loss=result.global_loss), step)
 
     def broadcast_averaged_block(self, step: int, result: BlockReduceResult) -> None:
         """Send every worker the same AveragedBlockGradient."""
-        self._broadcast(AveragedBlockGradient(step=step, block_idx=result.block_idx,
-                                              component_sizes=result.component_sizes,
-                                              gradients=result.avg_gradients), step)
+        self._check_ready()
+        with self._talking(step):
+            self._broadcast(AveragedBlockGradient(step=step, block_idx=result.block_idx,
+                                                  component_sizes=result.component_sizes,
+                                                  gradients=result.avg_gradients), step)
 
     def broadcast_averaged_non_block(self, step: int, result: NonBlockReduceResult) -> None:
         """Send every worker the same AveragedNonBlockGradient."""
-        self._broadcast(AveragedNonBlockGradient(step=step, component=result.component,
-                                                 gradients=result.avg_gradients), step)
+        self._check_ready()
+        with self._talking(step):
+            self._broadcast(AveragedNonBlockGradient(step=step, component=result.component,
+                                                     gradients=result.avg_gradients), step)
 
     def shutdown_workers(self) -> None:
-        """Send Shutdown to every worker still connected (a lost one is skipped)."""
+        """Send Shutdown to every worker still connected (a lost one is
+        skipped): after a failure too, to the workers whose connection it
+        left open between frames (:meth:`_fail`)."""
         for chan in self._channels:
             try:
                 chan.send(Shutdown())

@@ -18,6 +18,7 @@ __all__ = [
     "PeerLost",
     "WorkerLost",
     "CoordinatorLost",
+    "CollectiveAborted",
     "JoinTimeout",
     "JoinRefusedError",
     "AuthenticationFailed",
@@ -55,6 +56,21 @@ class DdpwireError(Exception):
         if self.step is None:
             self.step = step
         return self
+
+    def again(self) -> "DdpwireError":
+        """This error once more, for a session call made after it ended the
+        session: the same type, text, worker and step, with this one (and
+        its traceback, where it first happened) as ``__cause__``.
+
+        A fresh object rather than this one raised again: raising one object
+        from every later call would stack each call's frames onto its
+        traceback, and hide where the session really ended."""
+        cls = type(self)
+        twin = cls.__new__(cls, *self.args)
+        twin.args = self.args  # OSError's __new__ leaves them to an __init__ not run here
+        twin.__dict__.update(self.__dict__)
+        twin.__cause__ = self
+        return twin
 
     def __str__(self) -> str:
         context = []
@@ -145,6 +161,23 @@ class WorkerLost(PeerLost):
 
 class CoordinatorLost(PeerLost):
     """The coordinator disconnected or stayed silent past the timeout."""
+
+
+class CollectiveAborted(PeerLost):
+    """A process group (:mod:`ddpwire.collectives`) cannot go on: ``rank``
+    (None when no single rank is at fault) died, stayed silent past the
+    timeout, or issued a different collective. ``seq`` is the collective
+    that failed."""
+
+    def __init__(self, detail: str, *, rank: Optional[int], seq: Optional[int]) -> None:
+        self.rank = rank
+        self.seq = seq
+        self.detail = detail
+        super().__init__(detail, worker_id=rank, step=seq)
+
+    def __str__(self) -> str:
+        where = f"rank {self.rank}" if self.rank is not None else "no single rank"
+        return f"collective {self.seq} aborted ({where}): {self.detail}"
 
 
 class JoinTimeout(DdpwireError, TimeoutError):

@@ -2,11 +2,12 @@
 torchrun environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
-__all__ = ["parse_addr", "Launch", "from_environment"]
+__all__ = ["parse_addr", "is_loopback", "Launch", "from_environment"]
 
 # torchrun's own store listens on MASTER_PORT, so the coordinator takes the
 # next port unless DDPWIRE_PORT says otherwise.
@@ -19,6 +20,16 @@ def parse_addr(text: str) -> Tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"bad address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:29400")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or a name) stays on this machine: a
+    loopback address, or "localhost". Other names are not resolved: they
+    count as reaching out."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ __all__ = [
     "StepReport",
     "StepCommit",
     "NO_WORKER",
+    "NON_BLOCK_COMPONENTS",
     "MESSAGE_TYPES",
     "Layout",
     "LAYOUTS",
@@ -279,11 +280,17 @@ class AveragedBlockGradient(Message):
     gradients: Float32Buffer
 
 
+#: NonBlockGradientPayload.component: the protocol's code for each non-block
+#: part of the model, by name (in code order)
+NON_BLOCK_COMPONENTS: Dict[str, int] = {"lm_head": 0, "final_norm": 1, "embedding": 2}
+
+
 @dataclass(eq=False)
 class NonBlockGradientPayload(Message):
     """Worker to coordinator: a non-block component's gradient (0x0A).
 
-    ``component``: 0 = lm_head, 1 = final_norm, 2 = embedding (any u8 is carried).
+    ``component``: 0 = lm_head, 1 = final_norm, 2 = embedding
+    (:data:`NON_BLOCK_COMPONENTS`; any u8 is carried).
     """
 
     __slots__ = ("step", "worker_id", "component", "gradients")

@@ -5,7 +5,7 @@ import sys
 import time
 from typing import Callable, Optional, TextIO, Tuple
 
-from .serve import StepReport
+from .results import StepReport
 
 __all__ = ["ProgressBar", "break_line", "EVERY_S", "REDRAW_S"]
 

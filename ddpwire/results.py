@@ -1,4 +1,4 @@
-"""What a coordinator's collect step returns."""
+"""What a coordinator's collect step returns, and what a run's step reports."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import numpy as np
 
-__all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult"]
+__all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult", "StepReport"]
 
 
 @dataclass
@@ -55,3 +55,22 @@ class NonBlockReduceResult:
     avg_gradients: np.ndarray
     reduce_time: float
     wait_time: float = 0.0
+
+
+@dataclass
+class StepReport:
+    """One finished step as the coordinator saw it (:func:`ddpwire.serve.serve`
+    reports them; not the mesh's wire message, :class:`ddpwire.messages.StepReport`).
+
+    ``allreduce_time`` is the seconds from the moment every worker's gradient
+    had started arriving to the end of the broadcast: the transfer, the
+    average and the send back, without the workers' compute. ``global_loss``
+    and ``accuracy`` are None in per-block mode (block messages carry no loss).
+    """
+
+    step: int
+    global_loss: Optional[float]
+    accuracy: Optional[float]
+    samples: int
+    allreduce_time: float
+    step_time: float

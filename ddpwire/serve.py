@@ -6,32 +6,16 @@ gradients, flat or block by block.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from .coordinator import Coordinator
+from .messages import NON_BLOCK_COMPONENTS as _COMPONENT_CODES
+from .results import StepReport
 
 __all__ = ["StepReport", "serve"]
 
-NON_BLOCK_COMPONENTS = (0, 1, 2)  # lm_head, final_norm, embedding
-
-
-@dataclass
-class StepReport:
-    """One finished step as the coordinator saw it.
-
-    ``allreduce_time`` is the seconds from the moment every worker's gradient
-    had started arriving to the end of the broadcast: the transfer, the
-    average and the send back, without the workers' compute. ``global_loss``
-    and ``accuracy`` are None in per-block mode (block messages carry no loss).
-    """
-
-    step: int
-    global_loss: Optional[float]
-    accuracy: Optional[float]
-    samples: int
-    allreduce_time: float
-    step_time: float
+#: every non-block component, in code order: the order the trainer sends them
+NON_BLOCK_COMPONENTS = tuple(sorted(_COMPONENT_CODES.values()))
 
 
 def serve(

@@ -25,7 +25,8 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _core
-from .collectives import CollectiveAborted, DType, Kind, Op
+from .errors import CollectiveAborted
+from .extensions import CollectiveKind as Kind, DType, ReduceOp as Op
 
 __all__ = ["SHM_ENV", "REGION_BYTES", "Segment", "host_id", "enabled", "negotiate"]
 

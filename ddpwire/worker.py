@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import errno
 import logging
 import math
@@ -16,7 +17,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Deque, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, ContextManager, Deque, Dict, FrozenSet, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
-from .channel import DEFAULT_MAX_FRAME, Channel, check_timeout, message_name, result_buffer
+from .channel import (DEFAULT_MAX_FRAME, Channel, check_timeout, heartbeat_limit, message_name,
+                      result_buffer)
 from .errors import (
     AuthenticationFailed,
     CoordinatorLost,
@@ -41,6 +44,7 @@ from .errors import (
     WorkerLost,
 )
 from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
+from .lifecycle import Lifecycle
 from .messages import (
     AuthChallenge,
     AuthProof,
@@ -63,7 +67,7 @@ from .messages import (
     StepReport,
 )
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "WorkerState"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +161,34 @@ def _check_samples(granted: Mapping[int, bytes], ours: Optional[int]) -> None:
         raise JoinRefusedError(RefusalReason.MISMATCH, why)
 
 
+class WorkerState(enum.Enum):
+    """Where a :class:`Worker`'s session stands (:attr:`Worker.state`).
+
+    JOINED: admitted; when the mesh was granted, the coordinator's peer
+    table is still due (the first call reads it). READY: between steps.
+    IN_STEP: gradients sent, their average not yet received. FAILED: an
+    error ended the session (:attr:`Worker.failure`); every link is closed
+    and every later call raises that error again. CLOSED: :meth:`Worker.close`
+    ran. The session only moves forward: READY and IN_STEP take turns,
+    step after step, and nothing leaves FAILED but CLOSED, or CLOSED at all.
+    """
+
+    JOINED = "joined"
+    READY = "ready"
+    IN_STEP = "in step"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+_WORKER_MOVES: Dict[WorkerState, FrozenSet[WorkerState]] = {
+    WorkerState.JOINED: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.CLOSED}),
+    WorkerState.READY: frozenset({WorkerState.IN_STEP, WorkerState.FAILED, WorkerState.CLOSED}),
+    WorkerState.IN_STEP: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.CLOSED}),
+    WorkerState.FAILED: frozenset({WorkerState.CLOSED}),
+    WorkerState.CLOSED: frozenset(),
+}
+
+
 class Worker:
     """A connected, joined worker. Create it with :meth:`connect`."""
 
@@ -171,8 +203,12 @@ class Worker:
         self._worker_id = worker_id
         self._total_workers = total_workers
         self.node_id = node_id
+        self._life: Lifecycle[WorkerState] = Lifecycle(
+            WorkerState.JOINED, _WORKER_MOVES, failed=WorkerState.FAILED,
+            closed=WorkerState.CLOSED, owner=f"worker {worker_id}")
         # (type, step, block_idx or component) of each reply still owed, so a
-        # reply for something else is caught instead of applied.
+        # reply for something else is caught instead of applied; changed with
+        # the state (IN_STEP while any is owed), under the lifecycle's lock.
         self._owed: Deque[Tuple[type, int, Optional[int]]] = collections.deque()
         # The mesh (docs/extensions.md): granted at the join, its peer table
         # arrives once every worker has joined, ahead of anything else; the
@@ -259,8 +295,7 @@ class Worker:
             "connect_timeout", connect_timeout)
         if heartbeat is not None:
             heartbeat = check_timeout("heartbeat", heartbeat)
-        if heartbeat_timeout is not None:
-            heartbeat_timeout = check_timeout("heartbeat_timeout", heartbeat_timeout)
+        hb_timeout = heartbeat_limit(heartbeat, heartbeat_timeout)
         secret = auth.normalize_token(token)
         if node_id is None:
             node_id = f"{socket.gethostname()}-{os.getpid()}"
@@ -277,8 +312,6 @@ class Worker:
         if secret is not None:
             offer[Extension.AUTH] = nonce
         sock = _dial(addr, time.monotonic() + connect_limit)
-        hb_timeout = heartbeat_timeout if heartbeat_timeout is not None else (
-            3.0 * heartbeat if heartbeat else None)
         chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
                        lost=CoordinatorLost, max_frame=max_frame)
         listener: Optional[socket.socket] = None
@@ -326,6 +359,17 @@ class Worker:
         """The number of workers in the session."""
         return self._total_workers
 
+    @property
+    def state(self) -> WorkerState:
+        """Where the session stands (:class:`WorkerState`)."""
+        return self._life.state
+
+    @property
+    def failure(self) -> Optional[DdpwireError]:
+        """The error that ended the session (None while none has): every
+        call after it raises it again, naming the same worker and step."""
+        return self._life.failure
+
     def _send_heartbeats(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
@@ -334,19 +378,105 @@ class Worker:
                 log.debug("heartbeat failed: %s", exc)
                 return
 
+    # ---- the session's state and its one failure path ----
+
+    def _set_state(self, new: WorkerState) -> None:
+        """The one place the state changes (:meth:`Lifecycle.move`: forward
+        only; a session another thread ended raises its failure here)."""
+        self._life.move(new)
+
+    def _talking(self, step: Optional[int], *, any_error: bool = False,
+                 tell: bool = False) -> ContextManager[None]:
+        """Where a call talks to a peer about ``step``: an error there
+        ends the session through :meth:`_fail` (``any_error``: any
+        exception, where one may leave a frame cut short; ``tell``: a mesh
+        step, whose failure the coordinator is told of)."""
+        def fail(exc: BaseException) -> None:
+            self._fail(exc, step, tell=tell)
+        return self._life.failing(fail, any_error=any_error)
+
+    def _fail(self, cause: BaseException, step: Optional[int] = None, *,
+              tell: bool = False) -> bool:
+        """End the session on ``cause``, once: keep it (the first cause;
+        :attr:`failure`) for every later call, and close everything this
+        worker holds. Returns False when the session had ended already,
+        whatever ended it.
+
+        The links to the other workers close first, which tells every peer
+        at once. With ``tell`` (a failed mesh step), a failure on a link to
+        another worker is first told to the coordinator, a CollectiveError
+        naming that worker, where it would otherwise only see this worker
+        leave; but only between two frames on that connection: inside one
+        (a GradientPayload of the coordinator's share cut short) the
+        coordinator would read the CollectiveError as gradient bytes, and
+        closing is all it can be told. The coordinator's own loss, and a
+        halt it decided, it needs no telling of."""
+        with self._life.lock:
+            blamed = getattr(cause, "worker_id", None)
+            if not self._life.record(cause, step=step, worker_id=self._worker_id):
+                return False
+            mesh = self._mesh
+            cut = self._chan.frame_open or (mesh is not None and mesh.coordinator_frame_open)
+            if mesh is not None:
+                mesh.close()
+            worth_telling = isinstance(cause, DdpwireError) and \
+                not isinstance(cause, (CoordinatorLost, NonFiniteGradient))
+            if tell and not cut and worth_telling and step is not None:
+                # the message alone: the CollectiveError carries the worker and
+                # the step, and the coordinator's error names them again
+                try:
+                    self._chan.send(CollectiveError(
+                        seq=step, worker_id=NO_WORKER if blamed is None else blamed,
+                        detail=cause.message[:1000]), step=step)
+                except DdpwireError:
+                    pass  # the coordinator is gone too: closing says the rest
+            self._release()
+        return True
+
+    def _release(self) -> None:
+        """Close what the session holds: its links, its listener, its
+        connection to the coordinator, its heartbeat thread (called once,
+        by the move to FAILED or to CLOSED, with the lifecycle's lock held)."""
+        self._stop.set()
+        if self._mesh is not None:
+            self._mesh.close()
+        listener, self._mesh_listener = self._mesh_listener, None
+        if listener is not None:
+            listener.close()
+        self._chan.close()
+        beat = self._heartbeat_thread
+        if beat is not None and beat is not threading.current_thread():
+            # the close above wakes a heartbeat blocked in its send
+            beat.join(self._chan.timeout)
+
+    def _owe(self, reply: Tuple[type, int, Optional[int]]) -> None:
+        """Record a reply the coordinator now owes: IN_STEP until it is in."""
+        with self._life.lock:
+            self._set_state(WorkerState.IN_STEP)
+            self._owed.append(reply)
+
+    def _settled(self) -> None:
+        """A reply came in whole: READY once nothing more is owed (a
+        per-block sender may have queued another meanwhile)."""
+        with self._life.lock:
+            if not self._owed and self._mesh_sent is None:
+                self._set_state(WorkerState.READY)
+
     # ---- flat steps ----
 
     def receive_shard(self) -> Optional[ShardAssignment]:
         """The next ShardAssignment, or None when the coordinator shuts training down."""
+        self._life.check()
         self._settle_topology()
-        msg = self._chan.expect([ShardAssignment, Shutdown])
-        if isinstance(msg, Shutdown):
-            log.info("worker %d: shutdown from the coordinator", self._worker_id)
-            return None
-        if msg.shard_start > msg.shard_end:
-            raise ProtocolError(f"ShardAssignment.shard_start {msg.shard_start} is past "
-                                f"shard_end {msg.shard_end}", worker_id=self._worker_id,
-                                step=msg.step)
+        with self._talking(None):
+            msg = self._chan.expect([ShardAssignment, Shutdown])
+            if isinstance(msg, Shutdown):
+                log.info("worker %d: shutdown from the coordinator", self._worker_id)
+                return None
+            if msg.shard_start > msg.shard_end:
+                raise ProtocolError(f"ShardAssignment.shard_start {msg.shard_start} is past "
+                                    f"shard_end {msg.shard_end}", worker_id=self._worker_id,
+                                    step=msg.step)
         return msg
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
@@ -354,19 +484,22 @@ class Worker:
         from where it lies) with the shard's mean loss and counts. In a mesh
         session this is the reduce-scatter and the StepReport."""
         gradients = _core.float32_gradients(gradients)
+        self._life.check()
         self._settle_topology()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
             return
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
-        self._owed.append((AveragedGradient, step, None))
-        self._chan.send(msg, step=step)
+        with self._talking(step):
+            self._owe((AveragedGradient, step, None))
+            self._chan.send(msg, step=step)
 
     def receive_averaged(self, out: Optional[np.ndarray] = None) -> AveragedGradient:
         """The averaged gradients; with ``out`` (float32, the gradient length)
         the elements are received straight into it, allocating nothing."""
         result_buffer(out, None)
+        self._life.check()
         self._settle_topology()
         if self.uses_mesh:
             return self._mesh_receive(out)
@@ -389,8 +522,10 @@ class Worker:
 
         Errors are those of receive_averaged: ShutdownDuringReduce,
         UnexpectedMessage, GradientMismatch (step or length), ProtocolError,
-        CoordinatorLost. Any of them closes the connection, since it leaves
-        a frame cut short in one direction or the other.
+        CoordinatorLost. Any of them ends the session (docs/sessions.md,
+        "When a session fails"): the connection closes, since it leaves a
+        frame cut short in one direction or the other, and every later call
+        raises the same error.
 
         In a mesh session (:mod:`ddpwire.mesh`) the same call averages with
         the other workers directly, with the same result bits and errors,
@@ -401,11 +536,12 @@ class Worker:
         # both checked before anything goes on the wire, on every path
         gradients = _core.float32_gradients(gradients)
         result_buffer(out, len(gradients))
+        self._life.check()
         self._settle_topology()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
             return self._mesh_receive(out)
-        if self._owed:
+        if self._life.state is WorkerState.IN_STEP:
             raise DdpwireError(f"allreduce: {counted(len(self._owed), 'earlier average')} "
                                f"not yet received",
                                worker_id=self._worker_id, step=step)
@@ -413,18 +549,21 @@ class Worker:
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
         chan = self._chan
-        parts = encode_frame_parts(msg, max_frame=chan.max_frame)
         send_thread = _socket_threads.for_worker(self.socket_threads, 4 * len(gradients))
-        with chan.send_lock:
-            exchange = _core.Exchange(chan.conn, parts, chan.read_timeout, step=step,
-                                     what="sending GradientPayload", send_thread=send_thread)
-            try:
-                global_loss = self._exchange_averaged(exchange, step, out)
-                exchange.finish()
-            except BaseException:
-                exchange.abandon()  # its thread must be off the socket before it closes
-                chan.close()
-                raise
+        # any exception inside leaves a frame cut short, one way or the other
+        with self._talking(step, any_error=True):
+            parts = encode_frame_parts(msg, max_frame=chan.max_frame)
+            self._set_state(WorkerState.IN_STEP)
+            with chan.send_lock:
+                exchange = _core.Exchange(chan.conn, parts, chan.read_timeout, step=step,
+                                         what="sending GradientPayload", send_thread=send_thread)
+                try:
+                    global_loss = self._exchange_averaged(exchange, step, out)
+                    exchange.finish()
+                except BaseException:
+                    exchange.abandon()  # its thread must be off the socket before it closes
+                    raise
+        self._settled()
         return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
 
     def _exchange_averaged(self, exchange: "_core.Exchange", step: int, out: np.ndarray) -> float:
@@ -473,18 +612,22 @@ class Worker:
         return table is not None and bool(table.peers)
 
     def _settle_topology(self) -> None:
-        """Read the MeshPeers a coordinator that granted the mesh sends
-        before anything else (once; the per-block threads may race here)."""
-        if self._mesh_listener is None or self._mesh_table is not None:
+        """Leave JOINED: read the MeshPeers a coordinator that granted the
+        mesh sends before anything else (once; the per-block threads may
+        race here)."""
+        if self._life.state is not WorkerState.JOINED:
             return
         with self._topology_lock:
-            if self._mesh_table is not None:
+            if self._life.state is not WorkerState.JOINED:
                 return
-            table = self._chan.expect([MeshPeers])
-            if not table.peers:
-                self._mesh_listener.close()
-                self._mesh_listener = None
-            self._mesh_table = table
+            if self._mesh_listener is not None:
+                with self._talking(None):
+                    table = self._chan.expect([MeshPeers])
+                if not table.peers:
+                    self._mesh_listener.close()
+                    self._mesh_listener = None
+                self._mesh_table = table
+            self._set_state(WorkerState.READY)
 
     def _links(self) -> _mesh.Mesh:
         if self._mesh is None:
@@ -502,7 +645,8 @@ class Worker:
         if self._mesh_sent is not None:
             raise DdpwireError(f"step {self._mesh_sent[0]}'s average not yet received",
                                worker_id=self._worker_id, step=step)
-        try:
+        # a mesh step that fails leaves frames cut short on some link
+        with self._talking(step, any_error=True, tell=True):
             deadline = self._step_deadline(step)
             links = self._links()
             # with a coordinator share a GradientPayload to the coordinator
@@ -513,10 +657,9 @@ class Worker:
                                        loss=loss, correct=correct, total=total,
                                        bad_worker=outcome.bad_worker, bad_index=outcome.bad_index,
                                        bad_value=outcome.bad_value), step=step)
-        except BaseException as exc:
-            self._break_session(step, exc)
-            raise
-        self._mesh_sent = (step, len(gradients))
+            with self._life.lock:
+                self._mesh_sent = (step, len(gradients))
+                self._set_state(WorkerState.IN_STEP)
 
     def _step_deadline(self, step: int) -> float:
         """When this worker's part of a mesh step (its links, its
@@ -546,76 +689,56 @@ class Worker:
         step, count = self._mesh_sent
         out = result_buffer(out, count)
         ctx = dict(worker_id=self._worker_id, step=step)
-        try:
-            commit = self._chan.expect([StepCommit, Shutdown], step=step)
-            if isinstance(commit, Shutdown):
-                raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
-            if commit.step != step:
-                raise GradientMismatch("step", step, commit.step, **ctx)
-            if commit.bad_worker != NO_WORKER:
-                raise NonFiniteGradient(commit.bad_worker, commit.bad_index, commit.bad_value,
-                                        worker_id=commit.bad_worker, step=step)
-            assert self._mesh is not None
-            self._mesh.allgather(step, out, time.monotonic() + self._chan.timeout)
-        except BaseException as exc:
-            self._break_session(step, exc)
-            raise
-        finally:
-            self._mesh_sent = None
-        return AveragedGradient(step=step, gradients=out, global_loss=commit.global_loss)
-
-    def _break_session(self, step: int, exc: BaseException) -> None:
-        """A mesh step that failed leaves frames cut short on some link: the
-        session cannot go on, and closing tells every peer at once. A failure
-        on a link to another worker is first told to the coordinator (a
-        CollectiveError naming that worker), which would otherwise only see
-        this worker leave."""
-        cut = False
-        if self._mesh is not None:
-            cut = self._mesh.coordinator_frame_open
-            self._mesh.close()
-        blamed = getattr(exc, "worker_id", None)
-        # after a GradientPayload cut short, the coordinator would read a
-        # CollectiveError as gradient bytes: closing is all it can be told
-        if not cut and isinstance(exc, DdpwireError) and \
-                not isinstance(exc, (CoordinatorLost, NonFiniteGradient)):
-            # the message alone: the CollectiveError carries the worker and
-            # the step, and the coordinator's error names them again
+        with self._talking(step, any_error=True, tell=True):
             try:
-                self._chan.send(CollectiveError(
-                    seq=step, worker_id=NO_WORKER if blamed is None else blamed,
-                    detail=exc.message[:1000]), step=step)
-            except DdpwireError:
-                pass  # the coordinator is gone too: closing says the rest
-        self._chan.close()
+                commit = self._chan.expect([StepCommit, Shutdown], step=step)
+                if isinstance(commit, Shutdown):
+                    raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
+                if commit.step != step:
+                    raise GradientMismatch("step", step, commit.step, **ctx)
+                if commit.bad_worker != NO_WORKER:
+                    raise NonFiniteGradient(commit.bad_worker, commit.bad_index, commit.bad_value,
+                                            worker_id=commit.bad_worker, step=step)
+                assert self._mesh is not None
+                self._mesh.allgather(step, out, time.monotonic() + self._chan.timeout)
+            finally:
+                self._mesh_sent = None
+        self._settled()
+        return AveragedGradient(step=step, gradients=out, global_loss=commit.global_loss)
 
     # ---- per-block steps (v2) ----
 
     def send_block_gradient(self, step: int, block_idx: int, num_blocks: int, gradients: Any,
                             component_sizes: Sequence[int]) -> None:
         """Send one block's gradient: its components concatenated, with their sizes."""
+        self._life.check()
         self._settle_topology()
         msg = BlockGradientPayload(step=step, worker_id=self._worker_id, block_idx=block_idx,
                                    num_blocks=num_blocks, component_sizes=component_sizes,
                                    gradients=gradients)
-        self._owed.append((AveragedBlockGradient, step, block_idx))
-        self._chan.send(msg, step=step)
+        with self._talking(step):
+            self._owe((AveragedBlockGradient, step, block_idx))
+            self._chan.send(msg, step=step)
 
     def receive_averaged_block(self, out: Optional[np.ndarray] = None) -> AveragedBlockGradient:
         """The next averaged block gradient (into ``out`` when given)."""
+        self._life.check()
         self._settle_topology()
         return self._receive(AveragedBlockGradient, out, "block AllReduce")
 
     def send_non_block_gradient(self, step: int, component: int, gradients: Any) -> None:
         """Send a non-block component's gradient (0 lm_head, 1 final_norm, 2 embedding)."""
+        self._life.check()
         self._settle_topology()
         msg = NonBlockGradientPayload(step=step, worker_id=self._worker_id, component=component,
                                       gradients=gradients)
-        self._owed.append((AveragedNonBlockGradient, step, component))
-        self._chan.send(msg, step=step)
+        with self._talking(step):
+            self._owe((AveragedNonBlockGradient, step, component))
+            self._chan.send(msg, step=step)
 
     def receive_averaged_non_block(self, out: Optional[np.ndarray] = None) -> AveragedNonBlockGradient:
         """The next averaged non-block gradient (into ``out`` when given)."""
+        self._life.check()
         self._settle_topology()
         return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
 
@@ -625,27 +748,30 @@ class Worker:
         # and take the owed entry once the head is in (a send queues its entry
         # before its bytes go out, so any reply finds it).
         step = self._owed[0][1] if self._owed else None
-        try:
-            head = self._chan.read_head([expected, Shutdown], step=step,
-                                        what=f"waiting for {expected.__name__}")
-        except DdpwireError as exc:
-            if self._owed:
-                exc.add_context(step=self._owed[0][1])
-            raise
-        owed = self._owed[0] if self._owed else None
-        if owed is not None:
-            step = owed[1]
-        if isinstance(head, Shutdown):
-            raise ShutdownDuringReduce(f"coordinator shut down during {what}",
-                                       worker_id=self._worker_id, step=step)
-        if not isinstance(head, _core.FrameHead) or head.tag != expected.TAG:
-            raise UnexpectedMessage(expected.__name__, message_name(head),
-                                    worker_id=self._worker_id, step=step)
-        if owed is not None:
-            self._owed.popleft()
-            self._check_owed(owed, expected, head)
-        gradients, tail, bad = self._chan.recv_gradients(head, out, step=head.step)
-        self._refuse_non_finite(gradients, bad, head.step)
+        with self._talking(step):
+            try:
+                head = self._chan.read_head([expected, Shutdown], step=step,
+                                            what=f"waiting for {expected.__name__}")
+            except DdpwireError as exc:
+                if self._owed:
+                    exc.add_context(step=self._owed[0][1])
+                raise
+            owed = self._owed[0] if self._owed else None
+            if owed is not None:
+                step = owed[1]
+            if isinstance(head, Shutdown):
+                raise ShutdownDuringReduce(f"coordinator shut down during {what}",
+                                           worker_id=self._worker_id, step=step)
+            if not isinstance(head, _core.FrameHead) or head.tag != expected.TAG:
+                raise UnexpectedMessage(expected.__name__, message_name(head),
+                                        worker_id=self._worker_id, step=step)
+            if owed is not None:
+                with self._life.lock:
+                    self._owed.popleft()
+                self._check_owed(owed, expected, head)
+            gradients, tail, bad = self._chan.recv_gradients(head, out, step=head.step)
+            self._refuse_non_finite(gradients, bad, head.step)
+        self._settled()
         if expected is AveragedGradient:
             return AveragedGradient(step=head.step, gradients=gradients, global_loss=tail[3])
         if expected is AveragedBlockGradient:
@@ -670,13 +796,16 @@ class Worker:
     # ---- lifecycle ----
 
     def close(self) -> None:
-        """Close the connection (the coordinator sees the worker leave)."""
-        self._stop.set()
-        if self._mesh is not None:
-            self._mesh.close()
-        if self._mesh_listener is not None:
-            self._mesh_listener.close()
-        self._chan.close()
+        """Close the connection (the coordinator sees the worker leave).
+        After a failure everything is closed already; the failure stays
+        what every call raises."""
+        with self._life.lock:
+            state = self._life.state
+            if state is WorkerState.CLOSED:
+                return
+            self._set_state(WorkerState.CLOSED)
+            if state is not WorkerState.FAILED:
+                self._release()
 
     def __enter__(self) -> "Worker":
         return self

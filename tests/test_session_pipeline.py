@@ -196,9 +196,10 @@ def test_nan_halts_the_fused_pass_and_no_worker_applies_anything(where, worker_m
         for t in threads:
             with pytest.raises(ddpwire.CoordinatorLost):
                 t.join_result()
-        # and the coordinator's connections are gone
-        with pytest.raises(ddpwire.WorkerLost):
+        # and the session is over: a later step raises the halt again
+        with pytest.raises(ddpwire.NonFiniteGradient) as again:
             coord.allreduce(step + 1)
+        assert (again.value.worker_id, again.value.step) == (bad_worker, step)
     err = info.value
     assert (err.worker_id, err.step, err.index) == (bad_worker, step, where)
     assert np.isnan(err.value)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import GradientMismatch
+from ..messages import NON_BLOCK_COMPONENTS
 
 __all__ = [
     "Component",
@@ -40,12 +41,11 @@ logger = logging.getLogger(__name__)
 ParamsLike = Union[nn.Module, nn.Parameter, Iterable[nn.Parameter]]
 
 
-# The protocol's names: the 9 components of a transformer block, in wire order, and the
-# non-block parts with the code each carries in NonBlockGradientPayload.
+# The protocol's names: the 9 components of a transformer block, in wire order (the
+# non-block parts, with the code each carries, are ddpwire.messages.NON_BLOCK_COMPONENTS).
 BLOCK_COMPONENTS: Tuple[str, ...] = (
     "w_q", "w_k", "w_v", "w_o", "gate", "up", "down", "input_norm", "post_attn_norm",
 )
-NON_BLOCK_COMPONENTS: Dict[str, int] = {"lm_head": 0, "final_norm": 1, "embedding": 2}
 
 
 def block_segment(block_idx: int) -> str:

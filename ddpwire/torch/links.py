@@ -47,9 +47,6 @@ _ADDRESS_BYTES = 128
 #: service (they open once every rank has joined, so all dial at once)
 LINK_TIMEOUT = 30.0
 
-_CODECS = {None: Codec.FLOAT32, "bf16": Codec.BF16, "fp16": Codec.FP16}
-
-
 def ports_from_env() -> Optional[Tuple[int, int]]:
     """The port range :data:`PORTS_ENV` names, or None."""
     text = os.environ.get(PORTS_ENV)
@@ -104,7 +101,7 @@ class RankLinks:
                 raise self.failure
             seq = self._seq
             self._seq += 1
-            runner = self._runner(_CODECS[compression])
+            runner = self._runner(_mesh.CODECS[compression])
             deadline = time.monotonic() + self.timeout
             try:
                 runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))

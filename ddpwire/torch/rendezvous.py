@@ -13,19 +13,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Tuple
 
+from ..auth import TOKEN_ENV
 from ..collectives import CollectiveClient, CollectiveService, local_link
 from ..coordinator import Coordinator
 from ..errors import DdpwireError
 from ..extensions import Extension, encode_u16
-from ..launch import PORT_ENV, parse_addr
+from ..launch import PORT_ENV, is_loopback, parse_addr
 from ..worker import Worker
 
 __all__ = ["Rendezvous", "join_group", "HOST_ENV", "TOKEN_ENV", "HEARTBEAT_LIMIT"]
 
 log = logging.getLogger(__name__)
 
-#: a shared secret every rank knows: joins are then authenticated (docs/security.md)
-TOKEN_ENV = "DDPWIRE_TOKEN"
 #: the address other ranks reach rank 0 at, when the store's host is not it
 HOST_ENV = "DDPWIRE_HOST"
 #: largest frame either side accepts: an allgather's answer holds every rank's input
@@ -85,8 +84,7 @@ def _store_host(store: Any) -> Optional[str]:
 def _bind_and_advertise(store: Any) -> Tuple[Tuple[str, int], str]:
     host = os.environ.get(HOST_ENV) or _store_host(store) or "127.0.0.1"
     port = int(os.environ.get(PORT_ENV) or 0)
-    loopback = host in ("127.0.0.1", "localhost", "::1")
-    return ((host if loopback else ("::" if ":" in host else "0.0.0.0"), port), host)
+    return ((host if is_loopback(host) else ("::" if ":" in host else "0.0.0.0"), port), host)
 
 
 def timings(timeout: timedelta) -> Tuple[float, float, float]:
