@@ -25,7 +25,7 @@ static const char *const TYPE_NAMES[12] = {
     "AveragedNonBlockGradient",
 };
 
-static const char *const EXT_TYPE_NAMES[10] = {
+static const char *const EXT_TYPE_NAMES[12] = {
     "AuthChallenge",
     "AuthProof",
     "JoinRefused",
@@ -36,13 +36,15 @@ static const char *const EXT_TYPE_NAMES[10] = {
     "PeerHello",
     "StepReport",
     "StepCommit",
+    "StepTiming",
+    "ShardScale",
 };
 
 const char *ddpw_message_type(uint8_t tag)
 {
     if (tag < 12)
         return TYPE_NAMES[tag];
-    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_STEP_COMMIT)
+    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_SHARD_SCALE)
         return EXT_TYPE_NAMES[tag - DDPW_AUTH_CHALLENGE];
     return NULL;
 }
@@ -95,6 +97,8 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "gradient_length";
         if (value == DDPW_EXT_STEPS)
             return "steps";
+        if (value == DDPW_EXT_BALANCE)
+            return "balance";
         return NULL;
     case DDPW_CODES_REFUSAL:
         return value < 7 ? REFUSAL_NAMES[value] : NULL;
@@ -127,6 +131,10 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
         return 1 + 8 + 4 + 8 + 4 + 8 + 8 + 4 + 8 + 4;
     case DDPW_STEP_COMMIT:
         return 1 + 8 + 4 + 4 + 8 + 4;
+    case DDPW_STEP_TIMING:
+        return 1 + 8 + 8;
+    case DDPW_SHARD_SCALE:
+        return 1 + 8 + 4;
     case DDPW_MESH_PEERS:
     case DDPW_JOIN_REQUEST:
     case DDPW_JOIN_ACCEPTED:
@@ -310,6 +318,32 @@ static ddpw_status fail_invalid(ddpw_error *err, const char *type, const char *f
     err->value = value;
     err->detail = why;
     return DDPW_ERR_INVALID;
+}
+
+/* As fail_invalid, for an f32 field: `value` holds its bits. */
+static ddpw_status fail_invalid_f32(ddpw_error *err, const char *type, const char *field,
+                                    float value, const char *why)
+{
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    fail(err, DDPW_ERR_INVALID_F32, type, field, 0, 0);
+    err->value = bits;
+    err->detail = why;
+    return DDPW_ERR_INVALID_F32;
+}
+
+/* NULL when `scale` may scale a worker's gradients (finite and >= 0; 0 is
+ * a worker with an empty shard), else why not. Compared on the bits, so
+ * that no NaN slips through a floating-point comparison. */
+static const char *scale_refusal(float scale)
+{
+    uint32_t bits;
+    memcpy(&bits, &scale, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u)
+        return "not finite";
+    if ((bits & 0x80000000u) && (bits & 0x7fffffffu))
+        return "negative";
+    return NULL;
 }
 
 ddpw_status ddpw_check_frame_len(uint64_t payload_len, uint64_t max_frame, ddpw_error *err)
@@ -849,6 +883,16 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         TRY(read_f32(&r, &msg->global_loss, type, "global_loss", err));
         TRY(read_bad(&r, msg, type, err));
         break;
+    case DDPW_STEP_TIMING:
+        TRY(read_u64(&r, &msg->step, type, "step", err));
+        TRY(read_u64(&r, &msg->compute_us, type, "compute_us", err));
+        break;
+    case DDPW_SHARD_SCALE:
+        TRY(read_u64(&r, &msg->step, type, "step", err));
+        TRY(read_f32(&r, &msg->scale, type, "scale", err));
+        if (scale_refusal(msg->scale) != NULL)
+            return fail_invalid_f32(err, type, "scale", msg->scale, scale_refusal(msg->scale));
+        break;
     case DDPW_SHARD_ASSIGNMENT:
         TRY(read_u64(&r, &msg->step, type, "step", err));
         TRY(read_u64(&r, &msg->shard_start, type, "shard_start", err));
@@ -1049,6 +1093,10 @@ static uint64_t head_fields_size(const ddpw_message *m)
         return 1 + 8 + 4 + 8 + 4 + 8 + 8 + 4 + 8 + 4;
     case DDPW_STEP_COMMIT:
         return 1 + 8 + 4 + 4 + 8 + 4;
+    case DDPW_STEP_TIMING:
+        return 1 + 8 + 8;
+    case DDPW_SHARD_SCALE:
+        return 1 + 8 + 4;
     case DDPW_SHARD_ASSIGNMENT:
         return 1 + 8 + 8 + 8;
     case DDPW_GRADIENT_PAYLOAD:
@@ -1105,6 +1153,8 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
         return fail_invalid(err, type, "codec", m->codec, "unknown codec");
     if (m->tag == DDPW_MESH_PEERS && m->shared_memory > 1)
         return fail_invalid(err, type, "shared_memory", m->shared_memory, "not 0 or 1");
+    if (m->tag == DDPW_SHARD_SCALE && scale_refusal(m->scale) != NULL)
+        return fail_invalid_f32(err, type, "scale", m->scale, scale_refusal(m->scale));
     TRY(check_ext_entries(m, type, err));
     head = head_fields_size(m); /* each term < 2^35: no overflow */
     if (is_collective_bulk(m->tag)) {
@@ -1240,6 +1290,14 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
         put_u32(w, m->bad_worker);
         put_u64(w, m->bad_index);
         put_f32(w, m->bad_value);
+        break;
+    case DDPW_STEP_TIMING:
+        put_u64(w, m->step);
+        put_u64(w, m->compute_us);
+        break;
+    case DDPW_SHARD_SCALE:
+        put_u64(w, m->step);
+        put_f32(w, m->scale);
         break;
     case DDPW_SHARD_ASSIGNMENT:
         put_u64(w, m->step);

@@ -50,7 +50,10 @@ typedef enum ddpw_tag {
     DDPW_MESH_PEERS = 0x46,
     DDPW_PEER_HELLO = 0x47,
     DDPW_STEP_REPORT = 0x48,
-    DDPW_STEP_COMMIT = 0x49
+    DDPW_STEP_COMMIT = 0x49,
+    /* The balance extension (docs/extensions.md, "Shards by measured speed"). */
+    DDPW_STEP_TIMING = 0x4A,
+    DDPW_SHARD_SCALE = 0x4B
 } ddpw_tag;
 
 /* The extension block that may follow the last field of JoinRequest and
@@ -75,7 +78,8 @@ typedef enum ddpw_ext_type {
     DDPW_EXT_MESH = 0x0004,
     DDPW_EXT_PER_BLOCK = 0x0005,
     DDPW_EXT_GRADIENT_LENGTH = 0x0006,
-    DDPW_EXT_STEPS = 0x0007
+    DDPW_EXT_STEPS = 0x0007,
+    DDPW_EXT_BALANCE = 0x0008
 } ddpw_ext_type;
 
 /* MeshPeers.codec: how gradient slices travel between mesh peers. */
@@ -149,7 +153,9 @@ typedef enum ddpw_status {
     DDPW_ERR_VALUE = -8,         /* encoding: field `value` does not fit its wire type */
     DDPW_ERR_BUFFER = -9,        /* encoding: caller buffer of `have` bytes, `need` required */
     DDPW_ERR_INVALID = -10,      /* field holds `value`, which `detail` says is not allowed */
-    DDPW_ERR_MISMATCH = -11      /* field is `have` bytes long, its other fields say `need` */
+    DDPW_ERR_MISMATCH = -11,     /* field is `have` bytes long, its other fields say `need` */
+    DDPW_ERR_INVALID_F32 = -12   /* f32 field whose bits are `value`, which `detail` says is
+                                    not allowed */
 } ddpw_status;
 
 /* Set by every call that fails, so the caller can say which message, which
@@ -163,7 +169,8 @@ typedef struct ddpw_error {
     uint64_t have;
     uint64_t need;
     uint64_t value;
-    const char *detail;          /* DDPW_ERR_INVALID: why; DDPW_ERR_VALUE: the unit, or NULL for bytes */
+    const char *detail;          /* DDPW_ERR_INVALID(_F32): why; DDPW_ERR_VALUE: the unit, or NULL
+                                    for bytes */
 } ddpw_error;
 
 /* Explicit cursors. `len` is where the payload ends (reading past it is
@@ -213,7 +220,7 @@ typedef struct ddpw_message {
     uint32_t worker_id;        /* JoinAccepted, GradientPayload, Block-/NonBlockGradientPayload,
                                   PeerHello, StepReport */
     uint32_t total_workers;    /* JoinAccepted */
-    uint64_t step;             /* ShardAssignment, every gradient message, Step* */
+    uint64_t step;             /* ShardAssignment, every gradient message, Step*, ShardScale */
     uint64_t shard_start;      /* ShardAssignment */
     uint64_t shard_end;        /* ShardAssignment */
     uint64_t timestamp_ms;     /* Heartbeat */
@@ -259,6 +266,9 @@ typedef struct ddpw_message {
     uint32_t bad_worker;       /* StepReport, StepCommit: DDPW_NO_WORKER when none */
     uint64_t bad_index;        /* StepReport, StepCommit: element of the whole vector */
     float bad_value;           /* StepReport, StepCommit */
+    uint64_t compute_us;       /* StepTiming: microseconds from the step's ShardAssignment to
+                                  its first gradient byte */
+    float scale;               /* ShardScale: finite and >= 0 */
 } ddpw_message;
 
 /* What precedes the gradient elements of a payload, for a reader that

@@ -32,8 +32,10 @@ from ddpwire.messages import (
     JoinRefused,
     MeshPeers,
     PeerHello,
+    ShardScale,
     StepCommit,
     StepReport,
+    StepTiming,
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,
@@ -91,6 +93,8 @@ cdef dict _TAGS = {
     PeerHello: DDPW_PEER_HELLO,
     StepReport: DDPW_STEP_REPORT,
     StepCommit: DDPW_STEP_COMMIT,
+    StepTiming: DDPW_STEP_TIMING,
+    ShardScale: DDPW_SHARD_SCALE,
 }
 
 cdef object _U8 = np.dtype(np.uint8)
@@ -102,6 +106,12 @@ cdef object _U8 = np.dtype(np.uint8)
 
 cdef str _name(const char *s):
     return "?" if s == NULL else s.decode("ascii")
+
+
+cdef float _f32_of_bits(uint32_t bits):
+    cdef float f
+    memcpy(&f, &bits, 4)
+    return f
 
 
 cdef object wire_error(const ddpw_error *err):
@@ -133,6 +143,9 @@ cdef object wire_error(const ddpw_error *err):
         return ValueError(f"{where}: {err.have} {unit}, over the wire limit of {err.need}")
     if st == DDPW_ERR_INVALID:
         return ProtocolError(f"invalid {where}: {err.value} ({_name(err.detail)})")
+    if st == DDPW_ERR_INVALID_F32:
+        value = repr(ddpw_f32_to_f64(_f32_of_bits(<uint32_t>err.value)))
+        return ProtocolError(f"invalid {where}: {value} ({_name(err.detail)})")
     if st == DDPW_ERR_MISMATCH:
         return ProtocolError(
             f"{where} length mismatch: {err.have} bytes, count x dtype size is {err.need}")
@@ -443,6 +456,12 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.global_loss = _f32(msg.global_loss, msg, "global_loss")
         _set_bad(out, msg)
+    elif tag == DDPW_STEP_TIMING:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.compute_us = _uint(msg.compute_us, 0xFFFFFFFFFFFFFFFF, msg, "compute_us")
+    elif tag == DDPW_SHARD_SCALE:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.scale = _f32(msg.scale, msg, "scale")
     elif tag == DDPW_SHARD_ASSIGNMENT:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
@@ -660,6 +679,14 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o.bad_worker = m.bad_worker
         o.bad_index = m.bad_index
         o.bad_value = m.bad_value
+    elif tag == DDPW_STEP_TIMING:
+        o = _new(StepTiming)
+        o.step = m.step
+        o.compute_us = m.compute_us
+    elif tag == DDPW_SHARD_SCALE:
+        o = _new(ShardScale)
+        o.step = m.step
+        o.scale = _float(m.scale)
     else:
         raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
     return o

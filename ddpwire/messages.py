@@ -1,4 +1,4 @@
-"""The eleven messages of the DDP wire protocol and ddpwire's six extension
+"""The eleven messages of the DDP wire protocol and ddpwire's twelve extension
 messages (docs/extensions.md), as plain Python objects.
 
 Field names and order follow the wire layout (see docs/protocol-notes.md),
@@ -14,9 +14,9 @@ Value types:
 * integers are Python ints (``u8``/``u16``/``u32``/``u64`` on the wire; the
   encoder checks the range);
 * strings are ``str`` (UTF-8 on the wire);
-* ``loss`` and ``global_loss`` are Python floats holding a float32 value: the
-  decoder widens the wire value bit-exactly (NaN payloads included) and the
-  encoder rounds to float32;
+* ``loss``, ``global_loss`` and the other ``f32`` fields are Python floats
+  holding a float32 value: the decoder widens the wire value bit-exactly (NaN
+  payloads included) and the encoder rounds to float32;
 * ``gradients`` is a float32 buffer. Decoded messages hold a read-only or
   writable numpy ``float32`` view *into the decoded buffer* (no copy); for
   encoding, any C-contiguous float32 buffer works (numpy array, a CPU
@@ -68,6 +68,8 @@ __all__ = [
     "PeerHello",
     "StepReport",
     "StepCommit",
+    "StepTiming",
+    "ShardScale",
     "NO_WORKER",
     "NON_BLOCK_COMPONENTS",
     "MESSAGE_TYPES",
@@ -112,6 +114,7 @@ _COMPARE = {
     "loss": _same_float,
     "global_loss": _same_float,
     "bad_value": _same_float,
+    "scale": _same_float,
 }
 
 
@@ -476,6 +479,33 @@ class StepCommit(Message):
     bad_value: float
 
 
+@dataclass(eq=False)
+class StepTiming(Message):
+    """Worker to coordinator, with the balance extension (0x4A): how long
+    the worker computed step ``step``, in microseconds from receiving the
+    step's ShardAssignment to starting to send its gradients. Sent right
+    before the step's first gradient frame."""
+
+    __slots__ = ("step", "compute_us")
+    TAG: ClassVar[int] = 0x4A
+    step: int
+    compute_us: int
+
+
+@dataclass(eq=False)
+class ShardScale(Message):
+    """Coordinator to worker, with the balance extension (0x4B), right after
+    the step's ShardAssignment: the worker multiplies every gradient it
+    sends for ``step`` by ``scale`` (float32) before it leaves. ``scale`` is
+    finite and >= 0 (0.0 for an empty shard; 1.0 when shards are equal);
+    the codec refuses anything else both ways."""
+
+    __slots__ = ("step", "scale")
+    TAG: ClassVar[int] = 0x4B
+    step: int
+    scale: float
+
+
 #: tag -> message class, for every tag the protocol and its extensions define
 MESSAGE_TYPES = {
     cls.TAG: cls
@@ -501,6 +531,8 @@ MESSAGE_TYPES = {
         PeerHello,
         StepReport,
         StepCommit,
+        StepTiming,
+        ShardScale,
     )
 }
 
@@ -570,4 +602,6 @@ LAYOUTS: Tuple[Layout, ...] = (
             "bad_worker: u32, bad_index: u64, bad_value: f32"),
     _layout(0x49, "StepCommit", "coordinator → worker",
             "step: u64, global_loss: f32, bad_worker: u32, bad_index: u64, bad_value: f32"),
+    _layout(0x4A, "StepTiming", "worker → coordinator", "step: u64, compute_us: u64"),
+    _layout(0x4B, "ShardScale", "coordinator → worker", "step: u64, scale: f32"),
 )

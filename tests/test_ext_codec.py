@@ -17,8 +17,10 @@ from ddpwire import (
     CollectiveError,
     MeshPeers,
     PeerHello,
+    ShardScale,
     StepCommit,
     StepReport,
+    StepTiming,
     CollectiveKind,
     CollectiveRequest,
     CollectiveResult,
@@ -43,6 +45,10 @@ TEXT = st.text(max_size=40)
 B32 = st.binary(min_size=32, max_size=32)
 # every float32 bit pattern, NaN payloads included: the codec moves bits
 F32 = st.integers(0, 2**32 - 1).map(lambda b: float(np.array([b], np.uint32).view(np.float32)[0]))
+# every float32 bit pattern ShardScale.scale may hold: +0.0 up to the largest
+# finite value, and -0.0
+SCALE = st.one_of(st.integers(0, 0x7F7FFFFF), st.just(0x80000000)).map(
+    lambda b: float(np.array([b], np.uint32).view(np.float32)[0]))
 # at most 64 unique types, block under 4096 bytes: 64 * (6 + 40) + 7 < 4096
 EXTENSIONS = st.one_of(st.none(), st.dictionaries(st.integers(0, 0xFFFF),
                                                   st.binary(max_size=40), max_size=64))
@@ -83,6 +89,8 @@ MESSAGES = st.one_of(
     st.builds(PeerHello, U32, B32),
     st.builds(StepReport, U64, U32, U64, F32, U64, U64, U32, U64, F32),
     st.builds(StepCommit, U64, F32, U32, U64, F32),
+    st.builds(StepTiming, U64, U64),
+    st.builds(ShardScale, U64, SCALE),
 )
 
 
@@ -188,10 +196,45 @@ def test_collective_data_takes_any_contiguous_buffer():
     (JoinRefused(256, ""), r"JoinRefused\.reason must be in 0\.\.255"),
     (MeshPeers(bytes(32), 0, 0, "", coordinator_share=65536),
      r"MeshPeers\.coordinator_share must be in 0\.\.65535"),
+    (StepTiming(0, 2**64), r"StepTiming\.compute_us must be in 0\.\.18446744073709551615"),
+    (StepTiming(-1, 0), r"StepTiming\.step must be in 0\.\.18446744073709551615"),
+    (ShardScale(1, float("nan")), r"^invalid ShardScale\.scale: nan \(not finite\)$"),
+    (ShardScale(1, -2.0), r"^invalid ShardScale\.scale: -2\.0 \(negative\)$"),
+    (ShardScale(1, 1e39), r"^invalid ShardScale\.scale: inf \(not finite\)$"),  # inf in float32
 ])
 def test_encoder_refuses_what_the_decoder_would(msg, pattern):
     with pytest.raises(ValueError, match=pattern):
         ddpwire.encode_frame(msg)
+
+
+@pytest.mark.parametrize("bits, why", [
+    (0x7FC00000, "not finite"),  # quiet NaN
+    (0x7F800001, "not finite"),  # signalling NaN
+    (0xFFC00000, "not finite"),  # negative NaN
+    (0x7F800000, "not finite"),  # +inf
+    (0xFF800000, "not finite"),  # -inf
+    (0xBF800000, "negative"),    # -1.0
+    (0x80000001, "negative"),    # the smallest negative subnormal
+])
+def test_shard_scale_refuses_a_scale_that_is_not_finite_or_is_negative(bits, why):
+    scale = float(np.array([bits], np.uint32).view(np.float32)[0])
+    pattern = r"^invalid ShardScale\.scale: .+ \(%s\)$" % why
+    payload = bytes([ShardScale.TAG]) + (3).to_bytes(8, "little") + bits.to_bytes(4, "little")
+    with pytest.raises(ProtocolError, match=pattern):
+        ddpwire.decode_payload(payload)
+    with pytest.raises(ProtocolError, match=pattern):
+        ddpwire.decode_payload(payload, allow_trailing=True)
+    with pytest.raises(ProtocolError, match=pattern):
+        FrameReader(allowed_tags={ShardScale.TAG}).feed(len(payload).to_bytes(4, "big") + payload)
+    with pytest.raises(ProtocolError, match=pattern):  # the encoder refuses it too
+        ddpwire.encode_frame(ShardScale(3, scale))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0, 1.0, 0.25, 2.0**-149, 3.4028234663852886e38])
+def test_shard_scale_takes_zero_and_every_finite_positive_scale(scale):
+    frame = ddpwire.encode_frame(ShardScale(4, scale))
+    assert frame[4:] == bytes([0x4B]) + (4).to_bytes(8, "little") + np.float32(scale).tobytes()
+    assert ddpwire.decode_frame(frame) == ShardScale(4, scale)
 
 
 def test_encoder_type_errors_name_the_field():
@@ -204,7 +247,8 @@ def test_encoder_type_errors_name_the_field():
 def test_codes_come_from_the_codec():
     families, sizes = _codes()
     assert {name for name, _ in families["Extension"]} == {"auth", "samples", "collectives", "mesh",
-                                                           "per_block", "gradient_length", "steps"}
+                                                           "per_block", "gradient_length", "steps",
+                                                           "balance"}
     assert [(m.name.lower(), int(m)) for m in Extension] == families["Extension"]
     for enum, family in ((RefusalReason, "RefusalReason"), (CollectiveKind, "CollectiveKind"),
                          (ReduceOp, "ReduceOp"), (DType, "DType")):
@@ -216,7 +260,8 @@ def test_codes_come_from_the_codec():
 
 
 def test_tag_max_payload():
-    limits = {0x03: 25, 0x07: 1, 0x40: 65, 0x41: 33, 0x47: 37, 0x48: 57, 0x49: 29}
+    limits = {0x03: 25, 0x07: 1, 0x40: 65, 0x41: 33, 0x47: 37, 0x48: 57, 0x49: 29, 0x4A: 17,
+              0x4B: 13}
     for tag in range(256):
         got = tag_max_payload(tag, 1000)
         cls = ddpwire.messages.MESSAGE_TYPES.get(tag)
@@ -234,6 +279,8 @@ def test_tag_max_payload():
     assert len(ddpwire.encode_frame(PeerHello(0, bytes(32)))) - 4 == 37
     assert len(ddpwire.encode_frame(StepReport(0, 0, 0, 0.0, 0, 0, 0, 0, 0.0))) - 4 == 57
     assert len(ddpwire.encode_frame(StepCommit(0, 0.0, 0, 0, 0.0))) - 4 == 29
+    assert len(ddpwire.encode_frame(StepTiming(0, 0))) - 4 == 17
+    assert len(ddpwire.encode_frame(ShardScale(0, 0.0))) - 4 == 13
 
 
 def test_allowed_tags_refuse_an_oversized_join_before_allocating():
@@ -258,8 +305,13 @@ def test_allowed_tags_refuse_other_tags():
     frame = ddpwire.encode_frame(ddpwire.Heartbeat("w", 5))
     with pytest.raises(ProtocolError, match=r"^Heartbeat \(tag 0x06\) not allowed here$"):
         reader.feed(frame)
-    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x4a$"):
-        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x4a")
+    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x4c$"):
+        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x4c")
+    # the balance messages are refused where they are not allowed, like any other
+    with pytest.raises(ProtocolError, match=r"^ShardScale \(tag 0x4b\) not allowed here$"):
+        FrameReader(allowed_tags=[0x01]).feed(ddpwire.encode_frame(ShardScale(0, 1.0)))
+    with pytest.raises(FrameTooLarge, match=r"18 bytes \(limit 17 for StepTiming\)"):
+        FrameReader(allowed_tags=[0x4A]).feed((18).to_bytes(4, "big") + b"\x4a")
     # a frame over a fixed size is refused too
     with pytest.raises(FrameTooLarge, match=r"34 bytes \(limit 33 for AuthProof\)"):
         FrameReader(allowed_tags=[0x41]).feed((34).to_bytes(4, "big") + b"\x41")

@@ -37,6 +37,8 @@ cdef extern from "wire.h" nogil:
         DDPW_PEER_HELLO
         DDPW_STEP_REPORT
         DDPW_STEP_COMMIT
+        DDPW_STEP_TIMING
+        DDPW_SHARD_SCALE
 
     ctypedef enum ddpw_code_family:
         DDPW_CODES_EXTENSION
@@ -60,6 +62,7 @@ cdef extern from "wire.h" nogil:
         DDPW_ERR_BUFFER
         DDPW_ERR_INVALID
         DDPW_ERR_MISMATCH
+        DDPW_ERR_INVALID_F32
 
     ctypedef struct ddpw_error:
         ddpw_status status
@@ -139,6 +142,8 @@ cdef extern from "wire.h" nogil:
         uint32_t bad_worker
         uint64_t bad_index
         float bad_value
+        uint64_t compute_us
+        float scale
 
     ctypedef struct ddpw_head:
         uint8_t tag

@@ -20,6 +20,7 @@ MAGIC = b"DDPX"
 AUTH_CHALLENGE, AUTH_PROOF, JOIN_REFUSED = 0x40, 0x41, 0x42
 COLLECTIVE_REQUEST, COLLECTIVE_RESULT, COLLECTIVE_ERROR = 0x43, 0x44, 0x45
 MESH_PEERS, PEER_HELLO, STEP_REPORT, STEP_COMMIT = 0x46, 0x47, 0x48, 0x49
+STEP_TIMING, SHARD_SCALE = 0x4A, 0x4B
 NO_WORKER = 0xFFFFFFFF
 # the spec's dtype table: code -> (struct format, size)
 DTYPES = {0: ("<f", 4), 1: ("<d", 8), 2: ("<e", 2), 3: ("<H", 2), 4: ("<i", 4),
@@ -183,6 +184,15 @@ def vectors() -> List[Dict[str, Any]]:
             struct.pack("<BQfIQf", STEP_COMMIT, 7, 0.5, bad, index, value),
             {"type": "StepCommit", "tag": STEP_COMMIT, "step": 7, "global_loss": 0.5,
              "bad_worker": bad, "bad_index": index, "bad_value": value})))
+    for step, compute_us in ((7, 12_345), (2**40 + 3, 2**64 - 1)):
+        shapes.append((f"step_timing_{compute_us:x}", "step, compute_us", (
+            struct.pack("<BQQ", STEP_TIMING, step, compute_us),
+            {"type": "StepTiming", "tag": STEP_TIMING, "step": step, "compute_us": compute_us})))
+    # 1.0 (equal shards), 0.0 (an empty shard) and a value whose bytes differ
+    for label, scale in (("one", 1.0), ("zero", 0.0), ("0_375", 0.375)):
+        shapes.append((f"shard_scale_{label}", "step, scale", (
+            struct.pack("<BQf", SHARD_SCALE, 9, scale),
+            {"type": "ShardScale", "tag": SHARD_SCALE, "step": 9, "scale": scale})))
     out = []
     for name, note, (payload, message) in shapes:
         out.append({"name": name, "note": note, "message": message,
@@ -260,6 +270,27 @@ def malformed() -> List[Dict[str, Any]]:
         ("step_commit_trailing", "StepCommit with 2 bytes more",
          struct.pack("<BQfIQf", STEP_COMMIT, 1, 0.0, NO_WORKER, 0, 0.0) + b"\x00\x00",
          r"^2 bytes after the last field of StepCommit$"),
+        ("step_timing_cut", "StepTiming with 4 bytes of compute_us",
+         struct.pack("<BQI", STEP_TIMING, 1, 0),
+         r"^truncated StepTiming\.compute_us: 4 of 8 bytes$"),
+        ("step_timing_trailing", "StepTiming with a byte more",
+         struct.pack("<BQQ", STEP_TIMING, 1, 0) + b"\x00",
+         r"^1 bytes after the last field of StepTiming$"),
+        ("shard_scale_cut", "ShardScale without its scale",
+         struct.pack("<BQ", SHARD_SCALE, 1),
+         r"^truncated ShardScale\.scale: 0 of 4 bytes$"),
+        ("shard_scale_trailing", "ShardScale with 3 bytes more",
+         struct.pack("<BQf", SHARD_SCALE, 1, 1.0) + bytes(3),
+         r"^3 bytes after the last field of ShardScale$"),
+        ("shard_scale_nan", "scale a quiet NaN",
+         struct.pack("<BQI", SHARD_SCALE, 1, 0x7FC00000),
+         r"^invalid ShardScale\.scale: nan \(not finite\)$"),
+        ("shard_scale_inf", "scale +inf",
+         struct.pack("<BQI", SHARD_SCALE, 1, 0x7F800000),
+         r"^invalid ShardScale\.scale: inf \(not finite\)$"),
+        ("shard_scale_negative", "scale -0.5",
+         struct.pack("<BQf", SHARD_SCALE, 1, -0.5),
+         r"^invalid ShardScale\.scale: -0\.5 \(negative\)$"),
         ("truncated_nonce", "AuthChallenge with 31 nonce bytes",
          bytes([AUTH_CHALLENGE]) + NONCE_C[:31],
          r"^truncated AuthChallenge\.nonce: 31 of 32 bytes$"),
@@ -282,8 +313,8 @@ def malformed() -> List[Dict[str, Any]]:
         ("collective_error_cut", "CollectiveError without its worker_id",
          struct.pack("<BQ", COLLECTIVE_ERROR, 1),
          r"^truncated CollectiveError\.worker_id: 0 of 4 bytes$"),
-        ("unknown_tag_0x4a", "first tag after the extension messages", b"\x4a",
-         r"^unknown message tag: 0x4a$"),
+        ("unknown_tag_0x4c", "first tag after the extension messages", b"\x4c",
+         r"^unknown message tag: 0x4c$"),
     ]
     return [{"name": n, "description": d, "input_hex": p.hex(), "input_len": len(p),
              "error": e} for n, d, p, e in cases]
