@@ -465,6 +465,20 @@ void ddpw_net_note_bad(int64_t *bad_index, float *bad_value, size_t i, size_t el
     }
 }
 
+/* buf[k] *= factor: one rounding per element, as the peer that applies its
+ * own weight rounds it (numpy's float32 multiply), so the bits agree. */
+static void multiply(float *buf, float factor, size_t n)
+{
+    size_t k;
+    for (k = 0; k < n; k++)
+        buf[k] *= factor;
+}
+
+static int scaled(const ddpw_net_reduce_state *st, size_t i)
+{
+    return st->scales != NULL && st->scales[i] != 1.0f;
+}
+
 int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ring_off,
                           size_t elem, size_t count, int halted, int64_t *bad_index,
                           float *bad_value)
@@ -478,8 +492,16 @@ int ddpw_net_reduce_slice(const ddpw_net_reduce_state *st, float *acc, size_t ri
         if (bad_index[0] < 0)
             ddpw_net_note_bad(bad_index, bad_value, 0, elem, acc,
                               ddpw_first_non_finite(acc, count));
+        if (scaled(st, 0))
+            multiply(acc, st->scales[0], count);
         for (i = 1; i < st->n; i++) {
-            const float *src = (const float *)(st->rings[i] + ring_off);
+            float *src = (float *)(st->rings[i] + ring_off);
+            if (scaled(st, i)) {
+                /* checked before the weight, which could overflow a finite value */
+                ddpw_net_note_bad(bad_index, bad_value, i, elem, src,
+                                  ddpw_first_non_finite(src, count));
+                multiply(src, st->scales[i], count);
+            }
             ddpw_net_note_bad(bad_index, bad_value, i, elem, src, ddpw_accumulate(acc, src, count));
         }
         for (i = 0; i < st->n; i++)

@@ -154,6 +154,10 @@ typedef struct ddpw_net_reduce_state {
     float *bad_value;    /* per socket: the value at bad_index */
     int nonfinite;       /* some socket has a bad_index */
     int finish_on_nonfinite; /* 0 after init: halt at the first non-finite value */
+    /* NULL after init; else per socket a factor its elements are multiplied
+     * by, once checked, before they are summed: the sample weight of a peer
+     * that cannot apply its own (ddpwire/balance.py). Owned by the caller. */
+    const float *scales;
 } ddpw_net_reduce_state;
 
 int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
@@ -181,8 +185,9 @@ size_t ddpw_net_reduce_window(const ddpw_net_reduce_state *st, size_t i, size_t 
 /* The one reduce core of both stream engines (this file's poll loop and
  * csrc/threaded.c): average `count` elements starting at element `elem`,
  * whose socket-0 values are already in acc and whose other sockets' values
- * are at ring_off in their rings: a float32 sum in socket order, then a
- * division by n, unless a non-finite value is found (recorded in bad_index /
+ * are at ring_off in their rings: a float32 sum in socket order (each
+ * socket's values first multiplied by st->scales[i] where that is not 1),
+ * then a division by n, unless a non-finite value is found (recorded in bad_index /
  * bad_value, per socket) and st->finish_on_nonfinite is 0: then the range is
  * left unscaled. With `halted`, only look for each socket's first bad
  * element (callers never halt with finish_on_nonfinite). Returns 1 when any

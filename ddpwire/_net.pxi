@@ -393,7 +393,8 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
 
 
 def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_bytes=1 << 20,
-                  bint socket_threads=False, step=None, str what="receiving gradients"):
+                  bint socket_threads=False, step=None, str what="receiving gradients",
+                  scales=None):
     """Receive one float32 vector of len(out) elements from every connection,
     followed by ``tail_len`` bytes each, and average them into ``out`` as the
     bytes arrive: the sum in connection order, then a division by the count.
@@ -404,15 +405,17 @@ def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_byte
     When bad is not None, ``out`` holds no meaningful result.
 
     With ``socket_threads`` each connection gets its own receiving thread
-    (see allreduce_stream); the result is the same, bit for bit.
+    (see allreduce_stream); the result is the same, bit for bit. ``scales``
+    as for allreduce_stream.
     """
     return allreduce_stream(conns, out, tail_len, None, None, timeout, ring_bytes=ring_bytes,
-                            socket_threads=socket_threads, step=step, what=what)
+                            socket_threads=socket_threads, step=step, what=what, scales=scales)
 
 
 def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout, *,
                      size_t ring_bytes=1 << 20, bint socket_threads=False, step=None,
-                     str what="averaging gradients", bint halt_on_nonfinite=True):
+                     str what="averaging gradients", bint halt_on_nonfinite=True,
+                     scales=None):
     """reduce_stream fused with the broadcast of its result.
 
     While the vectors arrive, every connection is sent ``head`` (the reply's
@@ -437,6 +440,11 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     thread (csrc/threaded.c) instead of one poll loop for all, so the
     kernel's copies in and out of the sockets spread over the cores; same
     bytes, same result.
+
+    ``scales`` (None, or a float per connection) multiplies each
+    connection's elements, rounded once in float32 and after they are
+    checked, before they are summed: the sample weights of peers that do
+    not apply their own (ddpwire.balance). A scale of 1 changes nothing.
     """
     cdef HeldBuffer o = get_float32(out, "out", True)
     cdef HeldBuffer h = get_bytes(head if head is not None else b"", "head")
@@ -454,12 +462,23 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     cdef const uint8_t *head_p = <const uint8_t *>h.view.buf
     cdef size_t head_len = <size_t>h.view.len
     cdef iovec iov[3]
+    cdef float[::1] weights
     if n == 0:
         raise ValueError("conns: at least one connection is needed")
+    if scales is not None:
+        # float32, as the peers that weight their own gradients round it
+        weights = _np.asarray(scales, dtype=_np.float32).reshape(-1).copy()
+        if <size_t>weights.shape[0] != n:
+            raise ValueError(f"scales: one per connection ({n}), got {weights.shape[0]}")
+        for i in range(n):
+            if not (weights[i] >= 0.0 and isfinite(weights[i])):
+                raise ValueError(f"scales[{i}]: a finite factor >= 0, got {scales[i]!r}")
     rc = ddpw_net_reduce_init(&st, n, <size_t>o.view.len, tail_len, ring_bytes)
     if rc != DDPW_NET_OK:
         raise MemoryError("allreduce_stream: could not allocate receive rings")
     st.finish_on_nonfinite = 0 if halt_on_nonfinite else 1
+    if scales is not None:
+        st.scales = &weights[0]
     fds = <int *>malloc(n * sizeof(int))
     sent = <size_t *>calloc(n, sizeof(size_t))
     try:

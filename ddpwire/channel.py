@@ -14,14 +14,14 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
 from . import _core
 from ._core import encode_frame_parts
 from .errors import GradientMismatch, PeerLost, UnexpectedMessage
-from .messages import Heartbeat
+from .messages import Heartbeat, StepTiming
 
 from ._core import DEFAULT_MAX_FRAME
 
@@ -107,6 +107,10 @@ class Channel:
         #: goes out, and after an exception cut one short, when the stream
         #: is inside a frame for good and no other frame may follow it
         self.frame_open = False
+        #: called with each StepTiming the peer sends (docs/extensions.md,
+        #: "Shards by measured speed"); None: the peer sends none, and one is
+        #: refused as an unexpected message
+        self.on_timing: Optional[Callable[[StepTiming], None]] = None
 
     @property
     def peer_id(self) -> Optional[int]:
@@ -164,13 +168,19 @@ class Channel:
                    step: Optional[int] = None, what: str = "receiving") -> Any:
         """The next frame, a Heartbeat included (read_head without skipping
         them): for a caller that watches several peers at once and counts a
-        Heartbeat as a sign of life. It must be complete by ``deadline``."""
-        obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
-                                    deadline=deadline, expect=tuple(expected) + (Heartbeat,),
-                                    step=step, what=what)
-        if not isinstance(obj, Heartbeat):
-            self.last_message_at = time.monotonic()
-        return obj
+        Heartbeat as a sign of life. It must be complete by ``deadline``.
+        A StepTiming, sent ahead of a step's gradients, goes to
+        :attr:`on_timing` and the frame after it is returned."""
+        side = (Heartbeat,) if self.on_timing is None else (Heartbeat, StepTiming)
+        while True:
+            obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+                                        deadline=deadline, expect=tuple(expected) + side,
+                                        step=step, what=what)
+            if not isinstance(obj, Heartbeat):
+                self.last_message_at = time.monotonic()
+            if not isinstance(obj, StepTiming) or StepTiming in expected:
+                return obj
+            self.on_timing(obj)  # type: ignore[misc]
 
     def expect(self, expected: Sequence[type], *, step: Optional[int] = None,
                deadline: Optional[float] = None) -> Any:

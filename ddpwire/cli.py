@@ -18,12 +18,14 @@ from typing import Any, List, Optional, Union
 from ._text import counted
 from ._version import __version__
 from .auth import TOKEN_ENV, load_token
+from .balance import CHOICES
 from .coordinator import Coordinator
 from .errors import DdpwireError, PeerLost
 from .extensions import Extension, encode_u64
 from .incast import FLOOR
 from .launch import from_environment, parse_addr
 from .mesh import DEFAULT_CONGESTION
+from .metrics import MetricsFile
 from .progress import ProgressBar, break_line
 from .serve import StepReport, serve
 from .torch_check import require_torch
@@ -115,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "coordinator, e.g. 256K (default auto: sized from each worker's round "
                         "trip against incast; 'system' leaves it to the kernel)")
     _token(c)
+    _balance(c)
     _training(c)
     _common(c)
 
@@ -147,10 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="coordinator and N local worker processes training a real model")
     d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    _balance(d)
     _worker_model(d, "--workers")
     _training(d)
     _common(d)
     return parser
+
+
+def _balance(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--balance", choices=["auto", "on", "off"], default="auto",
+                   help="size each step's shards by the workers' measured speeds, so a faster "
+                        "machine computes more of each step and nobody waits: auto (default: when "
+                        "every worker is a ddpwire worker), on (refuse a session where one is not) "
+                        "or off (equal shards, T // n)")
+    p.add_argument("--metrics", default=None, metavar="FILE",
+                   help="write one JSON line per step to FILE: the loss, step and allreduce "
+                        "times, and each worker's shard, compute, wait and speed")
 
 
 def _positive(text: str) -> int:
@@ -254,6 +269,7 @@ def run_coordinator(args: argparse.Namespace, bind=None,
                      coordinator_share=getattr(args, "coordinator_share", "auto"),
                      receive_window=getattr(args, "receive_window", "auto"),
                      per_block=args.per_block,
+                     balance=CHOICES[getattr(args, "balance", "off")],
                      # ddpwire workers learn the run's length, and so tell
                      # a Shutdown before its end (stop_workers) from the end
                      extensions={Extension.STEPS: encode_u64(args.steps)}) as coord:
@@ -264,9 +280,12 @@ def run_coordinator(args: argparse.Namespace, bind=None,
         if stops is not None:
             stops.coordinator = coord
         bar = ProgressBar(args.steps)
+        metrics = MetricsFile(args.metrics) if getattr(args, "metrics", None) else None
 
         def on_step(report: StepReport) -> None:
             bar.update(report)
+            if metrics is not None:
+                metrics.write(report)
             if stops is not None:
                 stops.at_step_end()  # a frame boundary: a signal may stop the run here
         try:
@@ -280,6 +299,8 @@ def run_coordinator(args: argparse.Namespace, bind=None,
             raise
         finally:
             bar.close()
+            if metrics is not None:
+                metrics.close()
         log.info("done: %s, %.0f samples/s", counted(args.steps, "step"), bar.throughput)
         return []
 

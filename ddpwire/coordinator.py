@@ -18,12 +18,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import (AbstractSet, ContextManager, Dict, FrozenSet, Iterator, List, Mapping,
+from typing import (AbstractSet, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Mapping,
                     Optional, Set, Tuple, Union)
 
 import numpy as np
 
 from . import _core
+from . import balance as _balance
 from . import incast as _incast
 from . import mesh as _mesh
 from . import plan as _plan
@@ -58,9 +59,11 @@ from .messages import (
     NO_WORKER,
     NonBlockGradientPayload,
     ShardAssignment,
+    ShardScale,
     Shutdown,
     StepCommit,
     StepReport,
+    StepTiming,
 )
 from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
@@ -214,6 +217,16 @@ class Coordinator:
     join, leaving alone a single worker, a loopback one, a long path and
     mesh sessions; an int sets that window on every worker connection;
     None leaves every connection to the kernel.
+
+    ``balance`` sizes each step's shards in proportion to the workers'
+    measured speeds (:mod:`ddpwire.balance`), so a machine four times
+    faster computes four times the samples and nobody waits, and averages
+    the sample-weighted mean ``sum(c_i * g_i) / sum(c_i)``. It needs every
+    worker to report its compute time (a ddpwire worker does; the
+    reference does not): True refuses a session where one cannot, "auto"
+    keeps the reference's ``T // n`` for it; False (the default) always
+    keeps ``T // n`` and the plain mean. Timed workers report either way,
+    and :attr:`shards` shows each step's split and times.
     """
 
     def __init__(
@@ -240,6 +253,7 @@ class Coordinator:
         receive_window: Union[str, int, None] = "auto",
         per_block: Optional[bool] = None,
         gradient_length: Optional[int] = None,
+        balance: Union[bool, str] = False,
     ) -> None:
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
@@ -250,6 +264,9 @@ class Coordinator:
                              "flat steps")
         if gradient_length is not None and gradient_length < 1:
             raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
+        if balance not in (True, False, "auto"):
+            raise ValueError(f"balance must be True, False or 'auto', got {balance!r}")
+        self.balance = balance
         #: the steps this coordinator runs: True per-block, False flat, None not said
         self.per_block = per_block
         self.gradient_length = gradient_length
@@ -289,6 +306,11 @@ class Coordinator:
         self._grants = dict(extensions or {})
         if topology != "star" and not per_block:
             self._grants[Extension.MESH] = b""
+        # granted whether or not the shards follow it: the timings show where
+        # each step's time went (Shards.timings, the progress table)
+        self._grants[Extension.BALANCE] = b""
+        #: the shards of every step (set when the join completes)
+        self.shards: Optional[_balance.Shards] = None
         self.total_samples = 0
         if samples_per_step is not None:
             self.set_total_samples(samples_per_step)
@@ -443,6 +465,7 @@ class Coordinator:
                                        f"{counted(self.expect_workers, 'worker')}")
         self._admission = None
         with self._talking(None):
+            self._start_shards(admitted)
             self._announce_topology(admitted)
         self._set_state(CoordinatorState.READY)
         if self.heartbeat and self._heartbeat_thread is None:
@@ -450,6 +473,31 @@ class Coordinator:
                 target=self._send_heartbeats, name="ddpwire-coordinator-heartbeat", daemon=True)
             self._heartbeat_thread.start()
         return list(self.workers)
+
+    def _start_shards(self, admitted: list) -> None:
+        """Shards by measured speed when ``balance`` asks and every worker
+        reports its compute time; the reference's split otherwise."""
+        timed = [Extension.BALANCE in a.granted for a in admitted]
+        if self.balance is True and not all(timed):
+            w = timed.index(False)
+            raise DdpwireError(f"balance=True: worker {w} ({admitted[w].join.node_id}) does not "
+                               f"report its compute time (a reference worker?): balance 'auto' "
+                               f"keeps the reference's equal shards for such a session",
+                               worker_id=w)
+        self.shards = _balance.Shards(timed, bool(self.balance) and all(timed))
+        for chan, on in zip(self._channels, timed):
+            if on:
+                chan.on_timing = self._timing_from(chan.peer_id)
+        if self.shards.balance:
+            log.info("shards follow each worker's measured speed")
+
+    def _timing_from(self, worker_id: int) -> Callable[[StepTiming], None]:
+        def on_timing(msg: StepTiming) -> None:
+            assert self.shards is not None
+            why = self.shards.observe(worker_id, msg.step, msg.compute_us)
+            if why is not None:
+                raise ProtocolError(why, worker_id=worker_id, step=msg.step)
+        return on_timing
 
     def _announce_topology(self, admitted: list) -> None:
         """Choose the star or the mesh for flat steps and tell every worker
@@ -577,20 +625,27 @@ class Coordinator:
         self.total_samples = int(total)
 
     def shard_bounds(self, worker_id: int) -> Tuple[int, int]:
-        """[start, end) of the worker's shard: T // n each, the rest to the last."""
-        n = len(self._channels)
-        shard = self.total_samples // n
-        start = worker_id * shard
-        end = self.total_samples if worker_id == n - 1 else start + shard
-        return start, end
+        """[start, end) of the worker's shard in the step last assigned:
+        without balancing T // n each, the rest to the last."""
+        self._check_ready()
+        assert self.shards is not None
+        if self.shards.step is None:
+            self.shards.plan(0, self.total_samples)
+        return self.shards.bounds(worker_id)
 
     def send_shard_assignments(self, step: int) -> None:
-        """Send every worker its ShardAssignment for ``step``."""
+        """Send every worker its ShardAssignment for ``step`` (and a timed
+        worker its ShardScale: docs/extensions.md, "Shards by measured speed")."""
         self._check_ready()
+        assert self.shards is not None
+        self.shards.plan(step, self.total_samples)
         with self._talking(step):
             for chan in self._channels:
-                start, end = self.shard_bounds(chan.peer_id)
+                start, end = self.shards.bounds(chan.peer_id)
                 chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end), step=step)
+                if chan.on_timing is not None:
+                    chan.send(ShardScale(step=step, scale=self.shards.scale(chan.peer_id)),
+                              step=step)
 
     # ---- averaging: one entry per message kind ----
 
@@ -703,6 +758,7 @@ class Coordinator:
                 raise NonFiniteGradient(bad_worker, bad_index, bad_value, worker_id=bad_worker,
                                         step=step)
         self._lengths.setdefault((_FLAT, None), reports[0].count)
+        self._check_totals(step, [r.total for r in reports])
         result = self._result(_FLAT, step, None, [], None,  # type: ignore[arg-type]
                               [(r.loss, r.correct, r.total) for r in reports], t1 - t0)
         result.reduce_time = time.perf_counter() - t1
@@ -916,6 +972,8 @@ class Coordinator:
 
         def finish(tails: List[bytes]) -> AnyResult:
             decoded = [_core.decode_tail(kind.payload.TAG, t) for t in tails]
+            if kind is _FLAT:
+                self._check_totals(step, [t[2] for t in decoded])
             result = self._result(kind, step, key, heads, out, decoded, t1 - t0)
             done.append(result)
             return result
@@ -956,6 +1014,15 @@ class Coordinator:
         result = done[0]
         result.reduce_time = time.perf_counter() - t1
         return result, bad
+
+    def _check_totals(self, step: int, totals: List[int]) -> None:
+        """Unequal shards: every count must match its worker's shard."""
+        assert self.shards is not None
+        wrong = self.shards.check_totals(totals)
+        if wrong is not None:
+            w, want, got = wrong
+            raise GradientMismatch(f"total (for a shard of {self.shards.split[w]} samples)",
+                                   want, got, worker_id=w, step=step)
 
     @staticmethod
     def _reply(kind: _Kind, step: int, key: Optional[int], heads: list, out: np.ndarray,

@@ -4,6 +4,7 @@ ended with bit-identical weights."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -16,9 +17,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ._text import counted
 from .auth import load_token
+from .balance import CHOICES
 from .coordinator import Coordinator
 from .errors import DdpwireError
+from .metrics import MetricsFile
 from .progress import ProgressBar
+from .results import StepReport
 from .serve import serve
 from .threads import default_threads
 from .torch_check import require_torch
@@ -164,7 +168,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
     with tempfile.TemporaryDirectory(prefix="ddpwire-demo-") as tmp, \
             Coordinator(("127.0.0.1", 0), expect_workers=args.workers, timeout=args.timeout,
                         join_timeout=max(args.timeout, 120.0), samples_per_step=args.samples,
-                        per_block=args.per_block,
+                        per_block=args.per_block, balance=CHOICES[args.balance],
                         # the workers read $DDPWIRE_TOKEN too, when it is set
                         token=load_token(None)) as coord:
         addr = coord.local_addr
@@ -189,8 +193,17 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                         log.info("worker %d: %s (%s)", info.worker_id, info.node_id, info.backend)
                     bar = ProgressBar(args.steps, stream=out,
                                       pooled=lines.pooled if lines is not None else None)
-                    steps = serve(coord, steps=args.steps, total_samples=args.samples,
-                                  per_block=args.per_block, num_blocks=args.blocks, on_step=bar.update)
+                    with contextlib.ExitStack() as keep:
+                        on_step = bar.update
+                        if args.metrics:
+                            metrics = keep.enter_context(MetricsFile(args.metrics))
+
+                            def on_step(report: StepReport) -> None:
+                                bar.update(report)
+                                metrics.write(report)
+                        steps = serve(coord, steps=args.steps, total_samples=args.samples,
+                                      per_block=args.per_block, num_blocks=args.blocks,
+                                      on_step=on_step)
             except (KeyboardInterrupt, DdpwireError):
                 # a worker that died is the cause, whatever the coordinator saw
                 if watch.dead is not None:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Optional, TextIO, Tuple
+from typing import Callable, List, Optional, TextIO, Tuple
 
 from .results import StepReport
 
-__all__ = ["ProgressBar", "break_line", "EVERY_S", "REDRAW_S"]
+__all__ = ["ProgressBar", "break_line", "worker_rows", "worker_summary", "EVERY_S", "REDRAW_S"]
 
 #: seconds between two progress lines off a terminal (a log, CI)
 EVERY_S = 2.0
@@ -63,6 +63,7 @@ class ProgressBar:
         # a terminal, every `every` seconds on one (redraws are too close)
         self._window = (self.start, 0)
         self._line_open = False
+        self._rows = 0  # worker rows under the bar's terminal line
 
     def update(self, report: StepReport) -> None:
         """Count the step's samples and, when due, draw (or print) the line."""
@@ -80,12 +81,19 @@ class ProgressBar:
         self._shown = now
         if not self.tty or now - self._window[0] >= self.every:
             self._window = (now, self.samples)
+        rows = worker_rows(report)
         if self.tty:
-            self.stream.write("\r" + line + ("\n" if finished else ""))
+            # the bar, then a row per worker, redrawn in place: back to the
+            # bar's line first, each line cleared as it is rewritten
+            up = f"\x1b[{self._rows}F" if self._rows else "\r"
+            self.stream.write(up + "\n".join(x + "\x1b[K" for x in [line] + rows)
+                              + ("\n" if finished else ""))
+            self._rows = 0 if finished else len(rows)
             self._line_open = not finished
             _open_bar = None if finished else self
         else:
-            self.stream.write(line + "\n")
+            summary = worker_summary(report)
+            self.stream.write(line + (f"  | {summary}" if summary else "") + "\n")
         self.stream.flush()
 
     def _line(self, report: StepReport, done: int, now: float) -> str:
@@ -120,3 +128,32 @@ class ProgressBar:
     def throughput(self) -> float:
         """Samples per second from the bar's start to its last step."""
         return self.samples / max(self.last - self.start, 1e-9)
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
+
+
+def worker_rows(report: StepReport) -> List[str]:
+    """The step's per-worker table (empty when no worker reports its
+    time): each worker's shard, speed, compute and wait, and which worker
+    the step waited for."""
+    if not any(w.compute is not None for w in report.workers):
+        return []
+    slowest = report.waited_for
+    rows = []
+    for w, wait in zip(report.workers, report.waits()):
+        rate = "-" if w.rate is None else f"{w.rate:,.0f}"
+        rows.append(f"  worker {w.worker_id:<3} shard {w.samples:>7}  {rate:>9} samples/s  "
+                    f"compute {_ms(w.compute):>10}  wait {_ms(wait):>10}"
+                    + ("  <- the step waited for it" if w.worker_id == slowest else ""))
+    return rows
+
+
+def worker_summary(report: StepReport) -> str:
+    """The per-worker table on one line, for a log."""
+    if not any(w.compute is not None for w in report.workers):
+        return ""
+    parts = [f"w{w.worker_id} {w.samples} in {_ms(w.compute)}" for w in report.workers]
+    slowest = report.waited_for
+    return ", ".join(parts) + ("" if slowest is None else f"; waited for worker {slowest}")

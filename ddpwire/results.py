@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
+
+from .balance import WorkerTiming
 
 __all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult", "StepReport"]
 
@@ -74,3 +76,31 @@ class StepReport:
     samples: int
     allreduce_time: float
     step_time: float
+    #: each worker's shard and compute time (:class:`ddpwire.balance.WorkerTiming`)
+    workers: List[WorkerTiming] = field(default_factory=list)
+
+    @property
+    def waited_for(self) -> Optional[int]:
+        """The worker whose compute the step waited for (the longest), or
+        None when some worker's time is unknown."""
+        if not self.workers or any(w.compute is None for w in self.workers):
+            return None
+        return max(self.workers, key=lambda w: (w.compute, -w.worker_id)).worker_id
+
+    def waits(self) -> List[Optional[float]]:
+        """Each worker's seconds idle waiting for the slowest one's compute."""
+        known = [w.compute for w in self.workers if w.compute is not None]
+        longest = max(known) if len(known) == len(self.workers) else None
+        return [None if longest is None or w.compute is None else longest - w.compute
+                for w in self.workers]
+
+    def as_json(self) -> Dict[str, Any]:
+        """The step as one JSON object (a line of ``--metrics``)."""
+        return {
+            "step": self.step, "loss": self.global_loss, "accuracy": self.accuracy,
+            "samples": self.samples, "step_time_s": self.step_time,
+            "allreduce_time_s": self.allreduce_time, "waited_for": self.waited_for,
+            "workers": [{"worker": w.worker_id, "shard": w.samples, "compute_s": w.compute,
+                         "wait_s": wait, "samples_per_s": w.rate}
+                        for w, wait in zip(self.workers, self.waits())],
+        }

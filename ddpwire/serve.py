@@ -57,6 +57,8 @@ def serve(
             accuracy = r.total_correct / r.total_samples if r.total_samples else None
             report = StepReport(step, r.global_loss, accuracy, r.total_samples,
                                 r.reduce_time, time.perf_counter() - t0)
+        if coord.shards is not None:
+            report.workers = coord.shards.timings()
         reports.append(report)
         if on_step is not None:
             on_step(report)

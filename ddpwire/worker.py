@@ -62,9 +62,11 @@ from .messages import (
     NO_WORKER,
     NonBlockGradientPayload,
     ShardAssignment,
+    ShardScale,
     Shutdown,
     StepCommit,
     StepReport,
+    StepTiming,
 )
 
 __all__ = ["Worker", "WorkerState"]
@@ -219,6 +221,12 @@ class Worker:
         self._mesh: Optional[_mesh.Mesh] = None
         self._mesh_sent: Optional[Tuple[int, int]] = None  # (step, length) reduced, not gathered
         self._topology_lock = threading.Lock()
+        # Shards by measured speed (docs/extensions.md): the step last
+        # assigned, its ShardScale, and when it was assigned (None once its
+        # StepTiming went out); a buffer for the scaled gradients.
+        self._timed = Extension.BALANCE in self.extensions
+        self._shard: Optional[Tuple[int, float, Optional[float]]] = None
+        self._scaled: Optional[np.ndarray] = None
         self._stop = threading.Event()
         self._heartbeat_thread: Optional[threading.Thread] = None
         if heartbeat:
@@ -300,6 +308,9 @@ class Worker:
         if node_id is None:
             node_id = f"{socket.gethostname()}-{os.getpid()}"
         offer: Dict[int, bytes] = dict(extensions or {})
+        # it costs nothing where shards stay equal: a coordinator that does
+        # not balance does not grant it
+        offer.setdefault(Extension.BALANCE, b"")
         if samples_per_step:
             offer[Extension.SAMPLES] = encode_u64(samples_per_step)
         if per_block is not None:
@@ -477,7 +488,33 @@ class Worker:
                 raise ProtocolError(f"ShardAssignment.shard_start {msg.shard_start} is past "
                                     f"shard_end {msg.shard_end}", worker_id=self._worker_id,
                                     step=msg.step)
+            if self._timed:
+                scale = self._chan.expect([ShardScale], step=msg.step)
+                if scale.step != msg.step:
+                    raise GradientMismatch("ShardScale step", msg.step, scale.step,
+                                           worker_id=self._worker_id, step=msg.step)
+                self._shard = (msg.step, scale.scale, time.perf_counter())
         return msg
+
+    def _upload(self, step: int, gradients: np.ndarray) -> np.ndarray:
+        """What goes out for ``step``: with shards by speed, first the
+        step's StepTiming (the time since its shard arrived: the compute),
+        then the gradients times its ShardScale, which makes the plain
+        mean every path computes the sample-weighted one (ddpwire.balance).
+        A scale of 1 (equal shards) sends the gradients as they are."""
+        if self._shard is None or self._shard[0] != step:
+            return gradients
+        _, scale, since = self._shard
+        if since is not None:
+            compute_us = int((time.perf_counter() - since) * 1e6)
+            self._chan.send(StepTiming(step=step, compute_us=compute_us), step=step)
+            self._shard = (step, scale, None)
+        if scale == 1.0:
+            return gradients
+        src = np.asarray(gradients)
+        if self._scaled is None or len(self._scaled) < len(src):
+            self._scaled = np.empty(len(src), dtype=np.float32)
+        return np.multiply(src, np.float32(scale), out=self._scaled[:len(src)])
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
         """Send this step's gradients (any C-contiguous float32 buffer, sent
@@ -489,9 +526,10 @@ class Worker:
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
             return
-        msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
-                              loss=loss, correct=correct, total=total)
         with self._talking(step):
+            msg = GradientPayload(step=step, worker_id=self._worker_id,
+                                  gradients=self._upload(step, gradients),
+                                  loss=loss, correct=correct, total=total)
             self._owe((AveragedGradient, step, None))
             self._chan.send(msg, step=step)
 
@@ -546,6 +584,8 @@ class Worker:
                                f"not yet received",
                                worker_id=self._worker_id, step=step)
         out = result_buffer(out, len(gradients))
+        with self._talking(step):
+            gradients = self._upload(step, gradients)
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
         chan = self._chan
@@ -649,6 +689,7 @@ class Worker:
         with self._talking(step, any_error=True, tell=True):
             deadline = self._step_deadline(step)
             links = self._links()
+            gradients = self._upload(step, gradients)
             # with a coordinator share a GradientPayload to the coordinator
             # goes out with the slices: no heartbeat may land inside it
             with self._chan.send_lock if links.coordinator_share else contextlib.nullcontext():
@@ -713,10 +754,10 @@ class Worker:
         """Send one block's gradient: its components concatenated, with their sizes."""
         self._life.check()
         self._settle_topology()
-        msg = BlockGradientPayload(step=step, worker_id=self._worker_id, block_idx=block_idx,
-                                   num_blocks=num_blocks, component_sizes=component_sizes,
-                                   gradients=gradients)
         with self._talking(step):
+            msg = BlockGradientPayload(step=step, worker_id=self._worker_id, block_idx=block_idx,
+                                       num_blocks=num_blocks, component_sizes=component_sizes,
+                                       gradients=self._upload(step, gradients))
             self._owe((AveragedBlockGradient, step, block_idx))
             self._chan.send(msg, step=step)
 
@@ -730,9 +771,10 @@ class Worker:
         """Send a non-block component's gradient (0 lm_head, 1 final_norm, 2 embedding)."""
         self._life.check()
         self._settle_topology()
-        msg = NonBlockGradientPayload(step=step, worker_id=self._worker_id, component=component,
-                                      gradients=gradients)
         with self._talking(step):
+            msg = NonBlockGradientPayload(step=step, worker_id=self._worker_id,
+                                          component=component,
+                                          gradients=self._upload(step, gradients))
             self._owe((AveragedNonBlockGradient, step, component))
             self._chan.send(msg, step=step)
 

@@ -63,6 +63,7 @@ cdef extern from "net.h" nogil:
         float *bad_value
         int nonfinite
         int finish_on_nonfinite
+        const float *scales
 
     int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
                             size_t tail_len, size_t ring_bytes)

@@ -1,0 +1,255 @@
+"""Each step's shards sized by the workers' measured speeds.
+
+Arithmetic only (no I/O): the coordinator feeds :class:`Balancer` each
+worker's compute time for its shard, as the worker reported it
+(StepTiming, docs/extensions.md "Shards by measured speed"), and asks it
+for the next step's shard sizes.
+
+The rules, and why:
+
+- A worker's speed is samples per second of compute, smoothed over the
+  steps (an exponential average, weight :data:`SMOOTHING` on the newest):
+  one step's time is noisy (a page fault, a collection, another process),
+  and a shard sized from it alone would swing from step to step.
+- The shards are in proportion to the smoothed speeds, in whole samples,
+  by largest remainder, so they add up to the step's total exactly; every
+  worker keeps at least one sample (when there are enough), or its speed
+  could never be measured again.
+- A measurement more than :data:`JUMP` away from the smoothed speed, twice
+  in a row and on the same side, replaces it: a machine that really slowed
+  down (throttled, another job) is followed in two steps, not five.
+- The shards change only when the new split is predicted to shorten the
+  step by more than :data:`TOLERANCE`: a difference of a sample or two is
+  noise, and shards that flap cost more than they save.
+- Until every worker has been timed once, the split is the reference's
+  (``T // n``, the rest to the last), which is also the split of a
+  coordinator that does not balance.
+
+The average over unequal shards is the sample-weighted mean
+``sum(c_i * g_i) / sum(c_i)``: each worker multiplies its mean gradient by
+:func:`sample_scale` (``n * c_i / T`` in float32) before it leaves, and
+every averaging path divides the sum by ``n`` as it always has. With equal
+shards the scale is exactly 1 and the bits are the reference's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = ["CHOICES", "JUMP", "SMOOTHING", "TOLERANCE", "Balancer", "Shards", "WorkerTiming", "equal_shards",
+           "sample_scale", "shard_starts"]
+
+#: ``--balance`` on the command line to ``Coordinator(balance=)``
+CHOICES = {"auto": "auto", "on": True, "off": False}
+#: weight of the newest measurement in a worker's smoothed speed: a machine
+#: that slows down fourfold is followed to within 10% in four steps
+SMOOTHING = 0.5
+#: how far (a fraction of the smoothed speed) a measurement must fall from
+#: it, twice in a row on the same side, for the speed to jump to it
+JUMP = 0.2
+#: the smallest predicted saving (a fraction of the step's compute time)
+#: worth changing the shards for
+TOLERANCE = 0.03
+
+
+def equal_shards(total: int, workers: int) -> List[int]:
+    """The reference's split: ``total // workers`` each, the rest to the last."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    each = total // workers
+    return [each] * (workers - 1) + [total - each * (workers - 1)]
+
+
+def shard_starts(shards: Sequence[int]) -> List[int]:
+    """Each shard's first sample: shards are laid out in worker order."""
+    starts, at = [], 0
+    for count in shards:
+        starts.append(at)
+        at += count
+    return starts
+
+
+def sample_scale(count: int, total: int, workers: int) -> float:
+    """The factor a worker with ``count`` of the step's ``total`` samples
+    multiplies its mean gradient by, so that the plain mean over the
+    ``workers`` (a sum divided by ``workers``) is the sample-weighted one:
+    ``workers * count / total`` rounded once to float32; 1.0 when ``total``
+    is 0 (nothing to weight)."""
+    if total <= 0:
+        return 1.0
+    return float(np.float32(workers * count / total))
+
+
+@dataclass
+class WorkerTiming:
+    """One worker's part of a finished step, as the coordinator saw it."""
+
+    worker_id: int
+    samples: int
+    #: seconds of compute the worker reported (None: it reports none)
+    compute: Optional[float]
+    #: smoothed samples per second of compute (None until measured)
+    rate: Optional[float]
+
+
+class Balancer:
+    """Shard sizes for ``workers`` workers, in proportion to their speeds.
+
+    :meth:`observe` feeds one worker's compute time for a shard;
+    :meth:`shards` returns the next step's sizes. ``smoothing`` and
+    ``tolerance`` are :data:`SMOOTHING` and :data:`TOLERANCE` by default.
+    """
+
+    def __init__(self, workers: int, *, smoothing: float = SMOOTHING,
+                 tolerance: float = TOLERANCE) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        if not 0.0 <= tolerance < 1.0:
+            raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
+        self.workers = workers
+        self.smoothing = smoothing
+        self.tolerance = tolerance
+        #: smoothed samples per second of compute, per worker (None: not yet timed)
+        self.rates: List[Optional[float]] = [None] * workers
+        self._last: Optional[List[int]] = None
+        self._off = [0] * workers  # the side the last measurement fell on, past JUMP
+
+    def observe(self, worker: int, samples: int, seconds: float) -> None:
+        """Worker ``worker`` computed ``samples`` samples in ``seconds``. A
+        shard of no samples, or a time too short to measure, says nothing
+        about the speed and is ignored."""
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"worker {worker} is not one of the {self.workers} workers")
+        if samples <= 0 or not seconds > 1e-6:
+            return
+        rate = samples / seconds
+        old = self.rates[worker]
+        if old is None:
+            self.rates[worker] = rate
+            return
+        # two measurements in a row far off, the same way, are a machine
+        # that changed speed (throttled, another job), not noise: follow it
+        off = 0 if abs(rate - old) <= JUMP * old else (1 if rate > old else -1)
+        jump = off != 0 and off == self._off[worker]
+        self._off[worker] = off
+        self.rates[worker] = rate if jump else (1.0 - self.smoothing) * old + self.smoothing * rate
+
+    def shards(self, total: int) -> List[int]:
+        """The next step's shard sizes: they add up to ``total``."""
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        if any(r is None for r in self.rates):
+            split = equal_shards(total, self.workers)
+        else:
+            split = self._proportional(total, [float(r) for r in self.rates])  # type: ignore[arg-type]
+            last = self._last
+            if last is not None and sum(last) == total and \
+                    self._time(split) >= (1.0 - self.tolerance) * self._time(last):
+                split = last
+        self._last = split
+        return list(split)
+
+    def _time(self, split: Sequence[int]) -> float:
+        """The step's predicted compute time under ``split``: its slowest worker's."""
+        return max(c / r for c, r in zip(split, self.rates))  # type: ignore[operator]
+
+    def _proportional(self, total: int, rates: List[float]) -> List[int]:
+        n = self.workers
+        whole = sum(rates)
+        ideal = [total * r / whole for r in rates]
+        split = [int(x) for x in ideal]
+        # largest remainder; ties go to the lower worker id, so every run splits alike
+        order = sorted(range(n), key=lambda i: (split[i] - ideal[i], i))
+        for i in order[:total - sum(split)]:
+            split[i] += 1
+        if total >= n:
+            # a sample for every worker, taken from the largest shards
+            for i in range(n):
+                if split[i] == 0:
+                    split[max(range(n), key=lambda j: (split[j], -j))] -= 1
+                    split[i] = 1
+        return split
+
+
+class Shards:
+    """A session's shards, step by step: each worker's sample range, the
+    scale a timed worker applies to its gradients, and what each step's
+    timings said (no I/O: the coordinator sends and reads the messages).
+
+    ``timed[w]`` says worker ``w`` reports its compute time (it was granted
+    the balance entry); with ``balance`` the shards follow the measured
+    speeds, which needs every worker timed. Without it they are the
+    reference's, and the timings still show where each step's time went.
+    """
+
+    def __init__(self, timed: Sequence[bool], balance: bool, *,
+                 smoothing: float = SMOOTHING, tolerance: float = TOLERANCE) -> None:
+        if balance and not all(timed):
+            raise ValueError("balancing needs every worker to report its compute time")
+        self.timed = list(timed)
+        self.balance = balance
+        self.balancer = Balancer(len(self.timed), smoothing=smoothing, tolerance=tolerance)
+        self.step: Optional[int] = None
+        self.split: List[int] = [0] * len(self.timed)
+        self._starts: List[int] = [0] * len(self.timed)
+        self._compute: List[Optional[float]] = [None] * len(self.timed)
+
+    @property
+    def workers(self) -> int:
+        return len(self.timed)
+
+    def plan(self, step: int, total: int) -> List[int]:
+        """The shard sizes of ``step`` (the timings of every earlier step are in)."""
+        self.split = self.balancer.shards(total) if self.balance else \
+            equal_shards(total, self.workers)
+        self._starts = shard_starts(self.split)
+        self.step = step
+        self._compute = [None] * self.workers
+        return list(self.split)
+
+    def bounds(self, worker: int) -> Tuple[int, int]:
+        """[start, end) of ``worker``'s shard in the planned step."""
+        return self._starts[worker], self._starts[worker] + self.split[worker]
+
+    def scale(self, worker: int) -> float:
+        """What ``worker`` multiplies its gradients by in the planned step."""
+        return sample_scale(self.split[worker], sum(self.split), self.workers) \
+            if self.balance else 1.0
+
+    def observe(self, worker: int, step: int, compute_us: int) -> Optional[str]:
+        """A StepTiming from ``worker``; returns why it is refused, or None."""
+        if step != self.step:
+            return f"StepTiming for step {step} during step {self.step}"
+        if self._compute[worker] is not None:
+            return f"a second StepTiming for step {step}"
+        seconds = compute_us / 1e6
+        self._compute[worker] = seconds
+        self.balancer.observe(worker, self.split[worker], seconds)
+        return None
+
+    def check_totals(self, totals: Sequence[int]) -> Optional[Tuple[int, int, int]]:
+        """With unequal shards every worker's count (GradientPayload.total)
+        must be in the same proportion to its shard (samples, or tokens per
+        sample times samples): returns (worker, expected, got) for the first
+        that is not, or None."""
+        if not self.balance or len(set(self.split)) <= 1:
+            return None
+        ref = next((w for w in range(self.workers) if self.split[w] > 0), None)
+        if ref is None:
+            return None
+        for w, (count, got) in enumerate(zip(self.split, totals)):
+            # totals[w] / count == totals[ref] / split[ref], in integers
+            if got * self.split[ref] != totals[ref] * count:
+                return w, totals[ref] * count // self.split[ref], got
+        return None
+
+    def timings(self) -> List[WorkerTiming]:
+        """Each worker's part of the planned step, as far as it is known."""
+        return [WorkerTiming(w, self.split[w], self._compute[w], self.balancer.rates[w])
+                for w in range(self.workers)]

@@ -1,0 +1,108 @@
+"""The shard sizes by measured speed (ddpwire.balance), arithmetic only."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddpwire.balance import Balancer, equal_shards, sample_scale, shard_starts
+
+
+def run(balancer: Balancer, speeds, total: int, steps: int, noise: float = 0.0, seed: int = 0):
+    """Shards of each step when worker i computes ``speeds[i]`` samples/s."""
+    rng = random.Random(seed)
+    history = []
+    for _ in range(steps):
+        split = balancer.shards(total)
+        history.append(split)
+        for w, (count, speed) in enumerate(zip(split, speeds)):
+            balancer.observe(w, count, count / speed * (1.0 + rng.uniform(-noise, noise)))
+    return history
+
+
+def test_equal_until_every_worker_is_timed():
+    b = Balancer(3)
+    assert b.shards(100) == equal_shards(100, 3) == [33, 33, 34]
+    b.observe(0, 33, 0.1)
+    b.observe(1, 33, 0.1)
+    assert b.shards(100) == [33, 33, 34]  # worker 2 not timed yet
+
+
+@given(total=st.integers(0, 100_000), speeds=st.lists(st.floats(0.01, 1e4), min_size=1, max_size=8))
+@settings(max_examples=200, deadline=None)
+def test_shards_add_up_and_keep_every_worker_measured(total, speeds):
+    b = Balancer(len(speeds))
+    for split in run(b, speeds, total, 3):
+        assert sum(split) == total
+        assert all(c >= 0 for c in split)
+        if total >= len(speeds):
+            assert min(split) >= 1
+
+
+def test_settles_in_proportion_to_speed_within_a_few_steps():
+    speeds = [4000.0, 1000.0]
+    history = run(Balancer(2), speeds, 2048, 12, noise=0.05)
+    for split in history[2:]:
+        assert abs(split[0] - 2048 * 0.8) <= 2048 * 0.03, history
+    # and it stays put: noise of 5% moves nothing once settled
+    assert len({tuple(s) for s in history[4:]}) <= 2, history
+
+
+def test_three_workers_at_100_50_25_percent():
+    history = run(Balancer(3), [1000.0, 500.0, 250.0], 2100, 8)
+    assert history[-1] == [1200, 600, 300]
+
+
+def test_follows_a_machine_that_slows_down_within_five_steps():
+    b = Balancer(2)
+    run(b, [1000.0, 1000.0], 1000, 6)
+    assert b.shards(1000) == [500, 500]
+    history = run(b, [1000.0, 250.0], 1000, 5)
+    # the slow one's ideal is 200; within 5 steps within 10% of it
+    assert abs(history[-1][1] - 200) <= 20, history
+    assert history[-1][1] < history[1][1] < history[0][1], history
+
+
+def test_no_flapping_by_a_sample_or_two():
+    b = Balancer(2, tolerance=0.03)
+    run(b, [1000.0, 1000.0], 1001, 3)
+    first = b.shards(1001)
+    b.observe(0, first[0], first[0] / 1005.0)
+    b.observe(1, first[1], first[1] / 995.0)
+    assert b.shards(1001) == first
+
+
+def test_a_zero_shard_or_a_zero_time_says_nothing():
+    b = Balancer(2)
+    b.observe(0, 0, 1.0)
+    b.observe(1, 10, 0.0)
+    assert b.rates == [None, None]
+    with pytest.raises(ValueError, match="worker 2"):
+        b.observe(2, 1, 1.0)
+
+
+def test_fewer_samples_than_workers():
+    b = Balancer(4)
+    run(b, [10.0, 1.0, 1.0, 1.0], 3, 3)
+    assert sum(b.shards(3)) == 3
+
+
+def test_sample_scale():
+    assert sample_scale(512, 1024, 2) == 1.0
+    assert sample_scale(0, 1024, 2) == 0.0
+    assert sample_scale(7, 0, 3) == 1.0
+    assert sample_scale(800, 1000, 2) == np.float32(1.6)
+    assert shard_starts([3, 0, 5]) == [0, 3, 3]
+
+
+def test_the_scaled_plain_mean_is_the_sample_weighted_mean():
+    rng = np.random.default_rng(1)
+    counts = [1200, 600, 300]
+    grads = [rng.standard_normal(1000).astype(np.float32) for _ in counts]
+    scaled = [g * np.float32(sample_scale(c, sum(counts), 3)) for g, c in zip(grads, counts)]
+    plain = (scaled[0] + scaled[1] + scaled[2]) / np.float32(3)
+    exact = sum(c * g.astype(np.float64) for c, g in zip(counts, grads)) / sum(counts)
+    np.testing.assert_allclose(plain, exact, rtol=1e-5, atol=1e-6)
