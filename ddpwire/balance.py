@@ -182,16 +182,16 @@ class Shards:
     scale a timed worker applies to its gradients, and what each step's
     timings said (no I/O: the coordinator sends and reads the messages).
 
-    ``timed[w]`` says worker ``w`` reports its compute time (it was granted
-    the balance entry); with ``balance`` the shards follow the measured
-    speeds, which needs every worker timed. Without it they are the
-    reference's, and the timings still show where each step's time went.
+    ``timed[w]`` says worker ``w`` reports its compute time and applies its
+    own scale (it was granted the balance entry). For one that does not (a
+    reference worker) the coordinator measures when its gradient starts to
+    arrive and applies the scale as it sums (:meth:`sums_scales`). With
+    ``balance`` the shards follow the measured speeds; without, they are the
+    reference's and the timings still show where each step's time went.
     """
 
     def __init__(self, timed: Sequence[bool], balance: bool, *,
                  smoothing: float = SMOOTHING, tolerance: float = TOLERANCE) -> None:
-        if balance and not all(timed):
-            raise ValueError("balancing needs every worker to report its compute time")
         self.timed = list(timed)
         self.balance = balance
         self.balancer = Balancer(len(self.timed), smoothing=smoothing, tolerance=tolerance)
@@ -221,6 +221,17 @@ class Shards:
         """What ``worker`` multiplies its gradients by in the planned step."""
         return sample_scale(self.split[worker], sum(self.split), self.workers) \
             if self.balance else 1.0
+
+    def sums_scales(self) -> Optional[List[float]]:
+        """The scales the coordinator's sum applies (1 for a worker that
+        applies its own), or None when none is needed."""
+        scales = [1.0 if on else self.scale(w) for w, on in enumerate(self.timed)]
+        return None if all(x == 1.0 for x in scales) else scales
+
+    def untimed(self) -> List[int]:
+        """The workers whose compute time for the planned step is still to
+        be measured here (they report none)."""
+        return [w for w, on in enumerate(self.timed) if not on and self._compute[w] is None]
 
     def observe(self, worker: int, step: int, compute_us: int) -> Optional[str]:
         """A StepTiming from ``worker``; returns why it is refused, or None."""

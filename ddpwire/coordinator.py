@@ -13,6 +13,7 @@ import contextlib
 import enum
 import errno
 import logging
+import select
 import selectors
 import socket
 import threading
@@ -311,6 +312,7 @@ class Coordinator:
         self._grants[Extension.BALANCE] = b""
         #: the shards of every step (set when the join completes)
         self.shards: Optional[_balance.Shards] = None
+        self._assigned_at = 0.0  # time.perf_counter() when the last step's shards went out
         self.total_samples = 0
         if samples_per_step is not None:
             self.set_total_samples(samples_per_step)
@@ -478,13 +480,10 @@ class Coordinator:
         """Shards by measured speed when ``balance`` asks and every worker
         reports its compute time; the reference's split otherwise."""
         timed = [Extension.BALANCE in a.granted for a in admitted]
-        if self.balance is True and not all(timed):
-            w = timed.index(False)
-            raise DdpwireError(f"balance=True: worker {w} ({admitted[w].join.node_id}) does not "
-                               f"report its compute time (a reference worker?): balance 'auto' "
-                               f"keeps the reference's equal shards for such a session",
-                               worker_id=w)
-        self.shards = _balance.Shards(timed, bool(self.balance) and all(timed))
+        # "auto" stays off beside a reference worker: its speed is only seen
+        # from when its gradient arrives, its weight applied here
+        self.shards = _balance.Shards(timed, self.balance is True or
+                                      (self.balance == "auto" and all(timed)))
         for chan, on in zip(self._channels, timed):
             if on:
                 chan.on_timing = self._timing_from(chan.peer_id)
@@ -639,6 +638,7 @@ class Coordinator:
         self._check_ready()
         assert self.shards is not None
         self.shards.plan(step, self.total_samples)
+        self._assigned_at = time.perf_counter()
         with self._talking(step):
             for chan in self._channels:
                 start, end = self.shards.bounds(chan.peer_id)
@@ -980,11 +980,14 @@ class Coordinator:
 
         conns = [chan.conn for chan in self._channels]
         threads = self._use_socket_threads(heads)
+        # the sample weights of the workers that do not apply their own
+        scales = self.shards.sums_scales() if self.shards is not None and \
+            self.shards.step == step else None
         what = f"averaging {kind.payload.__name__}"
         if not reply:
             tails, bad = _core.reduce_stream(conns, out, heads[0].tail_len, self.timeout,
                                              ring_bytes=self.ring_bytes, socket_threads=threads,
-                                             step=step, what=what)
+                                             step=step, what=what, scales=scales)
             self._raise_bad(bad, step)
             finish(tails)
         else:
@@ -1006,7 +1009,8 @@ class Coordinator:
                 _, bad = _core.allreduce_stream(
                     conns, out, heads[0].tail_len, head, make_tail, self.timeout,
                     ring_bytes=self.ring_bytes, socket_threads=threads, step=step,
-                    what=f"{what} into {kind.reply.__name__}", halt_on_nonfinite=halt)
+                    what=f"{what} into {kind.reply.__name__}", halt_on_nonfinite=halt,
+                    scales=scales)
                 if halt:
                     self._raise_bad(bad, step)
         if pinned:
@@ -1066,6 +1070,8 @@ class Coordinator:
         are due within one timeout: a worker's heartbeats do not extend it.
         A step or key of None is worker 0's. Returns (heads, step, key)."""
         deadline = time.monotonic() + self.timeout
+        if self.shards is not None and self.shards.step == step and self.shards.untimed():
+            self._time_arrivals(step, deadline)
         heads = []
         for chan in self._channels:
             wid = chan.peer_id
@@ -1108,6 +1114,27 @@ class Coordinator:
             if head.gradient_count != want:
                 raise GradientMismatch(what, want, head.gradient_count, worker_id=wid, step=step)
         return heads, step, key
+
+    def _time_arrivals(self, step: int, deadline: float) -> None:
+        """A worker that reports no compute time (a reference worker) sends
+        nothing between its ShardAssignment and its gradient: the moment its
+        socket turns readable, watched for all of them at once, ends its
+        compute. One that is late, or closed, is left to the reads after."""
+        assert self.shards is not None
+        poller = select.poll()
+        waiting = {}
+        for w in self.shards.untimed():
+            chan = self._channels[w]
+            waiting[chan.conn.fileno()] = w
+            poller.register(chan.conn.fileno(), select.POLLIN)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            for fd, _ in poller.poll(max(1, int(left * 1000))):
+                w = waiting.pop(fd)
+                poller.unregister(fd)
+                self.shards.observe(w, step, int((time.perf_counter() - self._assigned_at) * 1e6))
 
     @staticmethod
     def _raise_bad(bad: Optional[list], step: int) -> None:

@@ -14,12 +14,13 @@ import pytest
 
 import ddpwire
 from ddpwire import Coordinator, Worker
-from ddpwire.errors import DdpwireError, GradientMismatch
+from ddpwire import encode_frame
+from ddpwire.errors import GradientMismatch
 from ddpwire.metrics import MetricsFile
 from ddpwire.progress import ProgressBar
 from ddpwire.serve import serve
 
-from session_helpers import raw_join, reference_allreduce, spawn
+from session_helpers import raw_join, recv_frame, reference_allreduce, spawn
 
 ADDR = ("127.0.0.1", 0)
 TIMEOUT = 20.0
@@ -167,18 +168,50 @@ def test_a_count_that_disagrees_with_its_shard_is_named(topology):
     assert "total (for a shard of" in str(err)
 
 
-def test_balance_true_refuses_a_worker_that_reports_no_time():
+def test_a_reference_worker_is_timed_by_arrival_and_weighted_in_the_star():
+    """balance=True beside a worker that speaks only the reference protocol
+    (a bare socket here): its speed is seen from when its gradient arrives,
+    its weight applied as the coordinator sums, and it needs no change."""
+    steps = 6
     coord = Coordinator(ADDR, 2, timeout=TIMEOUT, join_timeout=TIMEOUT, balance=True)
+    got = {}
+
+    def fast():
+        with Worker.connect(coord.local_addr, timeout=TIMEOUT) as w:
+            while (shard := w.receive_shard()) is not None:
+                start, end = shard.shard_start, shard.shard_end
+                time.sleep((end - start) * 1e-4)
+                avg = w.allreduce(shard.step, shard_mean(start, end), 1.0, 0, end - start)
+                got[0, shard.step] = ((start, end), np.array(avg.gradients, copy=True))
+
+    def reference(sock):
+        while isinstance(msg := recv_frame(sock), ddpwire.ShardAssignment):
+            start, end = msg.shard_start, msg.shard_end
+            time.sleep((end - start) * 4e-4)
+            sock.sendall(encode_frame(ddpwire.GradientPayload(
+                step=msg.step, worker_id=1, gradients=shard_mean(start, end), loss=1.0,
+                correct=0, total=end - start)))
+            avg = recv_frame(sock)
+            got[1, msg.step] = ((start, end), np.array(avg.gradients, copy=True))
+        assert isinstance(msg, ddpwire.Shutdown)
+        sock.close()
+
     try:
-        good = spawn(lambda: Worker.connect(coord.local_addr, timeout=TIMEOUT))
+        a = spawn(fast)
         coord.wait_for_workers(count=1)
-        raw = spawn(lambda: raw_join(coord.local_addr))
-        with pytest.raises(DdpwireError, match="worker 1 .*does not report its compute time"):
-            coord.wait_for_workers()
-        good.join_result().close()
-        raw.join_result().close()
+        b = spawn(lambda: reference(raw_join(coord.local_addr)))
+        coord.wait_for_workers()
+        assert coord.shards.balance and coord.shards.timed == [True, False]
+        serve(coord, steps=steps, total_samples=TOTAL)
+        a.join_result()
+        b.join_result()
     finally:
         coord.close()
+    (start, end), _ = got[1, steps - 1]
+    assert abs((end - start) - 0.2 * TOTAL) <= 0.1 * TOTAL, got.keys()
+    for step in range(steps):
+        assert np.array_equal(got[0, step][1].view(np.uint32), got[1, step][1].view(np.uint32))
+        np.testing.assert_allclose(got[1, step][1], FULL_BATCH, rtol=1e-6, atol=1e-6)
 
 
 def test_balance_auto_keeps_equal_shards_beside_a_reference_worker():
@@ -194,7 +227,6 @@ def test_balance_auto_keeps_equal_shards_beside_a_reference_worker():
         coord.send_shard_assignments(0)
         shard = w.receive_shard()
         assert (shard.shard_start, shard.shard_end) == (0, TOTAL // 2)
-        from session_helpers import recv_frame
         msg = recv_frame(sock)  # the reference peer sees its assignment and nothing else
         assert isinstance(msg, ddpwire.ShardAssignment) and msg.shard_start == TOTAL // 2
         sock.settimeout(0.2)
