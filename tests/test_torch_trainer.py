@@ -264,3 +264,55 @@ def test_per_block_layout_must_name_blocks_and_protocol_parts():
     with pytest.raises(ValueError, match="gradient_layout"):
         DataParallelTrainer(cluster.workers[0], DigitsMLP(), torch.optim.SGD(DigitsMLP().parameters(), lr=0.1),
                             DIGITS_TRAIN, per_block=True)
+
+
+@pytest.mark.parametrize("model_name", ["digits", "transformer"])
+def test_a_mixed_speed_pair_with_balance_matches_one_process_on_the_whole_batch(model_name):
+    """Real sockets, shards by speed: one worker held back 0.5 ms a sample
+    trains a smaller shard, and the weighted average keeps the update of one
+    process on the whole batch (for the transformer, `total` counts tokens)."""
+    import threading
+    import time
+
+    from ddpwire import Coordinator, Worker
+    from ddpwire.serve import serve
+
+    steps, total = 6, (200 if model_name == "digits" else 32)
+    make = (lambda w, **kw: digits_trainer(w, samples_per_step=total, **kw)) if model_name == "digits" \
+        else (lambda w, **kw: token_trainer(w, False, samples_per_step=total, **kw))
+    coord = Coordinator(("127.0.0.1", 0), 2, timeout=30, join_timeout=30, balance=True)
+    trainers, errors = {}, []
+
+    def run(slow):
+        def batch_fn(model, x, y):
+            time.sleep(slow * len(x))
+            return classification_batch(model, x, y)
+        try:
+            with Worker.connect(coord.local_addr, timeout=30) as w:
+                trainer = make(w, batch_fn=batch_fn)
+                trainers[w.worker_id] = trainer
+                trainer.train()
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    threads = []
+    for i, slow in enumerate([0.0, 5e-4 if model_name == "digits" else 3e-3]):
+        threads.append(threading.Thread(target=run, args=(slow,), daemon=True))
+        threads[-1].start()
+        coord.wait_for_workers(count=i + 1)
+    reports = serve(coord, steps=steps, total_samples=total)
+    for t in threads:
+        t.join(60)
+    coord.close()
+    assert not errors, errors
+    assert reports[-1].workers[0].samples > 0.6 * total, [r.workers for r in reports]
+    assert_bit_identical([trainers[0].model, trainers[1].model])
+
+    one = make(None)
+    for step in range(steps):
+        one.model.zero_grad()
+        loss, _, _ = classification_batch(one.model, *one.dataset.rows(one.sampler.indices(step, 0, total)))
+        loss.backward()
+        one.optimizer.step()
+    for a, b in zip(weights(one.model), weights(trainers[0].model)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

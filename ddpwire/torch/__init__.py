@@ -30,11 +30,14 @@ import torch.distributed as _dist
 # still get the trainer; the backend needs torch.distributed
 if _dist.is_available():
     from .backend import BACKEND, DdpwireProcessGroup, DdpwireWork, register
+    from .balanced import BalancedBatchSampler, balanced_hook
 
     register()
 
 __all__ = [
     "BACKEND",
+    "BalancedBatchSampler",
+    "balanced_hook",
     "DdpwireProcessGroup",
     "DdpwireWork",
     "register",

@@ -1,0 +1,196 @@
+"""Per-rank batch sizes by measured speed for DDP, with the full-batch gradient.
+
+PyTorch's DDP gives every rank the same batch, so a step waits for the
+slowest machine. Two lines change that, on any backend (ddpwire, gloo,
+NCCL)::
+
+    sampler = BalancedBatchSampler(len(dataset), batch_size=256)   # the global batch
+    loader = DataLoader(dataset, batch_sampler=sampler)
+    ddp.register_comm_hook(sampler, balanced_hook)
+
+Each step the ranks split one global batch of ``batch_size`` samples (a
+permutation every rank draws alike) in proportion to their measured speeds
+(:class:`ddpwire.balance.Balancer`, the rules the coordinator uses). The
+hook multiplies each rank's bucket by ``world * c_r / batch_size`` (its
+share's weight, in float32) before the bucket is averaged, so the average
+is the sample-weighted mean, the gradient of the whole batch: the loss must
+be the mean over the rank's batch, as it usually is.
+
+A rank's speed is its samples over its compute: from the end of the
+previous step's last allreduce to the moment its last bucket is ready
+(loading, optimizer step, forward and backward). The hook shares every
+rank's time with a small allreduce issued after the last bucket's, so all
+ranks feed the same figures to the same rules and agree on every split
+without a word more. With a DataLoader that prefetches (``num_workers`` >
+0), pass ``lag``: the batches the loader samples ahead of the step being
+trained (``num_workers * prefetch_factor``); the split of a step then
+follows the timings ``lag`` steps older.
+
+Not for ``no_sync()`` gradient accumulation: the hook counts steps by the
+backward passes that reach it.
+"""
+# no `from __future__ import annotations`: DDP checks the hook's annotations as objects
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..balance import Balancer, sample_scale, shard_starts
+
+__all__ = ["BalancedBatchSampler", "balanced_hook"]
+
+
+class BalancedBatchSampler:
+    """Each rank's batch of every step: its share of a global batch of
+    ``batch_size`` samples from ``dataset_len``, sized by the ranks'
+    measured speeds (module docstring). ``drop_last`` as for torch's
+    samplers (a last short batch is split too when False); the permutation
+    is drawn from ``seed`` and the epoch (:meth:`set_epoch`), as
+    DistributedSampler does. ``group``: the process group (default the
+    world); ``rank`` and ``world_size`` default to it, asked when the first
+    batch is drawn, so the sampler may be built before the group (as a
+    Lightning strategy's ``ddp_comm_state`` is).
+    """
+
+    def __init__(self, dataset_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = True, lag: int = 0, group: Optional[Any] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag}")
+        self.group = group
+        self._rank = rank
+        self._world_size = world_size
+        self.dataset_len = dataset_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.lag = lag
+        self.epoch = 0
+        self._balancer: Optional[Balancer] = None
+        #: the split of every step sampled so far that is still to be trained
+        self.splits: Dict[int, List[int]] = {}
+        self._sampled = 0   # steps sampled (the next batch's step)
+        self._fed = 0       # steps whose timings the balancer has had
+        self._trained = 0   # steps whose last bucket reached the hook
+        self._timings: Dict[int, np.ndarray] = {}  # step -> every rank's compute seconds
+        self._ready_at: Optional[float] = None     # the previous step's last allreduce ended
+        self._lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            self._rank = dist.get_rank(self.group)
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        if self._world_size is None:
+            self._world_size = dist.get_world_size(self.group)
+            if self.batch_size < self._world_size:
+                raise ValueError(f"batch_size {self.batch_size} is smaller than the "
+                                 f"{self._world_size} ranks: every rank needs a sample")
+        return self._world_size
+
+    @property
+    def balancer(self) -> Balancer:
+        """The rules every rank applies alike (:class:`ddpwire.balance.Balancer`)."""
+        if self._balancer is None:
+            self._balancer = Balancer(self.world_size)
+        return self._balancer
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose permutation :meth:`__iter__` draws next."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        whole, rest = divmod(self.dataset_len, self.batch_size)
+        return whole + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=gen).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        for k in range(len(self)):
+            batch = order[k * self.batch_size:(k + 1) * self.batch_size]
+            split = self._split(len(batch))
+            start = shard_starts(split)[self.rank]
+            yield batch[start:start + split[self.rank]]
+
+    def _split(self, total: int) -> List[int]:
+        """The next step's split, from the timings of every step up to
+        ``lag`` before the previous one (all ranks have the same ones)."""
+        step = self._sampled
+        with self._lock:
+            while self._fed < step - self.lag:
+                times = self._timings.pop(self._fed, None)
+                if times is None:
+                    raise RuntimeError(
+                        f"BalancedBatchSampler: step {step} is sampled before step {self._fed} "
+                        f"was trained: the DataLoader samples ahead; pass lag= (its num_workers * "
+                        f"prefetch_factor)")
+                for r, seconds in enumerate(times.tolist()):
+                    self.balancer.observe(r, self.splits[self._fed][r], seconds)
+                self.splits.pop(self._fed, None)
+                self._fed += 1
+            split = self.balancer.shards(total) if total >= self.world_size else \
+                [total // self.world_size] * self.world_size
+            split[-1] += total - sum(split)
+            self.splits[step] = split
+        self._sampled += 1
+        return split
+
+    # ---- the hook's side ----
+
+    def _scale(self, step: int) -> float:
+        split = self.splits.get(step)
+        if split is None:
+            raise RuntimeError(f"balanced_hook: step {step} was not sampled by this "
+                               f"BalancedBatchSampler (is its DataLoader the one trained on?)")
+        return sample_scale(split[self.rank], sum(split), self.world_size)
+
+    def _timing(self, now: float) -> torch.Tensor:
+        """This rank's compute time in its slot, zeros elsewhere: summed over
+        the ranks it is every rank's (-1: the first step, not timed)."""
+        times = torch.zeros(self.world_size, dtype=torch.float32)
+        times[self.rank] = -1.0 if self._ready_at is None else now - self._ready_at
+        return times
+
+    def _trained_step(self, step: int, times: torch.Tensor) -> None:
+        with self._lock:
+            self._timings[step] = times.numpy().copy()
+            self._ready_at = time.perf_counter()
+
+
+def balanced_hook(state: BalancedBatchSampler,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket weighted by this rank's share of the step
+    (register with the sampler as its state, module docstring)."""
+    sampler = state
+    step = sampler._trained
+    buffer = bucket.buffer()
+    scale = sampler._scale(step)
+    if scale != 1.0:
+        buffer.mul_(scale)
+    world = sampler.world_size
+    fut = dist.all_reduce(buffer, group=sampler.group, async_op=True).get_future()
+    averaged = fut.then(lambda f: f.value()[0].div_(world))
+    if not bucket.is_last():
+        return averaged
+    sampler._trained += 1
+    times = sampler._timing(time.perf_counter())
+    timed = dist.all_reduce(times, group=sampler.group, async_op=True).get_future()
+
+    def done(both: "torch.futures.Future[Any]") -> torch.Tensor:
+        grads, summed = both.value()
+        sampler._trained_step(step, summed.value()[0])
+        return grads.value()
+
+    return torch.futures.collect_all([averaged, timed]).then(done)

@@ -1,0 +1,91 @@
+"""Per-rank batches by measured speed under DDP (ddpwire.torch.balanced):
+two CPU processes, one held back; the split follows the speeds, the ranks
+stay bit-identical, and the weights are those of one process training on
+the whole batch, on backend ddpwire and on gloo, and under Lightning."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_torch_backend import LIMIT, ROOT, free_ports  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "balanced_script.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import balanced_script  # noqa: E402
+
+
+def run_ranks(tmp_path, backend, mode, world=2, slow="1:0.0015"):
+    port, = free_ports(1)
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), LOCAL_RANK=str(rank),
+                   NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", BALANCED_SLOW=slow)
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path / "run"),
+                                       backend, mode],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=LIMIT)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(outputs)
+    return [torch.load(tmp_path / f"run.rank{r}.pt") for r in range(world)]
+
+
+def full_batch_weights():
+    """One process, the same batches whole: what DDP must reproduce."""
+    data = balanced_script.dataset()
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(5)).tolist()
+    model = balanced_script.net()
+    opt = torch.optim.SGD(model.parameters(), lr=balanced_script.LR)
+    b = balanced_script.BATCH
+    for k in range(balanced_script.STEPS):
+        x, y = data[order[k * b:(k + 1) * b]]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def check(results):
+    states = [r["state"] for r in results]
+    for name in states[0]:  # the ranks in step, bit for bit
+        assert torch.equal(states[0][name], states[1][name]), name
+    splits = results[0]["splits"]
+    assert splits == results[1]["splits"]
+    assert all(sum(s) == balanced_script.BATCH for s in splits)
+    assert splits[0] == [32, 32]
+    # rank 1 sleeps 1.5 ms a sample: the fast rank ends up with most of the batch
+    assert splits[-1][0] >= 0.7 * balanced_script.BATCH, splits
+    want = full_batch_weights()
+    for name in want:
+        torch.testing.assert_close(states[0][name], want[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["ddpwire", "gloo"])
+def test_ddp_splits_by_speed_and_keeps_the_full_batch_gradient(tmp_path, backend):
+    check(run_ranks(tmp_path, backend, "ddp"))
+
+
+def test_lightning_splits_by_speed_too(tmp_path):
+    pytest.importorskip("lightning")
+    check(run_ranks(tmp_path, "ddpwire", "lightning"))
+
+
+def test_a_loader_that_samples_ahead_without_lag_is_told_what_to_pass():
+    from ddpwire.torch.balanced import BalancedBatchSampler
+
+    sampler = BalancedBatchSampler(100, 10, rank=0, world_size=2)
+    batches = iter(sampler)
+    assert len(next(batches)) == 5
+    with pytest.raises(RuntimeError, match="pass lag="):
+        next(batches)
