@@ -31,3 +31,6 @@ python3 bench/plot_allreduce.py "$OUT/allreduce.json" --png "$OUT/allreduce.png"
 
 # one CUDA rank and one CPU rank train one DDP model on backend "ddpwire"
 OUT="$OUT" DEVICE="$DEVICE" bash bench/ddp_mixed_devices.sh
+
+# a CUDA worker beside a CPU worker, shards by measured speed
+OUT="$OUT" DEVICE="$DEVICE" bash bench/balance_mixed_devices.sh

@@ -34,6 +34,7 @@ shards the scale is exactly 1 and the bits are the reference's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -251,13 +252,14 @@ class Shards:
         that is not, or None."""
         if not self.balance or len(set(self.split)) <= 1:
             return None
-        ref = next((w for w in range(self.workers) if self.split[w] > 0), None)
-        if ref is None:
+        ratios = [Fraction(t, c) for t, c in zip(totals, self.split) if c > 0]
+        if not ratios:
             return None
+        # the ratio most workers share is the right one (ties: the lowest worker's)
+        ratio = max(ratios, key=lambda r: (ratios.count(r), -ratios.index(r)))
         for w, (count, got) in enumerate(zip(self.split, totals)):
-            # totals[w] / count == totals[ref] / split[ref], in integers
-            if got * self.split[ref] != totals[ref] * count:
-                return w, totals[ref] * count // self.split[ref], got
+            if got != ratio * count:
+                return w, int(ratio * count), got
         return None
 
     def timings(self) -> List[WorkerTiming]:

@@ -47,7 +47,7 @@ from .errors import (
 )
 from .extensions import Extension
 from .launch import is_loopback
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, LifecycleOwner
 from .messages import (
     AveragedBlockGradient,
     AveragedGradient,
@@ -142,7 +142,7 @@ _COORDINATOR_MOVES: Dict[CoordinatorState, FrozenSet[CoordinatorState]] = {
 }
 
 
-class Coordinator:
+class Coordinator(LifecycleOwner[CoordinatorState]):
     """Admits ``expect_workers`` workers and runs the averaging side of training.
 
     ``timeout`` bounds every wait on a worker: a worker that has not sent the
@@ -354,22 +354,7 @@ class Coordinator:
         their own messages over it (docs/extensions.md)."""
         return self._channels[worker_id]
 
-    @property
-    def state(self) -> CoordinatorState:
-        """Where the session stands (:class:`CoordinatorState`)."""
-        return self._life.state
-
-    @property
-    def failure(self) -> Optional[DdpwireError]:
-        """The error that ended the session (None while none has): every
-        call after it raises it again, naming the same worker and step."""
-        return self._life.failure
-
     # ---- the session's state and its one failure path ----
-
-    def _set_state(self, new: CoordinatorState) -> None:
-        """The one place the state changes (:meth:`Lifecycle.move`: forward only)."""
-        self._life.move(new)
 
     def _talking(self, step: Optional[int], *, any_error: bool = False,
                  mesh: bool = False) -> ContextManager[None]:

@@ -18,7 +18,7 @@ from typing import AbstractSet, Callable, Generic, Iterator, Mapping, Optional, 
 
 from .errors import DdpwireError
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "LifecycleOwner"]
 
 S = TypeVar("S", bound=enum.Enum)
 
@@ -126,3 +126,26 @@ class Lifecycle(Generic[S]):
                     or exc.__cause__ is first:
                 raise  # the first failure itself, or a close with no failure
             raise self.error()  # its __cause__ is the first: the chain shown is that one
+
+
+class LifecycleOwner(Generic[S]):
+    """What a session side built on a :class:`Lifecycle` (its ``_life``)
+    shows of it: the Worker and the Coordinator alike."""
+
+    _life: Lifecycle[S]
+
+    @property
+    def state(self) -> S:
+        """Where the session stands (the side's state enum)."""
+        return self._life.state
+
+    @property
+    def failure(self) -> Optional[DdpwireError]:
+        """The error that ended the session (None while none has): every
+        call after it raises it again, naming the same worker and step."""
+        return self._life.failure
+
+    def _set_state(self, new: S) -> None:
+        """The one place the state changes (:meth:`Lifecycle.move`: forward
+        only; a session another thread ended raises its failure here)."""
+        self._life.move(new)

@@ -44,7 +44,7 @@ from .errors import (
     WorkerLost,
 )
 from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, LifecycleOwner
 from .messages import (
     AuthChallenge,
     AuthProof,
@@ -191,7 +191,7 @@ _WORKER_MOVES: Dict[WorkerState, FrozenSet[WorkerState]] = {
 }
 
 
-class Worker:
+class Worker(LifecycleOwner[WorkerState]):
     """A connected, joined worker. Create it with :meth:`connect`."""
 
     def __init__(self, channel: Channel, worker_id: int, total_workers: int, node_id: str,
@@ -308,8 +308,8 @@ class Worker:
         if node_id is None:
             node_id = f"{socket.gethostname()}-{os.getpid()}"
         offer: Dict[int, bytes] = dict(extensions or {})
-        # it costs nothing where shards stay equal: a coordinator that does
-        # not balance does not grant it
+        # a ddpwire coordinator grants it to learn each step's compute time
+        # (its progress shows them) and, when it balances, to size the shards
         offer.setdefault(Extension.BALANCE, b"")
         if samples_per_step:
             offer[Extension.SAMPLES] = encode_u64(samples_per_step)
@@ -370,17 +370,6 @@ class Worker:
         """The number of workers in the session."""
         return self._total_workers
 
-    @property
-    def state(self) -> WorkerState:
-        """Where the session stands (:class:`WorkerState`)."""
-        return self._life.state
-
-    @property
-    def failure(self) -> Optional[DdpwireError]:
-        """The error that ended the session (None while none has): every
-        call after it raises it again, naming the same worker and step."""
-        return self._life.failure
-
     def _send_heartbeats(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
@@ -390,11 +379,6 @@ class Worker:
                 return
 
     # ---- the session's state and its one failure path ----
-
-    def _set_state(self, new: WorkerState) -> None:
-        """The one place the state changes (:meth:`Lifecycle.move`: forward
-        only; a session another thread ended raises its failure here)."""
-        self._life.move(new)
 
     def _talking(self, step: Optional[int], *, any_error: bool = False,
                  tell: bool = False) -> ContextManager[None]:

@@ -106,3 +106,20 @@ def test_the_scaled_plain_mean_is_the_sample_weighted_mean():
     plain = (scaled[0] + scaled[1] + scaled[2]) / np.float32(3)
     exact = sum(c * g.astype(np.float64) for c, g in zip(counts, grads)) / sum(counts)
     np.testing.assert_allclose(plain, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_the_count_check_names_the_worker_out_of_proportion():
+    from ddpwire.balance import Shards
+
+    shards = Shards([True] * 3, True)
+    shards.plan(0, 300)
+    assert shards.check_totals([100, 100, 100]) is None  # equal shards: nothing to check
+    for w, c in enumerate([200, 60, 40]):
+        shards.balancer.observe(w, 100, 100 / c)
+    shards.plan(1, 300)
+    assert shards.split == [200, 60, 40]
+    assert shards.check_totals([200, 60, 40]) is None
+    assert shards.check_totals([1600, 480, 320]) is None  # 8 tokens a sample
+    assert shards.check_totals([1600, 481, 320]) == (1, 480, 481)
+    assert shards.check_totals([1601, 480, 320]) == (0, 1600, 1601)  # the odd one out, not worker 1
+    assert shards.scale(0) == np.float32(2.0) and shards.scale(2) == np.float32(0.4)
