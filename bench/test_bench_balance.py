@@ -1,0 +1,361 @@
+"""Mismatched machines (issue 22): do workers of unequal speed train at
+close to the sum of their solo throughputs once the shards follow their
+measured speeds?
+
+Slower machines are emulated with cgroup v1 CPU quotas: every worker
+process (bench/balance_worker.py: a real forward and backward pass of a
+256-512-512-10 MLP over its shard, one torch thread) runs in a cgroup of its
+own, /sys/fs/cgroup/cpu/ddpwire-bench-<name>, with cpu.cfs_period_us 100000
+and cpu.cfs_quota_us 100000 (a whole core), 50000 or 25000. The coordinator
+runs here, in this process, with its default topology.
+
+In one run, in this order:
+
+- each quota's solo throughput: that worker alone, all 2,048 samples of a
+  step (``test_solo``);
+- the pair (100% + 25%) and the trio (100% + 50% + 25%) together, with
+  equal shards (balance off) and with shards by speed (balance on); the
+  ratio is the together throughput over the sum of the solos of the same
+  run (``test_together``);
+- a pair (100% + 50%) where the full-speed worker's quota drops to 25% after
+  step 29 of 60 (``test_slowdown``): the coordinator's per-step JSON lines
+  go to docs/balance-slowdown.jsonl (bench/balance_plot.py draws them), and
+  ``follow_steps`` counts the steps from the first slowed one until that
+  worker's shard is within 10% of its new steady value, and stays there.
+
+Throughput is samples per second over the measured steps (after
+:data:`WARMUP` steps), from the coordinator's end-of-step times; the
+benchmark's own time is the whole ``serve`` call (warm-up included).
+
+    PYTHONPATH=$PWD python -m pytest bench/test_bench_balance.py \
+        --benchmark-json docs/bench-balance.json -q
+
+DDPWIRE_BALANCE_STEPS (default 40) sets the measured steps,
+DDPWIRE_BALANCE_PERIOD_US (default 100000) the CFS period (the quotas scale
+with it; another period's slowdown lines go to
+docs/balance-slowdown-<period>us.jsonl). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
+otherwise.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
+
+from ddpwire import Coordinator
+from ddpwire.metrics import MetricsFile
+from ddpwire.serve import serve
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "balance_worker.py"
+CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
+PREFIX = "ddpwire-bench-"
+
+SAMPLES = 2048
+WARMUP = 5
+MEASURED = int(os.environ.get("DDPWIRE_BALANCE_STEPS", "40"))
+PERIOD_US = int(os.environ.get("DDPWIRE_BALANCE_PERIOD_US", "100000"))
+#: share of one core -> the worker's cgroup name
+SPEEDS = {1.0: "full", 0.5: "half", 0.25: "quarter"}
+SETUPS = {"pair": (1.0, 0.25), "trio": (1.0, 0.5, 0.25)}
+#: the slowdown run: the first worker drops from FROM to TO after step AT - 1
+SLOWDOWN = dict(speeds=(1.0, 0.5), frm=1.0, to=0.25, at=30, steps=60)
+#: another period's run keeps the default's file
+SLOWDOWN_JSONL = ROOT / "docs" / ("balance-slowdown.jsonl" if PERIOD_US == 100000 else
+                                  f"balance-slowdown-{PERIOD_US}us.jsonl")
+FOLLOW_WITHIN = 0.10
+JOIN_TIMEOUT = 120.0
+RUN_TIMEOUT = 300.0
+
+#: solo samples/s of this run, by speed (test_solo fills it, test_together reads it)
+SOLO: Dict[float, float] = {}
+
+
+def quota_us(speed: float) -> int:
+    return int(round(speed * PERIOD_US))
+
+
+# ---- cgroups ----
+
+def _cgroups_writable() -> Optional[str]:
+    """None when cgroups can be made here, else why not."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (the workers train a torch MLP)"
+    if not (CGROUP_ROOT / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CGROUP_ROOT}"
+    probe = CGROUP_ROOT / f"{PREFIX}probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        (probe / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (probe / "cpu.cfs_quota_us").write_text(str(PERIOD_US))
+    except OSError as exc:
+        return f"cannot make a cpu cgroup under {CGROUP_ROOT} ({exc}); run as root"
+    finally:
+        try:
+            probe.rmdir()
+        except OSError:
+            pass
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_cgroups():
+    why = _cgroups_writable()
+    if why is not None:
+        pytest.skip(f"balance benchmark needs cgroup quotas: {why}")
+
+
+class Cgroup:
+    """/sys/fs/cgroup/cpu/ddpwire-bench-<name> with a quota of ``speed`` cores."""
+
+    def __init__(self, name: str, speed: float) -> None:
+        self.path = CGROUP_ROOT / f"{PREFIX}{name}"
+        self.path.mkdir(exist_ok=True)
+        (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        self.set(speed)
+
+    def set(self, speed: float) -> None:
+        (self.path / "cpu.cfs_quota_us").write_text(str(quota_us(speed)))
+
+    def stat(self) -> Dict[str, int]:
+        lines = (self.path / "cpu.stat").read_text().split("\n")
+        return {k: int(v) for k, v in (x.split() for x in lines if x.strip())}
+
+    def remove(self) -> None:
+        """rmdir once its processes have gone (a few tries: exit takes a moment)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.path.rmdir()  # raise: a cgroup left behind should be seen
+
+
+# ---- one session ----
+
+class Session:
+    """A coordinator here and one worker process per speed, each in its cgroup."""
+
+    def __init__(self, speeds: Sequence[float], balance: bool, steps: int,
+                 on_step=None, tag: str = "") -> None:
+        self.speeds = list(speeds)
+        self.balance = balance
+        self.steps = steps
+        self.on_step = on_step
+        self.tmp = tempfile.TemporaryDirectory(prefix="ddpwire-balance-")
+        self.cgroups: List[Cgroup] = []
+        self.procs: List[subprocess.Popen] = []
+        self.logs: List[Path] = []
+        self.reports: list = []
+        self.ends: List[float] = []
+        self.coord: Optional[Coordinator] = None
+        self.tag = tag
+        #: each worker's cgroup cpu.stat at the end (nr_periods, nr_throttled, throttled_time)
+        self.cgroup_stats: List[Dict[str, int]] = []
+        #: worker id -> speed, and the workers' output, kept by close()
+        self.by_id: Optional[Dict[int, float]] = None
+        self.log_text = ""
+
+    def start(self):
+        """pedantic's setup (not timed): cgroups, workers, the join."""
+        self.coord = Coordinator(("127.0.0.1", 0), len(self.speeds), balance=self.balance,
+                                 timeout=RUN_TIMEOUT, join_timeout=JOIN_TIMEOUT,
+                                 samples_per_step=SAMPLES)
+        host, port = self.coord.local_addr[:2]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   OPENBLAS_NUM_THREADS="1")
+        for i, speed in enumerate(self.speeds):
+            name = f"{SPEEDS[speed]}{self.tag}-{i}"
+            cg = Cgroup(name, speed)
+            self.cgroups.append(cg)
+            log = Path(self.tmp.name) / f"worker-{i}.log"
+            self.logs.append(log)
+            with open(log, "w") as out:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), "--connect", f"{host}:{port}",
+                     "--cgroup", str(cg.path), "--samples", str(SAMPLES),
+                     "--timeout", str(RUN_TIMEOUT),
+                     "--report", str(Path(self.tmp.name) / f"report-{i}.json")],
+                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)))
+        self.coord.wait_for_workers()
+        return (), {}
+
+    def _step(self, report) -> None:
+        self.ends.append(time.perf_counter())
+        self.reports.append(report)
+        if self.on_step is not None:
+            self.on_step(self, report)
+
+    def serve(self) -> None:
+        """pedantic's target (timed): the whole run."""
+        assert self.coord is not None
+        serve(self.coord, steps=self.steps, total_samples=SAMPLES, on_step=self._step)
+
+    def close(self) -> None:
+        if self.coord is not None:
+            self.coord.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()  # a process of ours that hung
+                p.wait()
+        for cg in self.cgroups:
+            self.cgroup_stats.append(cg.stat())
+            cg.remove()
+        try:
+            self.by_id = self._worker_speeds()
+        except (OSError, ValueError):
+            self.by_id = None  # a worker that failed wrote no report
+        self.log_text = self._worker_logs()
+        self.tmp.cleanup()
+
+    def _worker_logs(self) -> str:
+        return "\n".join(f"--- worker {i} ---\n{log.read_text()[-3000:]}"
+                         for i, log in enumerate(self.logs) if log.exists())
+
+    def _worker_speeds(self) -> Dict[int, float]:
+        """worker id -> the speed (share of a core) its process ran at."""
+        ids = {}
+        for i, speed in enumerate(self.speeds):
+            report = json.loads((Path(self.tmp.name) / f"report-{i}.json").read_text())
+            ids[report["worker"]] = speed
+        return ids
+
+    def throughput(self, warmup: int = WARMUP) -> float:
+        """samples/s over the steps after ``warmup``."""
+        span = self.ends[-1] - self.ends[warmup - 1]
+        return (len(self.ends) - warmup) * SAMPLES / span
+
+
+def run_session(benchmark, speeds, balance, steps, on_step=None, tag=""):
+    session = Session(speeds, balance, steps, on_step=on_step, tag=tag)
+    load = os.getloadavg()[0]
+    try:
+        benchmark.pedantic(session.serve, setup=session.start, rounds=1, iterations=1)
+    finally:
+        session.close()
+    for p in session.procs:
+        assert p.returncode == 0, session.log_text
+    by_id = session.by_id
+    assert by_id is not None, session.log_text
+    benchmark.extra_info.update(
+        samples_per_step=SAMPLES, steps=steps, cfs_period_us=PERIOD_US,
+        loadavg_1min_before=load,
+        worker_speeds={str(k): v for k, v in sorted(by_id.items())},
+        step_times_s=[r.step_time for r in session.reports],
+        shards=[[w.samples for w in r.workers] for r in session.reports],
+        compute_s=[[w.compute for w in r.workers] for r in session.reports],
+        final_loss=session.reports[-1].global_loss,
+        cgroup_stats=session.cgroup_stats)
+    return session, by_id
+
+
+def _percent(speed: float) -> str:
+    return f"{int(speed * 100)}%"
+
+
+# ---- solo, together ----
+
+@pytest.mark.parametrize("speed", sorted(SPEEDS, reverse=True), ids=_percent)
+def test_solo(benchmark, speed):
+    benchmark.group = "solo"
+    session, _ = run_session(benchmark, [speed], False, WARMUP + MEASURED)
+    rate = session.throughput()
+    SOLO[speed] = rate
+    benchmark.extra_info.update(kind="solo", speed=speed, warmup=WARMUP, measured=MEASURED,
+                                samples_per_s=rate)
+
+
+CASES = [(setup, balance) for setup in SETUPS for balance in (False, True)]
+
+
+@pytest.mark.parametrize("setup,balance", CASES,
+                         ids=[f"{s}-{'on' if b else 'off'}" for s, b in CASES])
+def test_together(benchmark, setup, balance):
+    speeds = SETUPS[setup]
+    benchmark.group = f"together {setup} " + "+".join(_percent(s) for s in speeds)
+    session, by_id = run_session(benchmark, speeds, balance, WARMUP + MEASURED, tag=setup)
+    rate = session.throughput()
+    measured = session.reports[WARMUP:]
+    # each speed's mean shard over the measured steps
+    shard_of = {}
+    for wid, speed in by_id.items():
+        shard_of[_percent(speed)] = statistics.mean(r.workers[wid].samples for r in measured)
+    solos = [SOLO.get(s) for s in speeds]
+    solo_sum = sum(solos) if all(x is not None for x in solos) else None
+    info = benchmark.extra_info
+    info.update(kind="together", setup=setup, speeds=list(speeds), balance=balance,
+                warmup=WARMUP, measured=MEASURED, samples_per_s=rate,
+                mean_shard_by_speed=shard_of,
+                solo_samples_per_s=solos, solo_sum=solo_sum,
+                ratio=None if solo_sum is None else rate / solo_sum,
+                step_time_median_s=statistics.median(r.step_time for r in measured),
+                waited_for_speed=[None if r.waited_for is None else by_id[r.waited_for]
+                                  for r in measured])
+
+
+# ---- mid-run slowdown ----
+
+def follow_steps(shards: Sequence[int], at: int, within: float = FOLLOW_WITHIN,
+                 tail: int = 10) -> Tuple[Optional[int], Optional[int], float]:
+    """(steps until shards[at:] first comes within ``within`` of its steady
+    value, steps until it comes within and stays, the steady value: the
+    median of the last ``tail`` steps); None where it never does."""
+    steady = statistics.median(shards[-tail:])
+    near = [abs(s - steady) <= within * steady for s in shards]
+    first = next((k - at for k in range(at, len(shards)) if near[k]), None)
+    stays = next((k - at for k in range(at, len(shards)) if all(near[k:])), None)
+    return first, stays, steady
+
+
+def test_slowdown(benchmark):
+    cfg = SLOWDOWN
+    benchmark.group = "slowdown"
+    changed = {}
+
+    def on_step(session, report):
+        if report.step == cfg["at"] - 1:
+            session.cgroups[0].set(cfg["to"])  # before the next step's shards go out
+            changed["at"] = time.perf_counter()
+
+    SLOWDOWN_JSONL.parent.mkdir(exist_ok=True)
+    metrics = MetricsFile(str(SLOWDOWN_JSONL))
+
+    def write(session, report):
+        metrics.write(report)
+        on_step(session, report)
+
+    try:
+        session, by_id = run_session(benchmark, cfg["speeds"], True, cfg["steps"],
+                                     on_step=write, tag="slow")
+    finally:
+        metrics.close()
+    slowed = next(w for w, s in by_id.items() if s == cfg["frm"])  # worker 0's process
+    shards = [r.workers[slowed].samples for r in session.reports]
+    first, stays, steady = follow_steps(shards, cfg["at"])
+    before = statistics.median(shards[cfg["at"] - 10:cfg["at"]])
+    benchmark.extra_info.update(
+        kind="slowdown", balance=True, speeds=list(cfg["speeds"]), slowed_worker=slowed,
+        quota_from=quota_us(cfg["frm"]), quota_to=quota_us(cfg["to"]), changed_after_step=cfg["at"] - 1,
+        slowed_shards=shards, shard_before=before, shard_steady_after=steady,
+        follow_within=FOLLOW_WITHIN, follow_steps_first=first, follow_steps_stays=stays,
+        throughput_before=(cfg["at"] - WARMUP) * SAMPLES /
+        (session.ends[cfg["at"] - 1] - session.ends[WARMUP - 1]),
+        throughput_after=(cfg["steps"] - cfg["at"] - 10) * SAMPLES /
+        (session.ends[-1] - session.ends[cfg["at"] + 9]),
+        metrics_jsonl=str(SLOWDOWN_JSONL.relative_to(ROOT)))
+    assert first is not None, shards
