@@ -806,9 +806,11 @@ cdef int check_tag(uint8_t tag, uint32_t payload_len, uint64_t max_frame, object
     if expect is not None and tag not in [cls.TAG for cls in expect]:
         name = ddpw_message_type(tag)
         got = (<bytes>name).decode("ascii") if name is not NULL else f"unknown message tag 0x{tag:02x}"
-        # Heartbeats are allowed everywhere: naming them would only add noise
+        # Heartbeats (and a timed worker's StepTiming) are allowed almost
+        # everywhere: naming them would only add noise
         raise UnexpectedMessage(" or ".join(cls.__name__ for cls in expect
-                                            if cls.TAG != DDPW_HEARTBEAT), got,
+                                            if cls.TAG != DDPW_HEARTBEAT
+                                            and cls.TAG != DDPW_STEP_TIMING), got,
                                 worker_id=peer_id, step=step)
     limit = ddpw_tag_max_payload(tag, max_frame)
     if limit and payload_len > limit:

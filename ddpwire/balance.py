@@ -15,9 +15,10 @@ The rules, and why:
   by largest remainder, so they add up to the step's total exactly; every
   worker keeps at least one sample (when there are enough), or its speed
   could never be measured again.
-- A measurement more than :data:`JUMP` away from the smoothed speed, twice
-  in a row and on the same side, replaces it: a machine that really slowed
-  down (throttled, another job) is followed in two steps, not five.
+- Two measurements in a row more than :data:`JUMP` away from the smoothed
+  speed, on the same side and within :data:`JUMP` of each other, replace
+  it: a machine that really slowed down (throttled, another job) is
+  followed in two steps, while noise, however large, is only smoothed.
 - The shards change only when the new split is predicted to shorten the
   step by more than :data:`TOLERANCE`: a difference of a sample or two is
   noise, and shards that flap cost more than they save.
@@ -44,15 +45,19 @@ __all__ = ["CHOICES", "JUMP", "SMOOTHING", "TOLERANCE", "Balancer", "Shards", "W
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
 CHOICES = {"auto": "auto", "on": True, "off": False}
-#: weight of the newest measurement in a worker's smoothed speed: a machine
-#: that slows down fourfold is followed to within 10% in four steps
-SMOOTHING = 0.5
+#: weight of the newest measurement in a worker's smoothed speed (a real
+#: change of speed is followed sooner, by the JUMP rule)
+SMOOTHING = 0.3
 #: how far (a fraction of the smoothed speed) a measurement must fall from
-#: it, twice in a row on the same side, for the speed to jump to it
+#: it, twice in a row, alike, for the speed to jump there
 JUMP = 0.2
 #: the smallest predicted saving (a fraction of the step's compute time)
 #: worth changing the shards for
 TOLERANCE = 0.03
+
+
+def _far(rate: float, reference: float) -> bool:
+    return abs(rate - reference) > JUMP * reference
 
 
 def equal_shards(total: int, workers: int) -> List[int]:
@@ -119,7 +124,7 @@ class Balancer:
         #: smoothed samples per second of compute, per worker (None: not yet timed)
         self.rates: List[Optional[float]] = [None] * workers
         self._last: Optional[List[int]] = None
-        self._off = [0] * workers  # the side the last measurement fell on, past JUMP
+        self._prev: List[Optional[float]] = [None] * workers  # the last raw speed
 
     def observe(self, worker: int, samples: int, seconds: float) -> None:
         """Worker ``worker`` computed ``samples`` samples in ``seconds``. A
@@ -134,12 +139,16 @@ class Balancer:
         if old is None:
             self.rates[worker] = rate
             return
-        # two measurements in a row far off, the same way, are a machine
-        # that changed speed (throttled, another job), not noise: follow it
-        off = 0 if abs(rate - old) <= JUMP * old else (1 if rate > old else -1)
-        jump = off != 0 and off == self._off[worker]
-        self._off[worker] = off
-        self.rates[worker] = rate if jump else (1.0 - self.smoothing) * old + self.smoothing * rate
+        # two measurements in a row far off the same way, and close to each
+        # other, are a machine that changed speed (throttled, another job):
+        # follow it at once. Bursty noise (a CPU quota's period longer than
+        # a step) is far off too, but not twice alike: it is only smoothed.
+        prev, self._prev[worker] = self._prev[worker], rate
+        if prev is not None and _far(rate, old) and _far(prev, old) and \
+                (rate > old) == (prev > old) and not _far(rate, prev):
+            self.rates[worker] = (rate + prev) / 2
+        else:
+            self.rates[worker] = (1.0 - self.smoothing) * old + self.smoothing * rate
 
     def shards(self, total: int) -> List[int]:
         """The next step's shard sizes: they add up to ``total``."""

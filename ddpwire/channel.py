@@ -77,6 +77,11 @@ def result_buffer(out: Optional[np.ndarray], count: Optional[int]) -> Optional[n
     return out
 
 
+#: what a peer may send between the frames a caller waits for, and
+#: :meth:`Channel.read_head` skips: signs of life, never answers
+SIDE_MESSAGES = (Heartbeat, StepTiming)
+
+
 class Channel:
     """Messages to and from one peer over a connected TCP socket."""
 
@@ -160,7 +165,8 @@ class Channel:
             deadline = time.monotonic() + self.timeout
         while True:
             obj = self.read_frame(expected, step=step, what=what, deadline=deadline)
-            if isinstance(obj, Heartbeat):
+            if isinstance(obj, Heartbeat) or (isinstance(obj, StepTiming)
+                                              and StepTiming not in expected):
                 continue
             return obj
 
@@ -170,17 +176,17 @@ class Channel:
         them): for a caller that watches several peers at once and counts a
         Heartbeat as a sign of life. It must be complete by ``deadline``.
         A StepTiming, sent ahead of a step's gradients, goes to
-        :attr:`on_timing` and the frame after it is returned."""
-        side = (Heartbeat,) if self.on_timing is None else (Heartbeat, StepTiming)
-        while True:
-            obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
-                                        deadline=deadline, expect=tuple(expected) + side,
-                                        step=step, what=what)
-            if not isinstance(obj, Heartbeat):
-                self.last_message_at = time.monotonic()
-            if not isinstance(obj, StepTiming) or StepTiming in expected:
-                return obj
+        :attr:`on_timing` first and is returned too: such a caller counts
+        it as a sign of life, as a Heartbeat (:data:`SIDE_MESSAGES`)."""
+        side = (Heartbeat,) if self.on_timing is None else SIDE_MESSAGES
+        obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+                                    deadline=deadline, expect=tuple(expected) + side,
+                                    step=step, what=what)
+        if not isinstance(obj, Heartbeat):
+            self.last_message_at = time.monotonic()
+        if isinstance(obj, StepTiming) and StepTiming not in expected:
             self.on_timing(obj)  # type: ignore[misc]
+        return obj
 
     def expect(self, expected: Sequence[type], *, step: Optional[int] = None,
                deadline: Optional[float] = None) -> Any:

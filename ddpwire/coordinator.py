@@ -35,8 +35,8 @@ from ._core import encode_frame_parts
 from ._text import counted
 from .admission import Admission, Refuser
 from .auth import TOKEN_ENV, normalize_token
-from .channel import (DEFAULT_MAX_FRAME, Channel, check_timeout, heartbeat_limit, message_name,
-                      result_buffer)
+from .channel import (DEFAULT_MAX_FRAME, SIDE_MESSAGES, Channel, check_timeout,
+                      heartbeat_limit, message_name, result_buffer)
 from .errors import (
     DdpwireError,
     GradientMismatch,
@@ -55,7 +55,6 @@ from .messages import (
     BlockGradientPayload,
     CollectiveError,
     GradientPayload,
-    Heartbeat,
     MeshPeers,
     NO_WORKER,
     NonBlockGradientPayload,
@@ -828,7 +827,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                         settle(w, exc)
                         continue
                     heard[w] = time.monotonic()
-                    if not isinstance(msg, Heartbeat):
+                    if not isinstance(msg, SIDE_MESSAGES):
                         settle(w, msg)
                 now = time.monotonic()
                 for key in list(sel.get_map().values()):

@@ -194,12 +194,12 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                     bar = ProgressBar(args.steps, stream=out,
                                       pooled=lines.pooled if lines is not None else None)
                     with contextlib.ExitStack() as keep:
-                        on_step = bar.update
-                        if args.metrics:
-                            metrics = keep.enter_context(MetricsFile(args.metrics))
+                        metrics = keep.enter_context(MetricsFile(args.metrics)) \
+                            if args.metrics else None
 
-                            def on_step(report: StepReport) -> None:
-                                bar.update(report)
+                        def on_step(report: StepReport) -> None:
+                            bar.update(report)
+                            if metrics is not None:
                                 metrics.write(report)
                         steps = serve(coord, steps=args.steps, total_samples=args.samples,
                                       per_block=args.per_block, num_blocks=args.blocks,

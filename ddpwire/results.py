@@ -87,6 +87,16 @@ class StepReport:
             return None
         return max(self.workers, key=lambda w: (w.compute, -w.worker_id)).worker_id
 
+    @property
+    def exchange_time(self) -> Optional[float]:
+        """The step's seconds past its slowest worker's compute: the
+        exchange as every worker waits on it, on the star or the mesh (None
+        when some worker's time is unknown)."""
+        slowest = self.waited_for
+        if slowest is None:
+            return None
+        return max(0.0, self.step_time - self.workers[slowest].compute)  # type: ignore[operator]
+
     def waits(self) -> List[Optional[float]]:
         """Each worker's seconds idle waiting for the slowest one's compute."""
         known = [w.compute for w in self.workers if w.compute is not None]
@@ -99,7 +109,8 @@ class StepReport:
         return {
             "step": self.step, "loss": self.global_loss, "accuracy": self.accuracy,
             "samples": self.samples, "step_time_s": self.step_time,
-            "allreduce_time_s": self.allreduce_time, "waited_for": self.waited_for,
+            "allreduce_time_s": self.allreduce_time, "exchange_s": self.exchange_time,
+            "waited_for": self.waited_for,
             "workers": [{"worker": w.worker_id, "shard": w.samples, "compute_s": w.compute,
                          "wait_s": wait, "samples_per_s": w.rate}
                         for w, wait in zip(self.workers, self.waits())],

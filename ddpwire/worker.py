@@ -473,7 +473,11 @@ class Worker(LifecycleOwner[WorkerState]):
                                     f"shard_end {msg.shard_end}", worker_id=self._worker_id,
                                     step=msg.step)
             if self._timed:
-                scale = self._chan.expect([ShardScale], step=msg.step)
+                # a coordinator stopped between the two frames shuts down here
+                scale = self._chan.expect([ShardScale, Shutdown], step=msg.step)
+                if isinstance(scale, Shutdown):
+                    log.info("worker %d: shutdown from the coordinator", self._worker_id)
+                    return None
                 if scale.step != msg.step:
                     raise GradientMismatch("ShardScale step", msg.step, scale.step,
                                            worker_id=self._worker_id, step=msg.step)

@@ -123,3 +123,18 @@ def test_the_count_check_names_the_worker_out_of_proportion():
     assert shards.check_totals([1600, 481, 320]) == (1, 480, 481)
     assert shards.check_totals([1601, 480, 320]) == (0, 1600, 1601)  # the odd one out, not worker 1
     assert shards.scale(0) == np.float32(2.0) and shards.scale(2) == np.float32(0.4)
+
+
+def test_bursty_noise_is_smoothed_not_followed():
+    """A CPU quota whose period is longer than a step makes a worker's
+    times swing threefold from step to step: its shards must not swing too."""
+    b = Balancer(2)
+    history = []
+    for step in range(40):
+        split = b.shards(1000)
+        history.append(split[1])
+        b.observe(0, split[0], split[0] / 4000.0)
+        burst = 3.0 if step % 2 else 1.0  # alternately 1x and 3x its mean time
+        b.observe(1, split[1], split[1] / 1000.0 * burst / 2.0)
+    late = history[10:]
+    assert max(late) - min(late) <= 0.2 * sum(late) / len(late), history

@@ -259,6 +259,7 @@ def test_the_table_and_the_metrics_name_the_worker_held_back(tmp_path):
     slow = lines[-1]["workers"][2]
     assert slow["compute_s"] > 0.05 and slow["wait_s"] == 0.0
     assert lines[-1]["workers"][0]["wait_s"] > 0.03
+    assert lines[-1]["exchange_s"] == pytest.approx(lines[-1]["step_time_s"] - slow["compute_s"])
 
     class Tty(io.StringIO):
         def isatty(self):
