@@ -31,7 +31,7 @@ benchmark's own time is the whole ``serve`` call (warm-up included).
         --benchmark-json docs/bench-balance.json -q
 
 DDPWIRE_BALANCE_STEPS (default 40) sets the measured steps,
-DDPWIRE_BALANCE_PERIOD_US (default 100000) the CFS period (the quotas scale
+DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
 with it; another period's slowdown lines go to
 docs/balance-slowdown-<period>us.jsonl). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
 otherwise.
@@ -64,14 +64,16 @@ PREFIX = "ddpwire-bench-"
 SAMPLES = 2048
 WARMUP = 5
 MEASURED = int(os.environ.get("DDPWIRE_BALANCE_STEPS", "40"))
-PERIOD_US = int(os.environ.get("DDPWIRE_BALANCE_PERIOD_US", "100000"))
+# 10 ms: a 100 ms period is longer than a step, and a quota that runs at full
+# speed for a quarter of each period and then stalls is no slower machine
+PERIOD_US = int(os.environ.get("DDPWIRE_BALANCE_PERIOD_US", "10000"))
 #: share of one core -> the worker's cgroup name
 SPEEDS = {1.0: "full", 0.5: "half", 0.25: "quarter"}
 SETUPS = {"pair": (1.0, 0.25), "trio": (1.0, 0.5, 0.25)}
 #: the slowdown run: the first worker drops from FROM to TO after step AT - 1
 SLOWDOWN = dict(speeds=(1.0, 0.5), frm=1.0, to=0.25, at=30, steps=60)
 #: another period's run keeps the default's file
-SLOWDOWN_JSONL = ROOT / "docs" / ("balance-slowdown.jsonl" if PERIOD_US == 100000 else
+SLOWDOWN_JSONL = ROOT / "docs" / ("balance-slowdown.jsonl" if PERIOD_US == 10000 else
                                   f"balance-slowdown-{PERIOD_US}us.jsonl")
 FOLLOW_WITHIN = 0.10
 JOIN_TIMEOUT = 120.0
