@@ -23,6 +23,11 @@ In one run, in this order:
   ``follow_steps`` counts the steps from the first slowed one until that
   worker's shard is within 10% of its new steady value, and stays there.
 
+- the same MLP through a plain DDP script on backend ddpwire
+  (``test_ddp_solo``, ``test_ddp_pair``; bench/balance_ddp_rank.py): the
+  100% and 25% ranks alone, then together with an even split (what
+  DistributedSampler gives) and with BalancedBatchSampler + balanced_hook.
+
 Throughput is samples per second over the measured steps (after
 :data:`WARMUP` steps), from the coordinator's end-of-step times; the
 benchmark's own time is the whole ``serve`` call (warm-up included).
@@ -361,3 +366,85 @@ def test_slowdown(benchmark):
         (session.ends[-1] - session.ends[cfg["at"] + 9]),
         metrics_jsonl=str(SLOWDOWN_JSONL.relative_to(ROOT)))
     assert first is not None, shards
+
+
+# ---- the same through a DDP script ----
+
+DDP_RANK = HERE / "balance_ddp_rank.py"
+
+
+def free_port() -> int:
+    """A port for torch's store; ddpwire's service takes the next one up."""
+    import socket
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as t:
+            try:
+                t.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+#: samples/s of each speed's rank alone (test_ddp_solo fills it)
+DDP_SOLO: Dict[float, float] = {}
+
+
+def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
+    """One DDP run on backend ddpwire, one rank per speed, each in its
+    cgroup; samples/s over the steps after WARMUP, from rank 0's step ends."""
+    steps = WARMUP + MEASURED
+    groups = [Cgroup(f"ddp{i}", s) for i, s in enumerate(speeds)]
+    port = free_port()
+    procs = []
+    load = os.getloadavg()[0]
+
+    def start():
+        for rank, group in enumerate(groups):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(speeds)),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(
+                [sys.executable, str(DDP_RANK), "--balance", "on" if balance else "off",
+                 "--steps", str(steps), "--samples", str(SAMPLES), "--cgroup", str(group.path),
+                 "--report", str(tmp_path / f"ddp{rank}.json")],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return (), {}
+
+    def wait():
+        for p in procs:
+            p.wait(RUN_TIMEOUT)
+    try:
+        benchmark.pedantic(wait, setup=start, rounds=1, iterations=1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        logs = "\n".join(p.stdout.read() for p in procs if p.stdout is not None)
+        for group in groups:
+            group.remove()
+    assert [p.returncode for p in procs] == [0] * len(speeds), logs
+    reports = [json.loads((tmp_path / f"ddp{r}.json").read_text()) for r in range(len(speeds))]
+    ends = reports[0]["ends"]
+    rate = (len(ends) - WARMUP) * SAMPLES / (ends[-1] - ends[WARMUP - 1])
+    benchmark.extra_info.update(
+        kind="ddp", speeds=list(speeds), balance=balance, samples_per_step=SAMPLES,
+        steps=steps, cfs_period_us=PERIOD_US, loadavg_1min_before=load, samples_per_s=rate,
+        batch_sizes=[r["sizes"] for r in reports])
+    return rate
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.25], ids=_percent)
+def test_ddp_solo(benchmark, tmp_path, speed):
+    benchmark.group = "ddp solo"
+    DDP_SOLO[speed] = run_ddp(benchmark, tmp_path, [speed], False)
+
+
+@pytest.mark.parametrize("balance", [False, True], ids=["off", "on"])
+def test_ddp_pair(benchmark, tmp_path, balance):
+    speeds = SETUPS["pair"]
+    benchmark.group = "ddp pair 100%+25%"
+    rate = run_ddp(benchmark, tmp_path, speeds, balance)
+    solos = [DDP_SOLO.get(s) for s in speeds]
+    solo_sum = sum(solos) if all(x is not None for x in solos) else None
+    benchmark.extra_info.update(solo_samples_per_s=solos, solo_sum=solo_sum,
+                                ratio=None if solo_sum is None else rate / solo_sum)

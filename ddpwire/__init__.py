@@ -59,6 +59,7 @@ from .extensions import Codec, CollectiveKind, DType, Extension, RefusalReason, 
 from . import reduce
 from .coordinator import Coordinator
 from .worker import Worker
+from .options import SessionOptions
 from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
 from ._version import __version__
@@ -115,6 +116,7 @@ __all__ = [
     "ShutdownDuringReduce",
     "UnexpectedMessage",
     "Worker",
+    "SessionOptions",
     "WorkerInfo",
     "WorkerLost",
     "decode_frame",

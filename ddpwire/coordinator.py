@@ -34,9 +34,8 @@ from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
 from .admission import Admission, Refuser
-from .auth import TOKEN_ENV, normalize_token
-from .channel import (DEFAULT_MAX_FRAME, SIDE_MESSAGES, Channel, check_timeout,
-                      heartbeat_limit, message_name, result_buffer)
+from .auth import TOKEN_ENV
+from .channel import SIDE_MESSAGES, Channel, check_timeout, message_name, result_buffer
 from .errors import (
     DdpwireError,
     GradientMismatch,
@@ -48,6 +47,7 @@ from .errors import (
 from .extensions import Extension
 from .launch import is_loopback
 from .lifecycle import Lifecycle, LifecycleOwner
+from .options import UNSET, SessionOptions, options_from
 from .messages import (
     AveragedBlockGradient,
     AveragedGradient,
@@ -218,6 +218,12 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     mesh sessions; an int sets that window on every worker connection;
     None leaves every connection to the kernel.
 
+    ``options`` (:class:`~ddpwire.options.SessionOptions`, the object
+    :meth:`Worker.connect` takes too) gives ``timeout``, ``heartbeat``,
+    ``heartbeat_timeout``, ``max_frame``, ``socket_threads``, ``token``,
+    ``samples_per_step``, ``per_block`` and ``gradient_length`` at once,
+    checked once; or pass them as keywords (not both).
+
     ``balance`` sizes each step's shards in proportion to the workers'
     measured speeds (:mod:`ddpwire.balance`), so a machine four times
     faster computes four times the samples and nobody waits, and averages
@@ -234,27 +240,36 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         bind: Tuple[str, int] = ("127.0.0.1", 0),
         expect_workers: int = 1,
         *,
-        timeout: float = 120.0,
+        options: Optional[SessionOptions] = None,
+        timeout: float = UNSET,
         join_timeout: float = 300.0,
         handshake_timeout: float = 10.0,
-        max_frame: int = DEFAULT_MAX_FRAME,
-        heartbeat: Optional[float] = None,
-        heartbeat_timeout: Optional[float] = None,
+        max_frame: int = UNSET,
+        heartbeat: Optional[float] = UNSET,
+        heartbeat_timeout: Optional[float] = UNSET,
         ring_bytes: int = 1 << 20,
-        socket_threads: Optional[bool] = None,
+        socket_threads: Optional[bool] = UNSET,
         node_id: str = "coordinator",
-        token: Union[str, bytes, None] = None,
+        token: Union[str, bytes, None] = UNSET,
         extensions: Optional[Mapping[int, bytes]] = None,
-        samples_per_step: Optional[int] = None,
+        samples_per_step: Optional[int] = UNSET,
         topology: str = "auto",
         compression: Optional[str] = None,
         shared_memory: bool = True,
         coordinator_share: Union[str, float] = "auto",
         receive_window: Union[str, int, None] = "auto",
-        per_block: Optional[bool] = None,
-        gradient_length: Optional[int] = None,
+        per_block: Optional[bool] = UNSET,
+        gradient_length: Optional[int] = UNSET,
         balance: Union[bool, str] = False,
     ) -> None:
+        opts = options_from(options, dict(
+            timeout=timeout, max_frame=max_frame, heartbeat=heartbeat,
+            heartbeat_timeout=heartbeat_timeout, socket_threads=socket_threads, token=token,
+            samples_per_step=samples_per_step, per_block=per_block,
+            gradient_length=gradient_length))
+        #: the session's options, as checked (:class:`ddpwire.options.SessionOptions`)
+        self.options = opts
+        per_block = opts.per_block
         if expect_workers < 1:
             raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
         if topology not in ("auto", "star", "mesh"):
@@ -262,14 +277,12 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if per_block and topology == "mesh":
             raise ValueError("per-block steps always take the star: topology 'mesh' needs "
                              "flat steps")
-        if gradient_length is not None and gradient_length < 1:
-            raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
         if balance not in (True, False, "auto"):
             raise ValueError(f"balance must be True, False or 'auto', got {balance!r}")
         self.balance = balance
         #: the steps this coordinator runs: True per-block, False flat, None not said
         self.per_block = per_block
-        self.gradient_length = gradient_length
+        self.gradient_length = opts.gradient_length
         self.codec = _mesh.codec_of(compression)
         if compression is not None and topology == "star":
             raise ValueError("compression travels on the mesh: it needs topology 'auto' or 'mesh'")
@@ -293,16 +306,16 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         #: vector this coordinator averages (decided when the join completes)
         self.share = 0
         self.expect_workers = expect_workers
-        self.timeout = check_timeout("timeout", timeout)
+        self.timeout = opts.timeout
         self.join_timeout = check_timeout("join_timeout", join_timeout)
         self.handshake_timeout = check_timeout("handshake_timeout", handshake_timeout)
-        self.max_frame = max_frame
+        self.max_frame = opts.max_frame
         self.ring_bytes = ring_bytes
-        self.socket_threads = socket_threads
+        self.socket_threads = opts.socket_threads
         self.node_id = node_id
-        self.heartbeat = None if heartbeat is None else check_timeout("heartbeat", heartbeat)
-        self.heartbeat_timeout = heartbeat_limit(self.heartbeat, heartbeat_timeout)
-        self._token = normalize_token(token)
+        self.heartbeat = opts.heartbeat
+        self.heartbeat_timeout = opts.heartbeat_timeout
+        self._token: Optional[bytes] = opts.token  # type: ignore[assignment]
         self._grants = dict(extensions or {})
         if topology != "star" and not per_block:
             self._grants[Extension.MESH] = b""
@@ -313,8 +326,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         self.shards: Optional[_balance.Shards] = None
         self._assigned_at = 0.0  # time.perf_counter() when the last step's shards went out
         self.total_samples = 0
-        if samples_per_step is not None:
-            self.set_total_samples(samples_per_step)
+        if opts.samples_per_step is not None:
+            self.set_total_samples(opts.samples_per_step)
         self._listener = _bind(bind, backlog=max(16, expect_workers))
         if self._token is None and not is_loopback(bind[0]):
             log.warning("listening on %s:%d without a token: any host that reaches this port can "

@@ -28,8 +28,7 @@ from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
-from .channel import (DEFAULT_MAX_FRAME, Channel, check_timeout, heartbeat_limit, message_name,
-                      result_buffer)
+from .channel import Channel, check_timeout, message_name, result_buffer
 from .errors import (
     AuthenticationFailed,
     CoordinatorLost,
@@ -45,6 +44,7 @@ from .errors import (
 )
 from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
 from .lifecycle import Lifecycle, LifecycleOwner
+from .options import UNSET, SessionOptions, options_from
 from .messages import (
     AuthChallenge,
     AuthProof,
@@ -242,22 +242,29 @@ class Worker(LifecycleOwner[WorkerState]):
         gpu_count: int = 0,
         backend: str = "cpu",
         node_id: Optional[str] = None,
-        timeout: float = 120.0,
+        timeout: float = UNSET,
         *,
+        options: Optional[SessionOptions] = None,
         connect_timeout: Optional[float] = None,
-        heartbeat: Optional[float] = None,
-        heartbeat_timeout: Optional[float] = None,
-        max_frame: int = DEFAULT_MAX_FRAME,
-        socket_threads: Optional[bool] = None,
-        token: Union[str, bytes, None] = None,
+        heartbeat: Optional[float] = UNSET,
+        heartbeat_timeout: Optional[float] = UNSET,
+        max_frame: int = UNSET,
+        socket_threads: Optional[bool] = UNSET,
+        token: Union[str, bytes, None] = UNSET,
         extensions: Optional[Mapping[int, bytes]] = None,
-        samples_per_step: Optional[int] = None,
+        samples_per_step: Optional[int] = UNSET,
         mesh: bool = True,
         tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION,
-        per_block: Optional[bool] = None,
-        gradient_length: Optional[int] = None,
+        per_block: Optional[bool] = UNSET,
+        gradient_length: Optional[int] = UNSET,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
+
+        ``options`` (:class:`~ddpwire.options.SessionOptions`, the object a
+        Coordinator takes too) gives ``timeout``, ``heartbeat``,
+        ``heartbeat_timeout``, ``max_frame``, ``socket_threads``, ``token``,
+        ``samples_per_step``, ``per_block`` and ``gradient_length`` at once;
+        or pass them as keywords (not both).
 
         Connecting is retried until ``connect_timeout`` (default ``timeout``)
         so workers may start before the coordinator. ``timeout`` then bounds
@@ -297,14 +304,19 @@ class Worker(LifecycleOwner[WorkerState]):
         system's. A refusal raises
         :class:`~ddpwire.JoinRefusedError` saying why.
         """
-        timeout = check_timeout("timeout", timeout)
+        opts = options_from(options, dict(
+            timeout=timeout, max_frame=max_frame, heartbeat=heartbeat,
+            heartbeat_timeout=heartbeat_timeout, socket_threads=socket_threads, token=token,
+            samples_per_step=samples_per_step, per_block=per_block,
+            gradient_length=gradient_length))
+        timeout, heartbeat, max_frame = opts.timeout, opts.heartbeat, opts.max_frame
+        samples_per_step, per_block = opts.samples_per_step, opts.per_block
+        gradient_length, socket_threads = opts.gradient_length, opts.socket_threads
         tcp_congestion = _mesh.check_congestion(tcp_congestion)
         connect_limit = timeout if connect_timeout is None else check_timeout(
             "connect_timeout", connect_timeout)
-        if heartbeat is not None:
-            heartbeat = check_timeout("heartbeat", heartbeat)
-        hb_timeout = heartbeat_limit(heartbeat, heartbeat_timeout)
-        secret = auth.normalize_token(token)
+        hb_timeout = opts.heartbeat_timeout
+        secret: Optional[bytes] = opts.token  # type: ignore[assignment]
         if node_id is None:
             node_id = f"{socket.gethostname()}-{os.getpid()}"
         offer: Dict[int, bytes] = dict(extensions or {})
@@ -316,8 +328,6 @@ class Worker(LifecycleOwner[WorkerState]):
         if per_block is not None:
             offer[Extension.PER_BLOCK] = encode_flag(per_block)
         if gradient_length is not None:
-            if gradient_length < 1:
-                raise ValueError(f"gradient_length must be at least 1, got {gradient_length}")
             offer[Extension.GRADIENT_LENGTH] = encode_u64(gradient_length)
         nonce = auth.new_nonce() if secret is not None else b""
         if secret is not None:

@@ -1,0 +1,64 @@
+"""One options object for both sides of a session (ddpwire.options)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddpwire import Coordinator, SessionOptions, Worker
+from ddpwire.channel import heartbeat_limit
+
+from session_helpers import reference_allreduce, spawn
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(timeout=0), "timeout"),
+    (dict(timeout=float("nan")), "timeout"),
+    (dict(heartbeat=-1.0), "heartbeat"),
+    (dict(max_frame=0), "max_frame"),
+    (dict(samples_per_step=-1), "samples_per_step"),
+    (dict(gradient_length=0), "gradient_length"),
+])
+def test_a_bad_value_is_refused_once_naming_it(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SessionOptions(**bad)
+
+
+def test_values_are_checked_and_completed_once():
+    opts = SessionOptions(heartbeat=0.5, token="secret")
+    assert opts.heartbeat_timeout == heartbeat_limit(0.5, None)
+    assert opts.token == b"secret"
+    with pytest.raises(AttributeError):
+        opts.timeout = 1.0  # type: ignore[misc]
+    assert opts.replace(timeout=5.0).timeout == 5.0
+    with pytest.raises(ValueError, match="timeout"):
+        opts.replace(timeout=-1)
+
+
+def test_options_or_keywords_not_both():
+    with pytest.raises(TypeError, match="either options= or timeout"):
+        Coordinator(options=SessionOptions(), timeout=3.0)
+    with pytest.raises(TypeError, match="either options= or heartbeat"):
+        Worker.connect(("127.0.0.1", 1), options=SessionOptions(), heartbeat=1.0)
+    with pytest.raises(TypeError, match="SessionOptions"):
+        Coordinator(options={"timeout": 3.0})  # type: ignore[arg-type]
+
+
+def test_one_object_runs_both_sides_of_a_session():
+    opts = SessionOptions(timeout=20.0, heartbeat=0.2, token="shared secret", samples_per_step=64,
+                          gradient_length=500)
+    grads = [np.full(500, i + 1, dtype=np.float32) for i in range(2)]
+    with Coordinator(("127.0.0.1", 0), 2, options=opts, join_timeout=20.0) as coord:
+        assert coord.timeout == 20.0 and coord.heartbeat_timeout == opts.heartbeat_timeout
+
+        def body():
+            with Worker.connect(coord.local_addr, options=opts) as w:
+                shard = w.receive_shard()
+                return w.allreduce(shard.step, grads[w.worker_id], 0.0, 0, 32).gradients.copy()
+        threads = [spawn(body)]
+        coord.wait_for_workers(count=1)
+        threads.append(spawn(body))
+        coord.wait_for_workers()
+        coord.send_shard_assignments(0)
+        coord.allreduce(0)
+        got = [t.join_result() for t in threads]
+    assert all(np.array_equal(g, reference_allreduce(grads)) for g in got)
