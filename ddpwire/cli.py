@@ -67,6 +67,12 @@ def _training(p: argparse.ArgumentParser, steps_help: Optional[str] = None) -> N
                    help="average block by block while backward runs (transformer model)")
     p.add_argument("--blocks", type=int, default=4,
                    help="transformer blocks (per-block mode; default 4)")
+    p.add_argument("--sync-every", type=_positive, default=1, metavar="H",
+                   help="local steps for slow links (DiLoCo): each worker takes H optimizer steps "
+                        "on its own shards, then the change of the weights is averaged and "
+                        "applied by an outer Nesterov step (default 1: every step averaged). "
+                        "--steps and --samples keep their meaning (inner steps, samples per "
+                        "inner step); give every side the same H")
 
 
 def _worker_model(p: argparse.ArgumentParser, workers_here: str) -> None:
@@ -322,7 +328,7 @@ def run_worker(args: argparse.Namespace) -> int:
         # torchrun's rank 0 also runs the coordinator, on every interface
         coord_args = argparse.Namespace(**vars(args), workers=launch.world_size)
         if coord_args.steps is None:
-            coord_args.steps = DEFAULT_STEPS
+            coord_args.steps = max(1, DEFAULT_STEPS // args.sync_every)  # rounds
 
         def host() -> None:
             try:
@@ -344,6 +350,7 @@ def run_worker(args: argparse.Namespace) -> int:
     # once they have all joined (ddpwire.threads.workers_here)
     report = train_worker(launch.addr, model=_model(args), per_block=args.per_block,
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
+                          sync_every=args.sync_every,
                           device=args.device, node_id=node_id, timeout=args.timeout,
                           seed=args.seed, threads=args.threads, join_turn=join_turn,
                           token=load_token(args.token_file),
@@ -391,6 +398,24 @@ def _model(args: argparse.Namespace) -> str:
     return args.model or ("transformer" if args.per_block else "mlp")
 
 
+def rounds(args: argparse.Namespace) -> None:
+    """--sync-every H: the protocol's steps become rounds of H inner steps,
+    with H times the samples (``args.inner_samples`` keeps the figure given)."""
+    args.inner_samples = args.samples
+    h = args.sync_every
+    if h == 1:
+        return
+    if args.per_block:
+        raise UsageError("--sync-every averages one change of the weights per round: it needs "
+                         "flat steps, not --per-block")
+    if args.steps is not None and args.steps % h:
+        raise UsageError(f"--steps {args.steps} is not a whole number of rounds of "
+                         f"--sync-every {h}")
+    args.samples *= h
+    if args.steps is not None:
+        args.steps //= h
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``ddpwire`` console script and ``python -m ddpwire``."""
     args = build_parser().parse_args(argv)
@@ -400,6 +425,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("ddpwire: error: --per-block needs the transformer model", file=sys.stderr)
         return 2
     try:
+        rounds(args)
         if args.command == "coordinator":
             with StopSignals() as stops:
                 run_coordinator(args, stops=stops)

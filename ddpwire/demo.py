@@ -38,7 +38,8 @@ class WorkerDied(DdpwireError):
 
 def _worker_command(args: argparse.Namespace, model: str, addr, report: str, threads: int) -> List[str]:
     cmd = [sys.executable, "-m", "ddpwire", "worker", "--connect", f"{addr[0]}:{addr[1]}",
-           "--model", model, "--samples", str(args.samples), "--blocks", str(args.blocks),
+           "--model", model, "--samples", str(args.inner_samples), "--blocks", str(args.blocks),
+           "--sync-every", str(args.sync_every),
            "--lr", str(args.lr), "--seed", str(args.seed), "--timeout", str(args.timeout),
            "--report", report, "--log-level", "WARNING", "--threads", str(threads)]
     if args.per_block:
@@ -174,8 +175,10 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
         addr = coord.local_addr
         reports = [os.path.join(tmp, f"worker{i}.json") for i in range(args.workers)]
         print(f"ddpwire demo: {counted(args.workers, 'worker')} on {addr[0]}:{addr[1]}, "
-              f"model {model}, {counted(args.steps, 'step')} of {counted(args.samples, 'sample')}"
-              f"{', per-block' if args.per_block else ''}; "
+              f"model {model}, {counted(args.steps * args.sync_every, 'step')} of "
+              f"{counted(args.inner_samples, 'sample')}"
+              f"{', per-block' if args.per_block else ''}"
+              f"{f', averaged every {args.sync_every} (local steps)' if args.sync_every > 1 else ''}; "
               f"torch threads per worker: {threads or _torch_default()}", file=out, flush=True)
         # Own sessions: a Ctrl-C at the terminal reaches the demo alone, which
         # then stops its workers, instead of every process printing it.

@@ -52,6 +52,25 @@ def test_demo_trains_two_workers_to_identical_weights():
 
 
 @needs_torch
+def test_local_steps_average_once_a_round_and_keep_the_workers_identical(tmp_path):
+    """--sync-every 5: 20 inner steps are 4 averaged rounds of 5 times the samples."""
+    proc = run(["demo", "--workers", "2", "--steps", "20", "--samples", "64", "--sync-every", "5"])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "20 steps of 64 samples, averaged every 5 (local steps)" in out.splitlines()[0]
+    assert "step 4/4" in out and "weights identical on all 2 workers" in out
+
+
+@pytest.mark.parametrize("extra,why", [
+    (["--steps", "21", "--sync-every", "5"], "not a whole number of rounds"),
+    (["--steps", "20", "--sync-every", "5", "--per-block"], "needs flat steps"),
+])
+def test_local_steps_that_cannot_work_are_refused_in_one_line(extra, why):
+    proc = run(["coordinator", "--workers", "1", "--bind", "127.0.0.1:0"] + extra)
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+
+
+@needs_torch
 def test_per_block_demo_shows_loss_and_accuracy_as_it_trains():
     # block messages carry no loss: the progress lines pool the workers' own
     # figures for the step they show, while training runs

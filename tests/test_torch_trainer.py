@@ -316,3 +316,46 @@ def test_a_mixed_speed_pair_with_balance_matches_one_process_on_the_whole_batch(
         one.optimizer.step()
     for a, b in zip(weights(one.model), weights(trainers[0].model)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ----- local steps (DiLoCo) -----
+
+
+def local_trainer(worker, sync_every, outer=None, inner_lr=0.2, momentum=0.0):
+    model = DigitsMLP(hidden=32, seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=inner_lr, momentum=momentum)
+    outer_opt = outer(model) if outer is not None else None
+    return DataParallelTrainer(worker, model, opt, DIGITS_TRAIN, samples_per_step=256, seed=1,
+                               sync_every=sync_every, outer_optimizer=outer_opt)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_local_rounds_end_with_identical_parameters_and_outer_state(n):
+    cluster = FakeCluster(n, total_samples=256, steps=4)
+    trainers, results = train_all(cluster, lambda w: local_trainer(w, 4, momentum=0.9))
+    assert_bit_identical([t.model for t in trainers])
+    states = [t.outer_optimizer.state_dict()["state"] for t in trainers]
+    for other in states[1:]:
+        for i in states[0]:
+            assert torch.equal(states[0][i]["momentum_buffer"], other[i]["momentum_buffer"])
+    assert [len(r) for r in results] == [4] * n
+    assert sum(r.total for r in results[0]) > 0
+    assert results[0][-1].global_loss < results[0][0].global_loss
+
+
+def test_one_inner_sgd_step_and_an_outer_sgd_of_lr_1_is_the_synchronous_step():
+    plain = FakeCluster(2, total_samples=256, steps=3)
+    sync, _ = train_all(plain, lambda w: local_trainer(w, 1, inner_lr=0.2))
+    local = FakeCluster(2, total_samples=256, steps=3)
+    rounds, _ = train_all(local, lambda w: local_trainer(
+        w, 1, outer=lambda m: torch.optim.SGD(m.parameters(), lr=1.0), inner_lr=0.2))
+    for a, b in zip(weights(sync[0].model), weights(rounds[0].model)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_local_steps_need_flat_steps():
+    with pytest.raises(ValueError, match="flat steps"):
+        DataParallelTrainer(None, tiny_transformer(), torch.optim.SGD(tiny_transformer().parameters(), lr=0.1),
+                            TOKENS, per_block=True, sync_every=2)
+    with pytest.raises(ValueError, match="sync_every"):
+        local_trainer(None, 0)

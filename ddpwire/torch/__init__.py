@@ -13,6 +13,7 @@ from .buffer import (
 )
 from .data import ArrayDataset, ShardSampler, digits_split, token_sequences
 from .device import DEVICE_ENV, DeviceChoice, choose_device
+from .local_steps import DiLoCo, nesterov_outer
 from .models import Block, DigitsMLP, RMSNorm, TinyTransformer
 from .trainer import (
     BatchFn,
@@ -52,6 +53,8 @@ __all__ = [
     "digits_split",
     "token_sequences",
     "DEVICE_ENV",
+    "DiLoCo",
+    "nesterov_outer",
     "DeviceChoice",
     "choose_device",
     "Block",

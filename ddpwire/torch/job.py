@@ -54,6 +54,12 @@ class WorkerReport:
     train_loss: List[float] = field(default_factory=list)
     train_correct: List[int] = field(default_factory=list)
     train_total: List[int] = field(default_factory=list)
+    #: the float32 bytes of every vector this worker averaged (a gradient a
+    #: step, or a pseudo-gradient a round): what local steps save, whatever
+    #: the topology moves on the wire for each vector
+    averaged_bytes: int = 0
+    #: inner steps per averaged round (1: every step averaged)
+    sync_every: int = 1
 
     def to_dict(self, per_step: bool = True) -> Dict[str, Any]:
         """The report as JSON-ready values; ``per_step=False`` leaves out the
@@ -133,6 +139,7 @@ def train_worker(
     mesh: bool = True,
     tcp_congestion: Optional[str] = DEFAULT_CONGESTION,
     on_step: Optional[Callable[[StepResult], None]] = None,
+    sync_every: int = 1,
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
@@ -144,6 +151,8 @@ def train_worker(
     ``token``: authenticate both ways (docs/security.md).
     ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`.
     ``on_step``: called with each step's result as it ends.
+    ``sync_every``: local steps (DataParallelTrainer); ``samples_per_step``
+    is then a round's, and each result a round's.
 
     A Shutdown where an average was due, or before the run's length that a
     ddpwire coordinator announces at the join, ends training all the same:
@@ -176,7 +185,7 @@ def train_worker(
             session = _ThreadsAtStart(worker)
         trainer = DataParallelTrainer(session, net, optimizer, train, device=choice.device,
                                       samples_per_step=samples_per_step, seed=seed,
-                                      per_block=per_block)
+                                      per_block=per_block, sync_every=sync_every)
         results: List[StepResult] = []
         inside_step = False
         try:
@@ -206,7 +215,9 @@ def train_worker(
             threads=session.threads if threads is None else used_threads,
             run_steps=run_steps, stopped_early=inside_step or len(results) < run_steps,
             train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
-            train_total=[r.total for r in results])
+            train_total=[r.total for r in results],
+            # one flat vector a step (a round): what this worker put on the wire for it
+            averaged_bytes=len(results) * 4 * gradient_length, sync_every=sync_every)
     log.info("worker %d done: %s%s, held-out accuracy %.1f%%", report.worker_id,
              counted(report.steps, "step"), " (stopped early)" if report.stopped_early else "",
              100 * accuracy)

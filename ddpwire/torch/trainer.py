@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import GradientMismatch
 from .buffer import NON_BLOCK_COMPONENTS, GradientBuffer, Segment, block_segment
 from .data import ArrayDataset, ShardSampler
+from .local_steps import nesterov_outer
 
 __all__ = [
     "WorkerLike",
@@ -147,6 +148,17 @@ class DataParallelTrainer:
     ``model.gradient_layout()``) must then consist of segments named
     ``block.<i>`` for ``i`` in ``0..N-1`` and any of lm_head, final_norm,
     embedding.
+
+    Local steps (DiLoCo, for slow links): with ``sync_every=H`` (or an
+    ``outer_optimizer``) each protocol step is a round: the worker's shard
+    of the round (``samples_per_step`` is the round's, H times the samples
+    of one inner step) is split in order into H inner batches, ``optimizer``
+    steps on each locally, and the round's pseudo-gradient (its start minus
+    where the inner steps led) is averaged by the ordinary flat step, so any
+    coordinator (the reference's too) averages it, and applied from the
+    round's start by ``outer_optimizer`` (default
+    :func:`ddpwire.torch.local_steps.nesterov_outer`). Every worker ends each
+    round with the same parameters and outer state.
     """
 
     def __init__(
@@ -162,7 +174,14 @@ class DataParallelTrainer:
         per_block: bool = False,
         layout: Optional[Sequence[Segment]] = None,
         batch_fn: BatchFn = classification_batch,
+        sync_every: int = 1,
+        outer_optimizer: Optional[torch.optim.Optimizer] = None,
     ) -> None:
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be at least 1, got {sync_every}")
+        if sync_every > 1 and per_block:
+            raise ValueError("local steps (sync_every > 1) average one pseudo-gradient a round: "
+                             "they need flat steps, not per_block")
         self.worker = worker
         self.model = model
         self.optimizer = optimizer
@@ -176,6 +195,14 @@ class DataParallelTrainer:
                 raise ValueError("per_block=True needs a layout, or a model with gradient_layout()")
             layout = model.gradient_layout()
         self.buffer = GradientBuffer(model, self.device, layout=layout)
+        #: inner steps per averaged round (local steps, DiLoCo; 1: every step averaged)
+        self.sync_every = sync_every
+        self.outer_optimizer = outer_optimizer
+        if outer_optimizer is None and sync_every > 1:
+            self.outer_optimizer = nesterov_outer(
+                [p for p in model.parameters() if p.requires_grad])
+        # the parameters every worker holds at the start of a round
+        self._anchor: Optional[List[torch.Tensor]] = None
         self._hooks: List[Any] = []
         if per_block:
             self._plan_blocks()
@@ -238,6 +265,8 @@ class DataParallelTrainer:
             return None
         index = self.sampler.indices(shard.step, shard.shard_start, shard.shard_end)
         self.model.train()
+        if self.outer_optimizer is not None:
+            return self._local_round(shard.step, index)
         # set_to_none=False keeps each .grad allocated, so backward and scatter reuse it every step
         self.model.zero_grad(set_to_none=False)
         if self.per_block:
@@ -270,21 +299,65 @@ class DataParallelTrainer:
         timings = StepTimings()
         loss, correct, total = self._forward_backward(index, timings)
         gradients = self.buffer.gather() if total else self.buffer.zero()
+        global_loss = self._average(step, gradients, loss, correct, total, timings)
+        return StepResult(step, loss, global_loss, correct, total, timings)
+
+    def _average(self, step: int, vector: np.ndarray, loss: float, correct: int, total: int,
+                 timings: StepTimings) -> float:
+        """One flat step of the protocol for ``vector``: its average lands
+        in ``.grad`` (through the buffer); returns the global loss."""
         t0 = time.perf_counter()
         allreduce = getattr(self.worker, "allreduce", None)
         if allreduce is not None:
             # send and receive at once: the average may start arriving before the send ends
-            avg = allreduce(step, gradients, loss, correct, total, out=self.buffer.array)
+            avg = allreduce(step, vector, loss, correct, total, out=self.buffer.array)
             timings.send_s = timings.exposed_comm_s = time.perf_counter() - t0
         else:
-            self.worker.send_gradients(step, gradients, loss, correct, total)
+            self.worker.send_gradients(step, vector, loss, correct, total)
             t1 = time.perf_counter()
             avg = self.worker.receive_averaged(out=self.buffer.array)
             timings.send_s, timings.exposed_comm_s = t1 - t0, time.perf_counter() - t0
         if avg.step != step:
             raise GradientMismatch("step", step, avg.step, worker_id=self.worker.worker_id, step=step)
         self.buffer.scatter(avg.gradients)
-        return StepResult(step, loss, float(avg.global_loss), correct, total, timings)
+        return float(avg.global_loss)
+
+    # ----- local steps (DiLoCo) -----
+
+    def _local_round(self, step: int, index: torch.Tensor) -> StepResult:
+        """``sync_every`` inner steps over the round's shard, split in
+        order, then the pseudo-gradient (the round's start minus where the
+        inner steps led) averaged by one flat step and applied from the
+        round's start by the outer optimizer: every worker ends the round
+        with the same parameters and outer state."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self._anchor is None:
+            self._anchor = [p.detach().clone() for p in params]
+        timings = StepTimings()
+        loss_sum, correct, total = 0.0, 0, 0
+        for part in torch.tensor_split(index, self.sync_every):
+            self.model.zero_grad(set_to_none=False)
+            loss, c, t = self._forward_backward(part, timings)
+            if t:
+                self.optimizer.step()
+            loss_sum, correct, total = loss_sum + loss * t, correct + c, total + t
+        with torch.no_grad():
+            for p, a in zip(params, self._anchor):
+                p.grad.copy_(a - p)  # type: ignore[union-attr]
+        mean_loss = loss_sum / total if total else 0.0
+        global_loss = self._average(step, self.buffer.gather(), mean_loss, correct, total,
+                                    timings)
+        with torch.no_grad():
+            for p, a in zip(params, self._anchor):
+                p.copy_(a)
+        t0 = time.perf_counter()
+        assert self.outer_optimizer is not None
+        self.outer_optimizer.step()
+        timings.optimizer_s = time.perf_counter() - t0
+        with torch.no_grad():
+            for p, a in zip(params, self._anchor):
+                a.copy_(p)
+        return StepResult(step, mean_loss, global_loss, correct, total, timings)
 
     # ----- per-block step -----
 

@@ -1,0 +1,114 @@
+"""Local steps with an outer optimizer (DiLoCo) for torch users, on any
+process group.
+
+Over a slow link (a home uplink, a link between sites) averaging every step
+leaves the machines idle most of the time. DiLoCo (Douillard et al., 2023)
+trains ``sync_every`` steps locally with the usual (inner) optimizer, then
+averages the change of the parameters since the last average (the
+pseudo-gradient) and applies it with an outer optimizer, Nesterov momentum
+by default::
+
+    model = Net()                                   # no DDP: nothing to sync per step
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    local = DiLoCo(model, inner, sync_every=50)     # on the default process group
+    for x, y in loader:                             # each rank its own data
+        inner.zero_grad()
+        loss_fn(model(x), y).backward()
+        local.step()                                # inner step; every 50th, the average
+
+Every rank starts a round from the same parameters and applies the same
+averaged pseudo-gradient with the same outer optimizer state, so the ranks
+end every round with bit-identical parameters, on any backend whose
+allreduce gives every rank the same bits (ddpwire, gloo, NCCL). With
+``sync_every=1``, a plain SGD inner optimizer of learning rate ``lr`` and an
+outer ``SGD(lr=1)`` this is synchronous data parallel SGD, within float32
+rounding.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DiLoCo", "nesterov_outer"]
+
+
+def nesterov_outer(params: Any, lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (the paper's 0.7, 0.9)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+
+
+class DiLoCo:
+    """``model``'s parameters trained ``sync_every`` inner steps at a time
+    by ``inner``, then averaged over ``group`` (the default process group
+    when None) as a pseudo-gradient applied by ``outer`` (default
+    :func:`nesterov_outer`). Call :meth:`step` where ``inner.step()`` was
+    called; :meth:`sync` averages at once (at the end of training, say).
+    """
+
+    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, *, sync_every: int,
+                 outer: Optional[torch.optim.Optimizer] = None, group: Optional[Any] = None) -> None:
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be at least 1, got {sync_every}")
+        self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no parameters to train")
+        self.inner = inner
+        self.outer = outer if outer is not None else nesterov_outer(self.params)
+        self.sync_every = sync_every
+        self.group = group
+        #: inner steps since the last average
+        self.local_steps = 0
+        #: averages done so far
+        self.rounds = 0
+        # every rank must start from the same parameters: rank 0's
+        for p in self.params:
+            dist.broadcast(p.data, 0, group=group)
+        self._anchor = [p.detach().clone() for p in self.params]
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:
+        """One inner step; every ``sync_every``-th also averages. Returns
+        whether it did."""
+        self.inner.step(closure)
+        self.local_steps += 1
+        if self.local_steps < self.sync_every:
+            return False
+        self.sync()
+        return True
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Average the pseudo-gradients and take the outer step."""
+        world = dist.get_world_size(self.group)
+        # one flat float32 vector: one allreduce, whatever the model's layout
+        delta = torch.cat([(a - p.detach()).reshape(-1).float()
+                           for a, p in zip(self._anchor, self.params)])
+        dist.all_reduce(delta, group=self.group)
+        delta.div_(world)
+        at = 0
+        for a, p in zip(self._anchor, self.params):
+            n = p.numel()
+            p.copy_(a)
+            p.grad = delta[at:at + n].view_as(p).to(p.dtype)
+            at += n
+        self.outer.step()
+        for a, p in zip(self._anchor, self.params):
+            a.copy_(p.detach())
+            p.grad = None
+        self.local_steps = 0
+        self.rounds += 1
+
+    def state_dict(self) -> dict:
+        """The outer optimizer's state and the round counters (the inner
+        optimizer and the model keep their own)."""
+        return {"outer": self.outer.state_dict(), "local_steps": self.local_steps,
+                "rounds": self.rounds, "anchor": [a.clone() for a in self._anchor]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.outer.load_state_dict(state["outer"])
+        self.local_steps = state["local_steps"]
+        self.rounds = state["rounds"]
+        for a, s in zip(self._anchor, state["anchor"]):
+            a.copy_(s)

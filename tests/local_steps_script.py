@@ -1,0 +1,64 @@
+"""One rank of a DiLoCo run (ddpwire.torch.local_steps), run by
+tests/test_torch_local_steps.py.
+
+    python tests/local_steps_script.py OUT BACKEND MODE
+
+MODE "rounds": AdamW inner steps, 5 per round, the default Nesterov outer
+step, 4 rounds; saves every round's parameters and outer state. MODE "sgd":
+one SGD step per round and an outer SGD(lr=1), which is synchronous SGD.
+Each rank trains on its half of every global batch.
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ddpwire.torch  # noqa: F401  (registers "ddpwire")
+from ddpwire.torch.local_steps import DiLoCo
+
+BATCH = 32
+STEPS = 20
+LR = 0.1
+
+
+def data():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(BATCH * STEPS, 12, generator=gen)
+    return x, (x[:, :3].sum(dim=1) > 0).long()
+
+
+def net(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 2))
+
+
+def main():
+    out, backend, mode = sys.argv[1:4]
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = net(seed=rank)  # unlike weights: DiLoCo starts every rank from rank 0's
+    if mode == "sgd":
+        inner = torch.optim.SGD(model.parameters(), lr=LR)
+        local = DiLoCo(model, inner, sync_every=1, outer=torch.optim.SGD(model.parameters(), lr=1.0))
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        local = DiLoCo(model, inner, sync_every=5)
+    x, y = data()
+    half = BATCH // world
+    rounds = []
+    for k in range(STEPS):
+        lo = k * BATCH + rank * half
+        inner.zero_grad()
+        nn.functional.cross_entropy(model(x[lo:lo + half]), y[lo:lo + half]).backward()
+        if local.step():
+            state = local.outer.state_dict()["state"]
+            rounds.append({"params": [p.detach().clone() for p in model.parameters()],
+                           "momentum": [state[i]["momentum_buffer"].clone() for i in sorted(state)
+                                        if state[i].get("momentum_buffer") is not None]})
+    dist.destroy_process_group()
+    torch.save(rounds, f"{out}.{mode}.rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
