@@ -38,7 +38,12 @@ def main():
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = net(seed=rank)  # unlike weights: DiLoCo starts every rank from rank 0's
-    if mode == "sgd":
+    if mode in ("f32", "bf16"):
+        # one round of 5 AdamW steps, the same start on every run: float32 against bf16
+        model = net(seed=0)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        local = DiLoCo(model, inner, sync_every=5, wire=None if mode == "f32" else "bf16")
+    elif mode == "sgd":
         inner = torch.optim.SGD(model.parameters(), lr=LR)
         local = DiLoCo(model, inner, sync_every=1, outer=torch.optim.SGD(model.parameters(), lr=1.0))
     else:
@@ -46,13 +51,16 @@ def main():
         local = DiLoCo(model, inner, sync_every=5)
     x, y = data()
     half = BATCH // world
+    start = [p.detach().clone() for p in model.parameters()]
     rounds = []
-    for k in range(STEPS):
+    for k in range(5 if mode in ("f32", "bf16") else STEPS):
         lo = k * BATCH + rank * half
         inner.zero_grad()
         nn.functional.cross_entropy(model(x[lo:lo + half]), y[lo:lo + half]).backward()
         if local.step():
             state = local.outer.state_dict()["state"]
+            if mode in ("f32", "bf16"):
+                rounds.append({"anchor": [a.clone() for a in start]})
             rounds.append({"params": [p.detach().clone() for p in model.parameters()],
                            "momentum": [state[i]["momentum_buffer"].clone() for i in sorted(state)
                                         if state[i].get("momentum_buffer") is not None]})

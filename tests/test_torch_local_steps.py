@@ -62,3 +62,21 @@ def test_one_sgd_step_per_round_with_outer_lr_1_is_synchronous_sgd(tmp_path):
         opt.step()
     for got, want in zip(ranks[0][-1]["params"], model.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_pseudo_gradient_is_within_bf16_rounding_of_the_float32_one(tmp_path):
+    f32 = run_ranks(tmp_path, "ddpwire", "f32")[0]
+    b16 = run_ranks(tmp_path, "ddpwire", "bf16")
+    for x, y in zip(b16[0][-1]["params"], b16[1][-1]["params"]):
+        assert torch.equal(x, y)  # still the same bits on every rank
+    start = f32[0]["anchor"]
+    for s, a, b in zip(start, f32[-1]["params"], b16[0][-1]["params"]):
+        step = (s - a).abs().max()  # the outer step: lr 0.7 * (1 + 0.9) times the average
+        # each rank's pseudo-gradient rounded to bf16 (8 bits of mantissa), then the
+        # average: an error within 2**-8 of the largest value, with room for the
+        # ranks' values being larger than their average
+        assert (a - b).abs().max() <= step * 2.0 ** -7
+        assert not torch.equal(a, b), "bf16 should round something"
+    with pytest.raises(ValueError, match="wire"):
+        from ddpwire.torch.local_steps import DiLoCo
+        DiLoCo(torch.nn.Linear(2, 2), None, sync_every=2, wire="int8")
