@@ -186,3 +186,48 @@ def test_by_default_a_non_finite_value_stops_the_reply(socket_threads):
             assert sent == want[:(len(sent) + 3) // 4].tobytes()[:len(sent)]
     finally:
         step.close()
+
+
+@pytest.mark.parametrize("socket_threads", [False, True], ids=["poll", "threads"])
+def test_scales_weight_each_connection_as_a_peer_that_applies_its_own(socket_threads):
+    """``scales`` (the sample weights of reference workers, ddpwire.balance):
+    each connection's elements multiplied once in float32 before the sum,
+    the bits of the peers multiplying their own; checked before the weight,
+    so a non-finite value is named as sent; a scale of 1 changes nothing."""
+    n = 3
+    grads = grads_for(n, COUNT, seed=11)
+    scales = [1.6, 1.0, 0.4]
+    grads[2][7] = math.inf
+    want = reference([g * np.float32(s) for g, s in zip(grads, scales)])
+    step = Step(n)
+    try:
+        peers = step.start(grads, 2, None)
+        out = np.empty(COUNT, np.float32)
+        tails, bad = allreduce_stream(step.conns, out, TAIL_LEN, None, None, TIMEOUT,
+                                      ring_bytes=RING, socket_threads=socket_threads, step=2,
+                                      halt_on_nonfinite=False, scales=scales)
+        assert bad is not None and bad[2][0] == 7 and bad[2][1] == math.inf
+        assert [b[0] for b in bad[:2]] == [-1, -1]
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    finally:
+        for c in step.conns:
+            c.close()  # the peers read to the end of the stream
+        for p in peers:
+            p.join_result()
+        step.close()
+
+
+@pytest.mark.parametrize("scales,match", [
+    ([1.0, 1.0], "one per connection"),
+    ([1.0, -0.5, 1.0], r"scales\[1\]"),
+    ([1.0, math.nan, 1.0], r"scales\[1\]"),
+    ([math.inf, 1.0, 1.0], r"scales\[0\]"),
+])
+def test_bad_scales_are_refused_before_a_byte_is_read(scales, match):
+    step = Step(3)
+    try:
+        with pytest.raises(ValueError, match=match):
+            allreduce_stream(step.conns, np.empty(8, np.float32), TAIL_LEN, None, None, TIMEOUT,
+                             scales=scales)
+    finally:
+        step.close()
