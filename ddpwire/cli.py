@@ -275,7 +275,7 @@ def run_coordinator(args: argparse.Namespace, bind=None,
                      coordinator_share=getattr(args, "coordinator_share", "auto"),
                      receive_window=getattr(args, "receive_window", "auto"),
                      per_block=args.per_block,
-                     balance=CHOICES[getattr(args, "balance", "off")],
+                     balance=CHOICES[getattr(args, "balance", "auto")],
                      # ddpwire workers learn the run's length, and so tell
                      # a Shutdown before its end (stop_workers) from the end
                      extensions={Extension.STEPS: encode_u64(args.steps)}) as coord:
