@@ -21,7 +21,11 @@ The rules, and why:
   followed in two steps, while noise, however large, is only smoothed.
 - The shards change only when the new split is predicted to shorten the
   step by more than :data:`TOLERANCE`: a difference of a sample or two is
-  noise, and shards that flap cost more than they save.
+  noise, and shards that flap cost more than they save. Nor do they change
+  while the last compute times are within :data:`SETTLED` of each other:
+  where a step is mostly a fixed cost, the speeds per sample mislead. A
+  step whose slowest compute is under :data:`MIN_COMPUTE` is left alone.
+- A worker's first measurement (its warm-up) is left out.
 - Until every worker has been timed once, the split is the reference's
   (``T // n``, the rest to the last), which is also the split of a
   coordinator that does not balance.
@@ -40,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["CHOICES", "JUMP", "SMOOTHING", "TOLERANCE", "Balancer", "Shards", "WorkerTiming", "equal_shards",
+__all__ = ["CHOICES", "JUMP", "MIN_COMPUTE", "SETTLED", "SMOOTHING", "TOLERANCE", "Balancer", "Shards", "WorkerTiming", "equal_shards",
            "sample_scale", "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
@@ -54,6 +58,11 @@ JUMP = 0.2
 #: the smallest predicted saving (a fraction of the step's compute time)
 #: worth changing the shards for
 TOLERANCE = 0.03
+#: compute times within this fraction of each other are balanced already
+SETTLED = 0.15
+#: seconds of compute below which a step is left as it is (the shards the
+#: reference splits stay, and with them its bits)
+MIN_COMPUTE = 0.005
 
 
 def _far(rate: float, reference: float) -> bool:
@@ -125,6 +134,8 @@ class Balancer:
         self.rates: List[Optional[float]] = [None] * workers
         self._last: Optional[List[int]] = None
         self._prev: List[Optional[float]] = [None] * workers  # the last raw speed
+        self._seconds: List[Optional[float]] = [None] * workers  # the last compute time
+        self._warm = [False] * workers  # a worker's first measurement is its warm-up
 
     def observe(self, worker: int, samples: int, seconds: float) -> None:
         """Worker ``worker`` computed ``samples`` samples in ``seconds``. A
@@ -134,7 +145,13 @@ class Balancer:
             raise ValueError(f"worker {worker} is not one of the {self.workers} workers")
         if samples <= 0 or not seconds > 1e-6:
             return
+        if not self._warm[worker]:
+            # a first step pays for lazy set-up (allocations, kernels picked,
+            # caches filled): its time says little about the next ones
+            self._warm[worker] = True
+            return
         rate = samples / seconds
+        self._seconds[worker] = seconds
         old = self.rates[worker]
         if old is None:
             self.rates[worker] = rate
@@ -159,11 +176,27 @@ class Balancer:
         else:
             split = self._proportional(total, [float(r) for r in self.rates])  # type: ignore[arg-type]
             last = self._last
-            if last is not None and sum(last) == total and \
-                    self._time(split) >= (1.0 - self.tolerance) * self._time(last):
+            if last is not None and sum(last) == total and (
+                    self._settled() or
+                    self._time(split) >= (1.0 - self.tolerance) * self._time(last)):
                 split = last
         self._last = split
         return list(split)
+
+    def _settled(self) -> bool:
+        """The workers' last compute times are within :data:`SETTLED` of
+        each other: nobody waits long, so nothing should move. Where a step's
+        time is mostly a fixed cost (a tiny model), a worker given fewer
+        samples looks slower per sample, and the proportional rule alone
+        would take its samples away step after step, however equal the
+        times already are."""
+        times = self._seconds
+        if any(t is None for t in times):
+            return False
+        slowest = max(times)  # type: ignore[type-var]
+        # a step whose compute is this short is all latency: whatever moves
+        # saves next to nothing, and the times are mostly scheduling noise
+        return slowest < MIN_COMPUTE or slowest <= (1.0 + SETTLED) * min(times)  # type: ignore[operator,type-var]
 
     def _time(self, split: Sequence[int]) -> float:
         """The step's predicted compute time under ``split``: its slowest worker's."""

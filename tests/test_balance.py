@@ -23,12 +23,17 @@ def run(balancer: Balancer, speeds, total: int, steps: int, noise: float = 0.0, 
     return history
 
 
-def test_equal_until_every_worker_is_timed():
+def test_equal_until_every_worker_is_timed_past_its_warm_up():
     b = Balancer(3)
     assert b.shards(100) == equal_shards(100, 3) == [33, 33, 34]
+    for w in range(3):
+        b.observe(w, 33, 0.1 * (w + 1))  # warm-ups: left out
+    assert b.rates == [None, None, None]
     b.observe(0, 33, 0.1)
     b.observe(1, 33, 0.1)
     assert b.shards(100) == [33, 33, 34]  # worker 2 not timed yet
+    b.observe(2, 33, 0.1)
+    assert b.rates == [330.0, 330.0, 330.0]
 
 
 @given(total=st.integers(0, 100_000), speeds=st.lists(st.floats(0.01, 1e4), min_size=1, max_size=8))
@@ -77,6 +82,8 @@ def test_no_flapping_by_a_sample_or_two():
 
 def test_a_zero_shard_or_a_zero_time_says_nothing():
     b = Balancer(2)
+    b.observe(0, 5, 1.0)
+    b.observe(1, 5, 1.0)  # the warm-ups
     b.observe(0, 0, 1.0)
     b.observe(1, 10, 0.0)
     assert b.rates == [None, None]
@@ -114,8 +121,9 @@ def test_the_count_check_names_the_worker_out_of_proportion():
     shards = Shards([True] * 3, True)
     shards.plan(0, 300)
     assert shards.check_totals([100, 100, 100]) is None  # equal shards: nothing to check
-    for w, c in enumerate([200, 60, 40]):
-        shards.balancer.observe(w, 100, 100 / c)
+    for _ in range(2):  # a warm-up, then a measurement
+        for w, c in enumerate([200, 60, 40]):
+            shards.balancer.observe(w, 100, 100 / c)
     shards.plan(1, 300)
     assert shards.split == [200, 60, 40]
     assert shards.check_totals([200, 60, 40]) is None
@@ -138,3 +146,31 @@ def test_bursty_noise_is_smoothed_not_followed():
         b.observe(1, split[1], split[1] / 1000.0 * burst / 2.0)
     late = history[10:]
     assert max(late) - min(late) <= 0.2 * sum(late) / len(late), history
+
+
+def test_a_fixed_cost_does_not_drain_the_smaller_shard():
+    """Two equal machines whose step is mostly a fixed cost (0.6 ms, plus
+    3 us a sample) and noisy: the proportional rule alone would take the
+    samples of whichever looked slower step after step."""
+    import random
+    rng = random.Random(3)
+    b = Balancer(2)
+    history = []
+    for _ in range(60):
+        split = b.shards(256)
+        history.append(split[1])
+        for w in range(2):
+            b.observe(w, split[w], (0.6e-3 + 3e-6 * split[w]) * rng.uniform(0.93, 1.07))
+    assert min(history) >= 100, history
+
+
+def test_steps_of_a_few_milliseconds_keep_the_reference_split():
+    """Below MIN_COMPUTE a step is all latency: the equal split (and with
+    it the reference's bits) stays, however the times jitter."""
+    from ddpwire.balance import MIN_COMPUTE
+    b = Balancer(2)
+    for step in range(20):
+        split = b.shards(256)
+        assert split == [128, 128]
+        b.observe(0, 128, MIN_COMPUTE * 0.2)
+        b.observe(1, 128, MIN_COMPUTE * (0.3 if step % 3 else 0.9))
