@@ -44,8 +44,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["CHOICES", "JUMP", "MIN_COMPUTE", "SETTLED", "SMOOTHING", "TOLERANCE", "Balancer", "Shards", "WorkerTiming", "equal_shards",
-           "sample_scale", "shard_starts"]
+__all__ = ["CHOICES", "JUMP", "MIN_COMPUTE", "SETTLED", "SMOOTHING", "TOLERANCE", "Balancer",
+           "Shards", "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
 CHOICES = {"auto": "auto", "on": True, "off": False}
