@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 
 from test_torch_backend import LIMIT, ROOT, free_ports  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parent / "local_steps_script.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import local_steps_script as script  # noqa: E402
