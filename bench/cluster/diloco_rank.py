@@ -212,7 +212,8 @@ def train(cfg: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
         curve = []
         for step, t, state in snaps:
             ev.load_state_dict(state)
-            curve.append({"step": step, "time_s": t, "held_out_loss": held_out_loss(torch, ev, held_t)})
+            curve.append({"step": step, "time_s": t,
+                          "held_out_loss": held_out_loss(torch, ev, held_t)})
         out.update(curve=curve, held_out_loss=curve[-1]["held_out_loss"], corpus=about,
                    parameters=sum(p.numel() for p in net.parameters()))
     return out
@@ -241,9 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     cfg = {"mode": a.mode, "sync_every": a.sync_every if a.mode == "diloco" else 1,
            "steps": a.steps, "eval_every": a.eval_every, "backend": a.backend, "iface": a.iface}
-    res = train(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    res.pop("curve", None) if res.get("rank") else None
-    print(json.dumps(res))
+    print(json.dumps(train(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))))
     return 0
 
 

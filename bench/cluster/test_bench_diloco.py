@@ -19,7 +19,7 @@ held-out loss over time (parameters copied every 50 inner steps, right
 after an average, evaluated after training), the final held-out loss,
 each rank's bytes sent and received on its eth0 (/proc/net/dev of its
 namespace) and rank 0's wall-clock time of training. Needs root, iproute2
-and torch; skips otherwise. At 100 Mbit/s (about 6 minutes on 2 cores):
+and torch; skips otherwise. At 100 Mbit/s (about 5 minutes on 2 cores):
 
     DDPWIRE_CLUSTER_WORKER_RATE=100mbit DDPWIRE_CLUSTER_COORD_RATE=100mbit \\
     DDPWIRE_CLUSTER_WORKERS=2,4 python -m pytest -q bench/cluster/test_bench_diloco.py \\
