@@ -392,3 +392,51 @@ def test_ddp_report_table(tmp_path):
     assert "commit abcdef0, links 1 Gbit/s" in text
     assert "| 4 | 1000 | 950 | 0.95x | 550 | 0.55x |" in text
     assert "| 2 | 700 | – | – | – | – |" in text
+
+
+def _cluster_module(name):
+    sys.path.insert(0, os.path.join(_BENCH, "cluster"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(os.path.join(_BENCH, "cluster"))
+
+
+def test_diloco_report_table_verdict_and_plot(tmp_path):
+    import xml.dom.minidom
+
+    report_diloco = _cluster_module("report_diloco")
+
+    def bench(label, n, loss, tx, wall, averages):
+        curve = [{"step": 0, "time_s": 0.0, "held_out_loss": 5.5},
+                 {"step": 50, "time_s": wall / 2, "held_out_loss": loss + 0.3},
+                 {"step": 100, "time_s": wall, "held_out_loss": loss}]
+        return {"extra_info": {"label": label, "workers": n, "held_out_loss": loss,
+                               "tx_bytes": [tx, tx + 2], "wall_s": wall, "averages": averages,
+                               "vector_bytes": averages * 4 * 1000, "curve": curve,
+                               "worker_rate_bps": 10**8, "steps": 100, "batch_per_rank": 64,
+                               "parameters": 1000}}
+    data = {"commit_info": {"id": "abcdef0123", "dirty": False}, "benchmarks": [
+        bench("sync", 2, 2.0, 1000001, 60.0, 100), bench("H10", 2, 2.02, 100001, 12.0, 10),
+        bench("H50", 2, 2.1, 20001, 10.0, 2)]}
+    path = tmp_path / "diloco.json"
+    path.write_text(json.dumps(data))
+    text = report_diloco.table(str(path))
+    assert "commit abcdef0, links 100 Mbit/s, 100 inner steps" in text
+    assert "| DiLoCo H=10 | 2 | 10 | 2.0200 | 1.010 | 0.10 | 10.0x | 0.04 | 12.0 | 5.0x |" in text
+    assert ("N=2, H=50: loss 1.050 of sync (missed: at most 1.03), 50.0x fewer bytes (met: "
+            "at least 40x), 6.0x less wall time (met: at least 5x)") in text
+    svg = report_diloco.render(data)
+    xml.dom.minidom.parseString(svg)
+    assert svg.count("<polyline") == 3
+
+
+def test_diloco_rank_model_and_held_out_files():
+    diloco_rank = _cluster_module("diloco_rank")
+    train, held, about = diloco_rank.corpus(200_000)
+    assert len(train) + len(held) == 200_000 and about["train_bytes"] == len(train)
+    assert diloco_rank.corpus(200_000)[2]["sha256"] == about["sha256"]
+    torch = pytest.importorskip("torch")
+    assert diloco_rank.parameter_count() < 1_000_000
+    assert sum(p.numel() for p in diloco_rank.model(torch).parameters()) == \
+        diloco_rank.parameter_count()

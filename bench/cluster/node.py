@@ -17,12 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import allreduce_procs  # noqa: E402  (needs the path above)
 import ddp_step  # noqa: E402
+import diloco_rank  # noqa: E402  (this folder: the script's own, first on the path)
 
 # the bodies a cluster run may start, and their modules; anything else is a
 # bug in the caller
 TARGETS = {name: allreduce_procs for name in ("_ddpwire_coordinator", "_ddpwire_worker",
                                               "_gloo_worker", "_tcp_receiver", "_tcp_sender")}
 TARGETS["_ddp_rank"] = ddp_step
+TARGETS["_diloco_rank"] = diloco_rank
 FIRST_MESSAGE_TIMEOUT = 60.0
 
 
