@@ -28,8 +28,10 @@ def data():
     return x, (x[:, :3].sum(dim=1) > 0).long()
 
 
-def net(seed):
+def net(seed, norm=False):
     torch.manual_seed(seed)
+    if norm:  # buffers too: BatchNorm's running statistics and its count
+        return nn.Sequential(nn.Linear(12, 24), nn.BatchNorm1d(24), nn.Tanh(), nn.Linear(24, 2))
     return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 2))
 
 
@@ -37,7 +39,8 @@ def main():
     out, backend, mode = sys.argv[1:4]
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = net(seed=rank)  # unlike weights: DiLoCo starts every rank from rank 0's
+    # unlike weights: DiLoCo starts every rank from rank 0's
+    model = net(seed=rank, norm=mode == "rounds")
     if mode in ("f32", "bf16"):
         # one round of 5 AdamW steps, the same start on every run: float32 against bf16
         model = net(seed=0)
@@ -62,6 +65,7 @@ def main():
             if mode in ("f32", "bf16"):
                 rounds.append({"anchor": [a.clone() for a in start]})
             rounds.append({"params": [p.detach().clone() for p in model.parameters()],
+                           "buffers": [b.clone() for b in model.buffers()],
                            "momentum": [state[i]["momentum_buffer"].clone() for i in sorted(state)
                                         if state[i].get("momentum_buffer") is not None]})
     dist.destroy_process_group()

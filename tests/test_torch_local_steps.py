@@ -44,7 +44,9 @@ def test_every_round_ends_with_identical_parameters_and_outer_state(tmp_path, ba
     ranks = run_ranks(tmp_path, backend, "rounds")
     assert len(ranks[0]) == script.STEPS // 5
     for a, b in zip(*ranks):
-        for x, y in zip(a["params"] + a["momentum"], b["params"] + b["momentum"]):
+        assert len(a["buffers"]) == 3  # BatchNorm: mean, var, count
+        for x, y in zip(a["params"] + a["momentum"] + a["buffers"],
+                        b["params"] + b["momentum"] + b["buffers"]):
             assert torch.equal(x, y)
         assert a["momentum"], "the outer Nesterov step keeps momentum"
     first, last = ranks[0][0]["params"], ranks[0][-1]["params"]

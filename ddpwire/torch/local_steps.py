@@ -86,9 +86,13 @@ class DiLoCo:
         self.local_steps = 0
         #: averages done so far
         self.rounds = 0
-        # every rank must start from the same parameters: rank 0's
-        for p in self.params:
-            dist.broadcast(p.data, 0, group=group)
+        self.model = model
+        # every rank must start from the same weights and buffers (frozen
+        # ones too): the group's first rank's
+        self._src = 0 if group is None else dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, self._src, group=group)
         self._anchor = [p.detach().clone() for p in self.params]
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:
@@ -124,6 +128,14 @@ class DiLoCo:
         for a, p in zip(self._anchor, self.params):
             a.copy_(p.detach())
             p.grad = None
+        # buffers (BatchNorm's running statistics) are averaged too, counts
+        # taken from the first rank, so every rank holds the same model
+        for b in self.model.buffers():
+            if b.is_floating_point():
+                dist.all_reduce(b.data, group=self.group)
+                b.data.div_(world)
+            else:
+                dist.broadcast(b.data, self._src, group=self.group)
         self.local_steps = 0
         self.rounds += 1
 
