@@ -90,6 +90,21 @@ def finish(procs, limit=LIMIT):
     return [p.returncode for p in procs], outputs
 
 
+def run_script_ranks(script, args, world, **env):
+    """``world`` ranks of a torch.distributed script (``script`` with
+    ``args``), rendezvous from a torchrun-like environment (and ``env``);
+    every rank must exit 0 within the limit (:func:`finish`)."""
+    port = free_ports(1)[0]
+    procs = [subprocess.Popen(
+        [sys.executable, str(script), *map(str, args)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r), LOCAL_RANK=str(r), NODE_RANK="0",
+                 WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 OMP_NUM_THREADS="1", **env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    codes, outputs = finish(procs)
+    assert codes == [0] * world, "\n".join(outputs)
+
+
 def load(out, backend, rank):
     return torch.load(f"{out}.{backend}.rank{rank}.pt", weights_only=False)
 

@@ -2,8 +2,6 @@
 two CPU processes, one held back; the split follows the speeds, the ranks
 stay bit-identical, and the weights are those of one process training on
 the whole batch, on backend ddpwire and on gloo, and under Lightning."""
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_backend import LIMIT, ROOT, free_ports  # noqa: E402
+from test_torch_backend import run_script_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -21,25 +19,7 @@ import balanced_script  # noqa: E402
 
 
 def run_ranks(tmp_path, backend, mode, world=2, slow="1:0.0015"):
-    port, = free_ports(1)
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(rank), LOCAL_RANK=str(rank),
-                   NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", BALANCED_SLOW=slow)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path / "run"),
-                                       backend, mode],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=LIMIT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0] * world, "\n".join(outputs)
+    run_script_ranks(SCRIPT, [tmp_path / "run", backend, mode], world, BALANCED_SLOW=slow)
     return [torch.load(tmp_path / f"run.rank{r}.pt") for r in range(world)]
 
 

@@ -2,8 +2,6 @@
 in two CPU processes: identical parameters and outer state after every
 round, on backend ddpwire and on gloo; one SGD step per round with an outer
 SGD(lr=1) is synchronous SGD."""
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_backend import LIMIT, ROOT, free_ports  # noqa: E402
+from test_torch_backend import run_script_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -21,21 +19,7 @@ import local_steps_script as script  # noqa: E402
 
 
 def run_ranks(tmp_path, backend, mode, world=2):
-    port, = free_ports(1)
-    procs = [subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(tmp_path / "run"), backend, mode],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r), WORLD_SIZE=str(world),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=LIMIT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0] * world, "\n".join(outputs)
+    run_script_ranks(SCRIPT, [tmp_path / "run", backend, mode], world)
     return [torch.load(tmp_path / f"run.{mode}.rank{r}.pt") for r in range(world)]
 
 
