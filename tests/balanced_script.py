@@ -22,6 +22,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddpwire.torch  # noqa: F401  (registers "ddpwire")
 from ddpwire.torch.balanced import BalancedBatchSampler, balanced_hook
 
+# As in tests/ddp_script.py: torch 2.13's gloo can abort or deadlock when
+# its process group is freed while its work threads finish, so nothing
+# holding a group is freed and the process ends with os._exit once saved.
+KEEP = []
+
 BATCH = 64
 STEPS = 12
 LR = 0.1
@@ -72,9 +77,9 @@ def plain(backend, rank):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    state = model.module.inner.state_dict()
-    dist.destroy_process_group()
-    return state, splits
+    # never freed (the group it holds with it): see KEEP
+    KEEP.append(model)
+    return model.module.inner.state_dict(), splits
 
 
 def lightning(backend, rank):
@@ -120,6 +125,10 @@ def main():
     rank = int(os.environ["RANK"])
     state, splits = (plain if mode == "ddp" else lightning)(backend, rank)
     torch.save({"state": state, "splits": splits}, f"{out}.rank{rank}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # see KEEP: no gloo group is freed on the way out
 
 
 if __name__ == "__main__":

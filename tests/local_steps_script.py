@@ -8,6 +8,7 @@ step, 4 rounds; saves every round's parameters and outer state. MODE "sgd":
 one SGD step per round and an outer SGD(lr=1), which is synchronous SGD.
 Each rank trains on its half of every global batch.
 """
+import os
 import sys
 
 import torch
@@ -68,8 +69,14 @@ def main():
                            "buffers": [b.clone() for b in model.buffers()],
                            "momentum": [state[i]["momentum_buffer"].clone() for i in sorted(state)
                                         if state[i].get("momentum_buffer") is not None]})
-    dist.destroy_process_group()
     torch.save(rounds, f"{out}.{mode}.rank{rank}.pt")
+    # as in tests/ddp_script.py: torch 2.13's gloo can abort or deadlock when
+    # its process group is freed while its work threads finish, so the group
+    # is kept and the process ends with os._exit once its results are saved
+    keep = dist.distributed_c10d._get_default_group()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0 if keep is not None else 1)
 
 
 if __name__ == "__main__":
