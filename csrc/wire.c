@@ -25,7 +25,7 @@ static const char *const TYPE_NAMES[12] = {
     "AveragedNonBlockGradient",
 };
 
-static const char *const EXT_TYPE_NAMES[12] = {
+static const char *const EXT_TYPE_NAMES[13] = {
     "AuthChallenge",
     "AuthProof",
     "JoinRefused",
@@ -38,13 +38,14 @@ static const char *const EXT_TYPE_NAMES[12] = {
     "StepCommit",
     "StepTiming",
     "ShardScale",
+    "StepAborted",
 };
 
 const char *ddpw_message_type(uint8_t tag)
 {
     if (tag < 12)
         return TYPE_NAMES[tag];
-    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_SHARD_SCALE)
+    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_STEP_ABORTED)
         return EXT_TYPE_NAMES[tag - DDPW_AUTH_CHALLENGE];
     return NULL;
 }
@@ -99,6 +100,8 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "steps";
         if (value == DDPW_EXT_BALANCE)
             return "balance";
+        if (value == DDPW_EXT_ELASTIC)
+            return "elastic";
         return NULL;
     case DDPW_CODES_REFUSAL:
         return value < 7 ? REFUSAL_NAMES[value] : NULL;
@@ -134,6 +137,8 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
     case DDPW_STEP_TIMING:
         return 1 + 8 + 8;
     case DDPW_SHARD_SCALE:
+        return 1 + 8 + 4;
+    case DDPW_STEP_ABORTED:
         return 1 + 8 + 4;
     case DDPW_MESH_PEERS:
     case DDPW_JOIN_REQUEST:
@@ -893,6 +898,10 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         if (scale_refusal(msg->scale) != NULL)
             return fail_invalid_f32(err, type, "scale", msg->scale, scale_refusal(msg->scale));
         break;
+    case DDPW_STEP_ABORTED:
+        TRY(read_u64(&r, &msg->step, type, "step", err));
+        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
+        break;
     case DDPW_SHARD_ASSIGNMENT:
         TRY(read_u64(&r, &msg->step, type, "step", err));
         TRY(read_u64(&r, &msg->shard_start, type, "shard_start", err));
@@ -1097,6 +1106,8 @@ static uint64_t head_fields_size(const ddpw_message *m)
         return 1 + 8 + 8;
     case DDPW_SHARD_SCALE:
         return 1 + 8 + 4;
+    case DDPW_STEP_ABORTED:
+        return 1 + 8 + 4;
     case DDPW_SHARD_ASSIGNMENT:
         return 1 + 8 + 8 + 8;
     case DDPW_GRADIENT_PAYLOAD:
@@ -1298,6 +1309,10 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
     case DDPW_SHARD_SCALE:
         put_u64(w, m->step);
         put_f32(w, m->scale);
+        break;
+    case DDPW_STEP_ABORTED:
+        put_u64(w, m->step);
+        put_u32(w, m->worker_id);
         break;
     case DDPW_SHARD_ASSIGNMENT:
         put_u64(w, m->step);

@@ -53,7 +53,9 @@ typedef enum ddpw_tag {
     DDPW_STEP_COMMIT = 0x49,
     /* The balance extension (docs/extensions.md, "Shards by measured speed"). */
     DDPW_STEP_TIMING = 0x4A,
-    DDPW_SHARD_SCALE = 0x4B
+    DDPW_SHARD_SCALE = 0x4B,
+    /* The elastic extension (docs/extensions.md, "Membership that follows the machines"). */
+    DDPW_STEP_ABORTED = 0x4C
 } ddpw_tag;
 
 /* The extension block that may follow the last field of JoinRequest and
@@ -79,7 +81,8 @@ typedef enum ddpw_ext_type {
     DDPW_EXT_PER_BLOCK = 0x0005,
     DDPW_EXT_GRADIENT_LENGTH = 0x0006,
     DDPW_EXT_STEPS = 0x0007,
-    DDPW_EXT_BALANCE = 0x0008
+    DDPW_EXT_BALANCE = 0x0008,
+    DDPW_EXT_ELASTIC = 0x0009
 } ddpw_ext_type;
 
 /* MeshPeers.codec: how gradient slices travel between mesh peers. */
@@ -218,7 +221,7 @@ typedef struct ddpw_message {
     uint32_t gpu_count;        /* JoinRequest */
     ddpw_str backend;          /* JoinRequest */
     uint32_t worker_id;        /* JoinAccepted, GradientPayload, Block-/NonBlockGradientPayload,
-                                  PeerHello, StepReport */
+                                  PeerHello, StepReport, StepAborted */
     uint32_t total_workers;    /* JoinAccepted */
     uint64_t step;             /* ShardAssignment, every gradient message, Step*, ShardScale */
     uint64_t shard_start;      /* ShardAssignment */

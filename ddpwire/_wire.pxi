@@ -33,6 +33,7 @@ from ddpwire.messages import (
     MeshPeers,
     PeerHello,
     ShardScale,
+    StepAborted,
     StepCommit,
     StepReport,
     StepTiming,
@@ -95,6 +96,7 @@ cdef dict _TAGS = {
     StepCommit: DDPW_STEP_COMMIT,
     StepTiming: DDPW_STEP_TIMING,
     ShardScale: DDPW_SHARD_SCALE,
+    StepAborted: DDPW_STEP_ABORTED,
 }
 
 cdef object _U8 = np.dtype(np.uint8)
@@ -462,6 +464,9 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
     elif tag == DDPW_SHARD_SCALE:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.scale = _f32(msg.scale, msg, "scale")
+    elif tag == DDPW_STEP_ABORTED:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.worker_id = _uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
     elif tag == DDPW_SHARD_ASSIGNMENT:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
@@ -687,6 +692,10 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o = _new(ShardScale)
         o.step = m.step
         o.scale = _float(m.scale)
+    elif tag == DDPW_STEP_ABORTED:
+        o = _new(StepAborted)
+        o.step = m.step
+        o.worker_id = m.worker_id
     else:
         raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
     return o

@@ -27,7 +27,7 @@ def _enum(name: str, doc: str) -> type:
 
 
 Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLES, COLLECTIVES, "
-                               "MESH, PER_BLOCK, GRADIENT_LENGTH, STEPS, BALANCE).")
+                               "MESH, PER_BLOCK, GRADIENT_LENGTH, STEPS, BALANCE, ELASTIC).")
 RefusalReason = _enum("RefusalReason", "JoinRefused.reason codes.")
 CollectiveKind = _enum("CollectiveKind", "CollectiveRequest/CollectiveResult.kind codes.")
 ReduceOp = _enum("ReduceOp", "CollectiveRequest.op codes.")

@@ -18,6 +18,7 @@ from ddpwire import (
     MeshPeers,
     PeerHello,
     ShardScale,
+    StepAborted,
     StepCommit,
     StepReport,
     StepTiming,
@@ -91,6 +92,7 @@ MESSAGES = st.one_of(
     st.builds(StepCommit, U64, F32, U32, U64, F32),
     st.builds(StepTiming, U64, U64),
     st.builds(ShardScale, U64, SCALE),
+    st.builds(StepAborted, U64, U32),
 )
 
 
@@ -248,7 +250,7 @@ def test_codes_come_from_the_codec():
     families, sizes = _codes()
     assert {name for name, _ in families["Extension"]} == {"auth", "samples", "collectives", "mesh",
                                                            "per_block", "gradient_length", "steps",
-                                                           "balance"}
+                                                           "balance", "elastic"}
     assert [(m.name.lower(), int(m)) for m in Extension] == families["Extension"]
     for enum, family in ((RefusalReason, "RefusalReason"), (CollectiveKind, "CollectiveKind"),
                          (ReduceOp, "ReduceOp"), (DType, "DType")):
@@ -261,7 +263,7 @@ def test_codes_come_from_the_codec():
 
 def test_tag_max_payload():
     limits = {0x03: 25, 0x07: 1, 0x40: 65, 0x41: 33, 0x47: 37, 0x48: 57, 0x49: 29, 0x4A: 17,
-              0x4B: 13}
+              0x4B: 13, 0x4C: 13}
     for tag in range(256):
         got = tag_max_payload(tag, 1000)
         cls = ddpwire.messages.MESSAGE_TYPES.get(tag)
@@ -281,6 +283,7 @@ def test_tag_max_payload():
     assert len(ddpwire.encode_frame(StepCommit(0, 0.0, 0, 0, 0.0))) - 4 == 29
     assert len(ddpwire.encode_frame(StepTiming(0, 0))) - 4 == 17
     assert len(ddpwire.encode_frame(ShardScale(0, 0.0))) - 4 == 13
+    assert len(ddpwire.encode_frame(StepAborted(0, 0))) - 4 == 13
 
 
 def test_allowed_tags_refuse_an_oversized_join_before_allocating():
@@ -305,8 +308,8 @@ def test_allowed_tags_refuse_other_tags():
     frame = ddpwire.encode_frame(ddpwire.Heartbeat("w", 5))
     with pytest.raises(ProtocolError, match=r"^Heartbeat \(tag 0x06\) not allowed here$"):
         reader.feed(frame)
-    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x4c$"):
-        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x4c")
+    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x4d$"):
+        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x4d")
     # the balance messages are refused where they are not allowed, like any other
     with pytest.raises(ProtocolError, match=r"^ShardScale \(tag 0x4b\) not allowed here$"):
         FrameReader(allowed_tags=[0x01]).feed(ddpwire.encode_frame(ShardScale(0, 1.0)))

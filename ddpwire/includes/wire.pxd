@@ -39,6 +39,7 @@ cdef extern from "wire.h" nogil:
         DDPW_STEP_COMMIT
         DDPW_STEP_TIMING
         DDPW_SHARD_SCALE
+        DDPW_STEP_ABORTED
 
     ctypedef enum ddpw_code_family:
         DDPW_CODES_EXTENSION

@@ -20,7 +20,7 @@ MAGIC = b"DDPX"
 AUTH_CHALLENGE, AUTH_PROOF, JOIN_REFUSED = 0x40, 0x41, 0x42
 COLLECTIVE_REQUEST, COLLECTIVE_RESULT, COLLECTIVE_ERROR = 0x43, 0x44, 0x45
 MESH_PEERS, PEER_HELLO, STEP_REPORT, STEP_COMMIT = 0x46, 0x47, 0x48, 0x49
-STEP_TIMING, SHARD_SCALE = 0x4A, 0x4B
+STEP_TIMING, SHARD_SCALE, STEP_ABORTED = 0x4A, 0x4B, 0x4C
 NO_WORKER = 0xFFFFFFFF
 # the spec's dtype table: code -> (struct format, size)
 DTYPES = {0: ("<f", 4), 1: ("<d", 8), 2: ("<e", 2), 3: ("<H", 2), 4: ("<i", 4),
@@ -193,6 +193,11 @@ def vectors() -> List[Dict[str, Any]]:
         shapes.append((f"shard_scale_{label}", "step, scale", (
             struct.pack("<BQf", SHARD_SCALE, 9, scale),
             {"type": "ShardScale", "tag": SHARD_SCALE, "step": 9, "scale": scale})))
+    # another worker lost, and the largest ids (0xFFFFFFFF is no worker elsewhere, here an id)
+    for step, worker in ((20, 1), (2**63 + 5, 0xFFFFFFFF)):
+        shapes.append((f"step_aborted_{worker:x}", "step, worker_id", (
+            struct.pack("<BQI", STEP_ABORTED, step, worker),
+            {"type": "StepAborted", "tag": STEP_ABORTED, "step": step, "worker_id": worker})))
     out = []
     for name, note, (payload, message) in shapes:
         out.append({"name": name, "note": note, "message": message,
@@ -313,8 +318,14 @@ def malformed() -> List[Dict[str, Any]]:
         ("collective_error_cut", "CollectiveError without its worker_id",
          struct.pack("<BQ", COLLECTIVE_ERROR, 1),
          r"^truncated CollectiveError\.worker_id: 0 of 4 bytes$"),
-        ("unknown_tag_0x4c", "first tag after the extension messages", b"\x4c",
-         r"^unknown message tag: 0x4c$"),
+        ("step_aborted_cut", "StepAborted with 2 bytes of its worker_id",
+         struct.pack("<BQH", STEP_ABORTED, 1, 7),
+         r"^truncated StepAborted\.worker_id: 2 of 4 bytes$"),
+        ("step_aborted_trailing", "StepAborted with a byte more",
+         struct.pack("<BQI", STEP_ABORTED, 1, 0) + b"\x00",
+         r"^1 bytes after the last field of StepAborted$"),
+        ("unknown_tag_0x4d", "first tag after the extension messages", b"\x4d",
+         r"^unknown message tag: 0x4d$"),
     ]
     return [{"name": n, "description": d, "input_hex": p.hex(), "input_len": len(p),
              "error": e} for n, d, p, e in cases]
