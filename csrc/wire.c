@@ -139,7 +139,7 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
     case DDPW_SHARD_SCALE:
         return 1 + 8 + 4;
     case DDPW_STEP_ABORTED:
-        return 1 + 8 + 4;
+        return 1 + 8 + 4 + 4;
     case DDPW_MESH_PEERS:
     case DDPW_JOIN_REQUEST:
     case DDPW_JOIN_ACCEPTED:
@@ -901,6 +901,7 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
     case DDPW_STEP_ABORTED:
         TRY(read_u64(&r, &msg->step, type, "step", err));
         TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
+        TRY(read_u32(&r, &msg->total_workers, type, "workers", err));
         break;
     case DDPW_SHARD_ASSIGNMENT:
         TRY(read_u64(&r, &msg->step, type, "step", err));
@@ -1107,7 +1108,7 @@ static uint64_t head_fields_size(const ddpw_message *m)
     case DDPW_SHARD_SCALE:
         return 1 + 8 + 4;
     case DDPW_STEP_ABORTED:
-        return 1 + 8 + 4;
+        return 1 + 8 + 4 + 4;
     case DDPW_SHARD_ASSIGNMENT:
         return 1 + 8 + 8 + 8;
     case DDPW_GRADIENT_PAYLOAD:
@@ -1313,6 +1314,7 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
     case DDPW_STEP_ABORTED:
         put_u64(w, m->step);
         put_u32(w, m->worker_id);
+        put_u32(w, m->total_workers);
         break;
     case DDPW_SHARD_ASSIGNMENT:
         put_u64(w, m->step);

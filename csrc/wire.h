@@ -222,7 +222,7 @@ typedef struct ddpw_message {
     ddpw_str backend;          /* JoinRequest */
     uint32_t worker_id;        /* JoinAccepted, GradientPayload, Block-/NonBlockGradientPayload,
                                   PeerHello, StepReport, StepAborted */
-    uint32_t total_workers;    /* JoinAccepted */
+    uint32_t total_workers;    /* JoinAccepted; StepAborted.workers */
     uint64_t step;             /* ShardAssignment, every gradient message, Step*, ShardScale */
     uint64_t shard_start;      /* ShardAssignment */
     uint64_t shard_end;        /* ShardAssignment */

@@ -17,6 +17,8 @@ from .errors import (
     PeerLost,
     ProtocolError,
     ShutdownDuringReduce,
+    MembershipChanged,
+    WorkerDropped,
     UnexpectedMessage,
     WorkerLost,
 )
@@ -116,6 +118,8 @@ __all__ = [
     "ShardAssignment",
     "Shutdown",
     "ShutdownDuringReduce",
+    "MembershipChanged",
+    "WorkerDropped",
     "UnexpectedMessage",
     "Worker",
     "SessionOptions",

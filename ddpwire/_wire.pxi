@@ -467,6 +467,7 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
     elif tag == DDPW_STEP_ABORTED:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.worker_id = _uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
+        out.total_workers = _uint(msg.workers, 0xFFFFFFFF, msg, "workers")
     elif tag == DDPW_SHARD_ASSIGNMENT:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
@@ -696,6 +697,7 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o = _new(StepAborted)
         o.step = m.step
         o.worker_id = m.worker_id
+        o.workers = m.total_workers
     else:
         raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
     return o

@@ -132,7 +132,7 @@ class Balancer:
         self.tolerance = tolerance
         #: smoothed samples per second of compute, per worker (None: not yet timed)
         self.rates: List[Optional[float]] = [None] * workers
-        self._last: Optional[List[int]] = None
+        self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
         self._prev: List[Optional[float]] = [None] * workers  # the last raw speed
         self._seconds: List[Optional[float]] = [None] * workers  # the last compute time
         self._warm = [False] * workers  # a worker's first measurement is its warm-up
@@ -167,30 +167,39 @@ class Balancer:
         else:
             self.rates[worker] = (1.0 - self.smoothing) * old + self.smoothing * rate
 
-    def shards(self, total: int) -> List[int]:
-        """The next step's shard sizes: they add up to ``total``."""
+    def shards(self, total: int, active: Optional[Sequence[int]] = None) -> List[int]:
+        """The next step's shard sizes, one per worker: they add up to
+        ``total``. ``active`` (worker ids; default all) are the workers
+        that take part; every other one gets 0 and its speed is kept."""
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
-        if any(r is None for r in self.rates):
-            split = equal_shards(total, self.workers)
+        ids = list(range(self.workers)) if active is None else sorted(active)
+        if not ids:
+            raise ValueError("no active worker to give the samples to")
+        rates = [self.rates[i] for i in ids]
+        if any(r is None for r in rates):
+            sub = equal_shards(total, len(ids))
         else:
-            split = self._proportional(total, [float(r) for r in self.rates])  # type: ignore[arg-type]
+            sub = self._proportional(total, [float(r) for r in rates])  # type: ignore[arg-type]
             last = self._last
-            if last is not None and sum(last) == total and (
-                    self._settled() or
-                    self._time(split) >= (1.0 - self.tolerance) * self._time(last)):
-                split = last
-        self._last = split
-        return list(split)
+            if last is not None and last[0] == ids and sum(last[1]) == total and (
+                    self._settled(ids) or
+                    self._time(sub, ids) >= (1.0 - self.tolerance) * self._time(last[1], ids)):
+                sub = last[1]
+        self._last = (ids, sub)
+        split = [0] * self.workers
+        for i, count in zip(ids, sub):
+            split[i] = count
+        return split
 
-    def _settled(self) -> bool:
+    def _settled(self, ids: Sequence[int]) -> bool:
         """The workers' last compute times are within :data:`SETTLED` of
         each other: nobody waits long, so nothing should move. Where a step's
         time is mostly a fixed cost (a tiny model), a worker given fewer
         samples looks slower per sample, and the proportional rule alone
         would take its samples away step after step, however equal the
         times already are."""
-        times = self._seconds
+        times = [self._seconds[i] for i in ids]
         if any(t is None for t in times):
             return False
         slowest = max(times)  # type: ignore[type-var]
@@ -198,12 +207,14 @@ class Balancer:
         # saves next to nothing, and the times are mostly scheduling noise
         return slowest < MIN_COMPUTE or slowest <= (1.0 + SETTLED) * min(times)  # type: ignore[operator,type-var]
 
-    def _time(self, split: Sequence[int]) -> float:
-        """The step's predicted compute time under ``split``: its slowest worker's."""
-        return max(c / r for c, r in zip(split, self.rates))  # type: ignore[operator]
+    def _time(self, split: Sequence[int], ids: Sequence[int]) -> float:
+        """The step's predicted compute time under ``split`` (one count per
+        id in ``ids``): its slowest worker's."""
+        return max(c / self.rates[i] for c, i in zip(split, ids))  # type: ignore[operator]
 
-    def _proportional(self, total: int, rates: List[float]) -> List[int]:
-        n = self.workers
+    @staticmethod
+    def _proportional(total: int, rates: List[float]) -> List[int]:
+        n = len(rates)
         whole = sum(rates)
         ideal = [total * r / whole for r in rates]
         split = [int(x) for x in ideal]
@@ -231,13 +242,24 @@ class Shards:
     arrive and applies the scale as it sums (:meth:`sums_scales`). With
     ``balance`` the shards follow the measured speeds; without, they are the
     reference's and the timings still show where each step's time went.
+    ``weighted`` scales the gradients by their shards even when they do not
+    follow the speeds (an elastic session: a step redone by fewer workers
+    averages what the full set would have).
+
+    Workers are named by their ids throughout; :meth:`drop` takes one out
+    of every later plan (it gets no samples), and the lists that follow the
+    connections (:meth:`sums_scales`, :meth:`check_totals`,
+    :meth:`timings`) are over :attr:`active` only, in id order.
     """
 
-    def __init__(self, timed: Sequence[bool], balance: bool, *,
+    def __init__(self, timed: Sequence[bool], balance: bool, *, weighted: bool = False,
                  smoothing: float = SMOOTHING, tolerance: float = TOLERANCE) -> None:
         self.timed = list(timed)
         self.balance = balance
+        self.weighted = weighted or balance
         self.balancer = Balancer(len(self.timed), smoothing=smoothing, tolerance=tolerance)
+        #: the ids of the workers that take part, in id order
+        self.active: List[int] = list(range(len(self.timed)))
         self.step: Optional[int] = None
         self.split: List[int] = [0] * len(self.timed)
         self._starts: List[int] = [0] * len(self.timed)
@@ -245,15 +267,26 @@ class Shards:
 
     @property
     def workers(self) -> int:
-        return len(self.timed)
+        """How many workers take part."""
+        return len(self.active)
+
+    def drop(self, worker: int) -> None:
+        """Take ``worker`` out of every later plan."""
+        if worker in self.active:
+            self.active.remove(worker)
 
     def plan(self, step: int, total: int) -> List[int]:
-        """The shard sizes of ``step`` (the timings of every earlier step are in)."""
-        self.split = self.balancer.shards(total) if self.balance else \
-            equal_shards(total, self.workers)
+        """The shard sizes of ``step``, one per worker id (the timings of
+        every earlier step are in; a dropped worker's is 0)."""
+        if self.balance:
+            self.split = self.balancer.shards(total, self.active)
+        else:
+            self.split = [0] * len(self.timed)
+            for w, count in zip(self.active, equal_shards(total, len(self.active))):
+                self.split[w] = count
         self._starts = shard_starts(self.split)
         self.step = step
-        self._compute = [None] * self.workers
+        self._compute = [None] * len(self.timed)
         return list(self.split)
 
     def bounds(self, worker: int) -> Tuple[int, int]:
@@ -263,18 +296,18 @@ class Shards:
     def scale(self, worker: int) -> float:
         """What ``worker`` multiplies its gradients by in the planned step."""
         return sample_scale(self.split[worker], sum(self.split), self.workers) \
-            if self.balance else 1.0
+            if self.weighted else 1.0
 
     def sums_scales(self) -> Optional[List[float]]:
-        """The scales the coordinator's sum applies (1 for a worker that
-        applies its own), or None when none is needed."""
-        scales = [1.0 if on else self.scale(w) for w, on in enumerate(self.timed)]
+        """The scales the coordinator's sum applies, one per active worker
+        (1 for a worker that applies its own), or None when none is needed."""
+        scales = [1.0 if self.timed[w] else self.scale(w) for w in self.active]
         return None if all(x == 1.0 for x in scales) else scales
 
     def untimed(self) -> List[int]:
         """The workers whose compute time for the planned step is still to
         be measured here (they report none)."""
-        return [w for w, on in enumerate(self.timed) if not on and self._compute[w] is None]
+        return [w for w in self.active if not self.timed[w] and self._compute[w] is None]
 
     def observe(self, worker: int, step: int, compute_us: int) -> Optional[str]:
         """A StepTiming from ``worker``; returns why it is refused, or None."""
@@ -288,23 +321,24 @@ class Shards:
         return None
 
     def check_totals(self, totals: Sequence[int]) -> Optional[Tuple[int, int, int]]:
-        """With unequal shards every worker's count (GradientPayload.total)
-        must be in the same proportion to its shard (samples, or tokens per
-        sample times samples): returns (worker, expected, got) for the first
-        that is not, or None."""
-        if not self.balance or len(set(self.split)) <= 1:
+        """With unequal shards every worker's count (GradientPayload.total,
+        one per active worker) must be in the same proportion to its shard
+        (samples, or tokens per sample times samples): returns (worker id,
+        expected, got) for the first that is not, or None."""
+        counts = [self.split[w] for w in self.active]
+        if not self.weighted or len(set(counts)) <= 1:
             return None
-        ratios = [Fraction(t, c) for t, c in zip(totals, self.split) if c > 0]
+        ratios = [Fraction(t, c) for t, c in zip(totals, counts) if c > 0]
         if not ratios:
             return None
         # the ratio most workers share is the right one (ties: the lowest worker's)
         ratio = max(ratios, key=lambda r: (ratios.count(r), -ratios.index(r)))
-        for w, (count, got) in enumerate(zip(self.split, totals)):
+        for w, count, got in zip(self.active, counts, totals):
             if got != ratio * count:
                 return w, int(ratio * count), got
         return None
 
     def timings(self) -> List[WorkerTiming]:
-        """Each worker's part of the planned step, as far as it is known."""
+        """Each active worker's part of the planned step, as far as it is known."""
         return [WorkerTiming(w, self.split[w], self._compute[w], self.balancer.rates[w])
-                for w in range(self.workers)]
+                for w in self.active]

@@ -24,6 +24,8 @@ __all__ = [
     "AuthenticationFailed",
     "ShutdownDuringReduce",
     "DeviceUnavailable",
+    "MembershipChanged",
+    "WorkerDropped",
 ]
 
 
@@ -207,6 +209,34 @@ class AuthenticationFailed(JoinRefusedError):
     """Token authentication failed: this side has no token or the wrong one,
     or the peer could not prove that it knows the token (``by_worker``: this
     worker gave up on the coordinator, rather than being refused by it)."""
+
+
+class MembershipChanged(DdpwireError):
+    """An elastic session (``Coordinator(elastic=True)``) lost ``lost`` (the
+    worker ids) during ``step``: nobody applied any of that step, and the
+    ``workers`` left compute it again on new shards. Not a failure: the
+    session goes on, and the next ShardAssignment is the same step's. The
+    coordinator's :meth:`~ddpwire.Coordinator.allreduce` and every
+    survivor's raise it; :class:`~ddpwire.torch.DataParallelTrainer` and
+    :func:`ddpwire.serve` redo the step themselves."""
+
+    def __init__(self, lost: "list[int]", workers: int, *, step: int,
+                 worker_id: Optional[int] = None, why: str = "") -> None:
+        self.lost = list(lost)
+        self.workers = workers
+        self.why = why
+        names = ", ".join(str(w) for w in self.lost)
+        text = (f"worker{'s' if len(self.lost) > 1 else ''} {names} left"
+                f"{': ' + why if why else ''}; the step is computed again by "
+                f"{workers} worker{'s' if workers != 1 else ''}")
+        super().__init__(text, worker_id=worker_id, step=step)
+
+
+class WorkerDropped(PeerLost):
+    """This worker was dropped from an elastic session during ``step``: it
+    stalled or went silent past the coordinator's timeout (a stopped
+    process, a machine asleep) and the others went on without it. Its
+    connection is closed; none of its gradients from that step were used."""
 
 
 class ShutdownDuringReduce(DdpwireError):

@@ -511,15 +511,17 @@ class ShardScale(Message):
 class StepAborted(Message):
     """Coordinator to worker, with the elastic extension (0x4C), in place
     of the step's average: worker ``worker_id`` was lost during ``step``,
-    nobody applies any of the step, and the survivors compute it again on
-    the shards that follow (a new ShardAssignment for the same step). A
-    ``worker_id`` that is the receiver's own says it was dropped from the
-    session (it stalled past its timeout): its connection closes next."""
+    nobody applies any of the step, and the ``workers`` left compute it
+    again on the shards that follow (a new ShardAssignment for the same
+    step). A ``worker_id`` that is the receiver's own says it was dropped
+    from the session (it stalled past its timeout): its connection closes
+    next."""
 
-    __slots__ = ("step", "worker_id")
+    __slots__ = ("step", "worker_id", "workers")
     TAG: ClassVar[int] = 0x4C
     step: int
     worker_id: int
+    workers: int
 
 
 #: tag -> message class, for every tag the protocol and its extensions define
@@ -621,5 +623,5 @@ LAYOUTS: Tuple[Layout, ...] = (
             "step: u64, global_loss: f32, bad_worker: u32, bad_index: u64, bad_value: f32"),
     _layout(0x4A, "StepTiming", "worker → coordinator", "step: u64, compute_us: u64"),
     _layout(0x4B, "ShardScale", "coordinator → worker", "step: u64, scale: f32"),
-    _layout(0x4C, "StepAborted", "coordinator → worker", "step: u64, worker_id: u32"),
+    _layout(0x4C, "StepAborted", "coordinator → worker", "step: u64, worker_id: u32, workers: u32"),
 )

@@ -92,7 +92,7 @@ MESSAGES = st.one_of(
     st.builds(StepCommit, U64, F32, U32, U64, F32),
     st.builds(StepTiming, U64, U64),
     st.builds(ShardScale, U64, SCALE),
-    st.builds(StepAborted, U64, U32),
+    st.builds(StepAborted, U64, U32, U32),
 )
 
 
@@ -263,7 +263,7 @@ def test_codes_come_from_the_codec():
 
 def test_tag_max_payload():
     limits = {0x03: 25, 0x07: 1, 0x40: 65, 0x41: 33, 0x47: 37, 0x48: 57, 0x49: 29, 0x4A: 17,
-              0x4B: 13, 0x4C: 13}
+              0x4B: 13, 0x4C: 17}
     for tag in range(256):
         got = tag_max_payload(tag, 1000)
         cls = ddpwire.messages.MESSAGE_TYPES.get(tag)
@@ -283,7 +283,7 @@ def test_tag_max_payload():
     assert len(ddpwire.encode_frame(StepCommit(0, 0.0, 0, 0, 0.0))) - 4 == 29
     assert len(ddpwire.encode_frame(StepTiming(0, 0))) - 4 == 17
     assert len(ddpwire.encode_frame(ShardScale(0, 0.0))) - 4 == 13
-    assert len(ddpwire.encode_frame(StepAborted(0, 0))) - 4 == 13
+    assert len(ddpwire.encode_frame(StepAborted(0, 0, 0))) - 4 == 17
 
 
 def test_allowed_tags_refuse_an_oversized_join_before_allocating():

@@ -194,10 +194,11 @@ def vectors() -> List[Dict[str, Any]]:
             struct.pack("<BQf", SHARD_SCALE, 9, scale),
             {"type": "ShardScale", "tag": SHARD_SCALE, "step": 9, "scale": scale})))
     # another worker lost, and the largest ids (0xFFFFFFFF is no worker elsewhere, here an id)
-    for step, worker in ((20, 1), (2**63 + 5, 0xFFFFFFFF)):
-        shapes.append((f"step_aborted_{worker:x}", "step, worker_id", (
-            struct.pack("<BQI", STEP_ABORTED, step, worker),
-            {"type": "StepAborted", "tag": STEP_ABORTED, "step": step, "worker_id": worker})))
+    for step, worker, left in ((20, 1, 2), (2**63 + 5, 0xFFFFFFFF, 0x12345678)):
+        shapes.append((f"step_aborted_{worker:x}", "step, worker_id, workers", (
+            struct.pack("<BQII", STEP_ABORTED, step, worker, left),
+            {"type": "StepAborted", "tag": STEP_ABORTED, "step": step, "worker_id": worker,
+             "workers": left})))
     out = []
     for name, note, (payload, message) in shapes:
         out.append({"name": name, "note": note, "message": message,
@@ -318,11 +319,11 @@ def malformed() -> List[Dict[str, Any]]:
         ("collective_error_cut", "CollectiveError without its worker_id",
          struct.pack("<BQ", COLLECTIVE_ERROR, 1),
          r"^truncated CollectiveError\.worker_id: 0 of 4 bytes$"),
-        ("step_aborted_cut", "StepAborted with 2 bytes of its worker_id",
-         struct.pack("<BQH", STEP_ABORTED, 1, 7),
-         r"^truncated StepAborted\.worker_id: 2 of 4 bytes$"),
+        ("step_aborted_cut", "StepAborted with 2 bytes of its workers",
+         struct.pack("<BQIH", STEP_ABORTED, 1, 0, 7),
+         r"^truncated StepAborted\.workers: 2 of 4 bytes$"),
         ("step_aborted_trailing", "StepAborted with a byte more",
-         struct.pack("<BQI", STEP_ABORTED, 1, 0) + b"\x00",
+         struct.pack("<BQII", STEP_ABORTED, 1, 0, 2) + b"\x00",
          r"^1 bytes after the last field of StepAborted$"),
         ("unknown_tag_0x4d", "first tag after the extension messages", b"\x4d",
          r"^unknown message tag: 0x4d$"),
