@@ -63,7 +63,7 @@ from . import reduce
 from .coordinator import Coordinator
 from .worker import Worker
 from .options import SessionOptions
-from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
+from .results import BlockReduceResult, MembershipEvent, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
 from ._version import __version__
 
@@ -118,6 +118,7 @@ __all__ = [
     "ShardAssignment",
     "Shutdown",
     "ShutdownDuringReduce",
+    "MembershipEvent",
     "MembershipChanged",
     "WorkerDropped",
     "UnexpectedMessage",

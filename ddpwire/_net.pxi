@@ -504,7 +504,13 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
             progress = f"{st.recv[failed]} of {st.grad_bytes + st.tail_len} bytes"
             if reply:
                 progress += f" in, {sent[failed]} of {head_len + st.grad_bytes} out"
-            (<Connection>conns[failed]).fail(rc, err, step, f"{what} ({progress})", ms)
+            try:
+                (<Connection>conns[failed]).fail(rc, err, step, f"{what} ({progress})", ms)
+            except PeerLost as exc:
+                # how far each connection got: the bytes of the others' frames
+                # still to read, for a caller that goes on without the one lost
+                exc.received = [st.recv[i] for i in range(n)]
+                raise
         tail_list = [bytes(tails[i * tail_len:(i + 1) * tail_len]) for i in range(n)]
         # a finishing call comes back OK with the findings in st
         bad = [(st.bad_index[i], st.bad_value[i]) for i in range(n)] if st.nonfinite else None

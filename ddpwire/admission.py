@@ -199,14 +199,20 @@ class _Handshakes:
         self.pending.clear()
 
 
+#: why an elastic session refuses a worker that cannot redo a step
+_NOT_ELASTIC = ("this coordinator goes on without a worker it loses (--elastic): every worker "
+                "must be able to compute a step again (a ddpwire worker; the reference cannot)")
+
+
 class Admission:
     """Runs the join for a Coordinator (see the module's docstring)."""
 
     def __init__(self, listener: socket.socket, *, expect_workers: int, token: Optional[bytes],
                  grants: Mapping[int, bytes], samples: Optional[int], handshake_timeout: float,
                  max_frame: int, per_block: Optional[bool] = None,
-                 gradient_length: Optional[int] = None) -> None:
+                 gradient_length: Optional[int] = None, elastic: bool = False) -> None:
         self.listener = listener
+        self.elastic = elastic
         self.expect_workers = expect_workers
         self.token = token
         self.grants = dict(grants)
@@ -371,6 +377,9 @@ class Admission:
         joined = [s.join.extensions or {} for s in self.slots if s is not None]
         if self._refused_for_offer(sel, p, lambda: steps_mismatch(
                 self.per_block, self.gradient_length, offered or {}, joined)):
+            return
+        if self.elastic and Extension.ELASTIC not in (offered or {}) and \
+                self._refused_for_offer(sel, p, lambda: _NOT_ELASTIC):
             return
         worker_id = self.slots.index(None)
         granted: Dict[int, bytes] = {}

@@ -21,7 +21,7 @@ import numpy as np
 from . import _core
 from ._core import encode_frame_parts
 from .errors import GradientMismatch, PeerLost, UnexpectedMessage
-from .messages import Heartbeat, StepTiming
+from .messages import GradientPayload, Heartbeat, StepTiming
 
 from ._core import DEFAULT_MAX_FRAME
 
@@ -80,6 +80,8 @@ def result_buffer(out: Optional[np.ndarray], count: Optional[int]) -> Optional[n
 #: what a peer may send between the frames a caller waits for, and
 #: :meth:`Channel.read_head` skips: signs of life, never answers
 SIDE_MESSAGES = (Heartbeat, StepTiming)
+#: the most bytes one receive of Channel.discard_gradients takes
+_DISCARD_CHUNK = 1 << 20
 
 
 class Channel:
@@ -215,6 +217,28 @@ class Channel:
                                   what=f"receiving {head.message_type}.gradients")
         tail = _core.read_tail(self.conn, head, self.read_timeout, step=step)
         return out, tail, bad
+
+    def discard_gradients(self, head: Optional["_core.FrameHead"], received: int, *,
+                          deadline: float, step: int) -> None:
+        """Read and drop the rest of the peer's GradientPayload for ``step``:
+        its head too when ``head`` is None (not read yet), else the
+        ``received`` bytes of the body already read are skipped (what an
+        elastic coordinator does with a survivor's gradients for a step it
+        calls off). A peer that fails meanwhile raises its ``lost`` error;
+        another frame than a GradientPayload is a ProtocolError, refused by
+        its tag."""
+        if head is None:
+            head = self.read_head([GradientPayload], step=step, deadline=deadline,
+                                  what="reading the rest of a step called off")
+            received = 0
+        left = 4 * head.gradient_count + head.tail_len - received
+        scratch = memoryview(bytearray(min(max(left, 0), _DISCARD_CHUNK)))
+        while left > 0:
+            take = min(left, len(scratch))
+            self.conn.recv_into(scratch[:take], self.read_timeout, deadline=deadline, step=step,
+                                what=f"reading the rest of a GradientPayload (step {step} "
+                                     f"called off)")
+            left -= take
 
     def wait_for_frame(self, timeout: float) -> bool:
         """Wait until the peer has started its next frame (True) or has

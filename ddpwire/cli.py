@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound on what each star worker may have in flight towards this "
                         "coordinator, e.g. 256K (default auto: sized from each worker's round "
                         "trip against incast; 'system' leaves it to the kernel)")
+    c.add_argument("--elastic", action="store_true",
+                   help="go on without a worker that is lost (killed, cut off, or silent past "
+                        "--timeout): the step is computed again by the others, with all of its "
+                        "samples (flat steps through this coordinator; every worker a ddpwire "
+                        "worker)")
+    c.add_argument("--min-workers", type=int, default=None, metavar="K",
+                   help="with --elastic, end the run (as without it) once fewer than K workers "
+                        "are left (default 1)")
     _token(c)
     _balance(c)
     _training(c)
@@ -276,6 +284,8 @@ def run_coordinator(args: argparse.Namespace, bind=None,
                      receive_window=getattr(args, "receive_window", "auto"),
                      per_block=args.per_block,
                      balance=CHOICES[getattr(args, "balance", "auto")],
+                     elastic=getattr(args, "elastic", False),
+                     min_workers=getattr(args, "min_workers", None),
                      # ddpwire workers learn the run's length, and so tell
                      # a Shutdown before its end (stop_workers) from the end
                      extensions={Extension.STEPS: encode_u64(args.steps)}) as coord:

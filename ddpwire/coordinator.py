@@ -39,6 +39,7 @@ from .channel import SIDE_MESSAGES, Channel, check_timeout, message_name, result
 from .errors import (
     DdpwireError,
     GradientMismatch,
+    MembershipChanged,
     NonFiniteGradient,
     ProtocolError,
     UnexpectedMessage,
@@ -61,11 +62,12 @@ from .messages import (
     ShardAssignment,
     ShardScale,
     Shutdown,
+    StepAborted,
     StepCommit,
     StepReport,
     StepTiming,
 )
-from .results import BlockReduceResult, NonBlockReduceResult, ReduceResult
+from .results import BlockReduceResult, MembershipEvent, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
 
 __all__ = ["Coordinator", "CoordinatorState"]
@@ -233,6 +235,21 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     keeps the reference's ``T // n`` for it; False (the default) always
     keeps ``T // n`` and the plain mean. Timed workers report either way,
     and :attr:`shards` shows each step's split and times.
+
+    ``elastic`` keeps the session going when a worker is lost (it
+    disconnects, or stays silent past ``timeout`` or ``heartbeat_timeout``):
+    the step it was lost in is called off on every survivor before any of
+    them applies any of it (StepAborted, docs/extensions.md), and
+    :meth:`allreduce` raises :class:`~ddpwire.MembershipChanged`; the next
+    :meth:`send_shard_assignments` for the same step splits all of its
+    samples among the survivors, so no sample is dropped and no step
+    applied twice (:attr:`shard_log`). The average is the sample-weighted
+    one, so a step's result does not depend on how many workers computed
+    it. Lost while the average goes out, a worker is dropped and the step
+    stands. Below ``min_workers`` (default 1) the session ends with the
+    WorkerLost as without ``elastic``. It needs flat steps on the star and
+    every worker able to redo a step (a ddpwire worker: a reference worker
+    is refused at the join); the mesh keeps its fail-fast behaviour.
     """
 
     def __init__(
@@ -261,6 +278,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         per_block: Optional[bool] = UNSET,
         gradient_length: Optional[int] = UNSET,
         balance: Union[bool, str] = False,
+        elastic: bool = False,
+        min_workers: Optional[int] = None,
     ) -> None:
         opts = options_from(options, dict(
             timeout=timeout, max_frame=max_frame, heartbeat=heartbeat,
@@ -280,6 +299,29 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if balance not in (True, False, "auto"):
             raise ValueError(f"balance must be True, False or 'auto', got {balance!r}")
         self.balance = balance
+        if elastic:
+            if per_block:
+                raise ValueError("elastic sessions run flat steps: per_block must not be True")
+            if topology == "mesh" or compression is not None:
+                raise ValueError("elastic sessions average on the star: topology 'mesh' and "
+                                 "compression are for sessions that end when a worker is lost")
+            topology = "star"
+        if min_workers is not None and (not elastic or isinstance(min_workers, bool) or
+                                        not isinstance(min_workers, int) or
+                                        not 1 <= min_workers <= expect_workers):
+            raise ValueError(f"min_workers must be from 1 to expect_workers ({expect_workers}) "
+                             f"in an elastic session, got {min_workers!r}"
+                             f"{'' if elastic else ' without elastic=True'}")
+        #: whether a lost worker is dropped and its step redone by the others
+        self.elastic = bool(elastic)
+        self.min_workers = 1 if min_workers is None else min_workers
+        #: each worker that left an elastic session (:class:`ddpwire.results.MembershipEvent`)
+        self.membership: List[MembershipEvent] = []
+        #: every averaged step's shards, ``(step, {worker_id: (start, end)})``,
+        #: in an elastic session (None otherwise): each sample of a step once
+        self.shard_log: Optional[List[Tuple[int, Dict[int, Tuple[int, int]]]]] = \
+            [] if elastic else None
+        self._dropped: List[Channel] = []  # told, half-closed, read until they hang up
         #: the steps this coordinator runs: True per-block, False flat, None not said
         self.per_block = per_block
         self.gradient_length = opts.gradient_length
@@ -322,6 +364,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         # granted whether or not the shards follow it: the timings show where
         # each step's time went (Shards.timings, the progress table)
         self._grants[Extension.BALANCE] = b""
+        if self.elastic:
+            self._grants[Extension.ELASTIC] = b""
         #: the shards of every step (set when the join completes)
         self.shards: Optional[_balance.Shards] = None
         self._assigned_at = 0.0  # time.perf_counter() when the last step's shards went out
@@ -364,7 +408,10 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     def channel(self, worker_id: int) -> Channel:
         """The connection to one joined worker, for extensions that exchange
         their own messages over it (docs/extensions.md)."""
-        return self._channels[worker_id]
+        for chan in self._channels:
+            if chan.peer_id == worker_id:
+                return chan
+        raise KeyError(f"worker {worker_id} is not in the session")
 
     # ---- the session's state and its one failure path ----
 
@@ -448,7 +495,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                 self._listener, expect_workers=self.expect_workers, token=self._token,
                 grants=self._grants, samples=self.total_samples or None,
                 handshake_timeout=self.handshake_timeout, max_frame=self.max_frame,
-                per_block=self.per_block, gradient_length=self.gradient_length)
+                per_block=self.per_block, gradient_length=self.gradient_length,
+                elastic=self.elastic)
         until = self.expect_workers if count is None else min(count, self.expect_workers)
         admitted = self._admission.run(time.monotonic() + limit, limit, until)
         if len(admitted) < self.expect_workers:
@@ -480,7 +528,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         # "auto" stays off beside a reference worker: its speed is only seen
         # from when its gradient arrives, its weight applied here
         self.shards = _balance.Shards(timed, self.balance is True or
-                                      (self.balance == "auto" and all(timed)))
+                                      (self.balance == "auto" and all(timed)),
+                                      weighted=self.elastic)
         for chan, on in zip(self._channels, timed):
             if on:
                 chan.on_timing = self._timing_from(chan.peer_id)
@@ -591,6 +640,9 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     def close(self) -> None:
         """Close every connection and the listening socket. After a failure,
         the failure stays what every call raises."""
+        for chan in self._dropped:
+            chan.close()
+        self._dropped = []
         with self._life.lock:
             state = self._life.state
             if state is CoordinatorState.CLOSED:
@@ -634,15 +686,29 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         worker its ShardScale: docs/extensions.md, "Shards by measured speed")."""
         self._check_ready()
         assert self.shards is not None
+        self._reap_dropped()
         self.shards.plan(step, self.total_samples)
         self._assigned_at = time.perf_counter()
         with self._talking(step):
-            for chan in self._channels:
+            sent: List[Channel] = []
+            lost: Dict[int, WorkerLost] = {}
+            for chan in list(self._channels):
                 start, end = self.shards.bounds(chan.peer_id)
-                chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end), step=step)
-                if chan.on_timing is not None:
-                    chan.send(ShardScale(step=step, scale=self.shards.scale(chan.peer_id)),
+                try:
+                    chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end),
                               step=step)
+                    if chan.on_timing is not None:
+                        chan.send(ShardScale(step=step, scale=self.shards.scale(chan.peer_id)),
+                                  step=step)
+                except WorkerLost as exc:
+                    if not self.elastic:
+                        raise
+                    lost[chan.peer_id] = exc
+                    continue
+                sent.append(chan)
+            if lost:
+                # those told already compute the step: it is called off for them
+                self._call_off(step, lost, sent, [None] * len(sent), None)
 
     # ---- averaging: one entry per message kind ----
 
@@ -684,6 +750,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             if reply:
                 self._mesh_commit(step, result.global_loss)
             return result
+        if self.elastic:
+            return self._elastic_average(step, out, reply)
         return self._average(_FLAT, step, None, out, reply)
 
     def _mesh_part(self, step: int) -> Tuple[int, Optional[list]]:
@@ -1016,6 +1084,185 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         result.reduce_time = time.perf_counter() - t1
         return result, bad
 
+    # ---- elastic steps ----
+
+    def _elastic_average(self, step: int, out: Optional[np.ndarray],
+                         reply: bool) -> ReduceResult:
+        """A flat step that a lost worker calls off instead of ending the
+        session: the heads, then every element summed (no reply streams
+        out meanwhile: a survivor holding part of an average could not be
+        told to drop it), then the average to each worker in turn. A loss
+        before the average is complete calls the step off
+        (:meth:`_call_off`, MembershipChanged); one while it goes out only
+        drops that worker, and the step stands."""
+        result_buffer(out, None)
+        self._check_ready()
+        with self._talking(step):
+            chans = list(self._channels)
+            heads: list = []
+            t0 = time.perf_counter()
+            try:
+                self._collect_heads(_FLAT, step, None, into=heads)
+            except WorkerLost as exc:
+                self._call_off(step, {self._blamed(exc): exc}, chans,
+                               heads + [None] * (len(chans) - len(heads)), None)
+            t1 = time.perf_counter()
+            out = result_buffer(out, heads[0].gradient_count)
+            scales = self.shards.sums_scales() if self.shards is not None else None
+            try:
+                # the poll loop: its byte counts say where each frame stands
+                tails, bad = _core.reduce_stream(
+                    [c.conn for c in chans], out, heads[0].tail_len, self.timeout,
+                    ring_bytes=self.ring_bytes, socket_threads=False, step=step,
+                    what="averaging GradientPayload", scales=scales)
+            except WorkerLost as exc:
+                self._call_off(step, {self._blamed(exc): exc}, chans, heads,
+                               getattr(exc, "received", None))
+            self._raise_bad(bad, step)
+            decoded = [_core.decode_tail(GradientPayload.TAG, t) for t in tails]
+            self._check_totals(step, [t[2] for t in decoded])
+            self._lengths.setdefault((_FLAT, None), len(out))
+            result = self._result(_FLAT, step, None, heads, out, decoded, t1 - t0)
+            assert self.shard_log is not None and self.shards is not None
+            self.shard_log.append((step, {c.peer_id: self.shards.bounds(c.peer_id)
+                                          for c in chans}))
+            if reply:
+                self._send_each(AveragedGradient(step=step, gradients=out,
+                                                 global_loss=result.global_loss), step)
+        result.reduce_time = time.perf_counter() - t1
+        return result
+
+    @staticmethod
+    def _blamed(exc: WorkerLost) -> int:
+        assert exc.worker_id is not None, exc
+        return int(exc.worker_id)
+
+    def _call_off(self, step: int, lost: Dict[int, WorkerLost], chans: List[Channel],
+                  heads: list, received: Optional[List[int]]) -> None:
+        """Call ``step`` off after losing ``lost``: drop them, tell every
+        survivor (StepAborted), read the rest of each survivor's gradient
+        frame for the step (``chans`` were sent the step's shards; ``heads``
+        and ``received``, where known, say how far each was read), so that
+        every connection is between two frames and nothing of the step was
+        applied. A survivor lost meanwhile is dropped too. Raises
+        MembershipChanged, or the first WorkerLost when fewer than
+        ``min_workers`` are left."""
+        gone = dict(lost)
+        for w, exc in lost.items():
+            self._drop(w, step, exc, committed=False)
+        told: Set[int] = set()
+        drained: Set[int] = set()
+        while True:
+            left = [c for c in chans if c.peer_id not in gone]
+            if len(self._channels) < self.min_workers:
+                first = next(iter(lost.values()))
+                raise first.__class__(
+                    f"{first.message}; {counted(len(self._channels), 'worker')} left, fewer "
+                    f"than min_workers ({self.min_workers})",
+                    worker_id=first.worker_id, step=step)
+            for w in sorted(set(gone) - told):
+                told.add(w)
+                for chan in left:
+                    try:
+                        chan.send(StepAborted(step=step, worker_id=w,
+                                              workers=len(self._channels)), step=step)
+                    except WorkerLost as exc:
+                        gone.setdefault(chan.peer_id, exc)
+            deadline = time.monotonic() + self.timeout
+            more = {}
+            for chan, head, got in zip(chans, heads, received or [0] * len(chans)):
+                if chan.peer_id in gone or chan.peer_id in drained:
+                    continue
+                try:
+                    chan.discard_gradients(head, got, deadline=deadline, step=step)
+                    drained.add(chan.peer_id)
+                except WorkerLost as exc:
+                    more[chan.peer_id] = exc
+            for w, exc in more.items():
+                gone[w] = exc
+                self._drop(w, step, exc, committed=False)
+            if not more and told >= set(gone):
+                break
+        raise MembershipChanged(sorted(gone), len(self._channels), step=step,
+                                why="; ".join(e.message for e in gone.values()))
+
+    def _drop(self, worker_id: int, step: int, exc: WorkerLost, *, committed: bool) -> None:
+        """Take a lost worker out of the session: no more shards, no place
+        in any later sum. One that may only be stalled (a stopped process)
+        is told it was dropped, and its connection half-closed, so that
+        resumed it reads StepAborted naming itself, not a reset."""
+        chan = next((c for c in self._channels if c.peer_id == worker_id), None)
+        if chan is None:
+            return
+        self._channels = [c for c in self._channels if c is not chan]
+        assert self.shards is not None
+        self.shards.drop(worker_id)
+        event = MembershipEvent(step, worker_id, exc.message, len(self._channels),
+                                         committed)
+        self.membership.append(event)
+        log.warning("worker %d lost during step %d (%s): %s with %s", worker_id, step,
+                    exc.message, "the step stands, going on" if committed else "redoing it",
+                    counted(len(self._channels), "worker"))
+        # a heartbeat may be going out: it is short, and a frame of its own
+        if not chan.send_lock.acquire(timeout=1.0):
+            chan.close()
+            return
+        try:
+            if chan.frame_open or chan.conn.fileno() < 0:
+                chan.close()  # inside a frame from here: closing is all it can be told
+                return
+            chan.conn.send_parts(encode_frame_parts(StepAborted(
+                step=step, worker_id=worker_id, workers=len(self._channels))), 1.0,
+                what="telling a dropped worker")
+            chan.conn.sock.shutdown(socket.SHUT_WR)
+        except (DdpwireError, OSError):
+            chan.close()
+            return
+        finally:
+            chan.send_lock.release()
+        self._dropped.append(chan)
+
+    def _reap_dropped(self) -> None:
+        """Read and drop what the dropped workers still send; close those that
+        hung up (closing one with bytes unread would reset it before it read
+        that it was dropped)."""
+        keep = []
+        for chan in self._dropped:
+            sock = chan.conn.sock
+            try:
+                while True:
+                    data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                    if not data:
+                        break
+            except (BlockingIOError, InterruptedError):
+                keep.append(chan)
+                continue
+            except OSError:
+                pass
+            chan.close()
+        self._dropped = keep
+
+    def _send_each(self, msg: object, step: int) -> None:
+        """``msg`` to every worker, one connection after another: a worker
+        lost meanwhile is dropped and the others still get all of it."""
+        parts = encode_frame_parts(msg, max_frame=self.max_frame)
+        lost: Dict[int, WorkerLost] = {}
+        for chan in list(self._channels):
+            with chan.send_lock:
+                chan.frame_open = True
+                try:
+                    _core.send_many([chan.conn], parts, self.timeout, step=step,
+                                    what=f"sending {type(msg).__name__}")
+                except WorkerLost as exc:
+                    lost[chan.peer_id] = exc  # its frame stays open: it is closed
+                    continue
+                chan.frame_open = False
+        for w, exc in lost.items():
+            self._drop(w, step, exc, committed=True)
+        if len(self._channels) < self.min_workers:
+            raise WorkerLost(f"{counted(len(self._channels), 'worker')} left after step "
+                             f"{step}, fewer than min_workers ({self.min_workers})", step=step)
+
     def _check_totals(self, step: int, totals: List[int]) -> None:
         """Unequal shards: every count must match its worker's shard."""
         assert self.shards is not None
@@ -1060,16 +1307,19 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                             worker_losses=[float(x) for x in losses])
 
     def _collect_heads(self, kind: _Kind, step: Optional[int], key: Optional[int],
-                       pinned: bool = True, failures: bool = False
+                       pinned: bool = True, failures: bool = False,
+                       into: Optional[list] = None
                        ) -> Tuple[List["_core.FrameHead"], int, Optional[int]]:
         """Every worker's frame head, in worker order, checked; the elements
         stay in the sockets for the streaming reduce. The heads of one step
         are due within one timeout: a worker's heartbeats do not extend it.
-        A step or key of None is worker 0's. Returns (heads, step, key)."""
+        A step or key of None is worker 0's. Returns (heads, step, key);
+        the heads go into ``into`` as they are read, when given (so a caller
+        sees which were read when one fails)."""
         deadline = time.monotonic() + self.timeout
         if self.shards is not None and self.shards.step == step and self.shards.untimed():
             self._time_arrivals(step, deadline)
-        heads = []
+        heads = [] if into is None else into
         for chan in self._channels:
             wid = chan.peer_id
             head = chan.read_head([kind.payload, CollectiveError] if failures else [kind.payload],
@@ -1107,9 +1357,10 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         what = "gradients length" if kind.key is None else f"{kind.key.replace('_idx', '')} {key} gradients length"
         want = self._lengths.get((kind, key), heads[0].gradient_count) if pinned \
             else heads[0].gradient_count
-        for wid, head in enumerate(heads):
+        for chan, head in zip(self._channels, heads):
             if head.gradient_count != want:
-                raise GradientMismatch(what, want, head.gradient_count, worker_id=wid, step=step)
+                raise GradientMismatch(what, want, head.gradient_count, worker_id=chan.peer_id,
+                                       step=step)
         return heads, step, key
 
     def _time_arrivals(self, step: int, deadline: float) -> None:
@@ -1121,7 +1372,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         poller = select.poll()
         waiting = {}
         for w in self.shards.untimed():
-            chan = self._channels[w]
+            chan = self.channel(w)
             waiting[chan.conn.fileno()] = w
             poller.register(chan.conn.fileno(), select.POLLIN)
         while waiting:
@@ -1133,11 +1384,11 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                 poller.unregister(fd)
                 self.shards.observe(w, step, int((time.perf_counter() - self._assigned_at) * 1e6))
 
-    @staticmethod
-    def _raise_bad(bad: Optional[list], step: int) -> None:
+    def _raise_bad(self, bad: Optional[list], step: int) -> None:
         if bad is None:
             return
-        for wid, (index, value) in enumerate(bad):
+        for chan, (index, value) in zip(self._channels, bad):
+            wid = chan.peer_id
             if index >= 0:
                 log.error("worker %d sent a non-finite gradient at step %d: halting", wid, step)
                 raise NonFiniteGradient(wid, index, value, worker_id=wid, step=step)

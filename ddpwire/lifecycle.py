@@ -16,7 +16,7 @@ import enum
 import threading
 from typing import AbstractSet, Callable, Generic, Iterator, Mapping, Optional, TypeVar
 
-from .errors import DdpwireError
+from .errors import DdpwireError, MembershipChanged
 
 __all__ = ["Lifecycle", "LifecycleOwner"]
 
@@ -110,15 +110,18 @@ class Lifecycle(Generic[S]):
     def failing(self, fail: Callable[[BaseException], object], *,
                 any_error: bool = False) -> Iterator[None]:
         """Where a session call talks to its peers: a DdpwireError raised
-        there ends the session through ``fail`` (the side's own failure
-        path), and so does any exception with ``any_error``, for a part
-        that an interruption leaves inside a frame. The first failure
-        propagates as raised; an error that only followed it (a socket
-        another thread's failure closed) is replaced by the first one."""
+        there (but MembershipChanged) ends the session through ``fail``
+        (the side's own failure path), and so does any exception with
+        ``any_error``, for a part that an interruption leaves inside a
+        frame. The first failure propagates as raised; an error that only
+        followed it (a socket another thread's failure closed) is replaced
+        by the first one."""
         try:
             yield
         except BaseException as exc:
-            if not any_error and not isinstance(exc, DdpwireError):
+            # a membership change is the session going on without a worker
+            if isinstance(exc, MembershipChanged) or \
+                    (not any_error and not isinstance(exc, DdpwireError)):
                 raise
             fail(exc)
             first = self.failure

@@ -5,9 +5,10 @@ import sys
 import time
 from typing import Callable, List, Optional, TextIO, Tuple
 
-from .results import StepReport
+from ._text import counted
+from .results import MembershipEvent, StepReport
 
-__all__ = ["ProgressBar", "break_line", "worker_rows", "worker_summary", "EVERY_S", "REDRAW_S"]
+__all__ = ["ProgressBar", "break_line", "lost_line", "worker_rows", "worker_summary", "EVERY_S", "REDRAW_S"]
 
 #: seconds between two progress lines off a terminal (a log, CI)
 EVERY_S = 2.0
@@ -69,6 +70,10 @@ class ProgressBar:
         """Count the step's samples and, when due, draw (or print) the line."""
         global _open_bar
         done = report.step + 1
+        for event in report.lost:
+            # each on a line of its own, above the bar
+            self.stream.write(("\n" if self._line_open else "") + lost_line(event) + "\n")
+            self._line_open, self._rows = False, 0
         self.done += 1
         self.samples += report.samples
         now = self.clock()
@@ -148,6 +153,14 @@ def worker_rows(report: StepReport) -> List[str]:
                     f"compute {_ms(w.compute):>10}  wait {_ms(wait):>10}"
                     + ("  <- the step waited for it" if w.worker_id == slowest else ""))
     return rows
+
+
+def lost_line(event: MembershipEvent) -> str:
+    """One line for a worker an elastic session lost."""
+    then = ("its step stood (already averaged)" if event.committed
+            else f"step {event.step} computed again")
+    return (f"worker {event.worker_id} left during step {event.step} ({event.why}): {then}, "
+            f"going on with {counted(event.workers, 'worker')}")
 
 
 def worker_summary(report: StepReport) -> str:

@@ -8,7 +8,29 @@ import numpy as np
 
 from .balance import WorkerTiming
 
-__all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult", "StepReport"]
+__all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult", "MembershipEvent",
+           "StepReport"]
+
+
+@dataclass(frozen=True)
+class MembershipEvent:
+    """A worker that left an elastic session (``Coordinator(elastic=True)``)."""
+
+    #: the step during which it left
+    step: int
+    worker_id: int
+    #: what the coordinator saw (the lost connection's error text)
+    why: str
+    #: the workers still in the session afterwards
+    workers: int
+    #: True when it left while the step's average went out: the step had
+    #: been averaged with its samples already, and stands; False when the
+    #: step was called off and computed again without it
+    committed: bool
+
+    def as_json(self) -> Dict[str, Any]:
+        return {"step": self.step, "worker": self.worker_id, "why": self.why,
+                "workers": self.workers, "committed": self.committed}
 
 
 @dataclass
@@ -78,6 +100,8 @@ class StepReport:
     step_time: float
     #: each worker's shard and compute time (:class:`ddpwire.balance.WorkerTiming`)
     workers: List[WorkerTiming] = field(default_factory=list)
+    #: the workers an elastic session lost during this step
+    lost: List[MembershipEvent] = field(default_factory=list)
 
     @property
     def waited_for(self) -> Optional[int]:
@@ -95,7 +119,8 @@ class StepReport:
         slowest = self.waited_for
         if slowest is None:
             return None
-        return max(0.0, self.step_time - self.workers[slowest].compute)  # type: ignore[operator]
+        compute = next(w.compute for w in self.workers if w.worker_id == slowest)
+        return max(0.0, self.step_time - compute)  # type: ignore[operator]
 
     def waits(self) -> List[Optional[float]]:
         """Each worker's seconds idle waiting for the slowest one's compute."""
@@ -114,4 +139,5 @@ class StepReport:
             "workers": [{"worker": w.worker_id, "shard": w.samples, "compute_s": w.compute,
                          "wait_s": wait, "samples_per_s": w.rate}
                         for w, wait in zip(self.workers, self.waits())],
+            "lost": [e.as_json() for e in self.lost],
         }

@@ -9,6 +9,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 from .coordinator import Coordinator
+from .errors import MembershipChanged
 from .messages import NON_BLOCK_COMPONENTS as _COMPONENT_CODES
 from .results import StepReport
 
@@ -33,7 +34,9 @@ def serve(
 
     Flat mode: shards, one averaged gradient per step. Per-block mode: the
     blocks in backward order (``num_blocks - 1`` down to 0), then the
-    non-block components, as the workers' trainer sends them.
+    non-block components, as the workers' trainer sends them. In an elastic
+    session a step called off for a lost worker is planned again among the
+    others and redone (its report's ``lost`` names who left).
     """
     if coord.per_block is not None and coord.per_block != per_block:
         # its workers were admitted for the other mode: every step would fail
@@ -41,27 +44,40 @@ def serve(
                          f"per_block={coord.per_block}")
     coord.set_total_samples(total_samples)
     reports = []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        coord.send_shard_assignments(step)
-        if per_block:
-            allreduce = 0.0
-            for block_idx in reversed(range(num_blocks)):
-                allreduce += coord.allreduce_block(step, block_idx).reduce_time
-            for component in non_block_components:
-                allreduce += coord.allreduce_non_block(step, component).reduce_time
-            report = StepReport(step, None, None, total_samples, allreduce, time.perf_counter() - t0)
-        else:
-            # the average streams back while the gradients arrive (Coordinator.allreduce)
-            r = coord.allreduce(step)
-            accuracy = r.total_correct / r.total_samples if r.total_samples else None
-            report = StepReport(step, r.global_loss, accuracy, r.total_samples,
-                                r.reduce_time, time.perf_counter() - t0)
+    step = 0
+    # a step redone counts from its first try: its time and who left include it
+    t0, seen = time.perf_counter(), len(coord.membership)
+    while step < steps:
+        try:
+            report = _step(coord, step, total_samples, per_block, num_blocks,
+                           non_block_components, t0)
+        except MembershipChanged:
+            continue  # the same step again, among those left
+        report.lost = coord.membership[seen:]
         if coord.shards is not None:
             report.workers = coord.shards.timings()
         reports.append(report)
         if on_step is not None:
             on_step(report)
+        step += 1
+        t0, seen = time.perf_counter(), len(coord.membership)
     if shutdown:
         coord.shutdown_workers()
     return reports
+
+
+def _step(coord: Coordinator, step: int, total_samples: int, per_block: bool, num_blocks: int,
+          non_block_components: Sequence[int], t0: float) -> StepReport:
+    coord.send_shard_assignments(step)
+    if per_block:
+        allreduce = 0.0
+        for block_idx in reversed(range(num_blocks)):
+            allreduce += coord.allreduce_block(step, block_idx).reduce_time
+        for component in non_block_components:
+            allreduce += coord.allreduce_non_block(step, component).reduce_time
+        return StepReport(step, None, None, total_samples, allreduce, time.perf_counter() - t0)
+    # the average streams back while the gradients arrive (Coordinator.allreduce)
+    r = coord.allreduce(step)
+    accuracy = r.total_correct / r.total_samples if r.total_samples else None
+    return StepReport(step, r.global_loss, accuracy, r.total_samples, r.reduce_time,
+                      time.perf_counter() - t0)

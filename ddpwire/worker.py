@@ -36,10 +36,12 @@ from .errors import (
     GradientMismatch,
     JoinRefusedError,
     JoinTimeout,
+    MembershipChanged,
     NonFiniteGradient,
     ProtocolError,
     ShutdownDuringReduce,
     UnexpectedMessage,
+    WorkerDropped,
     WorkerLost,
 )
 from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
@@ -64,6 +66,7 @@ from .messages import (
     ShardAssignment,
     ShardScale,
     Shutdown,
+    StepAborted,
     StepCommit,
     StepReport,
     StepTiming,
@@ -225,6 +228,9 @@ class Worker(LifecycleOwner[WorkerState]):
         # assigned, its ShardScale, and when it was assigned (None once its
         # StepTiming went out); a buffer for the scaled gradients.
         self._timed = Extension.BALANCE in self.extensions
+        # An elastic session (docs/extensions.md): a step may be called off
+        # (StepAborted) in place of its average, and computed again.
+        self._elastic = Extension.ELASTIC in self.extensions
         self._shard: Optional[Tuple[int, float, Optional[float]]] = None
         self._scaled: Optional[np.ndarray] = None
         self._stop = threading.Event()
@@ -323,6 +329,9 @@ class Worker(LifecycleOwner[WorkerState]):
         # a ddpwire coordinator grants it to learn each step's compute time
         # (its progress shows them) and, when it balances, to size the shards
         offer.setdefault(Extension.BALANCE, b"")
+        # every step this worker runs can be computed again: an elastic
+        # coordinator calls off a step it lost a worker in (MembershipChanged)
+        offer.setdefault(Extension.ELASTIC, b"")
         if samples_per_step:
             offer[Extension.SAMPLES] = encode_u64(samples_per_step)
         if per_block is not None:
@@ -374,6 +383,13 @@ class Worker(LifecycleOwner[WorkerState]):
     def worker_id(self) -> int:
         """This worker's id: its order of joining, from 0."""
         return self._worker_id
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the coordinator may call a step off (an elastic session:
+        :class:`~ddpwire.MembershipChanged`) instead of ending the session
+        when it loses a worker."""
+        return self._elastic
 
     @property
     def total_workers(self) -> int:
@@ -474,7 +490,14 @@ class Worker(LifecycleOwner[WorkerState]):
         self._life.check()
         self._settle_topology()
         with self._talking(None):
-            msg = self._chan.expect([ShardAssignment, Shutdown])
+            while True:
+                msg = self._chan.expect([ShardAssignment, Shutdown, StepAborted]
+                                        if self._elastic else [ShardAssignment, Shutdown])
+                if not isinstance(msg, StepAborted):
+                    break
+                # another worker lost while the step was being called off
+                # (its MembershipChanged was raised already), or this one dropped
+                self._check_aborted(msg)
             if isinstance(msg, Shutdown):
                 log.info("worker %d: shutdown from the coordinator", self._worker_id)
                 return None
@@ -597,24 +620,35 @@ class Worker(LifecycleOwner[WorkerState]):
                                          what="sending GradientPayload", send_thread=send_thread)
                 try:
                     global_loss = self._exchange_averaged(exchange, step, out)
+                    if isinstance(global_loss, StepAborted):
+                        self._check_aborted(global_loss)
+                    # called off: the coordinator reads the rest of the gradients
                     exchange.finish()
                 except BaseException:
                     exchange.abandon()  # its thread must be off the socket before it closes
                     raise
         self._settled()
+        if isinstance(global_loss, StepAborted):
+            raise self._membership_changed(global_loss)
         return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
 
-    def _exchange_averaged(self, exchange: "_core.Exchange", step: int, out: np.ndarray) -> float:
+    def _exchange_averaged(self, exchange: "_core.Exchange", step: int,
+                           out: np.ndarray) -> Union[float, StepAborted]:
         """Receive the AveragedGradient for ``step`` into ``out`` while the
-        payload goes out; returns global_loss."""
+        payload goes out; returns global_loss, or in an elastic session the
+        StepAborted that came in its place."""
         chan = self._chan
         ctx = dict(worker_id=self._worker_id, step=step)
         deadline = time.monotonic() + chan.timeout
+        expect = (AveragedGradient, Shutdown, Heartbeat) + ((StepAborted,) if self._elastic else ())
         while True:
             head = _core.exchange_frame_head(exchange, chan.max_frame, deadline=deadline,
-                                             expect=(AveragedGradient, Shutdown, Heartbeat),
-                                             peer_id=self._worker_id, step=step,
+                                             expect=expect, peer_id=self._worker_id, step=step,
                                              what="receiving AveragedGradient")
+            if isinstance(head, StepAborted):
+                if head.step != step:
+                    raise GradientMismatch("StepAborted step", step, head.step, **ctx)
+                return head
             if not isinstance(head, Heartbeat):
                 break
         if isinstance(head, Shutdown):
@@ -630,6 +664,24 @@ class Worker(LifecycleOwner[WorkerState]):
                                  check_finite=True)
         self._refuse_non_finite(out, bad, step)
         return _core.decode_tail(head.tag, bytes(tail))[3]
+
+    def _check_aborted(self, msg: StepAborted) -> None:
+        """A StepAborted naming this worker: it was dropped (WorkerDropped,
+        which ends the session here)."""
+        if msg.worker_id == self._worker_id:
+            raise WorkerDropped(
+                f"the coordinator dropped this worker during step {msg.step} (it was silent or "
+                f"stalled past the coordinator's timeout) and goes on with "
+                f"{counted(msg.workers, 'worker')}", worker_id=self._worker_id, step=msg.step)
+
+    def _membership_changed(self, msg: StepAborted) -> MembershipChanged:
+        """What the call a step was called off in raises: the step is to be
+        computed again, on the shard that comes next."""
+        self._total_workers = msg.workers
+        log.warning("worker %d: worker %d was lost during step %d; computing it again with %s",
+                    self._worker_id, msg.worker_id, msg.step, counted(msg.workers, "worker"))
+        return MembershipChanged([msg.worker_id], msg.workers, step=msg.step,
+                                 worker_id=self._worker_id)
 
     def _refuse_non_finite(self, average: np.ndarray, bad: Optional[int],
                            step: Optional[int]) -> None:
@@ -788,9 +840,10 @@ class Worker(LifecycleOwner[WorkerState]):
         # and take the owed entry once the head is in (a send queues its entry
         # before its bytes go out, so any reply finds it).
         step = self._owed[0][1] if self._owed else None
+        called_off = [StepAborted] if self._elastic and expected is AveragedGradient else []
         with self._talking(step):
             try:
-                head = self._chan.read_head([expected, Shutdown], step=step,
+                head = self._chan.read_head([expected, Shutdown] + called_off, step=step,
                                             what=f"waiting for {expected.__name__}")
             except DdpwireError as exc:
                 if self._owed:
@@ -799,6 +852,17 @@ class Worker(LifecycleOwner[WorkerState]):
             owed = self._owed[0] if self._owed else None
             if owed is not None:
                 step = owed[1]
+            if isinstance(head, StepAborted):
+                if head.step != step:
+                    raise GradientMismatch("StepAborted step", step, head.step,
+                                           worker_id=self._worker_id, step=step)
+                self._check_aborted(head)
+                with self._life.lock:
+                    self._owed.popleft()
+        if isinstance(head, StepAborted):
+            self._settled()
+            raise self._membership_changed(head)
+        with self._talking(step):
             if isinstance(head, Shutdown):
                 raise ShutdownDuringReduce(f"coordinator shut down during {what}",
                                            worker_id=self._worker_id, step=step)

@@ -23,6 +23,7 @@ Block messages carry no loss, so a per-block step reports no global loss.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import GradientMismatch
+from ..errors import GradientMismatch, MembershipChanged
 from .buffer import NON_BLOCK_COMPONENTS, GradientBuffer, Segment, block_segment
 from .data import ArrayDataset, ShardSampler
 from .local_steps import nesterov_outer
@@ -203,6 +204,8 @@ class DataParallelTrainer:
                 [p for p in model.parameters() if p.requires_grad])
         # the parameters every worker holds at the start of a round
         self._anchor: Optional[List[torch.Tensor]] = None
+        #: each step an elastic session called off and this worker computed again
+        self.membership: List[MembershipChanged] = []
         self._hooks: List[Any] = []
         if per_block:
             self._plan_blocks()
@@ -258,11 +261,27 @@ class DataParallelTrainer:
         return results
 
     def step(self) -> Optional[StepResult]:
-        """Run one step; ``None`` when the coordinator sent Shutdown instead of a shard."""
-        shard = self.worker.receive_shard()
-        if shard is None:
-            logger.info("worker %s: shutdown received", self.worker.worker_id)
-            return None
+        """Run one step; ``None`` when the coordinator sent Shutdown instead of a shard.
+
+        In an elastic session a step called off for a lost worker
+        (:class:`~ddpwire.MembershipChanged`) leaves the model, its buffers
+        and the optimizers as they were before it, and is computed again on
+        the shard that follows; :attr:`membership` keeps each change."""
+        while True:
+            shard = self.worker.receive_shard()
+            if shard is None:
+                logger.info("worker %s: shutdown received", self.worker.worker_id)
+                return None
+            saved = self._local_state() if getattr(self.worker, "elastic", False) else None
+            try:
+                return self._run(shard)
+            except MembershipChanged as exc:
+                assert saved is not None
+                self._restore(saved)
+                self.membership.append(exc)
+                logger.warning("worker %s: %s", self.worker.worker_id, exc)
+
+    def _run(self, shard: Any) -> StepResult:
         index = self.sampler.indices(shard.step, shard.shard_start, shard.shard_end)
         self.model.train()
         if self.outer_optimizer is not None:
@@ -280,6 +299,28 @@ class DataParallelTrainer:
             "worker %s step %d: loss %.4f global %s", self.worker.worker_id, result.step, result.loss, result.global_loss
         )
         return result
+
+    def _local_state(self) -> Tuple[List[torch.Tensor], Optional[Dict[str, Any]]]:
+        """What a step changes before its average arrives: the model's
+        buffers (batch-norm statistics move in forward) and, for a local
+        round, the inner optimizer's state (the parameters go back to the
+        round's start by themselves)."""
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        inner = copy.deepcopy(self.optimizer.state_dict()) if self.outer_optimizer is not None \
+            else None
+        return buffers, inner
+
+    def _restore(self, saved: Tuple[List[torch.Tensor], Optional[Dict[str, Any]]]) -> None:
+        buffers, inner = saved
+        with torch.no_grad():
+            for b, keep in zip(self.model.buffers(), buffers):
+                b.copy_(keep)
+            if self._anchor is not None and self.outer_optimizer is not None:
+                for p, a in zip((p for p in self.model.parameters() if p.requires_grad),
+                                self._anchor):
+                    p.copy_(a)
+        if inner is not None:
+            self.optimizer.load_state_dict(inner)
 
     def _forward_backward(self, index: torch.Tensor, timings: StepTimings) -> Tuple[float, int, int]:
         if len(index) == 0:
