@@ -1155,6 +1155,9 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         while True:
             left = [c for c in chans if c.peer_id not in gone]
             if len(self._channels) < self.min_workers:
+                # the survivors' frames are half read: closing tells them at once
+                for chan in self._channels:
+                    chan.close()
                 first = next(iter(lost.values()))
                 raise first.__class__(
                     f"{first.message}; {counted(len(self._channels), 'worker')} left, fewer "

@@ -278,8 +278,7 @@ class DataParallelTrainer:
             except MembershipChanged as exc:
                 assert saved is not None
                 self._restore(saved)
-                self.membership.append(exc)
-                logger.warning("worker %s: %s", self.worker.worker_id, exc)
+                self.membership.append(exc)  # the worker has logged it
 
     def _run(self, shard: Any) -> StepResult:
         index = self.sampler.indices(shard.step, shard.shard_start, shard.shard_end)

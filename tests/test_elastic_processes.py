@@ -1,0 +1,92 @@
+"""Elastic sessions with worker processes: one killed (SIGKILL) or stopped
+(SIGSTOP past the timeout, then resumed) mid-run; the others go on, end with
+bit-identical weights equal to one process's on the whole batch, and every
+sample of every step was used exactly once."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ddpwire import Coordinator  # noqa: E402
+from ddpwire.serve import serve  # noqa: E402
+from ddpwire.torch import classification_batch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_script as script  # noqa: E402
+from test_elastic import check_every_sample_once  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parent / "elastic_script.py"
+STEPS, FAULT_AT = 60, 20
+
+
+def one_process_weights(steps):
+    """The unfaulted run: one process on each step's whole batch."""
+    one = script.trainer(None)
+    for step in range(steps):
+        one.model.zero_grad()
+        rows = one.dataset.rows(one.sampler.indices(step, 0, script.TOTAL))
+        loss, _, _ = classification_batch(one.model, *rows)
+        loss.backward()
+        one.optimizer.step()
+    return [p.detach() for p in one.model.parameters()]
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_a_run_goes_on_without_a_lost_worker_and_ends_as_one_unfaulted_process(tmp_path, fault):
+    # a stopped worker is dropped once its heartbeats stop for 1.5 s; a
+    # slow one (the first step, on a busy machine) keeps the 30 s
+    coord = Coordinator(("127.0.0.1", 0), 3, elastic=True, samples_per_step=script.TOTAL,
+                        timeout=30.0, heartbeat=0.2, heartbeat_timeout=1.5, join_timeout=60)
+    host, port = coord.local_addr
+    outs = [tmp_path / f"worker{i}.pt" for i in range(3)]
+    procs = []
+    try:
+        for i in range(3):
+            # the one killed kills itself inside step FAULT_AT, holding its shard
+            extra = [str(FAULT_AT)] if fault == "sigkill" and i == 1 else []
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), host, str(port),
+                                           str(outs[i])] + extra))
+            coord.wait_for_workers(count=i + 1)
+        by_worker = {}
+        for i, p in enumerate(procs):
+            by_worker[i] = p  # joined in order: worker id i is process i
+
+        def on_step(report):
+            if fault == "sigstop" and report.step == FAULT_AT - 1:
+                os.kill(by_worker[1].pid, signal.SIGSTOP)
+        reports = serve(coord, steps=STEPS, total_samples=script.TOTAL, on_step=on_step)
+        if fault == "sigstop":
+            os.kill(by_worker[1].pid, signal.SIGCONT)
+        codes = [p.wait(60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        coord.close()
+    assert codes == [0, -signal.SIGKILL if fault == "sigkill" else 4, 0]
+    assert [(e.step, e.worker_id, e.workers, e.committed) for e in coord.membership] == \
+        [(FAULT_AT, 1, 2, False)]
+    assert [e.worker_id for e in reports[FAULT_AT].lost] == [1]
+    check_every_sample_once(coord, STEPS, script.TOTAL)
+    assert set(coord.shard_log[FAULT_AT - 1][1]) == {0, 1, 2}
+    assert all(set(shards) == {0, 2} for _, shards in coord.shard_log[FAULT_AT:])
+    survivors = [torch.load(outs[i]) for i in (0, 2)]
+    for s in survivors:
+        assert s["steps"] == STEPS and s["redone"] == [(FAULT_AT, [1], 2)]
+    for a, b in zip(*(s["weights"] for s in survivors)):
+        assert torch.equal(a, b)
+    for a, b in zip(survivors[0]["weights"], one_process_weights(STEPS)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if fault == "sigstop":
+        dropped = torch.load(outs[1])
+        assert dropped["worker"] == 1 and dropped["step"] == FAULT_AT
+        assert "dropped this worker during step 20" in dropped["dropped"]
