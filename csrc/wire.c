@@ -25,7 +25,7 @@ static const char *const TYPE_NAMES[12] = {
     "AveragedNonBlockGradient",
 };
 
-static const char *const EXT_TYPE_NAMES[13] = {
+static const char *const EXT_TYPE_NAMES[15] = {
     "AuthChallenge",
     "AuthProof",
     "JoinRefused",
@@ -39,13 +39,15 @@ static const char *const EXT_TYPE_NAMES[13] = {
     "StepTiming",
     "ShardScale",
     "StepAborted",
+    "StateRequest",
+    "ModelState",
 };
 
 const char *ddpw_message_type(uint8_t tag)
 {
     if (tag < 12)
         return TYPE_NAMES[tag];
-    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_STEP_ABORTED)
+    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_MODEL_STATE)
         return EXT_TYPE_NAMES[tag - DDPW_AUTH_CHALLENGE];
     return NULL;
 }
@@ -57,7 +59,7 @@ static int is_collective_bulk(uint8_t tag)
 
 int ddpw_has_bulk(uint8_t tag)
 {
-    return ddpw_has_gradients(tag) || is_collective_bulk(tag);
+    return ddpw_has_gradients(tag) || is_collective_bulk(tag) || tag == DDPW_MODEL_STATE;
 }
 
 /* Indexed by code; NULL marks a gap. One table per family keeps each code's
@@ -140,6 +142,8 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
         return 1 + 8 + 4;
     case DDPW_STEP_ABORTED:
         return 1 + 8 + 4 + 4;
+    case DDPW_STATE_REQUEST:
+        return 1 + 8;
     case DDPW_MESH_PEERS:
     case DDPW_JOIN_REQUEST:
     case DDPW_JOIN_ACCEPTED:
@@ -666,6 +670,30 @@ static ddpw_status read_collective_head(ddpw_reader *r, uint8_t tag, const char 
     return DDPW_OK;
 }
 
+/* ModelState up to its data: step, the digest, the data's byte count, which
+ * must fill the payload exactly. */
+static ddpw_status read_state_head(ddpw_reader *r, const char *type, int flags, ddpw_head *h,
+                                   const uint8_t **digest, ddpw_error *err)
+{
+    uint64_t data_len;
+    size_t left, end;
+
+    TRY(read_u64(r, &h->step, type, "step", err));
+    TRY(take(r, DDPW_AUTH_BYTES, digest, type, "digest", err));
+    TRY(read_u64(r, &data_len, type, "data length", err));
+    left = r->len - r->pos;
+    if (data_len > (uint64_t)left)
+        return fail(err, DDPW_ERR_TRUNCATED, type, "data", left, data_len);
+    end = r->pos + (size_t)data_len;
+    TRY(check_end(r, end, flags, type, err));
+    h->has_bulk = 1;
+    h->bulk_offset = r->pos;
+    h->bulk_len = data_len;
+    h->tail_len = 0;
+    h->trailing_len = r->len - end;
+    return DDPW_OK;
+}
+
 static const uint8_t EXT_MAGIC[DDPW_EXT_MAGIC_LEN] = {0x44, 0x44, 0x50, 0x58}; /* "DDPX" */
 
 /* After the last field of JoinRequest / JoinAccepted: nothing, an extension
@@ -760,6 +788,10 @@ ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len,
         st = read_gradient_head(&r, head->tag, type, flags, head, err);
     else if (st == DDPW_OK && is_collective_bulk(head->tag))
         st = read_collective_head(&r, head->tag, type, flags, head, err);
+    else if (st == DDPW_OK && head->tag == DDPW_MODEL_STATE) {
+        const uint8_t *digest = NULL;
+        st = read_state_head(&r, type, flags, head, &digest, err);
+    }
     if (st == DDPW_NEED_MORE)
         head->need = err->need;
     return st;
@@ -833,6 +865,16 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         return DDPW_OK;
     }
 
+    if (tag == DDPW_MODEL_STATE) {
+        ddpw_head h;
+        memset(&h, 0, sizeof h);
+        TRY(read_state_head(&r, type, flags, &h, &msg->digest, err));
+        msg->step = h.step;
+        msg->data = p + h.bulk_offset;
+        msg->data_len = h.bulk_len;
+        return DDPW_OK;
+    }
+
     switch (tag) {
     case DDPW_JOIN_REQUEST:
         TRY(read_str(&r, &msg->node_id, type, "node_id", "node_id length", err));
@@ -897,6 +939,9 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
         TRY(read_f32(&r, &msg->scale, type, "scale", err));
         if (scale_refusal(msg->scale) != NULL)
             return fail_invalid_f32(err, type, "scale", msg->scale, scale_refusal(msg->scale));
+        break;
+    case DDPW_STATE_REQUEST:
+        TRY(read_u64(&r, &msg->step, type, "step", err));
         break;
     case DDPW_STEP_ABORTED:
         TRY(read_u64(&r, &msg->step, type, "step", err));
@@ -1093,6 +1138,8 @@ static uint64_t head_fields_size(const ddpw_message *m)
         return 1 + 8 + 1 + 1 + 1 + 4 + 8 + 8;
     case DDPW_COLLECTIVE_RESULT:
         return 1 + 8 + 1 + 1 + 8 + 8;
+    case DDPW_MODEL_STATE:
+        return 1 + 8 + DDPW_AUTH_BYTES + 8;
     case DDPW_COLLECTIVE_ERROR:
         return 1 + 8 + 4 + 4 + (uint64_t)m->detail.len;
     case DDPW_MESH_PEERS:
@@ -1109,6 +1156,8 @@ static uint64_t head_fields_size(const ddpw_message *m)
         return 1 + 8 + 4;
     case DDPW_STEP_ABORTED:
         return 1 + 8 + 4 + 4;
+    case DDPW_STATE_REQUEST:
+        return 1 + 8;
     case DDPW_SHARD_ASSIGNMENT:
         return 1 + 8 + 8 + 8;
     case DDPW_GRADIENT_PAYLOAD:
@@ -1159,6 +1208,9 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
           m->tag == DDPW_PEER_HELLO) && m->proof == NULL))
         return fail(err, DDPW_ERR_VALUE, type, m->nonce == NULL ? "nonce" : "proof", 0,
                     DDPW_AUTH_BYTES);
+    if (m->tag == DDPW_MODEL_STATE && (m->digest == NULL || (m->data == NULL && m->data_len)))
+        return fail(err, DDPW_ERR_VALUE, type, m->digest == NULL ? "digest" : "data", 0,
+                    m->digest == NULL ? DDPW_AUTH_BYTES : m->data_len);
     if (m->tag == DDPW_MESH_PEERS && m->key == NULL)
         return fail(err, DDPW_ERR_VALUE, type, "key", 0, DDPW_AUTH_BYTES);
     if (m->tag == DDPW_MESH_PEERS && ddpw_code_name(DDPW_CODES_CODEC, m->codec) == NULL)
@@ -1178,6 +1230,10 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
                                 "elements whose byte length overflows 64 bits");
         if (m->data_len != m->count * item)
             return fail(err, DDPW_ERR_MISMATCH, type, "data", m->data_len, m->count * item);
+        if (m->data_len > UINT64_MAX - head)
+            return fail(err, DDPW_ERR_TOO_LARGE, type, NULL, UINT64_MAX, UINT32_MAX);
+        *size = head + m->data_len;
+    } else if (m->tag == DDPW_MODEL_STATE) {
         if (m->data_len > UINT64_MAX - head)
             return fail(err, DDPW_ERR_TOO_LARGE, type, NULL, UINT64_MAX, UINT32_MAX);
         *size = head + m->data_len;
@@ -1311,6 +1367,14 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
         put_u64(w, m->step);
         put_f32(w, m->scale);
         break;
+    case DDPW_STATE_REQUEST:
+        put_u64(w, m->step);
+        break;
+    case DDPW_MODEL_STATE:
+        put_u64(w, m->step);
+        put_bytes(w, m->digest, DDPW_AUTH_BYTES);
+        put_u64(w, m->data_len);
+        break;
     case DDPW_STEP_ABORTED:
         put_u64(w, m->step);
         put_u32(w, m->worker_id);
@@ -1413,7 +1477,7 @@ ddpw_status ddpw_encode_frame(const ddpw_message *m, uint8_t *out, size_t cap, s
     if (ddpw_has_gradients(m->tag)) {
         put_words(&w, m->gradients, m->gradient_count);
         write_tail(&w, m);
-    } else if (is_collective_bulk(m->tag)) {
+    } else if (is_collective_bulk(m->tag) || m->tag == DDPW_MODEL_STATE) {
         put_bytes(&w, m->data, m->data_len);
     }
     return finish(&w, written, ddpw_message_type(m->tag), DDPW_PREFIX_LEN + size, err);

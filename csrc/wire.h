@@ -55,7 +55,9 @@ typedef enum ddpw_tag {
     DDPW_STEP_TIMING = 0x4A,
     DDPW_SHARD_SCALE = 0x4B,
     /* The elastic extension (docs/extensions.md, "Membership that follows the machines"). */
-    DDPW_STEP_ABORTED = 0x4C
+    DDPW_STEP_ABORTED = 0x4C,
+    DDPW_STATE_REQUEST = 0x4D,
+    DDPW_MODEL_STATE = 0x4E
 } ddpw_tag;
 
 /* The extension block that may follow the last field of JoinRequest and
@@ -257,8 +259,9 @@ typedef struct ddpw_message {
     uint8_t dtype;             /* CollectiveRequest, CollectiveResult */
     uint32_t root;             /* CollectiveRequest */
     uint64_t count;            /* CollectiveRequest, CollectiveResult, StepReport: elements */
-    const uint8_t *data;       /* CollectiveRequest, CollectiveResult */
-    uint64_t data_len;         /* bytes at data: count * ddpw_dtype_size(dtype) */
+    const uint8_t *data;       /* CollectiveRequest, CollectiveResult, ModelState */
+    uint64_t data_len;         /* bytes at data: count * ddpw_dtype_size(dtype) (collectives) */
+    const uint8_t *digest;     /* ModelState: DDPW_AUTH_BYTES bytes, SHA-256 of data */
     const uint8_t *key;        /* MeshPeers: DDPW_AUTH_BYTES bytes */
     uint8_t codec;             /* MeshPeers */
     uint8_t shared_memory;     /* MeshPeers: 1 when the mesh's data plane is shared memory */

@@ -34,6 +34,8 @@ from ddpwire.messages import (
     PeerHello,
     ShardScale,
     StepAborted,
+    StateRequest,
+    ModelState,
     StepCommit,
     StepReport,
     StepTiming,
@@ -97,6 +99,8 @@ cdef dict _TAGS = {
     StepTiming: DDPW_STEP_TIMING,
     ShardScale: DDPW_SHARD_SCALE,
     StepAborted: DDPW_STEP_ABORTED,
+    StateRequest: DDPW_STATE_REQUEST,
+    ModelState: DDPW_MODEL_STATE,
 }
 
 cdef object _U8 = np.dtype(np.uint8)
@@ -464,6 +468,12 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
     elif tag == DDPW_SHARD_SCALE:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.scale = _f32(msg.scale, msg, "scale")
+    elif tag == DDPW_STATE_REQUEST:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+    elif tag == DDPW_MODEL_STATE:
+        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.digest = _auth_bytes(msg.digest, msg, "digest", keep)
+        _set_data(out, msg, keep)
     elif tag == DDPW_STEP_ABORTED:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
         out.worker_id = _uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
@@ -693,6 +703,14 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
         o = _new(ShardScale)
         o.step = m.step
         o.scale = _float(m.scale)
+    elif tag == DDPW_STATE_REQUEST:
+        o = _new(StateRequest)
+        o.step = m.step
+    elif tag == DDPW_MODEL_STATE:
+        o = _new(ModelState)
+        o.step = m.step
+        o.digest = PyBytes_FromStringAndSize(<const char *>m.digest, DDPW_AUTH_BYTES)
+        o.data = _data(m, owner, base)
     elif tag == DDPW_STEP_ABORTED:
         o = _new(StepAborted)
         o.step = m.step

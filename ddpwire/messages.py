@@ -71,6 +71,8 @@ __all__ = [
     "StepTiming",
     "ShardScale",
     "StepAborted",
+    "StateRequest",
+    "ModelState",
     "NO_WORKER",
     "NON_BLOCK_COMPONENTS",
     "MESSAGE_TYPES",
@@ -524,6 +526,32 @@ class StepAborted(Message):
     workers: int
 
 
+@dataclass(eq=False)
+class StateRequest(Message):
+    """Coordinator to worker, with the elastic extension (0x4D), between two
+    steps (where a ShardAssignment could come): send the model's state as it
+    is before step ``step`` (a ModelState), for a worker joining there."""
+
+    __slots__ = ("step",)
+    TAG: ClassVar[int] = 0x4D
+    step: int
+
+
+@dataclass(eq=False)
+class ModelState(Message):
+    """Worker to coordinator in answer to a StateRequest, and coordinator to
+    a worker joining an elastic session before its first step (0x4E):
+    whatever the training code keeps of its state before step ``step``
+    (weights, optimizer, anything else; opaque here), ``digest`` its
+    SHA-256, which the joiner checks before using it."""
+
+    __slots__ = ("step", "digest", "data")
+    TAG: ClassVar[int] = 0x4E
+    step: int
+    digest: bytes
+    data: Any
+
+
 #: tag -> message class, for every tag the protocol and its extensions define
 MESSAGE_TYPES = {
     cls.TAG: cls
@@ -552,6 +580,8 @@ MESSAGE_TYPES = {
         StepTiming,
         ShardScale,
         StepAborted,
+        StateRequest,
+        ModelState,
     )
 }
 
@@ -624,4 +654,7 @@ LAYOUTS: Tuple[Layout, ...] = (
     _layout(0x4A, "StepTiming", "worker → coordinator", "step: u64, compute_us: u64"),
     _layout(0x4B, "ShardScale", "coordinator → worker", "step: u64, scale: f32"),
     _layout(0x4C, "StepAborted", "coordinator → worker", "step: u64, worker_id: u32, workers: u32"),
+    _layout(0x4D, "StateRequest", "coordinator → worker", "step: u64"),
+    _layout(0x4E, "ModelState", "worker → coordinator; coordinator → worker",
+            "step: u64, digest: bytes32, data: bytes"),
 )

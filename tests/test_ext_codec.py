@@ -19,6 +19,8 @@ from ddpwire import (
     PeerHello,
     ShardScale,
     StepAborted,
+    StateRequest,
+    ModelState,
     StepCommit,
     StepReport,
     StepTiming,
@@ -93,6 +95,8 @@ MESSAGES = st.one_of(
     st.builds(StepTiming, U64, U64),
     st.builds(ShardScale, U64, SCALE),
     st.builds(StepAborted, U64, U32, U32),
+    st.builds(StateRequest, U64),
+    st.builds(ModelState, U64, B32, st.binary(max_size=300)),
 )
 
 
@@ -263,7 +267,7 @@ def test_codes_come_from_the_codec():
 
 def test_tag_max_payload():
     limits = {0x03: 25, 0x07: 1, 0x40: 65, 0x41: 33, 0x47: 37, 0x48: 57, 0x49: 29, 0x4A: 17,
-              0x4B: 13, 0x4C: 17}
+              0x4B: 13, 0x4C: 17, 0x4D: 9}
     for tag in range(256):
         got = tag_max_payload(tag, 1000)
         cls = ddpwire.messages.MESSAGE_TYPES.get(tag)
@@ -271,10 +275,10 @@ def test_tag_max_payload():
             assert got == 0, tag
         elif tag in limits:
             assert got == limits[tag]
-        elif tag in (0x01, 0x02, 0x06, 0x42, 0x45, 0x46):
+        elif tag in (0x01, 0x02, 0x06, 0x42, 0x45, 0x46):  # small variable ones
             assert got == 65536
         else:
-            assert got == 1000, cls.__name__  # gradient and collective messages
+            assert got == 1000, cls.__name__  # gradient, collective messages, ModelState
     # a fixed size is exact: the encoder produces exactly that many bytes
     assert len(ddpwire.encode_frame(AuthChallenge(bytes(32), bytes(32)))) - 4 == 65
     assert len(ddpwire.encode_frame(AuthProof(bytes(32)))) - 4 == 33
@@ -308,8 +312,8 @@ def test_allowed_tags_refuse_other_tags():
     frame = ddpwire.encode_frame(ddpwire.Heartbeat("w", 5))
     with pytest.raises(ProtocolError, match=r"^Heartbeat \(tag 0x06\) not allowed here$"):
         reader.feed(frame)
-    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x4d$"):
-        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x4d")
+    with pytest.raises(ProtocolError, match=r"^unknown message tag: 0x4f$"):
+        FrameReader(allowed_tags=[0x01]).feed(b"\x00\x00\x00\x01\x4f")
     # the balance messages are refused where they are not allowed, like any other
     with pytest.raises(ProtocolError, match=r"^ShardScale \(tag 0x4b\) not allowed here$"):
         FrameReader(allowed_tags=[0x01]).feed(ddpwire.encode_frame(ShardScale(0, 1.0)))

@@ -107,7 +107,8 @@ def test_the_vectors_cover_every_shape():
     names = {v["message"]["type"] for v in VECTORS}
     assert {"AuthChallenge", "AuthProof", "JoinRefused", "CollectiveRequest",
             "CollectiveResult", "CollectiveError", "MeshPeers", "PeerHello", "StepReport",
-            "StepCommit", "StepTiming", "ShardScale", "StepAborted"} <= names
+            "StepCommit", "StepTiming", "ShardScale", "StepAborted", "StateRequest",
+            "ModelState"} <= names
     for type_name in ("JoinRequest", "JoinAccepted"):
         blocks = [v["message"]["extensions"] for v in VECTORS
                   if v["message"]["type"] == type_name]
@@ -149,7 +150,8 @@ def test_allow_trailing_forgives_only_bytes_that_are_not_a_block(case):
     if case["name"] in ("trailing_not_magic", "short_trailing_magic_prefix",
                         "data_trailing", "proof_trailing", "peer_hello_trailing",
                         "step_commit_trailing", "step_timing_trailing",
-                        "shard_scale_trailing", "step_aborted_trailing"):
+                        "shard_scale_trailing", "step_aborted_trailing",
+                        "state_request_trailing", "model_state_trailing"):
         msg = ddpwire.decode_payload(payload, allow_trailing=True)
         assert getattr(msg, "extensions", None) is None
     else:

@@ -40,6 +40,8 @@ cdef extern from "wire.h" nogil:
         DDPW_STEP_TIMING
         DDPW_SHARD_SCALE
         DDPW_STEP_ABORTED
+        DDPW_STATE_REQUEST
+        DDPW_MODEL_STATE
 
     ctypedef enum ddpw_code_family:
         DDPW_CODES_EXTENSION
@@ -135,6 +137,7 @@ cdef extern from "wire.h" nogil:
         uint64_t count
         const uint8_t *data
         uint64_t data_len
+        const uint8_t *digest
         const uint8_t *key
         uint8_t codec
         uint8_t shared_memory

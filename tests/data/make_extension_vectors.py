@@ -8,6 +8,7 @@ rather than against itself. Run from anywhere:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -21,6 +22,7 @@ AUTH_CHALLENGE, AUTH_PROOF, JOIN_REFUSED = 0x40, 0x41, 0x42
 COLLECTIVE_REQUEST, COLLECTIVE_RESULT, COLLECTIVE_ERROR = 0x43, 0x44, 0x45
 MESH_PEERS, PEER_HELLO, STEP_REPORT, STEP_COMMIT = 0x46, 0x47, 0x48, 0x49
 STEP_TIMING, SHARD_SCALE, STEP_ABORTED = 0x4A, 0x4B, 0x4C
+STATE_REQUEST, MODEL_STATE = 0x4D, 0x4E
 NO_WORKER = 0xFFFFFFFF
 # the spec's dtype table: code -> (struct format, size)
 DTYPES = {0: ("<f", 4), 1: ("<d", 8), 2: ("<e", 2), 3: ("<H", 2), 4: ("<i", 4),
@@ -199,6 +201,15 @@ def vectors() -> List[Dict[str, Any]]:
             struct.pack("<BQII", STEP_ABORTED, step, worker, left),
             {"type": "StepAborted", "tag": STEP_ABORTED, "step": step, "worker_id": worker,
              "workers": left})))
+    shapes.append(("state_request", "step", (
+        struct.pack("<BQ", STATE_REQUEST, 31),
+        {"type": "StateRequest", "tag": STATE_REQUEST, "step": 31})))
+    for label, data in (("empty", b""), ("bytes", bytes(range(7)) * 3)):
+        digest = hashlib.sha256(data).digest()
+        shapes.append((f"model_state_{label}", "step, digest, data", (
+            struct.pack("<BQ", MODEL_STATE, 30) + digest + struct.pack("<Q", len(data)) + data,
+            {"type": "ModelState", "tag": MODEL_STATE, "step": 30, "digest_hex": digest.hex(),
+             "data_hex": data.hex()})))
     out = []
     for name, note, (payload, message) in shapes:
         out.append({"name": name, "note": note, "message": message,
@@ -325,8 +336,20 @@ def malformed() -> List[Dict[str, Any]]:
         ("step_aborted_trailing", "StepAborted with a byte more",
          struct.pack("<BQII", STEP_ABORTED, 1, 0, 2) + b"\x00",
          r"^1 bytes after the last field of StepAborted$"),
-        ("unknown_tag_0x4d", "first tag after the extension messages", b"\x4d",
-         r"^unknown message tag: 0x4d$"),
+        ("state_request_trailing", "StateRequest with a byte more",
+         struct.pack("<BQ", STATE_REQUEST, 1) + b"\x00",
+         r"^1 bytes after the last field of StateRequest$"),
+        ("model_state_digest_cut", "ModelState with 5 bytes of its digest",
+         struct.pack("<BQ", MODEL_STATE, 1) + bytes(5),
+         r"^truncated ModelState\.digest: 5 of 32 bytes$"),
+        ("model_state_data_cut", "ModelState whose data length says 10, 4 bytes present",
+         struct.pack("<BQ", MODEL_STATE, 1) + bytes(32) + struct.pack("<Q", 10) + bytes(4),
+         r"^truncated ModelState\.data: 4 of 10 bytes$"),
+        ("model_state_trailing", "ModelState with 2 bytes after its data",
+         struct.pack("<BQ", MODEL_STATE, 1) + bytes(32) + struct.pack("<Q", 1) + bytes(3),
+         r"^2 bytes after the last field of ModelState$"),
+        ("unknown_tag_0x4f", "first tag after the extension messages", b"\x4f",
+         r"^unknown message tag: 0x4f$"),
     ]
     return [{"name": n, "description": d, "input_hex": p.hex(), "input_len": len(p),
              "error": e} for n, d, p, e in cases]
