@@ -670,17 +670,21 @@ static ddpw_status read_collective_head(ddpw_reader *r, uint8_t tag, const char 
     return DDPW_OK;
 }
 
-/* ModelState up to its data: step, the digest, the data's byte count, which
- * must fill the payload exactly. */
+/* ModelState up to its data: step, the whole state's length, the digest,
+ * the data's byte count, which must fill the payload exactly and not pass
+ * the whole state's length. */
 static ddpw_status read_state_head(ddpw_reader *r, const char *type, int flags, ddpw_head *h,
-                                   const uint8_t **digest, ddpw_error *err)
+                                   uint64_t *total, const uint8_t **digest, ddpw_error *err)
 {
     uint64_t data_len;
     size_t left, end;
 
     TRY(read_u64(r, &h->step, type, "step", err));
+    TRY(read_u64(r, total, type, "total", err));
     TRY(take(r, DDPW_AUTH_BYTES, digest, type, "digest", err));
     TRY(read_u64(r, &data_len, type, "data length", err));
+    if (data_len > *total)
+        return fail_invalid(err, type, "data length", data_len, "more than the state's total");
     left = r->len - r->pos;
     if (data_len > (uint64_t)left)
         return fail(err, DDPW_ERR_TRUNCATED, type, "data", left, data_len);
@@ -790,7 +794,8 @@ ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len,
         st = read_collective_head(&r, head->tag, type, flags, head, err);
     else if (st == DDPW_OK && head->tag == DDPW_MODEL_STATE) {
         const uint8_t *digest = NULL;
-        st = read_state_head(&r, type, flags, head, &digest, err);
+        uint64_t total = 0;
+        st = read_state_head(&r, type, flags, head, &total, &digest, err);
     }
     if (st == DDPW_NEED_MORE)
         head->need = err->need;
@@ -868,7 +873,7 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
     if (tag == DDPW_MODEL_STATE) {
         ddpw_head h;
         memset(&h, 0, sizeof h);
-        TRY(read_state_head(&r, type, flags, &h, &msg->digest, err));
+        TRY(read_state_head(&r, type, flags, &h, &msg->total, &msg->digest, err));
         msg->step = h.step;
         msg->data = p + h.bulk_offset;
         msg->data_len = h.bulk_len;
@@ -1139,7 +1144,7 @@ static uint64_t head_fields_size(const ddpw_message *m)
     case DDPW_COLLECTIVE_RESULT:
         return 1 + 8 + 1 + 1 + 8 + 8;
     case DDPW_MODEL_STATE:
-        return 1 + 8 + DDPW_AUTH_BYTES + 8;
+        return 1 + 8 + 8 + DDPW_AUTH_BYTES + 8;
     case DDPW_COLLECTIVE_ERROR:
         return 1 + 8 + 4 + 4 + (uint64_t)m->detail.len;
     case DDPW_MESH_PEERS:
@@ -1211,6 +1216,8 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
     if (m->tag == DDPW_MODEL_STATE && (m->digest == NULL || (m->data == NULL && m->data_len)))
         return fail(err, DDPW_ERR_VALUE, type, m->digest == NULL ? "digest" : "data", 0,
                     m->digest == NULL ? DDPW_AUTH_BYTES : m->data_len);
+    if (m->tag == DDPW_MODEL_STATE && m->data_len > m->total)
+        return fail_invalid(err, type, "data length", m->data_len, "more than the state's total");
     if (m->tag == DDPW_MESH_PEERS && m->key == NULL)
         return fail(err, DDPW_ERR_VALUE, type, "key", 0, DDPW_AUTH_BYTES);
     if (m->tag == DDPW_MESH_PEERS && ddpw_code_name(DDPW_CODES_CODEC, m->codec) == NULL)
@@ -1372,6 +1379,7 @@ static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_s
         break;
     case DDPW_MODEL_STATE:
         put_u64(w, m->step);
+        put_u64(w, m->total);
         put_bytes(w, m->digest, DDPW_AUTH_BYTES);
         put_u64(w, m->data_len);
         break;

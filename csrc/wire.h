@@ -238,7 +238,7 @@ typedef struct ddpw_message {
     uint64_t gradient_count;
     float loss;                /* GradientPayload, StepReport */
     uint64_t correct;          /* GradientPayload, StepReport */
-    uint64_t total;            /* GradientPayload, StepReport */
+    uint64_t total;            /* GradientPayload, StepReport; ModelState: the state's bytes */
     float global_loss;         /* AveragedGradient, StepCommit */
     /* Extension block (JoinRequest, JoinAccepted). has_ext == 0: no block.
      * Decoded: ext_block points at the block's first entry, ext_block_len

@@ -472,6 +472,7 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
     elif tag == DDPW_MODEL_STATE:
         out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
+        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, msg, "total")
         out.digest = _auth_bytes(msg.digest, msg, "digest", keep)
         _set_data(out, msg, keep)
     elif tag == DDPW_STEP_ABORTED:
@@ -709,6 +710,7 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
     elif tag == DDPW_MODEL_STATE:
         o = _new(ModelState)
         o.step = m.step
+        o.total = m.total
         o.digest = PyBytes_FromStringAndSize(<const char *>m.digest, DDPW_AUTH_BYTES)
         o.data = _data(m, owner, base)
     elif tag == DDPW_STEP_ABORTED:

@@ -540,14 +540,18 @@ class StateRequest(Message):
 @dataclass(eq=False)
 class ModelState(Message):
     """Worker to coordinator in answer to a StateRequest, and coordinator to
-    a worker joining an elastic session before its first step (0x4E):
-    whatever the training code keeps of its state before step ``step``
-    (weights, optimizer, anything else; opaque here), ``digest`` its
-    SHA-256, which the joiner checks before using it."""
+    a worker joining an elastic session before its first step (0x4E): a
+    piece of whatever the training code keeps of its state before step
+    ``step`` (weights, optimizer, anything else; opaque here). The state
+    is ``total`` bytes, sent as consecutive pieces in order (each frame
+    within the peer's frame limit); ``digest`` is the SHA-256 of the whole
+    state, the same in every piece, which the joiner checks before using
+    it."""
 
-    __slots__ = ("step", "digest", "data")
+    __slots__ = ("step", "total", "digest", "data")
     TAG: ClassVar[int] = 0x4E
     step: int
+    total: int
     digest: bytes
     data: Any
 
@@ -656,5 +660,5 @@ LAYOUTS: Tuple[Layout, ...] = (
     _layout(0x4C, "StepAborted", "coordinator → worker", "step: u64, worker_id: u32, workers: u32"),
     _layout(0x4D, "StateRequest", "coordinator → worker", "step: u64"),
     _layout(0x4E, "ModelState", "worker → coordinator; coordinator → worker",
-            "step: u64, digest: bytes32, data: bytes"),
+            "step: u64, total: u64, digest: bytes32, data: bytes"),
 )

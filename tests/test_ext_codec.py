@@ -96,7 +96,8 @@ MESSAGES = st.one_of(
     st.builds(ShardScale, U64, SCALE),
     st.builds(StepAborted, U64, U32, U32),
     st.builds(StateRequest, U64),
-    st.builds(ModelState, U64, B32, st.binary(max_size=300)),
+    st.binary(max_size=300).flatmap(lambda d: st.builds(
+        ModelState, U64, st.integers(len(d), 2**64 - 1), B32, st.just(d))),
 )
 
 

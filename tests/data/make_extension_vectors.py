@@ -207,9 +207,10 @@ def vectors() -> List[Dict[str, Any]]:
     for label, data in (("empty", b""), ("bytes", bytes(range(7)) * 3)):
         digest = hashlib.sha256(data).digest()
         shapes.append((f"model_state_{label}", "step, digest, data", (
-            struct.pack("<BQ", MODEL_STATE, 30) + digest + struct.pack("<Q", len(data)) + data,
-            {"type": "ModelState", "tag": MODEL_STATE, "step": 30, "digest_hex": digest.hex(),
-             "data_hex": data.hex()})))
+            struct.pack("<BQQ", MODEL_STATE, 30, len(data) + 5) + digest +
+            struct.pack("<Q", len(data)) + data,
+            {"type": "ModelState", "tag": MODEL_STATE, "step": 30, "total": len(data) + 5,
+             "digest_hex": digest.hex(), "data_hex": data.hex()})))
     out = []
     for name, note, (payload, message) in shapes:
         out.append({"name": name, "note": note, "message": message,
@@ -340,13 +341,16 @@ def malformed() -> List[Dict[str, Any]]:
          struct.pack("<BQ", STATE_REQUEST, 1) + b"\x00",
          r"^1 bytes after the last field of StateRequest$"),
         ("model_state_digest_cut", "ModelState with 5 bytes of its digest",
-         struct.pack("<BQ", MODEL_STATE, 1) + bytes(5),
+         struct.pack("<BQQ", MODEL_STATE, 1, 9) + bytes(5),
          r"^truncated ModelState\.digest: 5 of 32 bytes$"),
         ("model_state_data_cut", "ModelState whose data length says 10, 4 bytes present",
-         struct.pack("<BQ", MODEL_STATE, 1) + bytes(32) + struct.pack("<Q", 10) + bytes(4),
+         struct.pack("<BQQ", MODEL_STATE, 1, 10) + bytes(32) + struct.pack("<Q", 10) + bytes(4),
          r"^truncated ModelState\.data: 4 of 10 bytes$"),
+        ("model_state_past_total", "ModelState with a piece longer than the whole state",
+         struct.pack("<BQQ", MODEL_STATE, 1, 2) + bytes(32) + struct.pack("<Q", 3) + bytes(3),
+         r"^invalid ModelState\.data length: 3 \(more than the state's total\)$"),
         ("model_state_trailing", "ModelState with 2 bytes after its data",
-         struct.pack("<BQ", MODEL_STATE, 1) + bytes(32) + struct.pack("<Q", 1) + bytes(3),
+         struct.pack("<BQQ", MODEL_STATE, 1, 1) + bytes(32) + struct.pack("<Q", 1) + bytes(3),
          r"^2 bytes after the last field of ModelState$"),
         ("unknown_tag_0x4f", "first tag after the extension messages", b"\x4f",
          r"^unknown message tag: 0x4f$"),
