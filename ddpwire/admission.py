@@ -222,6 +222,7 @@ class Admission:
         self.max_frame = max_frame
         self.slots: List[Optional[Admitted]] = [None] * expect_workers
         self.handshakes = _Handshakes(listener, handshake_timeout, max_frame)
+        self._late_sel: Optional[selectors.BaseSelector] = None
 
     # ---- the loop ----
 
@@ -271,6 +272,54 @@ class Admission:
 
     def _joined(self) -> int:
         return sum(s is not None for s in self.slots)
+
+    # ---- late joiners (an elastic session, between steps) ----
+
+    def admit_late(self, timeout: float, until: int) -> List[Admitted]:
+        """Between two steps of an elastic session: move the handshakes of
+        workers joining late on, under the same rules as the first join
+        (the token, bounded reads, the handshake deadline, refusals when
+        every slot is taken), for at most ``timeout`` seconds, returning
+        early once ``until`` slots are filled (0: only what is ready now).
+        Returns the workers admitted meanwhile; each is handed over (this
+        object no longer watches its socket) and keeps its slot until
+        :meth:`release`."""
+        if self._late_sel is None:
+            self._late_sel = selectors.DefaultSelector()
+            self.listener.setblocking(False)
+            self._late_sel.register(self.listener, selectors.EVENT_READ, None)
+            for p in self.handshakes.pending.values():
+                self._late_sel.register(p.sock, selectors.EVENT_READ, p)
+        sel = self._late_sel
+        before = {s.worker_id for s in self.slots if s is not None}
+        new: List[Admitted] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            wake = self.handshakes.next_deadline(deadline)
+            for key, _ in sel.select(max(0.0, wake - now)):
+                if key.data is None:
+                    self.handshakes.accept(sel)
+                elif isinstance(key.data, _Pending):
+                    self._on_readable(sel, key.data)
+            self.handshakes.expire(sel, time.monotonic())
+            for a in self.slots:
+                if a is not None and a.worker_id not in before and a not in new:
+                    sel.unregister(a.sock)  # the session reads it from now on
+                    new.append(a)
+            if self._joined() >= until or time.monotonic() >= deadline:
+                return new
+
+    def release(self, worker_id: int) -> None:
+        """Free a slot whose worker left the session: a late joiner may take it."""
+        self.slots[worker_id] = None
+
+    def close_late(self) -> None:
+        """Stop watching for late joiners; those still handshaking are closed."""
+        if self._late_sel is not None:
+            self._late_sel.close()
+            self._late_sel = None
+        self.handshakes.close_all()
 
     def _describe_joined(self) -> str:
         joined = [f"worker {s.worker_id} {s.join.node_id}@{s.address[0]}" for s in self.slots if s]

@@ -137,6 +137,12 @@ class Balancer:
         self._seconds: List[Optional[float]] = [None] * workers  # the last compute time
         self._warm = [False] * workers  # a worker's first measurement is its warm-up
 
+    def forget(self, worker: int) -> None:
+        """Forget what was measured of ``worker``: it is timed afresh."""
+        self.rates[worker] = self._prev[worker] = self._seconds[worker] = None
+        self._warm[worker] = False
+        self._last = None
+
     def observe(self, worker: int, samples: int, seconds: float) -> None:
         """Worker ``worker`` computed ``samples`` samples in ``seconds``. A
         shard of no samples, or a time too short to measure, says nothing
@@ -274,6 +280,15 @@ class Shards:
         """Take ``worker`` out of every later plan."""
         if worker in self.active:
             self.active.remove(worker)
+
+    def add(self, worker: int, timed: bool) -> None:
+        """Put ``worker`` (joining between steps) in every later plan, its
+        speed still to be measured (it may be another machine than the one
+        that had its id)."""
+        if worker not in self.active:
+            self.active = sorted(self.active + [worker])
+        self.timed[worker] = timed
+        self.balancer.forget(worker)
 
     def plan(self, step: int, total: int) -> List[int]:
         """The shard sizes of ``step``, one per worker id (the timings of

@@ -33,19 +33,20 @@ from . import shm as _shm
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
-from .admission import Admission, Refuser
+from .admission import Admission, Admitted, Refuser
 from .auth import TOKEN_ENV
 from .channel import SIDE_MESSAGES, Channel, check_timeout, message_name, result_buffer
 from .errors import (
     DdpwireError,
     GradientMismatch,
+    JoinTimeout,
     MembershipChanged,
     NonFiniteGradient,
     ProtocolError,
     UnexpectedMessage,
     WorkerLost,
 )
-from .extensions import Extension
+from .extensions import Extension, encode_u64
 from .launch import is_loopback
 from .lifecycle import Lifecycle, LifecycleOwner
 from .options import UNSET, SessionOptions, options_from
@@ -61,7 +62,9 @@ from .messages import (
     NonBlockGradientPayload,
     ShardAssignment,
     ShardScale,
+    ModelState,
     Shutdown,
+    StateRequest,
     StepAborted,
     StepCommit,
     StepReport,
@@ -322,6 +325,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         self.shard_log: Optional[List[Tuple[int, Dict[int, Tuple[int, int]]]]] = \
             [] if elastic else None
         self._dropped: List[Channel] = []  # told, half-closed, read until they hang up
+        self._late: Optional[Admission] = None  # an elastic session's join, between steps
+        self._next_step = 0  # the step after the last one averaged
         #: the steps this coordinator runs: True per-block, False flat, None not said
         self.per_block = per_block
         self.gradient_length = opts.gradient_length
@@ -488,6 +493,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         """
         limit = self.join_timeout if timeout is None else check_timeout("timeout", timeout)
         self._life.check()
+        if self._late is not None:
+            return self._wait_late(limit, count)
         if self._refuser is not None:
             return list(self.workers)
         if self._admission is None:
@@ -502,14 +509,15 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if len(admitted) < self.expect_workers:
             return [a.info() for a in admitted]
         for a in admitted:
-            chan = Channel(a.sock, timeout=self.timeout, lost=WorkerLost, peer_id=a.worker_id,
-                           peer_name=f"worker {a.worker_id} ({a.join.node_id}@{a.address[0]})",
-                           max_frame=self.max_frame, heartbeat_timeout=self.heartbeat_timeout)
-            self._channels.append(chan)
+            self._channels.append(self._open_channel(a))
             self.workers.append(a.info())
-        self._refuser = Refuser(self._admission.handshakes,
-                                detail=f"training has started with "
-                                       f"{counted(self.expect_workers, 'worker')}")
+        if self.elastic:
+            # the join goes on between steps, for workers that come late or back
+            self._late = self._admission
+        else:
+            self._refuser = Refuser(self._admission.handshakes,
+                                    detail=f"training has started with "
+                                           f"{counted(self.expect_workers, 'worker')}")
         self._admission = None
         with self._talking(None):
             self._start_shards(admitted)
@@ -520,6 +528,11 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                 target=self._send_heartbeats, name="ddpwire-coordinator-heartbeat", daemon=True)
             self._heartbeat_thread.start()
         return list(self.workers)
+
+    def _open_channel(self, a: "Admitted") -> Channel:
+        return Channel(a.sock, timeout=self.timeout, lost=WorkerLost, peer_id=a.worker_id,
+                       peer_name=f"worker {a.worker_id} ({a.join.node_id}@{a.address[0]})",
+                       max_frame=self.max_frame, heartbeat_timeout=self.heartbeat_timeout)
 
     def _start_shards(self, admitted: list) -> None:
         """Shards by measured speed when ``balance`` asks and every worker
@@ -651,6 +664,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             self._release()
         if self._refuser is not None:
             self._refuser.close()
+        if self._late is not None:
+            self._late.close_late()
         if self._admission is not None:
             self._admission.handshakes.close_all()
             for slot in self._admission.slots:
@@ -687,6 +702,9 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         self._check_ready()
         assert self.shards is not None
         self._reap_dropped()
+        if self._late is not None:
+            with self._talking(step):
+                self._admit_late(step, 0.0, self.expect_workers)
         self.shards.plan(step, self.total_samples)
         self._assigned_at = time.perf_counter()
         with self._talking(step):
@@ -1126,6 +1144,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             assert self.shard_log is not None and self.shards is not None
             self.shard_log.append((step, {c.peer_id: self.shards.bounds(c.peer_id)
                                           for c in chans}))
+            self._next_step = step + 1
             if reply:
                 self._send_each(AveragedGradient(step=step, gradients=out,
                                                  global_loss=result.global_loss), step)
@@ -1198,8 +1217,11 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if chan is None:
             return
         self._channels = [c for c in self._channels if c is not chan]
+        self.workers = [i for i in self.workers if i.worker_id != worker_id]
         assert self.shards is not None
         self.shards.drop(worker_id)
+        if self._late is not None:
+            self._late.release(worker_id)
         event = MembershipEvent(step, worker_id, exc.message, len(self._channels),
                                          committed)
         self.membership.append(event)
@@ -1224,6 +1246,86 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         finally:
             chan.send_lock.release()
         self._dropped.append(chan)
+
+    def _wait_late(self, limit: float, count: Optional[int]) -> List[WorkerInfo]:
+        """wait_for_workers between two steps of an elastic session: admit
+        late joiners (each handed the model's state, :meth:`_admit_late`)
+        until ``count`` (default ``expect_workers``) take part; JoinTimeout
+        after ``limit`` seconds."""
+        want = self.expect_workers if count is None else min(count, self.expect_workers)
+        deadline = time.monotonic() + limit
+        step = self._next_step
+        with self._talking(step):
+            while len(self._channels) < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise JoinTimeout(f"{len(self._channels)} of {counted(want, 'worker')} "
+                                      f"in the session within {limit:g} s")
+                self._admit_late(step, left, want)
+        return list(self.workers)
+
+    def _admit_late(self, step: int, timeout: float, until: int) -> None:
+        """Take in the workers that completed the join since the last step
+        (waiting up to ``timeout`` for ``until`` to take part): each receives
+        the model's state before ``step`` from a worker in the session
+        (:meth:`_hand_state`) and takes part from ``step`` on."""
+        assert self._late is not None and self.shards is not None
+        self._late.grants[Extension.ELASTIC] = encode_u64(step)
+        for a in self._late.admit_late(timeout, until):
+            chan = self._open_channel(a)
+            try:
+                self._hand_state(step, chan)
+            except WorkerLost as exc:
+                if exc.worker_id != a.worker_id:
+                    raise
+                log.warning("worker %d joined before step %d but could not take the model's "
+                            "state: %s", a.worker_id, step, exc.message)
+                chan.close()
+                self._late.release(a.worker_id)
+                continue
+            self._channels = sorted(self._channels + [chan], key=lambda c: c.peer_id)
+            self.workers = sorted(self.workers + [a.info()], key=lambda i: i.worker_id)
+            timed = Extension.BALANCE in a.granted
+            self.shards.add(a.worker_id, timed)
+            if timed:
+                chan.on_timing = self._timing_from(a.worker_id)
+            event = MembershipEvent(step, a.worker_id, f"joined from {a.join.node_id}@"
+                                    f"{a.address[0]}", len(self._channels), False, joined=True)
+            self.membership.append(event)
+            log.warning("worker %d (%s@%s) joined before step %d: going on with %s",
+                        a.worker_id, a.join.node_id, a.address[0], step,
+                        counted(len(self._channels), "worker"))
+
+    def _hand_state(self, step: int, joiner: Channel) -> None:
+        """Relay the model's state before ``step`` from a worker in the
+        session to ``joiner``, piece by piece (ModelState, docs/extensions.md):
+        asked of each in turn until one answers; one lost meanwhile is
+        dropped. The joiner checks the digest."""
+        for source in list(self._channels):
+            try:
+                source.send(StateRequest(step=step), step=step)
+                deadline = time.monotonic() + self.timeout
+                got, total = 0, None
+                while total is None or got < total:
+                    piece = source.expect([ModelState], step=step, deadline=deadline)
+                    if piece.step != step or (total is not None and piece.total != total):
+                        raise ProtocolError(f"ModelState for step {piece.step} of "
+                                            f"{piece.total} bytes, asked for step {step}"
+                                            f"{'' if total is None else f' ({total} bytes)'}",
+                                            worker_id=source.peer_id, step=step)
+                    total = piece.total
+                    got += len(piece.data)
+                    if got > total:
+                        raise ProtocolError(f"ModelState pieces past its {total} bytes",
+                                            worker_id=source.peer_id, step=step)
+                    joiner.send(piece, step=step)
+                return
+            except WorkerLost as exc:
+                if exc.worker_id == joiner.peer_id:
+                    raise
+                self._drop(source.peer_id, step, exc, committed=True)
+        raise WorkerLost(f"no worker in the session to take the model's state from for "
+                         f"step {step}", worker_id=joiner.peer_id, step=step)
 
     def _reap_dropped(self) -> None:
         """Read and drop what the dropped workers still send; close those that

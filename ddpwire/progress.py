@@ -8,7 +8,7 @@ from typing import Callable, List, Optional, TextIO, Tuple
 from ._text import counted
 from .results import MembershipEvent, StepReport
 
-__all__ = ["ProgressBar", "break_line", "lost_line", "worker_rows", "worker_summary", "EVERY_S", "REDRAW_S"]
+__all__ = ["ProgressBar", "break_line", "membership_line", "worker_rows", "worker_summary", "EVERY_S", "REDRAW_S"]
 
 #: seconds between two progress lines off a terminal (a log, CI)
 EVERY_S = 2.0
@@ -70,9 +70,9 @@ class ProgressBar:
         """Count the step's samples and, when due, draw (or print) the line."""
         global _open_bar
         done = report.step + 1
-        for event in report.lost:
+        for event in report.membership:
             # each on a line of its own, above the bar
-            self.stream.write(("\n" if self._line_open else "") + lost_line(event) + "\n")
+            self.stream.write(("\n" if self._line_open else "") + membership_line(event) + "\n")
             self._line_open, self._rows = False, 0
         self.done += 1
         self.samples += report.samples
@@ -155,8 +155,11 @@ def worker_rows(report: StepReport) -> List[str]:
     return rows
 
 
-def lost_line(event: MembershipEvent) -> str:
-    """One line for a worker an elastic session lost."""
+def membership_line(event: MembershipEvent) -> str:
+    """One line for a worker an elastic session lost or took in."""
+    if event.joined:
+        return (f"worker {event.worker_id} {event.why} before step {event.step}, with the "
+                f"model's state: going on with {counted(event.workers, 'worker')}")
     then = ("its step stood (already averaged)" if event.committed
             else f"step {event.step} computed again")
     return (f"worker {event.worker_id} left during step {event.step} ({event.why}): {then}, "

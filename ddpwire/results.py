@@ -14,7 +14,8 @@ __all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult", "Members
 
 @dataclass(frozen=True)
 class MembershipEvent:
-    """A worker that left an elastic session (``Coordinator(elastic=True)``)."""
+    """A worker that left an elastic session (``Coordinator(elastic=True)``),
+    or joined it between two steps."""
 
     #: the step during which it left
     step: int
@@ -27,10 +28,12 @@ class MembershipEvent:
     #: been averaged with its samples already, and stands; False when the
     #: step was called off and computed again without it
     committed: bool
+    #: True for a worker that joined (late, or back) before ``step``
+    joined: bool = False
 
     def as_json(self) -> Dict[str, Any]:
         return {"step": self.step, "worker": self.worker_id, "why": self.why,
-                "workers": self.workers, "committed": self.committed}
+                "workers": self.workers, "committed": self.committed, "joined": self.joined}
 
 
 @dataclass
@@ -100,8 +103,8 @@ class StepReport:
     step_time: float
     #: each worker's shard and compute time (:class:`ddpwire.balance.WorkerTiming`)
     workers: List[WorkerTiming] = field(default_factory=list)
-    #: the workers an elastic session lost during this step
-    lost: List[MembershipEvent] = field(default_factory=list)
+    #: the workers an elastic session lost during this step, or took in before it
+    membership: List[MembershipEvent] = field(default_factory=list)
 
     @property
     def waited_for(self) -> Optional[int]:
@@ -139,5 +142,5 @@ class StepReport:
             "workers": [{"worker": w.worker_id, "shard": w.samples, "compute_s": w.compute,
                          "wait_s": wait, "samples_per_s": w.rate}
                         for w, wait in zip(self.workers, self.waits())],
-            "lost": [e.as_json() for e in self.lost],
+            "membership": [e.as_json() for e in self.membership],
         }

@@ -36,7 +36,8 @@ def serve(
     blocks in backward order (``num_blocks - 1`` down to 0), then the
     non-block components, as the workers' trainer sends them. In an elastic
     session a step called off for a lost worker is planned again among the
-    others and redone (its report's ``lost`` names who left).
+    others and redone (its report's ``membership`` names who left, and who
+    joined before it).
     """
     if coord.per_block is not None and coord.per_block != per_block:
         # its workers were admitted for the other mode: every step would fail
@@ -53,14 +54,16 @@ def serve(
                            non_block_components, t0)
         except MembershipChanged:
             continue  # the same step again, among those left
-        report.lost = coord.membership[seen:]
+        # who left during it, and who joined before it (or between it and
+        # the last: wait_for_workers in on_step counts for the next one)
+        report.membership, seen = coord.membership[seen:], len(coord.membership)
         if coord.shards is not None:
             report.workers = coord.shards.timings()
         reports.append(report)
         if on_step is not None:
             on_step(report)
         step += 1
-        t0, seen = time.perf_counter(), len(coord.membership)
+        t0 = time.perf_counter()
     if shutdown:
         coord.shutdown_workers()
     return reports

@@ -8,6 +8,7 @@ per-block mode overlaps them); two threads must not both send or both receive.
 from __future__ import annotations
 
 import collections
+import hashlib
 import contextlib
 import enum
 import errno
@@ -17,8 +18,8 @@ import os
 import socket
 import threading
 import time
-from typing import (Any, ContextManager, Deque, Dict, FrozenSet, Mapping, Optional, Sequence,
-                    Tuple, Union)
+from typing import (Any, Callable, ContextManager, Deque, Dict, FrozenSet, Mapping, Optional,
+                    Sequence, Tuple, Union)
 
 import numpy as np
 
@@ -44,7 +45,8 @@ from .errors import (
     WorkerDropped,
     WorkerLost,
 )
-from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
+from .extensions import (Extension, RefusalReason, decode_u64, encode_flag, encode_u64,
+                         samples_mismatch)
 from .lifecycle import Lifecycle, LifecycleOwner
 from .options import UNSET, SessionOptions, options_from
 from .messages import (
@@ -64,8 +66,10 @@ from .messages import (
     NO_WORKER,
     NonBlockGradientPayload,
     ShardAssignment,
+    ModelState,
     ShardScale,
     Shutdown,
+    StateRequest,
     StepAborted,
     StepCommit,
     StepReport,
@@ -75,6 +79,9 @@ from .messages import (
 __all__ = ["Worker", "WorkerState"]
 
 log = logging.getLogger(__name__)
+
+#: the most bytes of the model's state one ModelState carries (a joiner's state goes in pieces)
+_STATE_PIECE = 16 << 20
 
 _RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
@@ -231,6 +238,16 @@ class Worker(LifecycleOwner[WorkerState]):
         # An elastic session (docs/extensions.md): a step may be called off
         # (StepAborted) in place of its average, and computed again.
         self._elastic = Extension.ELASTIC in self.extensions
+        late = self.extensions.get(Extension.ELASTIC) or b""
+        #: the step a worker that joined an elastic session late enters at
+        #: (its state comes first: :meth:`receive_state`); None for the first join
+        self.joins_at: Optional[int] = decode_u64(late) if late else None
+        self._state_received = False
+        #: what this worker hands a worker joining an elastic session late:
+        #: called with the step the joiner enters at, between two steps of
+        #: this one, it returns the state (bytes-like) the joiner starts from
+        #: (DataParallelTrainer sets it); None hands an empty state
+        self.state_source: Optional[Callable[[int], Any]] = None
         self._shard: Optional[Tuple[int, float, Optional[float]]] = None
         self._scaled: Optional[np.ndarray] = None
         self._stop = threading.Event()
@@ -489,10 +506,17 @@ class Worker(LifecycleOwner[WorkerState]):
         """The next ShardAssignment, or None when the coordinator shuts training down."""
         self._life.check()
         self._settle_topology()
+        if self.joins_at is not None and not self._state_received:
+            raise DdpwireError("this worker joined the session late: call receive_state() for "
+                               "the model's state before its first shard",
+                               worker_id=self._worker_id, step=self.joins_at)
         with self._talking(None):
             while True:
-                msg = self._chan.expect([ShardAssignment, Shutdown, StepAborted]
+                msg = self._chan.expect([ShardAssignment, Shutdown, StepAborted, StateRequest]
                                         if self._elastic else [ShardAssignment, Shutdown])
+                if isinstance(msg, StateRequest):
+                    self._send_state(msg.step)
+                    continue
                 if not isinstance(msg, StepAborted):
                     break
                 # another worker lost while the step was being called off
@@ -664,6 +688,59 @@ class Worker(LifecycleOwner[WorkerState]):
                                  check_finite=True)
         self._refuse_non_finite(out, bad, step)
         return _core.decode_tail(head.tag, bytes(tail))[3]
+
+    # ---- joining an elastic session late ----
+
+    def _send_state(self, step: int) -> None:
+        """Answer a StateRequest: this worker's state (:attr:`state_source`)
+        in ModelState pieces, each within the frame limit."""
+        state = b"" if self.state_source is None else self.state_source(step)
+        data = memoryview(state).cast("B")
+        digest = hashlib.sha256(data).digest()
+        piece = max(1, min(_STATE_PIECE, self._chan.max_frame - 4096))
+        at = 0
+        while True:
+            chunk = data[at:at + piece]
+            self._chan.send(ModelState(step=step, total=len(data), digest=digest, data=chunk),
+                            step=step)
+            at += len(chunk)
+            if at >= len(data):
+                return
+
+    def receive_state(self) -> Tuple[int, bytes]:
+        """For a worker that joined an elastic session late (:attr:`joins_at`
+        is not None), before its first shard: the model's state as a worker
+        in the session had it before step :attr:`joins_at`, its SHA-256
+        checked. Returns (step, the state's bytes); load it, then train from
+        :meth:`receive_shard` on. A digest that does not match is a
+        ProtocolError."""
+        self._life.check()
+        if self.joins_at is None:
+            raise DdpwireError("receive_state() is for a worker that joined an elastic session "
+                               "late (this one joined at the start)", worker_id=self._worker_id)
+        step = self.joins_at
+        with self._talking(step):
+            got = bytearray()
+            total: Optional[int] = None
+            digest = b""
+            while total is None or len(got) < total:
+                # each piece is due within the timeout of the one before
+                piece = self._chan.expect([ModelState], step=step)
+                if piece.step != step or (total is not None and
+                                          (piece.total != total or piece.digest != digest)):
+                    raise ProtocolError(f"ModelState for step {piece.step} ({piece.total} bytes) "
+                                        f"while joining at step {step}",
+                                        worker_id=self._worker_id, step=step)
+                total, digest = piece.total, bytes(piece.digest)
+                got += memoryview(piece.data)
+            if hashlib.sha256(got).digest() != digest:
+                raise ProtocolError(f"the model's state for step {step} does not match its "
+                                    f"digest ({total} bytes)", worker_id=self._worker_id,
+                                    step=step)
+        self._state_received = True
+        log.info("worker %d: took the model's state (%d bytes) before step %d",
+                 self._worker_id, total, step)
+        return step, bytes(got)
 
     def _check_aborted(self, msg: StepAborted) -> None:
         """A StepAborted naming this worker: it was dropped (WorkerDropped,

@@ -5,8 +5,9 @@
 Trains the digits MLP with DataParallelTrainer until the coordinator shuts
 down, then saves its weights and what it saw to OUT (torch.save). With
 DIE_AT the process SIGKILLs itself once it holds its shard of that step,
-before its gradient goes out. A worker the coordinator dropped saves the
-WorkerDropped it got instead of weights.
+before its gradient goes out. A worker the coordinator dropped (stopped
+past its heartbeat timeout, then resumed) joins again and goes on from the
+session's state.
 """
 import os
 import signal
@@ -31,25 +32,34 @@ def main():
     host, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     die_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
     torch.set_num_threads(1)
-    # heartbeats: a stopped process falls silent, a slow one does not
-    with Worker.connect((host, port), timeout=30, samples_per_step=TOTAL, heartbeat=0.2,
-                        heartbeat_timeout=2.0) as w:
-        t = trainer(w)
-        indices = t.sampler.indices
+    def connect():
+        # heartbeats: a stopped process falls silent, a slow one does not
+        return Worker.connect((host, port), timeout=30, samples_per_step=TOTAL, heartbeat=0.2,
+                              heartbeat_timeout=2.0)
+    w = connect()
+    t = trainer(w)
+    indices = t.sampler.indices
 
-        def shard_rows(step, start, end):
-            if step == die_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return indices(step, start, end)
-        t.sampler.indices = shard_rows
+    def shard_rows(step, start, end):
+        if step == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return indices(step, start, end)
+    t.sampler.indices = shard_rows
+    steps, dropped, joins = 0, [], [w.joins_at]
+    while True:
         try:
-            steps = len(t.train())
+            steps += len(t.train())
+            break
         except WorkerDropped as exc:
-            torch.save({"dropped": str(exc), "step": exc.step, "worker": w.worker_id}, out)
-            return 4
-        torch.save({"weights": [p.detach().clone() for p in t.model.parameters()],
-                    "steps": steps, "worker": w.worker_id,
-                    "redone": [(e.step, e.lost, e.workers) for e in t.membership]}, out)
+            dropped.append((exc.step, str(exc)))
+            w.close()
+            w = connect()
+            joins.append(w.joins_at)
+            t.rejoin(w)
+    torch.save({"weights": [p.detach().clone() for p in t.model.parameters()],
+                "steps": steps, "worker": w.worker_id, "dropped": dropped, "joins": joins,
+                "redone": [(e.step, e.lost, e.workers) for e in t.membership]}, out)
+    w.close()
     return 0
 
 

@@ -157,10 +157,10 @@ def test_a_lost_worker_s_step_is_redone_by_the_others_with_all_its_samples(fault
         assert [(e.step, e.lost, e.workers) for e in outs[i]["redone"]] == [(3, [1], 2)]
     assert [(e.step, e.worker_id, e.workers, e.committed) for e in coord.membership] == \
         [(3, 1, 2, False)]
-    assert [e.worker_id for e in reports[3].lost] == [1]
-    assert all(not r.lost for r in reports if r.step != 3)
+    assert [e.worker_id for e in reports[3].membership] == [1]
+    assert all(not r.membership for r in reports if r.step != 3)
     assert sorted(coord.shard_log[3][1]) == [0, 2]
-    assert reports[3].as_json()["lost"][0]["worker"] == 1
+    assert reports[3].as_json()["membership"][0]["worker"] == 1
 
 
 def test_a_worker_lost_while_the_average_goes_out_leaves_its_step_standing():
@@ -296,3 +296,117 @@ def test_an_elastic_session_takes_the_star():
         assert coord.topology == "star" and coord.elastic and coord.min_workers == 1
     finally:
         coord.close()
+
+
+# ---- joining between steps ----
+
+def late_body(coord: Coordinator, n: int, token=None, state_of=None, leave_at=None):
+    """A worker in an elastic session that hands ``state_of(step)`` to late
+    joiners, leaves (closes) when handed step ``leave_at`` and, joining
+    late itself, checks what it was handed."""
+    def leave(w, shard, grad):
+        w.close()
+
+    def body():
+        w = Worker.connect(coord.local_addr, 0, "cpu", timeout=10.0, samples_per_step=T,
+                           token=token)
+        try:
+            if state_of is not None:
+                w.state_source = state_of
+            got = None
+            if w.joins_at is not None:
+                got = w.receive_state()
+            out = train(w, n, leave_at, leave if leave_at is not None else None)
+            out["joined_with"] = got
+            out["joins_at"] = w.joins_at
+            return out
+        finally:
+            w.close()
+    return body
+
+
+def test_a_worker_joining_between_steps_takes_the_state_and_every_later_step():
+    n, steps = 256, 8
+    big = bytes(range(256)) * (160 * 1024)  # 40 MiB: three ModelState pieces
+    coord = Coordinator(("127.0.0.1", 0), 3, elastic=True, samples_per_step=T, timeout=10.0)
+    threads = []
+    try:
+        for i in range(3):
+            threads.append(spawn(late_body(coord, n, state_of=lambda step: big + bytes([step]),
+                                           leave_at=1 if i == 2 else None)))
+            join_up_to(coord, i + 1)
+        coord.wait_for_workers()
+
+        def on_step(report):
+            if report.step == 2:  # one left during step 1: its slot is free
+                threads.append(spawn(late_body(coord, n)))
+                assert len(coord.wait_for_workers(count=3, timeout=20)) == 3
+        reports = serve(coord, steps=steps, total_samples=T, on_step=on_step)
+        outs = [t.join_result(60) for t in threads]
+    finally:
+        coord.close()
+    late = outs[3]
+    assert late["joins_at"] == 3 and late["joined_with"] == (3, big + bytes([3]))
+    assert sorted(late["applied"]) == list(range(3, steps))
+    for step in range(steps):
+        for out in outs:
+            if step in out["applied"]:
+                np.testing.assert_allclose(out["applied"][step], full_mean(step, n), atol=2e-6)
+    for step in range(3, steps):
+        assert np.array_equal(outs[0]["applied"][step], late["applied"][step])
+    check_every_sample_once(coord, steps)
+    assert [set(s) for _, s in coord.shard_log] == \
+        [{0, 1, 2}] + [{0, 1}] * 2 + [{0, 1, 2}] * (steps - 3)
+    assert [(e.step, e.worker_id, e.joined) for e in coord.membership] == \
+        [(1, 2, False), (3, 2, True)]
+    assert [e.worker_id for e in reports[3].membership] == [2] and reports[3].membership[0].joined
+
+
+def test_a_late_joiner_is_held_to_the_token_and_to_the_free_slots():
+    from ddpwire import AuthenticationFailed, JoinRefusedError
+    token = "elastic-secret"
+    n, steps = 32, 8
+    coord = Coordinator(("127.0.0.1", 0), 3, elastic=True, samples_per_step=T, timeout=10.0,
+                        token=token)
+    threads, refused = [], {}
+    try:
+        for i in range(3):
+            threads.append(spawn(late_body(coord, n, token=token,
+                                           state_of=lambda step: b"s%d" % step,
+                                           leave_at=2 if i == 1 else None)))
+            join_up_to(coord, i + 1)
+        coord.wait_for_workers()
+
+        def try_join(key, tok):
+            def run():
+                try:
+                    w = Worker.connect(coord.local_addr, 0, "cpu", timeout=5.0, token=tok)
+                except (JoinRefusedError, ddpwire.PeerLost) as exc:
+                    refused[key] = exc
+                    return None
+                return w
+            t = spawn(run)
+            deadline = time.monotonic() + 10
+            while t.is_alive() and time.monotonic() < deadline:
+                # the step boundary's poll, as send_shard_assignments makes it
+                coord._admit_late(coord._next_step, 0.05, 3)
+            return t.join_result(10)
+
+        def on_step(report):
+            if report.step == 0:
+                # every slot is taken: refused as full, whatever its token
+                assert try_join("full", token) is None
+            if report.step == 3:
+                # worker 1 left in step 2: a free slot, but not for a wrong token
+                assert try_join("token", "not-the-token") is None
+                assert [e.joined for e in coord.membership] == [False]
+        serve(coord, steps=steps, total_samples=T, on_step=on_step)
+        for t in threads:
+            t.join_result(60)
+    finally:
+        coord.close()
+    assert isinstance(refused["full"], JoinRefusedError)
+    assert refused["full"].reason == RefusalReason.FULL
+    assert isinstance(refused["token"], AuthenticationFailed)
+    check_every_sample_once(coord, steps)
+    assert [(e.step, e.worker_id, e.joined) for e in coord.membership] == [(2, 1, False)]

@@ -1,7 +1,9 @@
 """Elastic sessions with worker processes: one killed (SIGKILL) or stopped
-(SIGSTOP past the timeout, then resumed) mid-run; the others go on, end with
-bit-identical weights equal to one process's on the whole batch, and every
-sample of every step was used exactly once."""
+(SIGSTOP past the heartbeat timeout) at step 20 of 60; the others go on; the
+killed one, restarted, or the stopped one, resumed, joins again about 10
+steps later with the session's state; all three end with bit-identical
+weights equal to one process's on the whole batch, and every sample of
+every step was used exactly once."""
 import os
 import signal
 import subprocess
@@ -24,7 +26,7 @@ from test_elastic import check_every_sample_once  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent / "elastic_script.py"
-STEPS, FAULT_AT = 60, 20
+STEPS, FAULT_AT, BACK_AT, REJOIN_AT = 60, 20, 25, 31
 
 
 def one_process_weights(steps):
@@ -62,9 +64,17 @@ def test_a_run_goes_on_without_a_lost_worker_and_ends_as_one_unfaulted_process(t
         def on_step(report):
             if fault == "sigstop" and report.step == FAULT_AT - 1:
                 os.kill(by_worker[1].pid, signal.SIGSTOP)
+            if report.step == BACK_AT:
+                if fault == "sigstop":
+                    os.kill(by_worker[1].pid, signal.SIGCONT)
+                else:
+                    assert procs[1].wait(10) == -signal.SIGKILL
+                    procs[1] = subprocess.Popen([sys.executable, str(SCRIPT), host, str(port),
+                                                 str(outs[1])])
+            if report.step == REJOIN_AT - 1:
+                # a slow start must not race the run's end: wait for it here
+                coord.wait_for_workers(count=3, timeout=60)
         reports = serve(coord, steps=STEPS, total_samples=script.TOTAL, on_step=on_step)
-        if fault == "sigstop":
-            os.kill(by_worker[1].pid, signal.SIGCONT)
         codes = [p.wait(60) for p in procs]
     finally:
         for p in procs:
@@ -72,21 +82,31 @@ def test_a_run_goes_on_without_a_lost_worker_and_ends_as_one_unfaulted_process(t
                 p.kill()
                 p.wait()
         coord.close()
-    assert codes == [0, -signal.SIGKILL if fault == "sigkill" else 4, 0]
-    assert [(e.step, e.worker_id, e.workers, e.committed) for e in coord.membership] == \
-        [(FAULT_AT, 1, 2, False)]
-    assert [e.worker_id for e in reports[FAULT_AT].lost] == [1]
+    assert codes == [0, 0, 0]
+    # back by the wait at REJOIN_AT at the latest, or at a step boundary
+    # before it, as soon as its join completed
+    joined = coord.membership[-1].step
+    assert BACK_AT < joined <= REJOIN_AT
+    assert [(e.step, e.worker_id, e.workers, e.committed, e.joined)
+            for e in coord.membership] == [(FAULT_AT, 1, 2, False, False),
+                                           (joined, 1, 3, False, True)]
+    assert [e.worker_id for e in reports[FAULT_AT].membership] == [1]
+    assert [e.worker_id for e in reports[joined].membership] == [1]
     check_every_sample_once(coord, STEPS, script.TOTAL)
-    assert set(coord.shard_log[FAULT_AT - 1][1]) == {0, 1, 2}
-    assert all(set(shards) == {0, 2} for _, shards in coord.shard_log[FAULT_AT:])
-    survivors = [torch.load(outs[i]) for i in (0, 2)]
-    for s in survivors:
-        assert s["steps"] == STEPS and s["redone"] == [(FAULT_AT, [1], 2)]
-    for a, b in zip(*(s["weights"] for s in survivors)):
-        assert torch.equal(a, b)
-    for a, b in zip(survivors[0]["weights"], one_process_weights(STEPS)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert [set(shards) for _, shards in coord.shard_log] == \
+        [{0, 1, 2}] * FAULT_AT + [{0, 2}] * (joined - FAULT_AT) + [{0, 1, 2}] * (STEPS - joined)
+    ends = [torch.load(out) for out in outs]
+    for i in (0, 2):
+        assert ends[i]["steps"] == STEPS and ends[i]["redone"] == [(FAULT_AT, [1], 2)]
+    back = ends[1]
+    assert back["steps"] == STEPS - joined and back["joins"][-1] == joined
     if fault == "sigstop":
-        dropped = torch.load(outs[1])
-        assert dropped["worker"] == 1 and dropped["step"] == FAULT_AT
-        assert "dropped this worker during step 20" in dropped["dropped"]
+        # resumed, it heard it was dropped, and joined again
+        assert [s for s, _ in back["dropped"]] == [FAULT_AT]
+        assert "dropped this worker during step 20" in back["dropped"][0][1]
+        assert back["joins"] == [None, joined]
+    for other in (ends[1], ends[2]):
+        for a, b in zip(ends[0]["weights"], other["weights"]):
+            assert torch.equal(a, b)
+    for a, b in zip(ends[0]["weights"], one_process_weights(STEPS)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

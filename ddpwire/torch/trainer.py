@@ -24,6 +24,7 @@ Block messages carry no loss, so a per-block step reports no global loss.
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import threading
 import time
@@ -206,7 +207,11 @@ class DataParallelTrainer:
         self._anchor: Optional[List[torch.Tensor]] = None
         #: each step an elastic session called off and this worker computed again
         self.membership: List[MembershipChanged] = []
+        if getattr(worker, "elastic", False):
+            # a worker joining the session late starts from this one's state
+            worker.state_source = self.state_bytes
         self._hooks: List[Any] = []
+        self._joined = False  # a late joiner's state taken (or none to take)
         if per_block:
             self._plan_blocks()
 
@@ -267,6 +272,9 @@ class DataParallelTrainer:
         (:class:`~ddpwire.MembershipChanged`) leaves the model, its buffers
         and the optimizers as they were before it, and is computed again on
         the shard that follows; :attr:`membership` keeps each change."""
+        if getattr(self.worker, "joins_at", None) is not None and not self._joined:
+            self.load_state_bytes(self.worker.receive_state()[1])
+        self._joined = True
         while True:
             shard = self.worker.receive_shard()
             if shard is None:
@@ -298,6 +306,40 @@ class DataParallelTrainer:
             "worker %s step %d: loss %.4f global %s", self.worker.worker_id, result.step, result.loss, result.global_loss
         )
         return result
+
+    def rejoin(self, worker: Any) -> None:
+        """Go on with ``worker``, a new connection to an elastic session this
+        trainer's worker was dropped from (WorkerDropped: it stalled, or
+        slept): the next :meth:`step` takes the session's state from it
+        first, so what this one trained meanwhile is left behind."""
+        self.worker = worker
+        self._joined = False
+        if getattr(worker, "elastic", False):
+            worker.state_source = self.state_bytes
+
+    def state_bytes(self, step: Optional[int] = None) -> bytes:
+        """This worker's training state, for a worker joining an elastic
+        session late (``Worker.state_source``): the model's weights and
+        buffers, the optimizer's state and, with local steps, the outer
+        optimizer's and the round's start. Taken between two steps, so
+        every worker's is the same."""
+        out = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "outer": None if self.outer_optimizer is None
+                    else self.outer_optimizer.state_dict(),
+                    "anchor": self._anchor}, out)
+        return out.getvalue()
+
+    def load_state_bytes(self, data: bytes) -> None:
+        """Continue from :meth:`state_bytes` of another worker (what a late
+        joiner's first :meth:`step` does with the state it is handed)."""
+        state = torch.load(io.BytesIO(data), map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.outer_optimizer is not None and state["outer"] is not None:
+            self.outer_optimizer.load_state_dict(state["outer"])
+        if state["anchor"] is not None:
+            self._anchor = [a.to(self.device) for a in state["anchor"]]
 
     def _local_state(self) -> Tuple[List[torch.Tensor], Optional[Dict[str, Any]]]:
         """What a step changes before its average arrives: the model's
