@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -680,3 +681,51 @@ def test_a_demo_of_one_worker_says_worker():
     assert ", model mlp, 1 step of 16 samples;" in proc.stdout.splitlines()[0]
     assert "weights of the only worker (sha256 " in proc.stdout
     assert "1 workers" not in proc.stdout + proc.stderr and "1 steps" not in proc.stdout
+
+
+@needs_torch
+@pytest.mark.slow
+def test_an_elastic_coordinator_goes_on_when_a_worker_process_is_killed(tmp_path):
+    """ddpwire coordinator --elastic and three ddpwire worker processes: one
+    killed mid-run; the run ends with the other two, their weights alike,
+    the loss on the coordinator's progress and in its metrics."""
+    port = free_port()
+    metrics = tmp_path / "metrics.jsonl"
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "3",
+                                   "--steps", "300", "--samples", "96", "--timeout", "60",
+                                   "--elastic", "--metrics", str(metrics)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reports = [tmp_path / f"w{i}.json" for i in range(3)]
+    workers = []
+    try:
+        for r in reports:
+            workers.append(subprocess.Popen(
+                PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60",
+                      "--samples", "96", "--threads", "1", "--report", str(r)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.02)
+        workers[1].kill()
+        for p in workers + [coord]:
+            p.wait(timeout=240)
+    finally:
+        for p in [coord] + workers:
+            p.kill()
+    coord_log = coord.stderr.read()
+    assert coord.returncode == 0, coord_log
+    assert workers[1].returncode == -signal.SIGKILL
+    assert [p.returncode for p in (workers[0], workers[2])] == [0, 0]
+    done = [json.loads(reports[i].read_text()) for i in (0, 2)]
+    assert done[0]["weights_sha256"] == done[1]["weights_sha256"]
+    assert all(r["steps"] == 300 for r in done)
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(300))
+    changes = [e for x in lines for e in x["membership"]]
+    assert len(changes) == 1 and changes[0]["workers"] == 2 and not changes[0]["joined"]
+    lost = changes[0]["worker"]
+    assert f"worker {lost} left during step {changes[0]['step']}" in coord_log
+    assert "going on with 2 workers" in coord_log
+    assert all(len(x["workers"]) == 2 for x in lines[changes[0]["step"]:])

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..errors import ShutdownDuringReduce
+from ..errors import ShutdownDuringReduce, WorkerDropped
 from ..extensions import Extension, decode_u64
 from ..mesh import DEFAULT_CONGESTION
 from ..worker import Worker
@@ -120,6 +120,14 @@ class _ThreadsAtStart:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._worker, name)
 
+    @property
+    def state_source(self) -> Any:
+        return self._worker.state_source
+
+    @state_source.setter
+    def state_source(self, source: Any) -> None:
+        self._worker.state_source = source
+
 
 def train_worker(
     addr: Tuple[str, int],
@@ -172,17 +180,22 @@ def train_worker(
     # the run is, so that a Shutdown before its end is told from the end
     # (docs/extensions.md)
     gradient_length = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    worker = Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
-                            node_id=node_id, timeout=timeout, token=token,
-                            samples_per_step=samples_per_step, mesh=mesh,
-                            tcp_congestion=tcp_congestion, per_block=per_block,
-                            gradient_length=gradient_length, extensions={Extension.STEPS: b""})
+
+    def connect() -> Worker:
+        return Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
+                              node_id=node_id, timeout=timeout, token=token,
+                              samples_per_step=samples_per_step, mesh=mesh,
+                              tcp_congestion=tcp_congestion, per_block=per_block,
+                              gradient_length=gradient_length,
+                              extensions={Extension.STEPS: b""})
+
+    def wrap(w: Worker) -> Any:
+        return _ThreadsAtStart(w) if threads is None else w
+    worker = connect()
     if join_turn is not None:
         join_turn.joined()
-    with worker:
-        session: Any = worker
-        if threads is None:
-            session = _ThreadsAtStart(worker)
+    try:
+        session: Any = wrap(worker)
         trainer = DataParallelTrainer(session, net, optimizer, train, device=choice.device,
                                       samples_per_step=samples_per_step, seed=seed,
                                       per_block=per_block, sync_every=sync_every)
@@ -190,7 +203,17 @@ def train_worker(
         inside_step = False
         try:
             while True:
-                result = trainer.step()
+                try:
+                    result = trainer.step()
+                except WorkerDropped as exc:
+                    # stopped or asleep past the timeout: the session went on
+                    # without it; join again, from the session's state
+                    log.warning("%s: joining again", exc)
+                    worker.close()
+                    worker = connect()
+                    session = wrap(worker)
+                    trainer.rejoin(session)
+                    continue
                 if result is None:
                     break
                 results.append(result)
@@ -218,6 +241,8 @@ def train_worker(
             train_total=[r.total for r in results],
             # one flat vector a step (a round): what this worker put on the wire for it
             averaged_bytes=len(results) * 4 * gradient_length, sync_every=sync_every)
+    finally:
+        worker.close()
     log.info("worker %d done: %s%s, held-out accuracy %.1f%%", report.worker_id,
              counted(report.steps, "step"), " (stopped early)" if report.stopped_early else "",
              100 * accuracy)
