@@ -33,7 +33,8 @@ from ._core import FrameReader, encode_frame, tag_max_payload
 from ._text import counted
 from .channel import still_open
 from .errors import JoinTimeout, ProtocolError
-from .extensions import Extension, RefusalReason, encode_u64, samples_mismatch, steps_mismatch
+from .extensions import (Extension, RefusalReason, decode_u64, encode_u64, samples_mismatch,
+                         steps_mismatch)
 from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
 from .sessioninfo import WorkerInfo
 
@@ -210,9 +211,14 @@ class Admission:
     def __init__(self, listener: socket.socket, *, expect_workers: int, token: Optional[bytes],
                  grants: Mapping[int, bytes], samples: Optional[int], handshake_timeout: float,
                  max_frame: int, per_block: Optional[bool] = None,
-                 gradient_length: Optional[int] = None, elastic: bool = False) -> None:
+                 gradient_length: Optional[int] = None, elastic: bool = False,
+                 resume: bool = False) -> None:
         self.listener = listener
         self.elastic = elastic
+        #: a restarted coordinator's join: every worker says the step it goes on
+        #: from (its elastic entry), the first admitted sets it for the others
+        self.resume = resume
+        self.resume_step: Optional[int] = None
         self.expect_workers = expect_workers
         self.token = token
         self.grants = dict(grants)
@@ -416,6 +422,22 @@ class Admission:
         self.handshakes.end(sel, p, why, (RefusalReason.MISMATCH, why))
         return True
 
+    def _resume_mismatch(self, value: bytes) -> Optional[str]:
+        """Why a worker cannot go on with a resumed run, or None (the first
+        one's step is the run's)."""
+        if not value:
+            return ("this coordinator picks a run up after a restart (--resume): a worker "
+                    "without the run's state cannot join it before it has started")
+        step = decode_u64(value)
+        if self.resume_step is None:
+            self.resume_step = step
+            return None
+        if step != self.resume_step:
+            return (f"this worker would go on from step {step}, the workers admitted from step "
+                    f"{self.resume_step}: their states differ, the run cannot be resumed with "
+                    f"both")
+        return None
+
     def _admit(self, sel: selectors.BaseSelector, p: _Pending) -> None:
         assert p.join is not None
         if self._refused_as_full(sel, p):
@@ -429,6 +451,9 @@ class Admission:
             return
         if self.elastic and Extension.ELASTIC not in (offered or {}) and \
                 self._refused_for_offer(sel, p, lambda: _NOT_ELASTIC):
+            return
+        if self.resume and self._refused_for_offer(sel, p, lambda: self._resume_mismatch(
+                (offered or {}).get(Extension.ELASTIC, b""))):
             return
         worker_id = self.slots.index(None)
         granted: Dict[int, bytes] = {}

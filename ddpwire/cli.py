@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--timeout): the step is computed again by the others, with all of its "
                         "samples (flat steps through this coordinator; every worker a ddpwire "
                         "worker)")
+    c.add_argument("--resume", action="store_true",
+                   help="with --elastic, pick up a run whose coordinator was lost: its workers "
+                        "kept their state and join again (same --bind), and the run goes on "
+                        "from the step they are at")
     c.add_argument("--min-workers", type=int, default=None, metavar="K",
                    help="with --elastic, end the run (as without it) once fewer than K workers "
                         "are left (default 1)")
@@ -286,6 +290,7 @@ def run_coordinator(args: argparse.Namespace, bind=None,
                      balance=CHOICES[getattr(args, "balance", "auto")],
                      elastic=getattr(args, "elastic", False),
                      min_workers=getattr(args, "min_workers", None),
+                     resume=getattr(args, "resume", False),
                      # ddpwire workers learn the run's length, and so tell
                      # a Shutdown before its end (stop_workers) from the end
                      extensions={Extension.STEPS: encode_u64(args.steps)}) as coord:

@@ -252,7 +252,16 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     stands. Below ``min_workers`` (default 1) the session ends with the
     WorkerLost as without ``elastic``. It needs flat steps on the star and
     every worker able to redo a step (a ddpwire worker: a reference worker
-    is refused at the join); the mesh keeps its fail-fast behaviour.
+    is refused at the join); the mesh keeps its fail-fast behaviour. The
+    join stays open between steps: a worker that connects later, into a
+    free slot, is handed the model's state by a worker in the session and
+    takes part from the next step (docs/sessions.md).
+
+    ``resume`` (with ``elastic``) is a coordinator restarted after the last
+    one was lost: its workers kept their state and join it again, each
+    saying the step it goes on from (``Worker.connect(resume_step=)``); a
+    worker that disagrees with the first one admitted is refused, and
+    :attr:`first_step` is theirs.
     """
 
     def __init__(
@@ -283,6 +292,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         balance: Union[bool, str] = False,
         elastic: bool = False,
         min_workers: Optional[int] = None,
+        resume: bool = False,
     ) -> None:
         opts = options_from(options, dict(
             timeout=timeout, max_frame=max_frame, heartbeat=heartbeat,
@@ -315,8 +325,13 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             raise ValueError(f"min_workers must be from 1 to expect_workers ({expect_workers}) "
                              f"in an elastic session, got {min_workers!r}"
                              f"{'' if elastic else ' without elastic=True'}")
+        if resume and not elastic:
+            raise ValueError("resume picks up an elastic session's run: it needs elastic=True")
         #: whether a lost worker is dropped and its step redone by the others
         self.elastic = bool(elastic)
+        #: whether this coordinator picks a run up where its workers are
+        #: (a restart): :attr:`first_step` is theirs once they have joined
+        self.resume = bool(resume)
         self.min_workers = 1 if min_workers is None else min_workers
         #: each worker that left an elastic session (:class:`ddpwire.results.MembershipEvent`)
         self.membership: List[MembershipEvent] = []
@@ -409,6 +424,14 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if self._admission is not None:
             return sum(slot is not None for slot in self._admission.slots)
         return len(self._channels)
+
+    @property
+    def first_step(self) -> int:
+        """The step this coordinator's run starts at: 0, or with ``resume``
+        the one its workers go on from (known once they have joined)."""
+        if not self.resume or self._late is None or self._late.resume_step is None:
+            return 0
+        return self._late.resume_step
 
     def channel(self, worker_id: int) -> Channel:
         """The connection to one joined worker, for extensions that exchange
@@ -503,7 +526,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                 grants=self._grants, samples=self.total_samples or None,
                 handshake_timeout=self.handshake_timeout, max_frame=self.max_frame,
                 per_block=self.per_block, gradient_length=self.gradient_length,
-                elastic=self.elastic)
+                elastic=self.elastic, resume=self.resume)
         until = self.expect_workers if count is None else min(count, self.expect_workers)
         admitted = self._admission.run(time.monotonic() + limit, limit, until)
         if len(admitted) < self.expect_workers:
@@ -514,6 +537,10 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if self.elastic:
             # the join goes on between steps, for workers that come late or back
             self._late = self._admission
+            if self.resume:
+                self._next_step = self._late.resume_step or 0
+                log.info("resuming the run at step %d, where its workers are", self._next_step)
+            self._late.resume = False  # a later joiner is handed the state
         else:
             self._refuser = Refuser(self._admission.handshakes,
                                     detail=f"training has started with "

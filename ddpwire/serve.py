@@ -30,7 +30,9 @@ def serve(
     on_step: Optional[Callable[[StepReport], None]] = None,
     shutdown: bool = True,
 ) -> List[StepReport]:
-    """Run ``steps`` steps with the joined workers, then send Shutdown.
+    """Run the steps up to ``steps`` with the joined workers (from
+    ``coord.first_step``: 0, or where a resumed run's workers are), then
+    send Shutdown.
 
     Flat mode: shards, one averaged gradient per step. Per-block mode: the
     blocks in backward order (``num_blocks - 1`` down to 0), then the
@@ -45,7 +47,7 @@ def serve(
                          f"per_block={coord.per_block}")
     coord.set_total_samples(total_samples)
     reports = []
-    step = 0
+    step = coord.first_step
     # a step redone counts from its first try: its time and who left include it
     t0, seen = time.perf_counter(), len(coord.membership)
     while step < steps:

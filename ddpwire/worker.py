@@ -280,8 +280,15 @@ class Worker(LifecycleOwner[WorkerState]):
         tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION,
         per_block: Optional[bool] = UNSET,
         gradient_length: Optional[int] = UNSET,
+        resume_step: Optional[int] = None,
     ) -> "Worker":
         """Connect to the coordinator at ``addr`` and join.
+
+        ``resume_step``: this worker was in an elastic session whose
+        coordinator was lost, and kept its state; it joins the restarted
+        coordinator (``Coordinator(resume=True)``, ``ddpwire coordinator
+        --resume``) to go on from that step, the next it would run. A
+        coordinator that resumes refuses workers that disagree on the step.
 
         ``options`` (:class:`~ddpwire.options.SessionOptions`, the object a
         Coordinator takes too) gives ``timeout``, ``heartbeat``,
@@ -348,7 +355,12 @@ class Worker(LifecycleOwner[WorkerState]):
         offer.setdefault(Extension.BALANCE, b"")
         # every step this worker runs can be computed again: an elastic
         # coordinator calls off a step it lost a worker in (MembershipChanged)
-        offer.setdefault(Extension.ELASTIC, b"")
+        if resume_step is not None and (isinstance(resume_step, bool) or
+                                        not isinstance(resume_step, int) or resume_step < 0):
+            raise ValueError(f"resume_step must be a step number (an int >= 0), "
+                             f"got {resume_step!r}")
+        offer.setdefault(Extension.ELASTIC, b"" if resume_step is None
+                         else encode_u64(resume_step))
         if samples_per_step:
             offer[Extension.SAMPLES] = encode_u64(samples_per_step)
         if per_block is not None:
@@ -358,32 +370,42 @@ class Worker(LifecycleOwner[WorkerState]):
         nonce = auth.new_nonce() if secret is not None else b""
         if secret is not None:
             offer[Extension.AUTH] = nonce
-        sock = _dial(addr, time.monotonic() + connect_limit)
-        chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
-                       lost=CoordinatorLost, max_frame=max_frame)
-        listener: Optional[socket.socket] = None
-        try:
-            if mesh:
-                listener = _mesh.listen(sock.getsockname()[0])
-                offer[Extension.MESH] = _mesh.offer(
-                    listener, _shm.host_id() if _shm.enabled() else None)
-            # Always a block, empty when there is nothing to offer: the
-            # reference coordinator ignores it, and a ddpwire one then knows
-            # it may tell this worker why it is refused.
-            chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
-                                  extensions=offer))
-            accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
-            _check_accepted(accepted)
-            granted = dict(accepted.extensions or {})
-            _check_samples(granted, samples_per_step)
-            if listener is not None and Extension.MESH not in granted:
-                listener.close()
-                listener = None
-        except BaseException:
-            if listener is not None:
-                listener.close()
-            chan.close()
-            raise
+        dial_until = time.monotonic() + connect_limit
+        while True:
+            sock = _dial(addr, dial_until)
+            chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
+                           lost=CoordinatorLost, max_frame=max_frame)
+            listener: Optional[socket.socket] = None
+            try:
+                if mesh:
+                    listener = _mesh.listen(sock.getsockname()[0])
+                    offer[Extension.MESH] = _mesh.offer(
+                        listener, _shm.host_id() if _shm.enabled() else None)
+                # Always a block, empty when there is nothing to offer: the
+                # reference coordinator ignores it, and a ddpwire one then knows
+                # it may tell this worker why it is refused.
+                chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
+                                      extensions=offer))
+                accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
+                _check_accepted(accepted)
+                granted = dict(accepted.extensions or {})
+                _check_samples(granted, samples_per_step)
+                if listener is not None and Extension.MESH not in granted:
+                    listener.close()
+                    listener = None
+                break
+            except BaseException as exc:
+                if listener is not None:
+                    listener.close()
+                chan.close()
+                # a coordinator being restarted: the dying one's listener may
+                # still take the connection, and then close it unanswered
+                if resume_step is not None and isinstance(exc, CoordinatorLost) and \
+                        time.monotonic() < dial_until:
+                    log.info("the coordinator closed the join unanswered; trying again")
+                    time.sleep(0.1)
+                    continue
+                raise
         chan.heartbeat_timeout = hb_timeout
         log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
                  accepted.worker_id, accepted.total_workers)

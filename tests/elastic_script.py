@@ -7,7 +7,8 @@ down, then saves its weights and what it saw to OUT (torch.save). With
 DIE_AT the process SIGKILLs itself once it holds its shard of that step,
 before its gradient goes out. A worker the coordinator dropped (stopped
 past its heartbeat timeout, then resumed) joins again and goes on from the
-session's state.
+session's state; one whose coordinator was lost waits for it to be
+restarted and goes on from its own.
 """
 import os
 import signal
@@ -15,7 +16,7 @@ import sys
 
 import torch
 
-from ddpwire import Worker, WorkerDropped
+from ddpwire import CoordinatorLost, Worker, WorkerDropped
 from ddpwire.torch import DataParallelTrainer, DigitsMLP, digits_split
 
 TOTAL = 96  # samples per step
@@ -32,10 +33,10 @@ def main():
     host, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     die_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
     torch.set_num_threads(1)
-    def connect():
+    def connect(resume_step=None):
         # heartbeats: a stopped process falls silent, a slow one does not
         return Worker.connect((host, port), timeout=30, samples_per_step=TOTAL, heartbeat=0.2,
-                              heartbeat_timeout=2.0)
+                              heartbeat_timeout=2.0, resume_step=resume_step)
     w = connect()
     t = trainer(w)
     indices = t.sampler.indices
@@ -45,19 +46,28 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         return indices(step, start, end)
     t.sampler.indices = shard_rows
-    steps, dropped, joins = 0, [], [w.joins_at]
+    steps, dropped, joins, resumed = 0, [], [w.joins_at], []
     while True:
         try:
-            steps += len(t.train())
-            break
+            if t.step() is None:
+                break
+            steps += 1
+            continue
         except WorkerDropped as exc:
             dropped.append((exc.step, str(exc)))
             w.close()
             w = connect()
             joins.append(w.joins_at)
             t.rejoin(w)
+        except CoordinatorLost:
+            # the coordinator went: wait for its restart (--resume), go on from here
+            resumed.append(t.next_step)
+            w.close()
+            w = connect(resume_step=t.next_step)
+            t.rejoin(w)
     torch.save({"weights": [p.detach().clone() for p in t.model.parameters()],
-                "steps": steps, "worker": w.worker_id, "dropped": dropped, "joins": joins,
+                "steps": steps, "next_step": t.next_step, "worker": w.worker_id, "dropped": dropped, "joins": joins,
+                "resumed": resumed,
                 "redone": [(e.step, e.lost, e.workers) for e in t.membership]}, out)
     w.close()
     return 0

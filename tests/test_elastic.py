@@ -410,3 +410,50 @@ def test_a_late_joiner_is_held_to_the_token_and_to_the_free_slots():
     assert isinstance(refused["token"], AuthenticationFailed)
     check_every_sample_once(coord, steps)
     assert [(e.step, e.worker_id, e.joined) for e in coord.membership] == [(2, 1, False)]
+
+
+# ---- a restarted coordinator (resume) ----
+
+def test_a_resumed_coordinator_goes_on_from_its_workers_step_and_refuses_one_that_disagrees():
+    from ddpwire import JoinRefusedError
+    coord = Coordinator(("127.0.0.1", 0), 2, elastic=True, resume=True, samples_per_step=T,
+                        timeout=10.0)
+    errors = {}
+    try:
+        def join(key, step):
+            def run():
+                try:
+                    return Worker.connect(coord.local_addr, 0, "cpu", timeout=10.0,
+                                          samples_per_step=T, resume_step=step)
+                except JoinRefusedError as exc:
+                    errors[key] = exc
+            return spawn(run)
+        first = join("first", 7)
+        join_up_to(coord, 1)
+        wrong = join("wrong", 8)
+        fresh = join("fresh", None)
+        late = join("second", 7)
+        coord.wait_for_workers()
+        assert coord.first_step == 7
+        for t in (wrong, fresh):
+            assert t.join_result(10) is None
+        workers = [first.join_result(10), late.join_result(10)]
+        assert all(w.joins_at is None for w in workers)  # they keep their own state
+        t = spawn(lambda: [w.receive_shard().step for w in workers])
+        coord.send_shard_assignments(coord.first_step)
+        assert t.join_result(10) == [7, 7]
+        for w in workers:
+            w.close()
+    finally:
+        coord.close()
+    assert errors["wrong"].reason == RefusalReason.MISMATCH
+    assert "go on from step 8, the workers admitted from step 7" in str(errors["wrong"])
+    assert errors["fresh"].reason == RefusalReason.MISMATCH
+    assert "--resume" in str(errors["fresh"])
+
+
+def test_resume_needs_elastic_and_a_step_number():
+    with pytest.raises(ValueError, match="needs elastic=True"):
+        Coordinator(("127.0.0.1", 0), 1, resume=True)
+    with pytest.raises(ValueError, match="resume_step must be a step number"):
+        Worker.connect(("127.0.0.1", 9), resume_step=-1)

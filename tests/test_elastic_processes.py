@@ -4,6 +4,7 @@ killed one, restarted, or the stopped one, resumed, joins again about 10
 steps later with the session's state; all three end with bit-identical
 weights equal to one process's on the whole batch, and every sample of
 every step was used exactly once."""
+import json
 import os
 import signal
 import subprocess
@@ -99,13 +100,60 @@ def test_a_run_goes_on_without_a_lost_worker_and_ends_as_one_unfaulted_process(t
     for i in (0, 2):
         assert ends[i]["steps"] == STEPS and ends[i]["redone"] == [(FAULT_AT, [1], 2)]
     back = ends[1]
-    assert back["steps"] == STEPS - joined and back["joins"][-1] == joined
+    # a restarted process applied the steps from its join on; a resumed one
+    # also those before it stopped (what it did meanwhile was left behind)
+    assert back["steps"] == STEPS - joined + (FAULT_AT if fault == "sigstop" else 0)
+    assert back["joins"][-1] == joined and back["next_step"] == STEPS
     if fault == "sigstop":
         # resumed, it heard it was dropped, and joined again
         assert [s for s, _ in back["dropped"]] == [FAULT_AT]
         assert "dropped this worker during step 20" in back["dropped"][0][1]
         assert back["joins"] == [None, joined]
     for other in (ends[1], ends[2]):
+        for a, b in zip(ends[0]["weights"], other["weights"]):
+            assert torch.equal(a, b)
+    for a, b in zip(ends[0]["weights"], one_process_weights(STEPS)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_coordinator_killed_and_restarted_picks_the_run_up_where_its_workers_are(tmp_path):
+    """The coordinator process SIGKILLs itself while step 20's shards are
+    being computed; the workers keep their state, wait, and join the
+    restarted coordinator (--resume), which goes on from step 20."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "shards.jsonl"
+    coordinator = [sys.executable, str(Path(__file__).resolve().parent / "elastic_coordinator.py"),
+                   str(port), str(STEPS), str(script.TOTAL), str(log)]
+    first = subprocess.Popen(coordinator + ["--die-at", str(FAULT_AT)])
+    outs = [tmp_path / f"worker{i}.pt" for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "127.0.0.1", str(port), str(out)])
+             for out in outs]
+    try:
+        assert first.wait(120) == -signal.SIGKILL
+        second = subprocess.Popen(coordinator + ["--resume"])
+        assert second.wait(120) == 0
+        codes = [p.wait(60) for p in procs]
+    finally:
+        for p in procs + [first] + ([second] if "second" in locals() else []):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0, 0]
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    # every step averaged exactly once, over the two coordinators, its shards tiling the batch
+    assert [x["step"] for x in lines] == list(range(STEPS))
+    assert {x["first"] for x in lines[FAULT_AT:]} == {FAULT_AT}
+    for x in lines:
+        bounds = sorted(tuple(b) for b in x["shards"].values())
+        assert bounds[0][0] == 0 and bounds[-1][1] == script.TOTAL
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    ends = [torch.load(out) for out in outs]
+    for end in ends:
+        assert end["resumed"] == [FAULT_AT] and end["steps"] == STEPS
+    for other in ends[1:]:
         for a, b in zip(ends[0]["weights"], other["weights"]):
             assert torch.equal(a, b)
     for a, b in zip(ends[0]["weights"], one_process_weights(STEPS)):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..errors import ShutdownDuringReduce, WorkerDropped
+from ..errors import CoordinatorLost, ShutdownDuringReduce, WorkerDropped
 from ..extensions import Extension, decode_u64
 from ..mesh import DEFAULT_CONGESTION
 from ..worker import Worker
@@ -181,12 +181,12 @@ def train_worker(
     # (docs/extensions.md)
     gradient_length = sum(p.numel() for p in net.parameters() if p.requires_grad)
 
-    def connect() -> Worker:
+    def connect(resume_step: Optional[int] = None) -> Worker:
         return Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
                               node_id=node_id, timeout=timeout, token=token,
                               samples_per_step=samples_per_step, mesh=mesh,
                               tcp_congestion=tcp_congestion, per_block=per_block,
-                              gradient_length=gradient_length,
+                              gradient_length=gradient_length, resume_step=resume_step,
                               extensions={Extension.STEPS: b""})
 
     def wrap(w: Worker) -> Any:
@@ -211,6 +211,18 @@ def train_worker(
                     log.warning("%s: joining again", exc)
                     worker.close()
                     worker = connect()
+                    session = wrap(worker)
+                    trainer.rejoin(session)
+                    continue
+                except CoordinatorLost as exc:
+                    if not worker.elastic:
+                        raise
+                    # an elastic run's coordinator may be restarted (--resume):
+                    # wait for it, up to the timeout, and go on from here
+                    log.warning("%s: waiting up to %g s for the coordinator to come back (it "
+                                "goes on with ddpwire coordinator --resume)", exc, timeout)
+                    worker.close()
+                    worker = connect(resume_step=trainer.next_step)
                     session = wrap(worker)
                     trainer.rejoin(session)
                     continue

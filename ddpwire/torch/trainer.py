@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import GradientMismatch, MembershipChanged
+from ..errors import CoordinatorLost, GradientMismatch, MembershipChanged
 from .buffer import NON_BLOCK_COMPONENTS, GradientBuffer, Segment, block_segment
 from .data import ArrayDataset, ShardSampler
 from .local_steps import nesterov_outer
@@ -212,6 +212,8 @@ class DataParallelTrainer:
             worker.state_source = self.state_bytes
         self._hooks: List[Any] = []
         self._joined = False  # a late joiner's state taken (or none to take)
+        #: the step after the last one this trainer applied
+        self.next_step = 0
         if per_block:
             self._plan_blocks()
 
@@ -271,7 +273,10 @@ class DataParallelTrainer:
         In an elastic session a step called off for a lost worker
         (:class:`~ddpwire.MembershipChanged`) leaves the model, its buffers
         and the optimizers as they were before it, and is computed again on
-        the shard that follows; :attr:`membership` keeps each change."""
+        the shard that follows; :attr:`membership` keeps each change. So
+        does a step the coordinator was lost in (CoordinatorLost, raised):
+        join its restart with ``resume_step=`` :attr:`next_step` and
+        :meth:`rejoin`."""
         if getattr(self.worker, "joins_at", None) is not None and not self._joined:
             self.load_state_bytes(self.worker.receive_state()[1])
         self._joined = True
@@ -282,11 +287,20 @@ class DataParallelTrainer:
                 return None
             saved = self._local_state() if getattr(self.worker, "elastic", False) else None
             try:
-                return self._run(shard)
+                result = self._run(shard)
             except MembershipChanged as exc:
                 assert saved is not None
                 self._restore(saved)
                 self.membership.append(exc)  # the worker has logged it
+                continue
+            except CoordinatorLost:
+                if saved is not None:
+                    # the step was not applied: a restarted coordinator
+                    # (Worker.connect(resume_step=next_step)) has it redone
+                    self._restore(saved)
+                raise
+            self.next_step = shard.step + 1
+            return result
 
     def _run(self, shard: Any) -> StepResult:
         index = self.sampler.indices(shard.step, shard.shard_start, shard.shard_end)
@@ -308,10 +322,12 @@ class DataParallelTrainer:
         return result
 
     def rejoin(self, worker: Any) -> None:
-        """Go on with ``worker``, a new connection to an elastic session this
-        trainer's worker was dropped from (WorkerDropped: it stalled, or
-        slept): the next :meth:`step` takes the session's state from it
-        first, so what this one trained meanwhile is left behind."""
+        """Go on with ``worker``, a new connection to an elastic session: one
+        this trainer's worker was dropped from (WorkerDropped: it stalled,
+        or slept), whose next :meth:`step` takes the session's state first,
+        so what this one trained meanwhile is left behind; or a restarted
+        coordinator's (``resume_step=``:attr:`next_step`), which goes on from
+        this trainer's own state."""
         self.worker = worker
         self._joined = False
         if getattr(worker, "elastic", False):
