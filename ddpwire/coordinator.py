@@ -1191,47 +1191,48 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         and ``received``, where known, say how far each was read), so that
         every connection is between two frames and nothing of the step was
         applied. A survivor lost meanwhile is dropped too. Raises
-        MembershipChanged, or the first WorkerLost when fewer than
-        ``min_workers`` are left."""
-        gone = dict(lost)
-        for w, exc in lost.items():
-            self._drop(w, step, exc, committed=False)
+        MembershipChanged; with fewer than ``min_workers`` left, once
+        joiners have brought them back (waiting up to half the timeout, the
+        survivors' wait for their next shard, or ``join_timeout`` when
+        shorter), else the first WorkerLost."""
+        gone: Dict[int, WorkerLost] = {}
         told: Set[int] = set()
         drained: Set[int] = set()
-        while True:
-            left = [c for c in chans if c.peer_id not in gone]
-            if len(self._channels) < self.min_workers:
-                # the survivors' frames are half read: closing tells them at once
-                for chan in self._channels:
-                    chan.close()
-                first = next(iter(lost.values()))
-                raise first.__class__(
-                    f"{first.message}; {counted(len(self._channels), 'worker')} left, fewer "
-                    f"than min_workers ({self.min_workers})",
-                    worker_id=first.worker_id, step=step)
+        fresh = dict(lost)
+        while fresh:
+            for w, exc in fresh.items():
+                gone[w] = exc
+                self._drop(w, step, exc, committed=False)
+            fresh = {}
             for w in sorted(set(gone) - told):
                 told.add(w)
-                for chan in left:
+                for chan in self._channels:
                     try:
                         chan.send(StepAborted(step=step, worker_id=w,
                                               workers=len(self._channels)), step=step)
                     except WorkerLost as exc:
-                        gone.setdefault(chan.peer_id, exc)
+                        fresh.setdefault(chan.peer_id, exc)
             deadline = time.monotonic() + self.timeout
-            more = {}
             for chan, head, got in zip(chans, heads, received or [0] * len(chans)):
-                if chan.peer_id in gone or chan.peer_id in drained:
+                if chan.peer_id in gone or chan.peer_id in fresh or chan.peer_id in drained:
                     continue
                 try:
                     chan.discard_gradients(head, got, deadline=deadline, step=step)
                     drained.add(chan.peer_id)
                 except WorkerLost as exc:
-                    more[chan.peer_id] = exc
-            for w, exc in more.items():
-                gone[w] = exc
-                self._drop(w, step, exc, committed=False)
-            if not more and told >= set(gone):
-                break
+                    fresh[chan.peer_id] = exc
+        if len(self._channels) < self.min_workers and self._late is not None:
+            log.warning("step %d: %s left, fewer than min_workers (%d): waiting for workers to "
+                        "join", step, counted(len(self._channels), "worker"), self.min_workers)
+            self._admit_late(step, min(self.join_timeout, self.timeout / 2), self.min_workers)
+        if len(self._channels) < self.min_workers:
+            # nobody will send them anything more: closing tells them at once
+            for chan in self._channels:
+                chan.close()
+            first = next(iter(lost.values()))
+            raise first.__class__(
+                f"{first.message}; {counted(len(self._channels), 'worker')} left, fewer "
+                f"than min_workers ({self.min_workers})", worker_id=first.worker_id, step=step)
         raise MembershipChanged(sorted(gone), len(self._channels), step=step,
                                 why="; ".join(e.message for e in gone.values()))
 

@@ -176,8 +176,9 @@ def test_a_worker_lost_while_the_average_goes_out_leaves_its_step_standing():
 
 
 def test_below_min_workers_the_session_ends_with_the_lost_worker_named():
+    # nobody comes within the join timeout
     coord = Coordinator(("127.0.0.1", 0), 2, elastic=True, min_workers=2, timeout=10.0,
-                        samples_per_step=T)
+                        samples_per_step=T, join_timeout=0.5)
     try:
         def good():
             w = Worker.connect(coord.local_addr, 0, "cpu", timeout=10.0)
@@ -457,3 +458,47 @@ def test_resume_needs_elastic_and_a_step_number():
         Coordinator(("127.0.0.1", 0), 1, resume=True)
     with pytest.raises(ValueError, match="resume_step must be a step number"):
         Worker.connect(("127.0.0.1", 9), resume_step=-1)
+
+
+def test_below_min_workers_a_joiner_in_time_lets_the_run_go_on():
+    """min_workers=2 of 2: one leaves during step 2, another joins while
+    the coordinator waits; step 2 is redone by the two, every sample once."""
+    n, steps = 64, 5
+    coord = Coordinator(("127.0.0.1", 0), 2, elastic=True, min_workers=2, samples_per_step=T,
+                        timeout=10.0)
+    joiner = []
+
+    def leave_and_send_another(w, shard, grad):
+        def later():
+            time.sleep(0.3)  # once its slot is free
+            return late_body(coord, n)()
+        joiner.append(spawn(later))
+        w.close()
+    threads = []
+    try:
+        for i in range(2):
+            mine = leave_and_send_another if i == 1 else None
+
+            def body(mine=mine):
+                w = Worker.connect(coord.local_addr, 0, "cpu", timeout=10.0, samples_per_step=T)
+                w.state_source = lambda step: b"state"
+                try:
+                    return train(w, n, 2, mine)
+                finally:
+                    w.close()
+            threads.append(spawn(body))
+            join_up_to(coord, i + 1)
+        coord.wait_for_workers()
+        reports = serve(coord, steps=steps, total_samples=T)
+        outs = [t.join_result(60) for t in threads] + [joiner[0].join_result(60)]
+    finally:
+        coord.close()
+    check_every_sample_once(coord, steps)
+    assert [(e.step, e.worker_id, e.joined) for e in coord.membership] == \
+        [(2, 1, False), (2, 1, True)]
+    assert outs[2]["joins_at"] == 2 and outs[2]["joined_with"] == (2, b"state")
+    assert sorted(outs[2]["applied"]) == [2, 3, 4]
+    assert [set(s) for _, s in coord.shard_log] == [{0, 1}] * steps
+    for step in range(2, steps):
+        assert np.array_equal(outs[0]["applied"][step], outs[2]["applied"][step])
+        np.testing.assert_allclose(outs[0]["applied"][step], full_mean(step, n), atol=2e-6)
