@@ -502,3 +502,62 @@ def test_below_min_workers_a_joiner_in_time_lets_the_run_go_on():
     for step in range(2, steps):
         assert np.array_equal(outs[0]["applied"][step], outs[2]["applied"][step])
         np.testing.assert_allclose(outs[0]["applied"][step], full_mean(step, n), atol=2e-6)
+
+
+def test_late_joins_keep_the_join_rules_against_hostile_clients():
+    """While an elastic run goes on with a free slot: silent clients and a
+    trickler are cut off at their handshake deadline, garbage and a frame
+    declaring 99 MB are refused at once, and a real worker still joins."""
+    n, steps = 32, 10
+    coord = Coordinator(("127.0.0.1", 0), 3, elastic=True, samples_per_step=T, timeout=10.0,
+                        handshake_timeout=0.5)
+    threads, strays, seen = [], {}, {}
+
+    def closed(sock, within):
+        sock.settimeout(within)
+        try:
+            while True:
+                if not sock.recv(4096):
+                    return True
+        except ConnectionResetError:
+            return True
+        except socket.timeout:
+            return False
+    try:
+        for i in range(3):
+            threads.append(spawn(late_body(coord, n, state_of=lambda step: b"s",
+                                           leave_at=1 if i == 2 else None)))
+            join_up_to(coord, i + 1)
+        coord.wait_for_workers()
+
+        def on_step(report):
+            if report.step == 2:  # worker 2 left in step 1: a slot is free
+                strays["silent"] = [socket.create_connection(coord.local_addr) for _ in range(2)]
+                strays["trickler"] = socket.create_connection(coord.local_addr)
+                strays["trickler"].sendall(encode_frame(JoinRequest(
+                    node_id="slow", gpu_count=0, backend="cpu"))[:5])
+                strays["garbage"] = socket.create_connection(coord.local_addr)
+                strays["garbage"].sendall(b"\x00\x00\x00\x05\xff\x00\x00\x00\x00")
+                strays["bomb"] = socket.create_connection(coord.local_addr)
+                strays["bomb"].sendall((99_999_999).to_bytes(4, "big") + bytes([0x01]))
+                time.sleep(0.1)
+                coord._admit_late(3, 0.2, 3)  # the next boundary's poll, a little longer
+                seen["refused at once"] = [closed(strays[k], 0.5) for k in ("garbage", "bomb")]
+                time.sleep(0.6)  # past the strays' handshake deadline
+            if report.step == 4:
+                # the boundaries since then expired them
+                seen["cut off"] = [closed(s, 0.5) for s in strays["silent"] + [strays["trickler"]]]
+                threads.append(spawn(late_body(coord, n)))
+                coord.wait_for_workers(count=3, timeout=10)
+        serve(coord, steps=steps, total_samples=T, on_step=on_step)
+        outs = [t.join_result(60) for t in threads]
+    finally:
+        coord.close()
+        for s in [x for v in strays.values() for x in (v if isinstance(v, list) else [v])]:
+            s.close()
+    assert seen["refused at once"] == [True, True]
+    assert seen["cut off"] == [True, True, True]
+    assert outs[3]["joins_at"] == 5 and sorted(outs[3]["applied"]) == list(range(5, steps))
+    assert [(e.step, e.worker_id, e.joined) for e in coord.membership] == \
+        [(1, 2, False), (5, 2, True)]
+    check_every_sample_once(coord, steps)
