@@ -431,13 +431,13 @@ def test_a_resumed_coordinator_goes_on_from_its_workers_step_and_refuses_one_tha
             return spawn(run)
         first = join("first", 7)
         join_up_to(coord, 1)
-        wrong = join("wrong", 8)
-        fresh = join("fresh", None)
-        late = join("second", 7)
-        coord.wait_for_workers()
-        assert coord.first_step == 7
-        for t in (wrong, fresh):
+        # the join goes on (in a thread) while the two that cannot join are refused
+        waiting = spawn(coord.wait_for_workers)
+        for t in (join("wrong", 8), join("fresh", None)):
             assert t.join_result(10) is None
+        late = join("second", 7)
+        waiting.join_result(10)
+        assert coord.first_step == 7
         workers = [first.join_result(10), late.join_result(10)]
         assert all(w.joins_at is None for w in workers)  # they keep their own state
         t = spawn(lambda: [w.receive_shard().step for w in workers])
