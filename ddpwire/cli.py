@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="coordinator and N local worker processes training a real model")
     d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    d.add_argument("--elastic", action="store_true",
+                   help="go on when a worker process dies (killed, say): the others redo its "
+                        "step and finish the run")
     _balance(d)
     _worker_model(d, "--workers")
     _training(d)

@@ -170,6 +170,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
             Coordinator(("127.0.0.1", 0), expect_workers=args.workers, timeout=args.timeout,
                         join_timeout=max(args.timeout, 120.0), samples_per_step=args.samples,
                         per_block=args.per_block, balance=CHOICES[args.balance],
+                        elastic=getattr(args, "elastic", False),
                         # the workers read $DDPWIRE_TOKEN too, when it is set
                         token=load_token(None)) as coord:
         addr = coord.local_addr
@@ -187,7 +188,8 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                  for r in reports]
         lines = _StepLines(procs, args.timeout) if args.per_block else None
         bar = ProgressBar(args.steps, stream=out)
-        watch = _Watch(procs)
+        # an elastic run goes on without a worker that dies: nothing to stop
+        watch = _Watch(procs) if not getattr(args, "elastic", False) else contextlib.nullcontext()
         try:
             try:
                 with watch:
@@ -209,7 +211,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                                       on_step=on_step)
             except (KeyboardInterrupt, DdpwireError):
                 # a worker that died is the cause, whatever the coordinator saw
-                if watch.dead is not None:
+                if isinstance(watch, _Watch) and watch.dead is not None:
                     raise watch.failure() from None
                 raise
             finally:
@@ -228,12 +230,18 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
             if lines is not None:
                 lines.close(args.timeout)
         failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-        if failed:
+        if failed and not getattr(args, "elastic", False):
             raise DdpwireError(f"worker processes {failed} exited with an error")
+        for i in failed:
+            print(f"worker process {i} ended mid-run (exit status {procs[i].returncode}): the "
+                  f"run went on without it", file=out)
+        if len(failed) == len(procs):
+            raise DdpwireError("every worker process ended with an error")
         results = []
-        for path in reports:
-            with open(path) as f:
-                results.append(json.load(f))
+        for i, path in enumerate(reports):
+            if i not in failed:
+                with open(path) as f:
+                    results.append(json.load(f))
     return _summary(args, steps, bar, results, out)
 
 

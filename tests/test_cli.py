@@ -729,3 +729,29 @@ def test_an_elastic_coordinator_goes_on_when_a_worker_process_is_killed(tmp_path
     assert f"worker {lost} left during step {changes[0]['step']}" in coord_log
     assert "going on with 2 workers" in coord_log
     assert all(len(x["workers"]) == 2 for x in lines[changes[0]["step"]:])
+
+
+@needs_torch
+@pytest.mark.slow
+def test_the_elastic_demo_goes_on_when_one_of_its_workers_is_killed(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    demo = subprocess.Popen(PY + ["demo", "--workers", "3", "--elastic", "--steps", "300",
+                                  "--samples", "96", "--threads", "1", "--metrics", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.02)
+        children = subprocess.run(["pgrep", "-P", str(demo.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) == 3, children
+        os.kill(int(children[1]), signal.SIGKILL)
+        out, err = demo.communicate(timeout=240)
+    finally:
+        demo.kill()
+    assert demo.returncode == 0, err
+    assert "ended mid-run (exit status -9): the run went on without it" in out
+    assert "weights identical on all 2 workers" in out
+    assert "going on with 2 workers" in out + err
