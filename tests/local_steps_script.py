@@ -42,11 +42,11 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     # unlike weights: DiLoCo starts every rank from rank 0's
     model = net(seed=rank, norm=mode == "rounds")
-    if mode in ("f32", "bf16"):
-        # one round of 5 AdamW steps, the same start on every run: float32 against bf16
+    if mode in ("f32", "bf16", "int8"):
+        # one round of 5 AdamW steps, the same start on every run: float32 against 16 or 8 bits
         model = net(seed=0)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        local = DiLoCo(model, inner, sync_every=5, wire=None if mode == "f32" else "bf16")
+        local = DiLoCo(model, inner, sync_every=5, wire=None if mode == "f32" else mode)
     elif mode == "sgd":
         inner = torch.optim.SGD(model.parameters(), lr=LR)
         local = DiLoCo(model, inner, sync_every=1, outer=torch.optim.SGD(model.parameters(), lr=1.0))
@@ -57,13 +57,13 @@ def main():
     half = BATCH // world
     start = [p.detach().clone() for p in model.parameters()]
     rounds = []
-    for k in range(5 if mode in ("f32", "bf16") else STEPS):
+    for k in range(5 if mode in ("f32", "bf16", "int8") else STEPS):
         lo = k * BATCH + rank * half
         inner.zero_grad()
         nn.functional.cross_entropy(model(x[lo:lo + half]), y[lo:lo + half]).backward()
         if local.step():
             state = local.outer.state_dict()["state"]
-            if mode in ("f32", "bf16"):
+            if mode in ("f32", "bf16", "int8"):
                 rounds.append({"anchor": [a.clone() for a in start]})
             rounds.append({"params": [p.detach().clone() for p in model.parameters()],
                            "buffers": [b.clone() for b in model.buffers()],

@@ -67,4 +67,21 @@ def test_a_bf16_pseudo_gradient_is_within_bf16_rounding_of_the_float32_one(tmp_p
         assert not torch.equal(a, b), "bf16 should round something"
     with pytest.raises(ValueError, match="wire"):
         from ddpwire.torch.local_steps import DiLoCo
-        DiLoCo(torch.nn.Linear(2, 2), None, sync_every=2, wire="int8")
+        DiLoCo(torch.nn.Linear(2, 2), None, sync_every=2, wire="int4")
+
+
+@pytest.mark.parametrize("backend", ["ddpwire", "gloo"])
+def test_an_int8_pseudo_gradient_is_within_its_block_scales_of_the_float32_one(tmp_path,
+                                                                               backend):
+    f32 = run_ranks(tmp_path, backend, "f32")[0]
+    q8 = run_ranks(tmp_path, backend, "int8")
+    for x, y in zip(q8[0][-1]["params"], q8[1][-1]["params"]):
+        assert torch.equal(x, y)  # the same bits on every rank
+    start = f32[0]["anchor"]
+    for s, a, b in zip(start, f32[-1]["params"], q8[0][-1]["params"]):
+        step = (s - a).abs().max()  # lr 0.7 * (1 + 0.9) times the average
+        # each rank's pseudo-gradient within half a block's scale (its
+        # largest magnitude over 127) of itself: 2**-8 of the largest
+        # value, with room for the ranks' values being larger than their average
+        assert (a - b).abs().max() <= step * 2.0 ** -7
+        assert not torch.equal(a, b), "8 bits should round something"

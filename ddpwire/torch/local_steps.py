@@ -32,13 +32,13 @@ average, relative to its size.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DiLoCo", "nesterov_outer"]
+__all__ = ["DiLoCo", "INT8_BLOCK", "dequantize_mean", "nesterov_outer", "quantize_int8"]
 
 
 def _ddpwire_group(group: Optional[Any]) -> Any:
@@ -49,6 +49,36 @@ def _ddpwire_group(group: Optional[Any]) -> Any:
         raise TypeError("DiLoCo(wire='bf16' or 'fp16') averages with the ddpwire backend's "
                         "16-bit allreduce: init_process_group('ddpwire'), or leave wire=None") \
             from None
+
+
+#: elements that share one scale in the 8-bit pseudo-gradient (wire="int8")
+INT8_BLOCK = 256
+
+
+def quantize_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A float32 vector as int8 codes and one float32 scale per
+    :data:`INT8_BLOCK` elements (the last block padded with zeros): the
+    scale is the block's largest magnitude over 127 (0 for a block of
+    zeros), a code its element over the scale rounded to nearest even, so
+    every element is within half its block's scale of code times scale."""
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % INT8_BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
+    scales = blocks.abs().amax(dim=1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(-1), scales
+
+
+def dequantize_mean(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                    n: int) -> torch.Tensor:
+    """The mean of each rank's :func:`quantize_int8` vector, its first
+    ``n`` elements: code times scale summed in float32 in rank order, then
+    divided by the number of ranks (the same bits on every rank)."""
+    total = torch.zeros(codes[0].numel(), dtype=torch.float32)
+    for c, s in zip(codes, scales):
+        total.view(-1, INT8_BLOCK).add_(c.view(-1, INT8_BLOCK).float() * s[:, None])
+    return total[:n].div_(len(codes))
 
 
 def nesterov_outer(params: Any, lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
@@ -69,12 +99,15 @@ class DiLoCo:
                  wire: Optional[str] = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be at least 1, got {sync_every}")
-        if wire not in (None, "bf16", "fp16"):
-            raise ValueError(f"wire must be None (float32), 'bf16' or 'fp16', got {wire!r}")
+        if wire not in (None, "bf16", "fp16", "int8"):
+            raise ValueError(f"wire must be None (float32), 'bf16', 'fp16' or 'int8', "
+                             f"got {wire!r}")
         #: the pseudo-gradient's words on the wire: None (float32), "bf16" or
-        #: "fp16" (the ddpwire backend's 16-bit average: half the bytes)
+        #: "fp16" (the ddpwire backend's 16-bit average: half the bytes), or
+        #: "int8" (a byte an element and a float32 scale per
+        #: :data:`INT8_BLOCK`, gathered from every rank, on any process group)
         self.wire = wire
-        self._sixteen = None if wire is None else _ddpwire_group(group)
+        self._sixteen = _ddpwire_group(group) if wire in ("bf16", "fp16") else None
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no parameters to train")
@@ -115,6 +148,16 @@ class DiLoCo:
         if self._sixteen is not None:
             # rounded once to 16 bits, summed in float32, divided, rounded once more
             self._sixteen.allreduce_16bit(delta, self.wire).wait()
+        elif self.wire == "int8":
+            # codes cannot be summed as they are (each rank has its own
+            # scales): every rank's are gathered, and summed in rank order
+            codes, scales = quantize_int8(delta)
+            all_codes = [torch.empty_like(codes).view(torch.uint8) for _ in range(world)]
+            all_scales = [torch.empty_like(scales) for _ in range(world)]
+            dist.all_gather(all_codes, codes.view(torch.uint8), group=self.group)
+            dist.all_gather(all_scales, scales, group=self.group)
+            delta = dequantize_mean([c.view(torch.int8) for c in all_codes], all_scales,
+                                    delta.numel())
         else:
             dist.all_reduce(delta, group=self.group)
             delta.div_(world)
