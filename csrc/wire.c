@@ -630,6 +630,26 @@ static ddpw_status read_gradient_head(ddpw_reader *r, uint8_t tag, const char *t
     return DDPW_OK;
 }
 
+/* A bulk of `data_len` raw bytes that ends the payload (a collective's
+ * data, a ModelState piece): all of it must be there, then only what
+ * `flags` allows after it. */
+static ddpw_status bytes_bulk(ddpw_reader *r, uint64_t data_len, const char *type, int flags,
+                              ddpw_head *h, ddpw_error *err)
+{
+    const size_t left = r->len - r->pos;
+    size_t end;
+    if (data_len > (uint64_t)left)
+        return fail(err, DDPW_ERR_TRUNCATED, type, "data", left, data_len);
+    end = r->pos + (size_t)data_len;
+    TRY(check_end(r, end, flags, type, err));
+    h->has_bulk = 1;
+    h->bulk_offset = r->pos;
+    h->bulk_len = data_len;
+    h->tail_len = 0;
+    h->trailing_len = r->len - end;
+    return DDPW_OK;
+}
+
 /* CollectiveRequest / CollectiveResult up to their data, checking that the
  * data's byte count matches count and dtype and fills the payload exactly,
  * so a streaming reader knows every problem before the data arrives. */
@@ -637,7 +657,6 @@ static ddpw_status read_collective_head(ddpw_reader *r, uint8_t tag, const char 
                                         ddpw_head *h, ddpw_error *err)
 {
     uint64_t data_len, size;
-    size_t left, end;
 
     TRY(read_u64(r, &h->seq, type, "seq", err));
     TRY(read_u8(r, &h->kind, type, "kind", err));
@@ -656,18 +675,7 @@ static ddpw_status read_collective_head(ddpw_reader *r, uint8_t tag, const char 
                             "elements whose byte length overflows 64 bits");
     if (data_len != h->count * size)
         return fail(err, DDPW_ERR_MISMATCH, type, "data", data_len, h->count * size);
-    left = r->len - r->pos;
-    if (data_len > (uint64_t)left)
-        return fail(err, DDPW_ERR_TRUNCATED, type, "data", left, data_len);
-    end = r->pos + (size_t)data_len;
-    TRY(check_end(r, end, flags, type, err));
-
-    h->has_bulk = 1;
-    h->bulk_offset = r->pos;
-    h->bulk_len = data_len;
-    h->tail_len = 0;
-    h->trailing_len = r->len - end;
-    return DDPW_OK;
+    return bytes_bulk(r, data_len, type, flags, h, err);
 }
 
 /* ModelState up to its data: step, the whole state's length, the digest,
@@ -677,7 +685,6 @@ static ddpw_status read_state_head(ddpw_reader *r, const char *type, int flags, 
                                    uint64_t *total, const uint8_t **digest, ddpw_error *err)
 {
     uint64_t data_len;
-    size_t left, end;
 
     TRY(read_u64(r, &h->step, type, "step", err));
     TRY(read_u64(r, total, type, "total", err));
@@ -685,17 +692,7 @@ static ddpw_status read_state_head(ddpw_reader *r, const char *type, int flags, 
     TRY(read_u64(r, &data_len, type, "data length", err));
     if (data_len > *total)
         return fail_invalid(err, type, "data length", data_len, "more than the state's total");
-    left = r->len - r->pos;
-    if (data_len > (uint64_t)left)
-        return fail(err, DDPW_ERR_TRUNCATED, type, "data", left, data_len);
-    end = r->pos + (size_t)data_len;
-    TRY(check_end(r, end, flags, type, err));
-    h->has_bulk = 1;
-    h->bulk_offset = r->pos;
-    h->bulk_len = data_len;
-    h->tail_len = 0;
-    h->trailing_len = r->len - end;
-    return DDPW_OK;
+    return bytes_bulk(r, data_len, type, flags, h, err);
 }
 
 static const uint8_t EXT_MAGIC[DDPW_EXT_MAGIC_LEN] = {0x44, 0x44, 0x50, 0x58}; /* "DDPX" */

@@ -75,6 +75,7 @@ def run(n_workers: int, n: int, steps: int, fault_worker: Optional[int] = None,
 
             def body(mine=mine):
                 w = Worker.connect(coord.local_addr, 0, "cpu", timeout=10.0, samples_per_step=T)
+                w.state_source = lambda step: b"state"  # for a late joiner
                 try:
                     return train(w, n, fault_at, mine)
                 finally:
@@ -301,7 +302,7 @@ def test_an_elastic_session_takes_the_star():
 
 # ---- joining between steps ----
 
-def late_body(coord: Coordinator, n: int, token=None, state_of=None, leave_at=None):
+def late_body(addr, n: int, token=None, state_of=None, leave_at=None):
     """A worker in an elastic session that hands ``state_of(step)`` to late
     joiners, leaves (closes) when handed step ``leave_at`` and, joining
     late itself, checks what it was handed."""
@@ -309,8 +310,7 @@ def late_body(coord: Coordinator, n: int, token=None, state_of=None, leave_at=No
         w.close()
 
     def body():
-        w = Worker.connect(coord.local_addr, 0, "cpu", timeout=10.0, samples_per_step=T,
-                           token=token)
+        w = Worker.connect(addr, 0, "cpu", timeout=10.0, samples_per_step=T, token=token)
         try:
             if state_of is not None:
                 w.state_source = state_of
@@ -333,14 +333,14 @@ def test_a_worker_joining_between_steps_takes_the_state_and_every_later_step():
     threads = []
     try:
         for i in range(3):
-            threads.append(spawn(late_body(coord, n, state_of=lambda step: big + bytes([step]),
+            threads.append(spawn(late_body(coord.local_addr, n, state_of=lambda step: big + bytes([step]),
                                            leave_at=1 if i == 2 else None)))
             join_up_to(coord, i + 1)
         coord.wait_for_workers()
 
         def on_step(report):
             if report.step == 2:  # one left during step 1: its slot is free
-                threads.append(spawn(late_body(coord, n)))
+                threads.append(spawn(late_body(coord.local_addr, n)))
                 assert len(coord.wait_for_workers(count=3, timeout=20)) == 3
         reports = serve(coord, steps=steps, total_samples=T, on_step=on_step)
         outs = [t.join_result(60) for t in threads]
@@ -372,7 +372,7 @@ def test_a_late_joiner_is_held_to_the_token_and_to_the_free_slots():
     threads, refused = [], {}
     try:
         for i in range(3):
-            threads.append(spawn(late_body(coord, n, token=token,
+            threads.append(spawn(late_body(coord.local_addr, n, token=token,
                                            state_of=lambda step: b"s%d" % step,
                                            leave_at=2 if i == 1 else None)))
             join_up_to(coord, i + 1)
@@ -464,35 +464,19 @@ def test_below_min_workers_a_joiner_in_time_lets_the_run_go_on():
     """min_workers=2 of 2: one leaves during step 2, another joins while
     the coordinator waits; step 2 is redone by the two, every sample once."""
     n, steps = 64, 5
-    coord = Coordinator(("127.0.0.1", 0), 2, elastic=True, min_workers=2, samples_per_step=T,
-                        timeout=10.0)
     joiner = []
 
     def leave_and_send_another(w, shard, grad):
+        addr = w.channel.conn.sock.getpeername()
+
         def later():
             time.sleep(0.3)  # once its slot is free
-            return late_body(coord, n)()
+            return late_body(addr, n)()
         joiner.append(spawn(later))
         w.close()
-    threads = []
-    try:
-        for i in range(2):
-            mine = leave_and_send_another if i == 1 else None
-
-            def body(mine=mine):
-                w = Worker.connect(coord.local_addr, 0, "cpu", timeout=10.0, samples_per_step=T)
-                w.state_source = lambda step: b"state"
-                try:
-                    return train(w, n, 2, mine)
-                finally:
-                    w.close()
-            threads.append(spawn(body))
-            join_up_to(coord, i + 1)
-        coord.wait_for_workers()
-        reports = serve(coord, steps=steps, total_samples=T)
-        outs = [t.join_result(60) for t in threads] + [joiner[0].join_result(60)]
-    finally:
-        coord.close()
+    coord, reports, outs = run(2, n, steps, fault_worker=1, fault_at=2,
+                               fault=leave_and_send_another, min_workers=2)
+    outs.append(joiner[0].join_result(60))
     check_every_sample_once(coord, steps)
     assert [(e.step, e.worker_id, e.joined) for e in coord.membership] == \
         [(2, 1, False), (2, 1, True)]
@@ -525,7 +509,7 @@ def test_late_joins_keep_the_join_rules_against_hostile_clients():
             return False
     try:
         for i in range(3):
-            threads.append(spawn(late_body(coord, n, state_of=lambda step: b"s",
+            threads.append(spawn(late_body(coord.local_addr, n, state_of=lambda step: b"s",
                                            leave_at=1 if i == 2 else None)))
             join_up_to(coord, i + 1)
         coord.wait_for_workers()
@@ -547,7 +531,7 @@ def test_late_joins_keep_the_join_rules_against_hostile_clients():
             if report.step == 4:
                 # the boundaries since then expired them
                 seen["cut off"] = [closed(s, 0.5) for s in strays["silent"] + [strays["trickler"]]]
-                threads.append(spawn(late_body(coord, n)))
+                threads.append(spawn(late_body(coord.local_addr, n)))
                 coord.wait_for_workers(count=3, timeout=10)
         serve(coord, steps=steps, total_samples=T, on_step=on_step)
         outs = [t.join_result(60) for t in threads]

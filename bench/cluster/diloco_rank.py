@@ -131,13 +131,16 @@ def net_bytes(iface: str) -> Optional[Dict[str, int]]:
 
 def train(cfg: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     """One rank's run of ``cfg``: mode ("sync" or "diloco"), sync_every,
-    steps, eval_every, backend, iface. Returns its measurements."""
+    steps, eval_every, backend, iface, and for DiLoCo the outer optimizer's
+    momentum (outer_momentum, default 0.9, the paper's) and the wire (None:
+    float32). Returns its measurements."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddpwire.torch  # noqa: F401  (registers "ddpwire")
     from ddpwire.torch import DiLoCo
+    from ddpwire.torch.local_steps import nesterov_outer
 
     # several ranks share this host's cores: more intra-op threads would contend
     torch.set_num_threads(1)
@@ -157,7 +160,8 @@ def train(cfg: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
         forward, local = ddp, None
     elif mode == "diloco":
         opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        local = DiLoCo(net, opt, sync_every=h)
+        outer = nesterov_outer(net.parameters(), momentum=cfg.get("outer_momentum") or 0.9)
+        local = DiLoCo(net, opt, sync_every=h, outer=outer, wire=cfg.get("wire"))
         forward = net
     else:
         raise ValueError(f"mode is 'sync' or 'diloco', got {mode!r}")

@@ -11,7 +11,11 @@ byte over the links. Configurations, for each N of DDPWIRE_CLUSTER_WORKERS:
   default float32 buckets), the same AdamW stepping every rank on the
   averaged gradients: every step averaged;
 - "H10", "H50": ddpwire.torch.DiLoCo(model, AdamW, sync_every=H), its
-  default outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9).
+  default outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9);
+- "H10-m0.5", "H50-m0.5": the same with momentum 0.5, the outer optimizer
+  bench/cluster/diloco_sweep.py chose for a run of this length;
+- "H50-m0.5-int8": that with the pseudo-gradient in 8 bits
+  (DiLoCo(wire="int8")).
 
 Every configuration runs the same inner steps (DDPWIRE_DILOCO_STEPS,
 default 500) on the same per-rank batches. Recorded per case: rank 0's
@@ -41,6 +45,7 @@ import pytest
 
 from .conftest import PARAMS
 from .diloco_rank import BATCH
+from ddpwire.torch.local_steps import INT8_BLOCK
 from .nodes import NodeProcess
 
 if importlib.util.find_spec("torch") is None:
@@ -49,8 +54,11 @@ if importlib.util.find_spec("torch") is None:
 
 STEPS = int(os.environ.get("DDPWIRE_DILOCO_STEPS") or 500)
 EVAL_EVERY = 50
-#: (label, mode, sync_every)
-CONFIGS = [("sync", "sync", 1), ("H10", "diloco", 10), ("H50", "diloco", 50)]
+#: (label, mode, sync_every, the outer optimizer's momentum, the pseudo-gradient's wire)
+CONFIGS = [("sync", "sync", 1, None, None), ("H10", "diloco", 10, 0.9, None),
+           ("H50", "diloco", 50, 0.9, None), ("H10-m0.5", "diloco", 10, 0.5, None),
+           ("H50-m0.5", "diloco", 50, 0.5, None), ("H50-m0.5-int8", "diloco", 50, 0.5, "int8")]
+ONLY = [c for c in os.environ.get("DDPWIRE_DILOCO_CONFIGS", "").split(",") if c]
 #: rank 0's store; a fresh pair of ports per run (the coordinator takes the next)
 BASE_PORT = 29700
 #: the slowest case (4 ranks, every step averaged) at 100 Mbit/s is a few
@@ -61,8 +69,9 @@ _runs = 0
 if STEPS % EVAL_EVERY:
     raise pytest.UsageError(f"DDPWIRE_DILOCO_STEPS must be a multiple of {EVAL_EVERY}")
 
-CASES = [pytest.param(label, mode, h, n, id=f"N{n}-{label}")
-         for n in PARAMS.workers for label, mode, h in CONFIGS]
+CASES = [pytest.param(label, mode, h, m, wire, n, id=f"N{n}-{label}")
+         for n in PARAMS.workers for label, mode, h, m, wire in CONFIGS
+         if not ONLY or label in ONLY]
 
 
 def run_ranks(plan, n: int, cfg: dict) -> list:
@@ -97,11 +106,11 @@ def run_ranks(plan, n: int, cfg: dict) -> list:
             proc.join(10)
 
 
-@pytest.mark.parametrize("label,mode,h,n", CASES)
-def test_diloco(benchmark, cluster_plan, label, mode, h, n):
+@pytest.mark.parametrize("label,mode,h,momentum,wire,n", CASES)
+def test_diloco(benchmark, cluster_plan, label, mode, h, momentum, wire, n):
     benchmark.group = f"local steps N={n}"
     cfg = {"mode": mode, "sync_every": h, "steps": STEPS, "eval_every": EVAL_EVERY,
-           "backend": "ddpwire", "iface": "eth0"}
+           "backend": "ddpwire", "iface": "eth0", "outer_momentum": momentum, "wire": wire}
     out = []
     benchmark.pedantic(lambda: out.append(run_ranks(cluster_plan, n, cfg)), rounds=1,
                        iterations=1)
@@ -113,12 +122,14 @@ def test_diloco(benchmark, cluster_plan, label, mode, h, n):
     params = zero["parameters"]
     benchmark.extra_info.update(
         label=label, mode=mode, sync_every=h, workers=n, steps=STEPS,
+        outer_momentum=momentum, wire=wire,
         batch_per_rank=BATCH, parameters=params,
         held_out_loss=zero["held_out_loss"], curve=zero["curve"], wall_s=zero["wall_s"],
         averages=zero["averages"],
         # the averaged vector: every step's gradients (DDP's float32 buckets)
-        # or every round's pseudo-gradient, 4 bytes a parameter
-        vector_bytes=zero["averages"] * 4 * params,
+        # or every round's pseudo-gradient, 4 bytes a parameter (8 bits: one,
+        # and a float32 scale per INT8_BLOCK)
+        vector_bytes=zero["averages"] * params * (1 + 4 / INT8_BLOCK if wire == "int8" else 4),
         tx_bytes=[r["net_tx_bytes"] for r in ranks], rx_bytes=[r["net_rx_bytes"] for r in ranks],
         train_loss_last_50=[r["train_loss_last_50"] for r in ranks],
         corpus=zero["corpus"], worker_rate_bps=PARAMS.worker_rate,
