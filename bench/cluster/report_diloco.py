@@ -23,9 +23,13 @@ from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
 from xml.sax.saxutils import escape
 
-ORDER = ("sync", "H10", "H50")
-LABELS = {"sync": "sync (DDP, every step)", "H10": "DiLoCo H=10", "H50": "DiLoCo H=50"}
-COLOURS = {"sync": "#000000", "H10": "#1f77b4", "H50": "#d62728"}
+ORDER = ("sync", "H10", "H50", "H10-m0.5", "H50-m0.5", "H50-m0.5-int8")
+LABELS = {"sync": "sync (DDP, every step)", "H10": "DiLoCo H=10 (momentum 0.9)",
+          "H50": "DiLoCo H=50 (momentum 0.9)", "H10-m0.5": "DiLoCo H=10, momentum 0.5",
+          "H50-m0.5": "DiLoCo H=50, momentum 0.5",
+          "H50-m0.5-int8": "DiLoCo H=50, momentum 0.5, 8 bits"}
+COLOURS = {"sync": "#000000", "H10": "#1f77b4", "H50": "#d62728", "H10-m0.5": "#17becf",
+           "H50-m0.5": "#ff7f0e", "H50-m0.5-int8": "#2ca02c"}
 GOAL_LOSS, GOAL_BYTES, GOAL_TIME = 1.03, 40.0, 5.0
 
 
@@ -77,14 +81,17 @@ def table(path: str) -> str:
                      f"{info['wall_s']:.1f}",
                      _ratio(sync["wall_s"], info["wall_s"]) if sync else "–"]
             rows.append("| " + " | ".join(cells) + " |")
-        h50 = by[n].get("H50")
-        if sync and h50:
+        for label in ("H50", "H50-m0.5", "H50-m0.5-int8"):
+            h50 = by[n].get(label)
+            if not (sync and h50):
+                continue
             loss = h50["held_out_loss"] / sync["held_out_loss"]
             fewer = sent(sync) / sent(h50)
             less = sync["wall_s"] / h50["wall_s"]
             met = [loss <= GOAL_LOSS, fewer >= GOAL_BYTES, less >= GOAL_TIME]
             verdicts.append(
-                f"N={n}, H=50: loss {loss:.3f} of sync ({'met' if met[0] else 'missed'}: "
+                f"N={n}, {LABELS[label]}: loss {loss:.3f} of sync "
+                f"({'met' if met[0] else 'missed'}: "
                 f"at most {GOAL_LOSS:g}), {fewer:.1f}x fewer bytes "
                 f"({'met' if met[1] else 'missed'}: at least {GOAL_BYTES:g}x), {less:.1f}x less "
                 f"wall time ({'met' if met[2] else 'missed'}: at least {GOAL_TIME:g}x)")
