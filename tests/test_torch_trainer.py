@@ -359,3 +359,72 @@ def test_local_steps_need_flat_steps():
                             TOKENS, per_block=True, sync_every=2)
     with pytest.raises(ValueError, match="sync_every"):
         local_trainer(None, 0)
+
+
+def test_local_rounds_compose_with_shards_by_speed_and_an_elastic_session():
+    """Rounds of local steps (sync_every=4) on an elastic, balanced session:
+    a worker held back gets a smaller shard of each round; one that leaves
+    mid-run has its round redone by the others (their inner steps and inner
+    optimizer put back first); one that joins later takes the round's start,
+    the outer state and all, and every worker ends with the same weights."""
+    import threading
+    import time
+
+    from ddpwire import Coordinator, Worker
+    from ddpwire.serve import serve
+
+    total, rounds = 256, 8  # a round's samples: local_trainer's samples_per_step
+    coord = Coordinator(("127.0.0.1", 0), 3, timeout=30, join_timeout=30, balance=True,
+                        elastic=True, samples_per_step=total)
+    trainers, errors, threads = {}, [], []
+
+    def run(name, slow, leave_at=None):
+        def batch_fn(model, x, y):
+            time.sleep(slow * len(x))
+            return classification_batch(model, x, y)
+        try:
+            with Worker.connect(coord.local_addr, timeout=30, samples_per_step=total) as w:
+                trainer = local_trainer(w, 4, momentum=0.9)
+                trainer.batch_fn = batch_fn
+                if leave_at is not None:
+                    rows = trainer.sampler.indices
+
+                    def indices(step, start, end):
+                        if step == leave_at:
+                            w.close()  # gone mid-round
+                        return rows(step, start, end)
+                    trainer.sampler.indices = indices
+                trainers[name] = trainer
+                trainer.train()
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    for i, (name, slow, leave) in enumerate([("fast", 0.0, None), ("slow", 2e-4, None),
+                                             ("leaves", 0.0, 3)]):
+        threads.append(threading.Thread(target=run, args=(name, slow, leave), daemon=True))
+        threads[-1].start()
+        coord.wait_for_workers(count=i + 1)
+
+    def on_step(report):
+        if report.step == 4:
+            threads.append(threading.Thread(target=run, args=("joins", 0.0), daemon=True))
+            threads[-1].start()
+            coord.wait_for_workers(count=3, timeout=30)
+    reports = serve(coord, steps=rounds, total_samples=total, on_step=on_step)
+    for t in threads:
+        t.join(60)
+    coord.close()
+    from ddpwire import DdpwireError
+    gone = [e for e in errors if isinstance(e, DdpwireError)]
+    assert len(errors) == len(gone) == 1, errors  # the one that left: its own calls fail
+    assert [(e.step, e.joined) for e in coord.membership] == [(3, False), (5, True)]
+    live = [trainers[name] for name in ("fast", "slow", "joins")]
+    assert all(t.next_step == rounds for t in live)
+    assert_bit_identical([t.model for t in live])
+    for a, b in zip(live[0].outer_optimizer.state_dict()["state"].values(),
+                    live[2].outer_optimizer.state_dict()["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    # the held-back worker's shares of the rounds shrank once timed
+    share = {w.worker_id: w.samples for w in reports[-1].workers}
+    fast, slow = (trainers[n].worker.worker_id for n in ("fast", "slow"))
+    assert share[slow] < share[fast], share
