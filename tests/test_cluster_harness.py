@@ -418,17 +418,20 @@ def test_diloco_report_table_verdict_and_plot(tmp_path):
                                "parameters": 1000}}
     data = {"commit_info": {"id": "abcdef0123", "dirty": False}, "benchmarks": [
         bench("sync", 2, 2.0, 1000001, 60.0, 100), bench("H10", 2, 2.02, 100001, 12.0, 10),
-        bench("H50", 2, 2.1, 20001, 10.0, 2)]}
+        bench("H50", 2, 2.1, 20001, 10.0, 2), bench("H50-m0.5", 2, 2.04, 20001, 9.0, 2)]}
     path = tmp_path / "diloco.json"
     path.write_text(json.dumps(data))
     text = report_diloco.table(str(path))
     assert "commit abcdef0, links 100 Mbit/s, 100 inner steps" in text
-    assert "| DiLoCo H=10 | 2 | 10 | 2.0200 | 1.010 | 0.10 | 10.0x | 0.04 | 12.0 | 5.0x |" in text
-    assert ("N=2, H=50: loss 1.050 of sync (missed: at most 1.03), 50.0x fewer bytes (met: "
-            "at least 40x), 6.0x less wall time (met: at least 5x)") in text
+    assert ("| DiLoCo H=10 (momentum 0.9) | 2 | 10 | 2.0200 | 1.010 | 0.10 | 10.0x | 0.04 | "
+            "12.0 | 5.0x |") in text
+    assert ("N=2, DiLoCo H=50 (momentum 0.9): loss 1.050 of sync (missed: at most 1.03), "
+            "50.0x fewer bytes (met: at least 40x), 6.0x less wall time (met: at least 5x)") in text
+    assert ("N=2, DiLoCo H=50, momentum 0.5: loss 1.020 of sync (met: at most 1.03), 50.0x "
+            "fewer bytes (met: at least 40x), 6.7x less wall time (met: at least 5x)") in text
     svg = report_diloco.render(data)
     xml.dom.minidom.parseString(svg)
-    assert svg.count("<polyline") == 3
+    assert svg.count("<polyline") == 4
 
 
 def test_diloco_rank_model_and_held_out_files():
