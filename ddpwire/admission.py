@@ -257,14 +257,7 @@ class Admission:
                              self.expect_workers, self._describe_joined(), deadline - now)
                     next_report = now + PROGRESS_EVERY
                 wake = self.handshakes.next_deadline(min(deadline, next_report))
-                for key, _ in sel.select(max(0.0, wake - now)):
-                    if key.data is None:
-                        self.handshakes.accept(sel)
-                    elif isinstance(key.data, Admitted):
-                        self._checkstill_open(sel, key.data)
-                    else:
-                        self._on_readable(sel, key.data)
-                self.handshakes.expire(sel, time.monotonic())
+                self._pump(sel, max(0.0, wake - now))
             # A worker whose own timeout ran out while others were still
             # joining is gone: find it now, not at step 0.
             for slot in list(self.slots):
@@ -275,6 +268,18 @@ class Admission:
         finally:
             sel.close()
         return [s for s in self.slots if s is not None]
+
+    def _pump(self, sel: selectors.BaseSelector, wait: float) -> None:
+        """One round of the join: accept, read what the handshakes sent,
+        watch the admitted, cut off those past their deadline."""
+        for key, _ in sel.select(wait):
+            if key.data is None:
+                self.handshakes.accept(sel)
+            elif isinstance(key.data, Admitted):
+                self._checkstill_open(sel, key.data)
+            else:
+                self._on_readable(sel, key.data)
+        self.handshakes.expire(sel, time.monotonic())
 
     def _joined(self) -> int:
         return sum(s is not None for s in self.slots)
@@ -301,14 +306,9 @@ class Admission:
         new: List[Admitted] = []
         deadline = time.monotonic() + timeout
         while True:
-            now = time.monotonic()
             wake = self.handshakes.next_deadline(deadline)
-            for key, _ in sel.select(max(0.0, wake - now)):
-                if key.data is None:
-                    self.handshakes.accept(sel)
-                elif isinstance(key.data, _Pending):
-                    self._on_readable(sel, key.data)
-            self.handshakes.expire(sel, time.monotonic())
+            # a worker admitted here is handed over below, before it can be watched
+            self._pump(sel, max(0.0, wake - time.monotonic()))
             for a in self.slots:
                 if a is not None and a.worker_id not in before and a not in new:
                     sel.unregister(a.sock)  # the session reads it from now on

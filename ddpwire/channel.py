@@ -14,14 +14,14 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
 from . import _core
 from ._core import encode_frame_parts
-from .errors import GradientMismatch, PeerLost, UnexpectedMessage
-from .messages import GradientPayload, Heartbeat, StepTiming
+from .errors import GradientMismatch, PeerLost, ProtocolError, UnexpectedMessage
+from .messages import GradientPayload, Heartbeat, ModelState, StepTiming
 
 from ._core import DEFAULT_MAX_FRAME
 
@@ -239,6 +239,28 @@ class Channel:
                                 what=f"reading the rest of a GradientPayload (step {step} "
                                      f"called off)")
             left -= take
+
+    def state_pieces(self, step: int, *,
+                     deadline: Optional[float] = None) -> Iterator[ModelState]:
+        """The peer's ModelState pieces of the state before ``step``, in
+        order, until their ``total`` bytes are in, each checked against the
+        first: the same step and total, never past it (a ProtocolError
+        naming the peer otherwise). All are due by ``deadline``; without
+        one, each within the timeout of the one before."""
+        got, total = 0, None
+        while total is None or got < total:
+            piece = self.expect([ModelState], step=step, deadline=deadline)
+            if piece.step != step or (total is not None and piece.total != total):
+                raise ProtocolError(f"ModelState for step {piece.step} of {piece.total} bytes, "
+                                    f"asked for step {step}"
+                                    f"{'' if total is None else f' ({total} bytes)'}",
+                                    worker_id=self.peer_id, step=step)
+            total = piece.total
+            got += len(piece.data)
+            if got > total:
+                raise ProtocolError(f"ModelState pieces past its {total} bytes",
+                                    worker_id=self.peer_id, step=step)
+            yield piece
 
     def wait_for_frame(self, timeout: float) -> bool:
         """Wait until the peer has started its next frame (True) or has

@@ -62,7 +62,6 @@ from .messages import (
     NonBlockGradientPayload,
     ShardAssignment,
     ShardScale,
-    ModelState,
     Shutdown,
     StateRequest,
     StepAborted,
@@ -1066,16 +1065,21 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             return self._stream(kind, step, key, out, reply, pinned=pinned)[0]
 
     def _stream(self, kind: _Kind, step: int, key: Optional[int], out: Optional[np.ndarray],
-                reply: bool, *, pinned: bool,
-                halt: bool = True) -> Tuple[AnyResult, Optional[list]]:
+                reply: bool, *, pinned: bool, halt: bool = True,
+                heads_into: Optional[list] = None,
+                socket_threads: Optional[bool] = None) -> Tuple[AnyResult, Optional[list]]:
         """The star's streaming average. With ``halt`` a non-finite element
         raises (the replies cut short); without, the reply is finished all
         the same and the result comes with ``bad`` (each worker's first
         non-finite (index, value), or None when every element was finite).
         Without ``halt`` (a mesh step's part) a worker may send a
-        CollectiveError in place of its payload: the WorkerLost it names."""
+        CollectiveError in place of its payload: the WorkerLost it names.
+        ``heads_into`` receives the heads as they are read (see
+        :meth:`_collect_heads`); ``socket_threads`` overrides the choice of
+        engine."""
         t0 = time.perf_counter()
-        heads, step, key = self._collect_heads(kind, step, key, pinned, failures=not halt)
+        heads, step, key = self._collect_heads(kind, step, key, pinned, failures=not halt,
+                                               into=heads_into)
         t1 = time.perf_counter()
         out = result_buffer(out, heads[0].gradient_count)
         done: List[AnyResult] = []
@@ -1089,7 +1093,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             return result
 
         conns = [chan.conn for chan in self._channels]
-        threads = self._use_socket_threads(heads)
+        threads = self._use_socket_threads(heads) if socket_threads is None else socket_threads
         # the sample weights of the workers that do not apply their own
         scales = self.shards.sums_scales() if self.shards is not None and \
             self.shards.step == step else None
@@ -1145,38 +1149,26 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         with self._talking(step):
             chans = list(self._channels)
             heads: list = []
-            t0 = time.perf_counter()
-            try:
-                self._collect_heads(_FLAT, step, None, into=heads)
-            except WorkerLost as exc:
-                self._call_off(step, {self._blamed(exc): exc}, chans,
-                               heads + [None] * (len(chans) - len(heads)), None)
-            t1 = time.perf_counter()
-            out = result_buffer(out, heads[0].gradient_count)
-            scales = self.shards.sums_scales() if self.shards is not None else None
             try:
                 # the poll loop: its byte counts say where each frame stands
-                tails, bad = _core.reduce_stream(
-                    [c.conn for c in chans], out, heads[0].tail_len, self.timeout,
-                    ring_bytes=self.ring_bytes, socket_threads=False, step=step,
-                    what="averaging GradientPayload", scales=scales)
+                result, _ = self._stream(_FLAT, step, None, out, False, pinned=True,
+                                         heads_into=heads, socket_threads=False)
             except WorkerLost as exc:
-                self._call_off(step, {self._blamed(exc): exc}, chans, heads,
+                # lost during the heads (those not read yet are None) or the
+                # sum (how far each frame was read rides on the error)
+                self._call_off(step, {self._blamed(exc): exc}, chans,
+                               heads + [None] * (len(chans) - len(heads)),
                                getattr(exc, "received", None))
-            self._raise_bad(bad, step)
-            decoded = [_core.decode_tail(GradientPayload.TAG, t) for t in tails]
-            self._check_totals(step, [t[2] for t in decoded])
-            self._lengths.setdefault((_FLAT, None), len(out))
-            result = self._result(_FLAT, step, None, heads, out, decoded, t1 - t0)
             assert self.shard_log is not None and self.shards is not None
             self.shard_log.append((step, {c.peer_id: self.shards.bounds(c.peer_id)
                                           for c in chans}))
             self._next_step = step + 1
+            sent_at = time.perf_counter()
             if reply:
-                self._send_each(AveragedGradient(step=step, gradients=out,
+                self._send_each(AveragedGradient(step=step, gradients=result.avg_gradients,
                                                  global_loss=result.global_loss), step)
-        result.reduce_time = time.perf_counter() - t1
-        return result
+        result.reduce_time += time.perf_counter() - sent_at
+        return result  # type: ignore[return-value]
 
     @staticmethod
     def _blamed(exc: WorkerLost) -> int:
@@ -1332,20 +1324,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         for source in list(self._channels):
             try:
                 source.send(StateRequest(step=step), step=step)
-                deadline = time.monotonic() + self.timeout
-                got, total = 0, None
-                while total is None or got < total:
-                    piece = source.expect([ModelState], step=step, deadline=deadline)
-                    if piece.step != step or (total is not None and piece.total != total):
-                        raise ProtocolError(f"ModelState for step {piece.step} of "
-                                            f"{piece.total} bytes, asked for step {step}"
-                                            f"{'' if total is None else f' ({total} bytes)'}",
-                                            worker_id=source.peer_id, step=step)
-                    total = piece.total
-                    got += len(piece.data)
-                    if got > total:
-                        raise ProtocolError(f"ModelState pieces past its {total} bytes",
-                                            worker_id=source.peer_id, step=step)
+                for piece in source.state_pieces(step, deadline=time.monotonic() + self.timeout):
                     joiner.send(piece, step=step)
                 return
             except WorkerLost as exc:

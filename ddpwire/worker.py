@@ -8,10 +8,10 @@ per-block mode overlaps them); two threads must not both send or both receive.
 from __future__ import annotations
 
 import collections
-import hashlib
 import contextlib
 import enum
 import errno
+import hashlib
 import logging
 import math
 import os
@@ -666,9 +666,7 @@ class Worker(LifecycleOwner[WorkerState]):
                                          what="sending GradientPayload", send_thread=send_thread)
                 try:
                     global_loss = self._exchange_averaged(exchange, step, out)
-                    if isinstance(global_loss, StepAborted):
-                        self._check_aborted(global_loss)
-                    # called off: the coordinator reads the rest of the gradients
+                    # called off or not, the coordinator reads the rest of the gradients
                     exchange.finish()
                 except BaseException:
                     exchange.abandon()  # its thread must be off the socket before it closes
@@ -692,8 +690,7 @@ class Worker(LifecycleOwner[WorkerState]):
                                              expect=expect, peer_id=self._worker_id, step=step,
                                              what="receiving AveragedGradient")
             if isinstance(head, StepAborted):
-                if head.step != step:
-                    raise GradientMismatch("StepAborted step", step, head.step, **ctx)
+                self._check_aborted(head, step)
                 return head
             if not isinstance(head, Heartbeat):
                 break
@@ -743,15 +740,11 @@ class Worker(LifecycleOwner[WorkerState]):
         step = self.joins_at
         with self._talking(step):
             got = bytearray()
-            total: Optional[int] = None
-            digest = b""
-            while total is None or len(got) < total:
-                # each piece is due within the timeout of the one before
-                piece = self._chan.expect([ModelState], step=step)
-                if piece.step != step or (total is not None and
-                                          (piece.total != total or piece.digest != digest)):
-                    raise ProtocolError(f"ModelState for step {piece.step} ({piece.total} bytes) "
-                                        f"while joining at step {step}",
+            total, digest = 0, b""
+            # each piece is due within the timeout of the one before
+            for piece in self._chan.state_pieces(step):
+                if got and bytes(piece.digest) != digest:
+                    raise ProtocolError(f"ModelState pieces for step {step} with two digests",
                                         worker_id=self._worker_id, step=step)
                 total, digest = piece.total, bytes(piece.digest)
                 got += memoryview(piece.data)
@@ -764,9 +757,13 @@ class Worker(LifecycleOwner[WorkerState]):
                  self._worker_id, total, step)
         return step, bytes(got)
 
-    def _check_aborted(self, msg: StepAborted) -> None:
-        """A StepAborted naming this worker: it was dropped (WorkerDropped,
-        which ends the session here)."""
+    def _check_aborted(self, msg: StepAborted, step: Optional[int] = None) -> None:
+        """A StepAborted for another step than ``step`` (when given) is a
+        GradientMismatch; one naming this worker says it was dropped
+        (WorkerDropped, which ends the session here)."""
+        if step is not None and msg.step != step:
+            raise GradientMismatch("StepAborted step", step, msg.step, worker_id=self._worker_id,
+                                   step=step)
         if msg.worker_id == self._worker_id:
             raise WorkerDropped(
                 f"the coordinator dropped this worker during step {msg.step} (it was silent or "
@@ -952,10 +949,7 @@ class Worker(LifecycleOwner[WorkerState]):
             if owed is not None:
                 step = owed[1]
             if isinstance(head, StepAborted):
-                if head.step != step:
-                    raise GradientMismatch("StepAborted step", step, head.step,
-                                           worker_id=self._worker_id, step=step)
-                self._check_aborted(head)
+                self._check_aborted(head, step)
                 with self._life.lock:
                     self._owed.popleft()
         if isinstance(head, StepAborted):

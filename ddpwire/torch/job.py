@@ -205,24 +205,22 @@ def train_worker(
             while True:
                 try:
                     result = trainer.step()
-                except WorkerDropped as exc:
-                    # stopped or asleep past the timeout: the session went on
-                    # without it; join again, from the session's state
-                    log.warning("%s: joining again", exc)
-                    worker.close()
-                    worker = connect()
-                    session = wrap(worker)
-                    trainer.rejoin(session)
-                    continue
-                except CoordinatorLost as exc:
-                    if not worker.elastic:
+                except (WorkerDropped, CoordinatorLost) as exc:
+                    if isinstance(exc, WorkerDropped):
+                        # stopped or asleep past the timeout: the session went
+                        # on without it; join again, from the session's state
+                        log.warning("%s: joining again", exc)
+                        resume_step = None
+                    elif worker.elastic:
+                        # an elastic run's coordinator may be restarted
+                        # (--resume): wait for it, up to the timeout, and go on
+                        log.warning("%s: waiting up to %g s for the coordinator to come back "
+                                    "(it goes on with ddpwire coordinator --resume)", exc, timeout)
+                        resume_step = trainer.next_step
+                    else:
                         raise
-                    # an elastic run's coordinator may be restarted (--resume):
-                    # wait for it, up to the timeout, and go on from here
-                    log.warning("%s: waiting up to %g s for the coordinator to come back (it "
-                                "goes on with ddpwire coordinator --resume)", exc, timeout)
                     worker.close()
-                    worker = connect(resume_step=trainer.next_step)
+                    worker = connect(resume_step=resume_step)
                     session = wrap(worker)
                     trainer.rejoin(session)
                     continue

@@ -184,7 +184,6 @@ class DataParallelTrainer:
         if sync_every > 1 and per_block:
             raise ValueError("local steps (sync_every > 1) average one pseudo-gradient a round: "
                              "they need flat steps, not per_block")
-        self.worker = worker
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -207,11 +206,8 @@ class DataParallelTrainer:
         self._anchor: Optional[List[torch.Tensor]] = None
         #: each step an elastic session called off and this worker computed again
         self.membership: List[MembershipChanged] = []
-        if getattr(worker, "elastic", False):
-            # a worker joining the session late starts from this one's state
-            worker.state_source = self.state_bytes
         self._hooks: List[Any] = []
-        self._joined = False  # a late joiner's state taken (or none to take)
+        self._attach(worker)
         #: the step after the last one this trainer applied
         self.next_step = 0
         if per_block:
@@ -328,9 +324,13 @@ class DataParallelTrainer:
         so what this one trained meanwhile is left behind; or a restarted
         coordinator's (``resume_step=``:attr:`next_step`), which goes on from
         this trainer's own state."""
+        self._attach(worker)
+
+    def _attach(self, worker: Any) -> None:
         self.worker = worker
-        self._joined = False
+        self._joined = False  # a late joiner's state taken (or none to take)
         if getattr(worker, "elastic", False):
+            # a worker joining the session late starts from this one's state
             worker.state_source = self.state_bytes
 
     def state_bytes(self, step: Optional[int] = None) -> bytes:
