@@ -388,6 +388,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         #: the shards of every step (set when the join completes)
         self.shards: Optional[_balance.Shards] = None
         self._assigned_at = 0.0  # time.perf_counter() when the last step's shards went out
+        # True while a step's ShardAssignments go out, one worker after another
+        self._assigning = False
         self.total_samples = 0
         if opts.samples_per_step is not None:
             self.set_total_samples(opts.samples_per_step)
@@ -736,23 +738,34 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         with self._talking(step):
             sent: List[Channel] = []
             lost: Dict[int, WorkerLost] = {}
-            for chan in list(self._channels):
-                start, end = self.shards.bounds(chan.peer_id)
-                try:
-                    chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end),
-                              step=step)
-                    if chan.on_timing is not None:
-                        chan.send(ShardScale(step=step, scale=self.shards.scale(chan.peer_id)),
-                                  step=step)
-                except WorkerLost as exc:
-                    if not self.elastic:
-                        raise
-                    lost[chan.peer_id] = exc
-                    continue
-                sent.append(chan)
+            self._assigning = True
+            try:
+                self._assign(step, sent, lost)
+            finally:
+                self._assigning = False
             if lost:
                 # those told already compute the step: it is called off for them
                 self._call_off(step, lost, sent, [None] * len(sent), None)
+
+    def _assign(self, step: int, sent: List[Channel], lost: Dict[int, WorkerLost]) -> None:
+        """Every worker's ShardAssignment (and ShardScale) for ``step``: those
+        sent to go into ``sent``; in an elastic session the workers lost on
+        the way into ``lost``."""
+        assert self.shards is not None
+        for chan in list(self._channels):
+            start, end = self.shards.bounds(chan.peer_id)
+            try:
+                chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end),
+                          step=step)
+                if chan.on_timing is not None:
+                    chan.send(ShardScale(step=step, scale=self.shards.scale(chan.peer_id)),
+                              step=step)
+            except WorkerLost as exc:
+                if not self.elastic:
+                    raise
+                lost[chan.peer_id] = exc
+                continue
+            sent.append(chan)
 
     # ---- averaging: one entry per message kind ----
 
@@ -1576,8 +1589,11 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     def mid_frame(self) -> bool:
         """Whether some worker connection is inside a frame this coordinator
         sends (or one that an exception cut short): no other frame, a
-        Shutdown included, may go there before it ends."""
-        return any(chan.frame_open for chan in self._channels)
+        Shutdown included, may go there before it ends. So is a step whose
+        ShardAssignments are going out: a Shutdown then would reach some
+        workers after their shard and the others before theirs, and in a
+        mesh the first would wait on the others inside the step."""
+        return self._assigning or any(chan.frame_open for chan in self._channels)
 
     def stop_workers(self, grace: float = 10.0) -> int:
         """End the run before its last step (the caller was interrupted):

@@ -755,3 +755,33 @@ def test_the_elastic_demo_goes_on_when_one_of_its_workers_is_killed(tmp_path):
     assert "ended mid-run (exit status -9): the run went on without it" in out
     assert "weights identical on all 2 workers" in out
     assert "going on with 2 workers" in out + err
+
+
+def test_a_stop_signal_waits_while_a_steps_shards_go_out():
+    """A Shutdown between two workers' ShardAssignments would leave one
+    inside the step (in a mesh, waiting on the other): the coordinator
+    counts as mid-frame from the first assignment to the last."""
+    from session_helpers import start_workers
+
+    coord = ddpwire.Coordinator(("127.0.0.1", 0), 2, timeout=10)
+    try:
+        threads = start_workers(coord, 2, lambda w: w.receive_shard())
+        coord.wait_for_workers()
+        seen = []
+        for chan in coord._channels:
+            send = chan.send
+
+            def recording(msg, *, step=None, send=send):
+                seen.append((type(msg).__name__, coord.mid_frame))
+                return send(msg, step=step)
+            chan.send = recording
+        coord.set_total_samples(8)
+        assert not coord.mid_frame
+        coord.send_shard_assignments(0)
+        assert not coord.mid_frame
+        for t in threads:
+            t.join_result()
+    finally:
+        coord.close()
+    assert [m for m, _ in seen if m == "ShardAssignment"] == ["ShardAssignment"] * 2
+    assert all(mid for _, mid in seen)
