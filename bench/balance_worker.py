@@ -12,8 +12,12 @@ worker holds the same weights step after step.
 /sys/fs/cgroup/cpu/ddpwire-bench-slow): this process writes its own pid to
 its ``cgroup.procs`` before anything else, torch's import included, so all
 of its threads run under that cgroup's CPU quota. ``--report`` writes one
-JSON object at the end: the worker id, each step's shard and compute
-seconds (from the shard's arrival to the allreduce call), and the last loss.
+JSON object at the end: the worker id and, each step, its shard, the
+seconds it waited for the shard, computed (from the shard's arrival to the
+allreduce call), spent in the allreduce (and this process's CPU seconds
+there), applying the average, when the allreduce was called and returned
+(time.perf_counter: one clock for the processes of a host), and the
+global loss.
 """
 from __future__ import annotations
 
@@ -76,6 +80,7 @@ def main(argv=None) -> int:
     with Worker.connect((host, int(port)), timeout=args.timeout,
                         samples_per_step=args.samples, gradient_length=length) as w:
         while True:
+            asked = time.perf_counter()
             shard = w.receive_shard()
             if shard is None:
                 break
@@ -97,14 +102,18 @@ def main(argv=None) -> int:
             else:
                 grads.fill(0.0)
                 correct, loss_value = 0, 0.0
-            compute = time.perf_counter() - t0
+            called, cpu = time.perf_counter(), time.process_time()
             result = w.allreduce(shard.step, grads, loss_value, correct, count, out=avg)
+            averaged, cpu = time.perf_counter(), time.process_time() - cpu
             with torch.no_grad():  # SGD with the averaged gradient
                 at = 0
                 for q, n in zip(params, sizes):
                     q.sub_(avg_t[at:at + n].view_as(q), alpha=args.lr)
                     at += n
-            steps.append({"step": shard.step, "shard": count, "compute_s": compute,
+            steps.append({"step": shard.step, "shard": count, "compute_s": called - t0,
+                          "shard_wait_s": t0 - asked, "allreduce_s": averaged - called,
+                          "apply_s": time.perf_counter() - averaged,
+                          "allreduce_cpu_s": cpu, "called_at": called, "averaged_at": averaged,
                           "global_loss": float(result.global_loss)})
         worker_id = w.worker_id
     if args.report:

@@ -17,6 +17,10 @@ In one run, in this order:
   equal shards (balance off) and with shards by speed (balance on); the
   ratio is the together throughput over the sum of the solos of the same
   run (``test_together``);
+- ``test_rounds``: DDPWIRE_BALANCE_ROUNDS (default 3) rounds, each every
+  solo and then the balanced set-up back to back, pair and trio: a ratio
+  per round and their median (the machine's speed drifts between runs
+  minutes apart, which moves the ratio of ``test_together``);
 - a pair (100% + 50%) where the full-speed worker's quota drops to 25% after
   step 29 of 60 (``test_slowdown``): the coordinator's per-step JSON lines
   go to docs/balance-slowdown.jsonl (bench/balance_plot.py draws them), and
@@ -36,6 +40,7 @@ benchmark's own time is the whole ``serve`` call (warm-up included).
         --benchmark-json docs/bench-balance.json -q
 
 DDPWIRE_BALANCE_STEPS (default 40) sets the measured steps,
+DDPWIRE_BALANCE_SAMPLES (default 2048) the samples per step,
 DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
 with it; another period's slowdown lines go to
 docs/balance-slowdown-<period>us.jsonl). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
@@ -66,7 +71,7 @@ WORKER = HERE / "balance_worker.py"
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PREFIX = "ddpwire-bench-"
 
-SAMPLES = 2048
+SAMPLES = int(os.environ.get("DDPWIRE_BALANCE_SAMPLES", "2048"))
 WARMUP = 5
 MEASURED = int(os.environ.get("DDPWIRE_BALANCE_STEPS", "40"))
 # 10 ms: a 100 ms period is longer than a step, and a quota that runs at full
@@ -81,6 +86,11 @@ SLOWDOWN = dict(speeds=(1.0, 0.5), frm=1.0, to=0.25, at=30, steps=60)
 SLOWDOWN_JSONL = ROOT / "docs" / ("balance-slowdown.jsonl" if PERIOD_US == 10000 else
                                   f"balance-slowdown-{PERIOD_US}us.jsonl")
 FOLLOW_WITHIN = 0.10
+#: test_rounds: rounds of (every solo, then the balanced set-up)
+ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_ROUNDS", "3"))
+#: what each worker's report times per step (bench/balance_worker.py)
+PHASES = ("shard_wait_s", "compute_s", "allreduce_s", "apply_s", "called_at", "averaged_at",
+          "allreduce_cpu_s")
 JOIN_TIMEOUT = 120.0
 RUN_TIMEOUT = 300.0
 
@@ -174,6 +184,8 @@ class Session:
         self.cgroup_stats: List[Dict[str, int]] = []
         #: worker id -> speed, and the workers' output, kept by close()
         self.by_id: Optional[Dict[int, float]] = None
+        #: worker id -> each step's seconds in PHASES, from the worker's report
+        self.phases: Dict[int, List[List[float]]] = {}
         self.log_text = ""
 
     def start(self):
@@ -240,6 +252,8 @@ class Session:
         for i, speed in enumerate(self.speeds):
             report = json.loads((Path(self.tmp.name) / f"report-{i}.json").read_text())
             ids[report["worker"]] = speed
+            self.phases[report["worker"]] = [
+                [s[k] for k in PHASES] for s in report["steps"]]
         return ids
 
     def throughput(self, warmup: int = WARMUP) -> float:
@@ -255,20 +269,37 @@ def run_session(benchmark, speeds, balance, steps, on_step=None, tag=""):
         benchmark.pedantic(session.serve, setup=session.start, rounds=1, iterations=1)
     finally:
         session.close()
+    benchmark.extra_info.update(loadavg_1min_before=load, **session_info(session))
+    return session, session.by_id
+
+
+def session_info(session: "Session") -> dict:
+    """What a closed session leaves for the JSON (it must have ended well)."""
     for p in session.procs:
         assert p.returncode == 0, session.log_text
     by_id = session.by_id
     assert by_id is not None, session.log_text
-    benchmark.extra_info.update(
-        samples_per_step=SAMPLES, steps=steps, cfs_period_us=PERIOD_US,
-        loadavg_1min_before=load,
+    return dict(
+        samples_per_step=SAMPLES, steps=session.steps, cfs_period_us=PERIOD_US,
         worker_speeds={str(k): v for k, v in sorted(by_id.items())},
         step_times_s=[r.step_time for r in session.reports],
         shards=[[w.samples for w in r.workers] for r in session.reports],
         compute_s=[[w.compute for w in r.workers] for r in session.reports],
         final_loss=session.reports[-1].global_loss,
-        cgroup_stats=session.cgroup_stats)
-    return session, by_id
+        cgroup_stats=session.cgroup_stats, worker_phases=list(PHASES),
+        worker_phases_s={str(k): v for k, v in sorted(session.phases.items())})
+
+
+def run_plain(speeds, balance, steps, tag="") -> "Session":
+    """One session outside pytest-benchmark's timing (test_rounds times its own)."""
+    session = Session(speeds, balance, steps, tag=tag)
+    try:
+        session.start()
+        session.serve()
+    finally:
+        session.close()
+    session_info(session)  # the same checks
+    return session
 
 
 def _percent(speed: float) -> str:
@@ -313,6 +344,40 @@ def test_together(benchmark, setup, balance):
                 step_time_median_s=statistics.median(r.step_time for r in measured),
                 waited_for_speed=[None if r.waited_for is None else by_id[r.waited_for]
                                   for r in measured])
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_rounds(benchmark, setup):
+    """This machine's speed drifts between sessions (a shared VM: the same
+    solo differs by 15% from one minute to the next), so one solo run and
+    one together run minutes apart give a ratio that moves with it. Here
+    each of :data:`ROUNDS` rounds runs every solo and then the balanced
+    set-up back to back; the ratio of each round, and their median."""
+    speeds = SETUPS[setup]
+    benchmark.group = f"rounds {setup} " + "+".join(_percent(s) for s in speeds)
+    steps = WARMUP + MEASURED
+    rounds: List[dict] = []
+
+    def run():
+        for r in range(ROUNDS):
+            solos = [run_plain([s], False, steps, tag=f"r{r}").throughput() for s in speeds]
+            together = run_plain(speeds, True, steps, tag=f"{setup}r{r}")
+            rate = together.throughput()
+            rounds.append(dict(solo_samples_per_s=solos, samples_per_s=rate,
+                               ratio=rate / sum(solos),
+                               step_time_median_s=statistics.median(
+                                   x.step_time for x in together.reports[WARMUP:]),
+                               shards=[[w.samples for w in x.workers] for x in together.reports],
+                               worker_speeds={str(k): v for k, v in
+                                              sorted((together.by_id or {}).items())}))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    ratios = [x["ratio"] for x in rounds]
+    benchmark.extra_info.update(kind="rounds", setup=setup, speeds=list(speeds), balance=True,
+                                cfs_period_us=PERIOD_US, samples_per_step=SAMPLES,
+                                warmup=WARMUP, measured=MEASURED, rounds=rounds,
+                                ratios=ratios, ratio_median=statistics.median(ratios),
+                                ratio_min=min(ratios), ratio_max=max(ratios))
 
 
 # ---- mid-run slowdown ----

@@ -1,0 +1,95 @@
+"""Where a balanced step's time goes, from bench/test_bench_balance.py's JSON.
+
+For every session the benchmark ran: its throughput and ratio (where it
+has one), the median step, and per worker (by its share of a core) the
+median shard and the medians of each phase its own report times (waiting
+for the shard, computing, inside the allreduce, applying the average);
+for sessions of more than one worker, how long after the last worker
+called its allreduce the last one got the average back, split by whether
+the slowest worker or another was the last to arrive. For test_rounds,
+every round's solos, together throughput and ratio.
+
+    python bench/report_balance.py docs/bench-balance.json
+
+Phases and arrival times come from the workers' clocks (time.perf_counter:
+one clock for all the processes of one host); the first WARMUP steps of a
+session are left out, as in the benchmark.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Dict, List
+
+WARMUP = 5
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def _spread(values: List[float]) -> str:
+    if not values:
+        return "none"
+    values = sorted(values)
+    return (f"median {_ms(statistics.median(values))} ms, p10 {_ms(values[len(values) // 10])}, "
+            f"p90 {_ms(values[9 * len(values) // 10])} (n={len(values)})")
+
+
+def session_lines(info: dict) -> List[str]:
+    lines = []
+    names: List[str] = info.get("worker_phases", [])
+    phases: Dict[str, list] = info.get("worker_phases_s", {})
+    speeds: Dict[str, float] = info.get("worker_speeds", {})
+    steps = info.get("step_times_s", [])[WARMUP:]
+    if steps:
+        lines.append(f"  median step {_ms(statistics.median(steps))} ms")
+    for wid in sorted(phases, key=lambda w: -speeds[w]):
+        rows = phases[wid][WARMUP:]
+        shards = [s[int(wid)] for s in info["shards"][WARMUP:]]
+        parts = ", ".join(f"{name[:-2].replace('_', ' ')} {_ms(statistics.median(r[i] for r in rows))}"
+                          for i, name in enumerate(names) if not name.endswith("_at"))
+        lines.append(f"  worker {wid} at {int(speeds[wid] * 100)}%: shard "
+                     f"{statistics.median(shards):.0f}, ms: {parts}")
+    if len(phases) > 1 and "called_at" in names:
+        called, done = names.index("called_at"), names.index("averaged_at")
+        order = sorted(phases, key=lambda w: -speeds[w])
+        slowest = order[-1]
+        slow_last, other_last = [], []
+        for k in range(WARMUP, min(len(phases[w]) for w in order)):
+            arrive = {w: phases[w][k][called] for w in order}
+            tail = max(phases[w][k][done] for w in order) - max(arrive.values())
+            last = max(arrive, key=lambda w: arrive[w])
+            (slow_last if last == slowest else other_last).append(tail)
+        lines.append(f"  last arrival to last average, slowest arrived last: {_spread(slow_last)}")
+        lines.append(f"  last arrival to last average, another arrived last: {_spread(other_last)}")
+    return lines
+
+
+def report(path: str) -> str:
+    data = json.load(open(path))
+    commit = data.get("commit_info", {})
+    out = [f"{path}: commit {commit.get('id', '?')[:7]}{' (dirty)' if commit.get('dirty') else ''}"]
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        head = f"{bench['name']}: period {info.get('cfs_period_us')} us"
+        if "samples_per_s" in info:
+            head += f", {info['samples_per_s']:.0f} samples/s"
+        if info.get("ratio") is not None:
+            head += f", ratio {info['ratio']:.3f}"
+        if info.get("kind") == "rounds":
+            head += (f", ratio median {info['ratio_median']:.3f} "
+                     f"(min {info['ratio_min']:.3f}, max {info['ratio_max']:.3f})")
+        out.append(head)
+        for r, rnd in enumerate(info.get("rounds", [])):
+            out.append(f"  round {r}: solos " +
+                       " + ".join(f"{x:.0f}" for x in rnd["solo_samples_per_s"]) +
+                       f" samples/s, together {rnd['samples_per_s']:.0f}, ratio {rnd['ratio']:.3f},"
+                       f" median step {_ms(rnd['step_time_median_s'])} ms")
+        out.extend(session_lines(info))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print("\n\n".join(report(p) for p in sys.argv[1:]))
