@@ -7,7 +7,9 @@ for the shard, computing, inside the allreduce, applying the average);
 for sessions of more than one worker, how long after the last worker
 called its allreduce the last one got the average back, split by whether
 the slowest worker or another was the last to arrive. For test_rounds,
-every round's solos, together throughput and ratio.
+every round's solos, together throughput and ratio. A run with
+DDPWIRE_BALANCE_TRACE=1 adds each traced call's (bench/balance_trace.py)
+median start and end against the step's last arrival.
 
     python bench/report_balance.py docs/bench-balance.json
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 WARMUP = 5
 
@@ -64,6 +66,39 @@ def session_lines(info: dict) -> List[str]:
             (slow_last if last == slowest else other_last).append(tail)
         lines.append(f"  last arrival to last average, slowest arrived last: {_spread(slow_last)}")
         lines.append(f"  last arrival to last average, another arrived last: {_spread(other_last)}")
+        if info.get("worker_traces"):
+            lines.extend(trace_lines(info, order, called))
+    return lines
+
+
+def trace_lines(info: dict, order: List[str], called: int) -> List[str]:
+    """Each traced call's median start and end (ms after the step's last
+    arrival) and thread CPU, per worker, over the steps the slowest worker
+    arrived last and over the others."""
+    phases, traces, speeds = info["worker_phases_s"], info["worker_traces"], info["worker_speeds"]
+    steps = min(len(phases[w]) for w in order)
+    arrivals = [max(phases[w][k][called] for w in order) for k in range(steps)]
+    slow_last = [max(order, key=lambda w: phases[w][k][called]) == order[-1]
+                 for k in range(steps)]
+    lines = []
+    for case, want in (("slowest arrived last", True), ("another arrived last", False)):
+        lines.append(f"  traced calls, {case} (ms from the last arrival: start, end; thread CPU):")
+        for w in order:
+            calls = phases[w]
+            per: Dict[str, List[Tuple[float, float, float]]] = {}
+            for name, start, end, cpu in traces[w]:
+                # the step whose allreduce this worker had called last
+                k = max((j for j in range(steps) if calls[j][called] <= start), default=None)
+                if k is None or k < WARMUP or slow_last[k] != want:
+                    continue
+                per.setdefault(name, []).append((start - arrivals[k], end - arrivals[k], cpu))
+            for name, rows in sorted(per.items(), key=lambda kv: statistics.median(
+                    r[0] for r in kv[1])):
+                lines.append(f"    worker {w} at {int(speeds[w] * 100)}%, {name}: "
+                             f"{_ms(statistics.median(r[0] for r in rows))}, "
+                             f"{_ms(statistics.median(r[1] for r in rows))}; "
+                             f"{_ms(statistics.median(r[2] for r in rows))} "
+                             f"(per step: {len(rows) / max(1, sum(1 for k in range(WARMUP, steps) if slow_last[k] == want)):.0f})")
     return lines
 
 

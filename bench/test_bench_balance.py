@@ -41,6 +41,8 @@ benchmark's own time is the whole ``serve`` call (warm-up included).
 
 DDPWIRE_BALANCE_STEPS (default 40) sets the measured steps,
 DDPWIRE_BALANCE_SAMPLES (default 2048) the samples per step,
+DDPWIRE_BALANCE_TRACE=1 runs the workers through bench/balance_trace.py
+(each exchange's calls timed, ``worker_traces`` in the JSON),
 DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
 with it; another period's slowdown lines go to
 docs/balance-slowdown-<period>us.jsonl). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
@@ -68,6 +70,7 @@ from ddpwire.serve import serve
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "balance_worker.py"
+TRACER = HERE / "balance_trace.py"
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PREFIX = "ddpwire-bench-"
 
@@ -88,6 +91,8 @@ SLOWDOWN_JSONL = ROOT / "docs" / ("balance-slowdown.jsonl" if PERIOD_US == 10000
 FOLLOW_WITHIN = 0.10
 #: test_rounds: rounds of (every solo, then the balanced set-up)
 ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_ROUNDS", "3"))
+#: run the workers through bench/balance_trace.py (their calls timed)
+TRACE = os.environ.get("DDPWIRE_BALANCE_TRACE") == "1"
 #: what each worker's report times per step (bench/balance_worker.py)
 PHASES = ("shard_wait_s", "compute_s", "allreduce_s", "apply_s", "called_at", "averaged_at",
           "allreduce_cpu_s")
@@ -186,6 +191,8 @@ class Session:
         self.by_id: Optional[Dict[int, float]] = None
         #: worker id -> each step's seconds in PHASES, from the worker's report
         self.phases: Dict[int, List[List[float]]] = {}
+        #: worker id -> its traced calls (with DDPWIRE_BALANCE_TRACE=1)
+        self.traces: Dict[int, list] = {}
         self.log_text = ""
 
     def start(self):
@@ -203,8 +210,10 @@ class Session:
             log = Path(self.tmp.name) / f"worker-{i}.log"
             self.logs.append(log)
             with open(log, "w") as out:
+                trace = ([str(TRACER), str(Path(self.tmp.name) / f"trace-{i}.json")]
+                         if TRACE else [])
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), "--connect", f"{host}:{port}",
+                    [sys.executable, *trace, str(WORKER), "--connect", f"{host}:{port}",
                      "--cgroup", str(cg.path), "--samples", str(SAMPLES),
                      "--timeout", str(RUN_TIMEOUT),
                      "--report", str(Path(self.tmp.name) / f"report-{i}.json")],
@@ -254,6 +263,9 @@ class Session:
             ids[report["worker"]] = speed
             self.phases[report["worker"]] = [
                 [s[k] for k in PHASES] for s in report["steps"]]
+            if TRACE:
+                self.traces[report["worker"]] = json.loads(
+                    (Path(self.tmp.name) / f"trace-{i}.json").read_text())
         return ids
 
     def throughput(self, warmup: int = WARMUP) -> float:
@@ -287,7 +299,9 @@ def session_info(session: "Session") -> dict:
         compute_s=[[w.compute for w in r.workers] for r in session.reports],
         final_loss=session.reports[-1].global_loss,
         cgroup_stats=session.cgroup_stats, worker_phases=list(PHASES),
-        worker_phases_s={str(k): v for k, v in sorted(session.phases.items())})
+        worker_phases_s={str(k): v for k, v in sorted(session.phases.items())},
+        **({"worker_traces": {str(k): v for k, v in sorted(session.traces.items())}}
+           if TRACE else {}))
 
 
 def run_plain(speeds, balance, steps, tag="") -> "Session":

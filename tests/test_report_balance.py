@@ -1,0 +1,58 @@
+"""bench/report_balance.py: where a balanced step's time goes, read back
+from a benchmark JSON built here (the phases, the split by who arrived last)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, _BENCH)
+try:
+    import report_balance
+finally:
+    sys.path.remove(_BENCH)
+
+PHASES = ["shard_wait_s", "compute_s", "allreduce_s", "apply_s", "called_at", "averaged_at",
+          "allreduce_cpu_s"]
+
+
+def _pair(steps: int) -> dict:
+    """Worker 0 at 100%, worker 1 at 25%; step k starts at k seconds. The
+    slow one arrives last on even steps (the average 9 ms after it), the
+    fast one on odd steps (2 ms after it)."""
+    fast, slow = [], []
+    for k in range(steps):
+        t = float(k)
+        slow_last = k % 2 == 0
+        fast_call, slow_call = (t + 0.040, t + 0.041) if slow_last else (t + 0.041, t + 0.040)
+        tail = 0.009 if slow_last else 0.002
+        done = max(fast_call, slow_call) + tail
+        fast.append([0.0001, 0.040, done - fast_call, 0.0005, fast_call, done, 0.0015])
+        slow.append([0.0001, 0.040, done - slow_call, 0.0005, slow_call, done, 0.0016])
+    return {"name": "test_together[pair-on]", "extra_info": {
+        "kind": "together", "cfs_period_us": 10000, "samples_per_s": 40000.0, "ratio": 0.85,
+        "worker_speeds": {"0": 1.0, "1": 0.25}, "step_times_s": [0.05] * steps,
+        "shards": [[1700, 348]] * steps, "worker_phases": PHASES,
+        "worker_phases_s": {"0": fast, "1": slow}}}
+
+
+def test_the_report_splits_the_wait_by_who_arrived_last(tmp_path):
+    rounds = {"name": "test_rounds[pair]", "extra_info": {
+        "kind": "rounds", "cfs_period_us": 10000, "ratio_median": 0.81, "ratio_min": 0.7,
+        "ratio_max": 0.9, "rounds": [{"solo_samples_per_s": [40000.0, 9000.0],
+                                      "samples_per_s": 39690.0, "ratio": 0.81,
+                                      "step_time_median_s": 0.05}]}}
+    path = tmp_path / "balance.json"
+    path.write_text(json.dumps({"commit_info": {"id": "0123456789", "dirty": False},
+                                "benchmarks": [_pair(25), rounds]}))
+    text = report_balance.report(str(path))
+    assert text.startswith(f"{path}: commit 0123456")
+    assert "test_together[pair-on]: period 10000 us, 40000 samples/s, ratio 0.850" in text
+    # 20 steps after the 5 of warm-up: 10 with the slow worker last, 10 with the fast
+    assert "slowest arrived last: median 9.0 ms, p10 9.0, p90 9.0 (n=10)" in text
+    assert "another arrived last: median 2.0 ms, p10 2.0, p90 2.0 (n=10)" in text
+    assert "worker 1 at 25%: shard 348, ms: shard wait 0.1, compute 40.0" in text
+    assert "allreduce cpu 1.6" in text
+    assert "ratio median 0.810 (min 0.700, max 0.900)" in text
+    assert "round 0: solos 40000 + 9000 samples/s, together 39690, ratio 0.810" in text
