@@ -25,8 +25,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--samples", type=int, default=2048, help="the global batch")
     p.add_argument("--cgroup", help="cgroup v1 cpu directory to run in")
+    p.add_argument("--cpus", help="the CPUs to run on, comma-separated (before anything else)")
     p.add_argument("--report", required=True)
     args = p.parse_args(argv)
+    if args.cpus:  # before any thread exists: every one inherits it
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     if args.cgroup:  # first: the import of torch runs under the quota too
         with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))

@@ -36,12 +36,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connect", required=True, help="the coordinator's HOST:PORT")
     p.add_argument("--cgroup", help="cgroup v1 cpu directory to run in")
+    p.add_argument("--cpus", help="the CPUs to run on, comma-separated (before anything else)")
     p.add_argument("--samples", type=int, default=2048, help="samples per step (the data set)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--report", help="write a JSON summary here at the end")
     args = p.parse_args(argv)
+    if args.cpus:  # before any thread exists: every one inherits it
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     if args.cgroup:
         _join_cgroup(args.cgroup)  # first: the import of torch runs under the quota too
 

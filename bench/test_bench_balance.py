@@ -41,6 +41,8 @@ benchmark's own time is the whole ``serve`` call (warm-up included).
 
 DDPWIRE_BALANCE_STEPS (default 40) sets the measured steps,
 DDPWIRE_BALANCE_SAMPLES (default 2048) the samples per step,
+DDPWIRE_BALANCE_PIN=0 leaves the processes where the scheduler puts
+them (by default each emulated machine is pinned: ``placement``),
 DDPWIRE_BALANCE_TRACE=1 runs the workers through bench/balance_trace.py
 (each exchange's calls timed, ``worker_traces`` in the JSON),
 DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
@@ -93,6 +95,29 @@ FOLLOW_WITHIN = 0.10
 ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_ROUNDS", "3"))
 #: run the workers through bench/balance_trace.py (their calls timed)
 TRACE = os.environ.get("DDPWIRE_BALANCE_TRACE") == "1"
+#: pin the emulated machines to CPUs of their own where there are enough (placement())
+PIN = os.environ.get("DDPWIRE_BALANCE_PIN", "1") == "1"
+
+
+def placement(speeds: Sequence[float]) -> Tuple[List[Optional[int]], Optional[int]]:
+    """(each worker's CPU, the coordinator's CPU), None where nothing is
+    pinned. Emulated machines are separate machines: two of them on one
+    core take turns, and the scheduler moves them about, so a full-speed
+    worker that shares a core with a quota'd one computes slower than it
+    does alone. The fastest worker gets CPU 0, the next ones a CPU each
+    while there are more, and the rest, with the coordinator, the last CPU
+    (on 2 cores: the full-speed worker alone, everything else on CPU 1,
+    whose quotas add up to under one core)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not PIN or len(cpus) < 2:
+        return [None] * len(speeds), None
+    order = sorted(range(len(speeds)), key=lambda i: (-speeds[i], i))
+    where: List[Optional[int]] = [None] * len(speeds)
+    for rank, i in enumerate(order):
+        where[i] = cpus[min(rank, len(cpus) - 1)]
+    return where, cpus[-1]
+
+
 #: what each worker's report times per step (bench/balance_worker.py)
 PHASES = ("shard_wait_s", "compute_s", "allreduce_s", "apply_s", "called_at", "averaged_at",
           "allreduce_cpu_s")
@@ -193,10 +218,20 @@ class Session:
         self.phases: Dict[int, List[List[float]]] = {}
         #: worker id -> its traced calls (with DDPWIRE_BALANCE_TRACE=1)
         self.traces: Dict[int, list] = {}
+        #: each worker's CPU, by position (placement()); this thread's affinity before
+        self.cpus: List[Optional[int]] = []
+        self._affinity: Optional[set] = None
         self.log_text = ""
 
     def start(self):
         """pedantic's setup (not timed): cgroups, workers, the join."""
+        cpus, mine = placement(self.speeds)
+        if mine is not None:
+            # this thread serves the steps (the coordinator's own threads
+            # start from it and inherit it); close() gives the rest back
+            self._affinity = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {mine})
+        self.cpus = cpus
         self.coord = Coordinator(("127.0.0.1", 0), len(self.speeds), balance=self.balance,
                                  timeout=RUN_TIMEOUT, join_timeout=JOIN_TIMEOUT,
                                  samples_per_step=SAMPLES)
@@ -215,6 +250,7 @@ class Session:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, *trace, str(WORKER), "--connect", f"{host}:{port}",
                      "--cgroup", str(cg.path), "--samples", str(SAMPLES),
+                     *(["--cpus", str(cpus[i])] if cpus[i] is not None else []),
                      "--timeout", str(RUN_TIMEOUT),
                      "--report", str(Path(self.tmp.name) / f"report-{i}.json")],
                     stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)))
@@ -235,6 +271,9 @@ class Session:
     def close(self) -> None:
         if self.coord is not None:
             self.coord.close()
+        if self._affinity is not None:
+            os.sched_setaffinity(0, self._affinity)
+            self._affinity = None
         for p in self.procs:
             try:
                 p.wait(timeout=30)
@@ -293,6 +332,7 @@ def session_info(session: "Session") -> dict:
     assert by_id is not None, session.log_text
     return dict(
         samples_per_step=SAMPLES, steps=session.steps, cfs_period_us=PERIOD_US,
+        pinned=PIN, worker_cpus=session.cpus,
         worker_speeds={str(k): v for k, v in sorted(by_id.items())},
         step_times_s=[r.step_time for r in session.reports],
         shards=[[w.samples for w in r.workers] for r in session.reports],
@@ -474,6 +514,7 @@ def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
     cgroup; samples/s over the steps after WARMUP, from rank 0's step ends."""
     steps = WARMUP + MEASURED
     groups = [Cgroup(f"ddp{i}", s) for i, s in enumerate(speeds)]
+    cpus, _ = placement(speeds)  # rank 0, the fastest, hosts the coordinator
     port = free_port()
     procs = []
     load = os.getloadavg()[0]
@@ -482,9 +523,11 @@ def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
         for rank, group in enumerate(groups):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(speeds)),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            cpu = cpus[rank]
             procs.append(subprocess.Popen(
                 [sys.executable, str(DDP_RANK), "--balance", "on" if balance else "off",
                  "--steps", str(steps), "--samples", str(SAMPLES), "--cgroup", str(group.path),
+                 *(["--cpus", str(cpu)] if cpu is not None else []),
                  "--report", str(tmp_path / f"ddp{rank}.json")],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         return (), {}
@@ -507,6 +550,7 @@ def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
     rate = (len(ends) - WARMUP) * SAMPLES / (ends[-1] - ends[WARMUP - 1])
     benchmark.extra_info.update(
         kind="ddp", speeds=list(speeds), balance=balance, samples_per_step=SAMPLES,
+        pinned=PIN, rank_cpus=cpus,
         steps=steps, cfs_period_us=PERIOD_US, loadavg_1min_before=load, samples_per_s=rate,
         batch_sizes=[r["sizes"] for r in reports])
     return rate
