@@ -18,6 +18,8 @@ import argparse
 import json
 import os
 
+import emulated_machine  # bench/, beside this script
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -28,11 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", help="the CPUs to run on, comma-separated (before anything else)")
     p.add_argument("--report", required=True)
     args = p.parse_args(argv)
-    if args.cpus:  # before any thread exists: every one inherits it
-        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    if args.cgroup:  # first: the import of torch runs under the quota too
-        with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
+    # first: the import of torch runs on those CPUs and under the quota too
+    emulated_machine.enter(args.cgroup, args.cpus)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import time
 

@@ -26,10 +26,7 @@ import json
 import os
 import sys
 
-
-def _join_cgroup(path: str) -> None:
-    with open(os.path.join(path, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
+import emulated_machine  # bench/, beside this script
 
 
 def main(argv=None) -> int:
@@ -43,10 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--report", help="write a JSON summary here at the end")
     args = p.parse_args(argv)
-    if args.cpus:  # before any thread exists: every one inherits it
-        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    if args.cgroup:
-        _join_cgroup(args.cgroup)  # first: the import of torch runs under the quota too
+    # first: the import of torch runs on those CPUs and under the quota too
+    emulated_machine.enter(args.cgroup, args.cpus)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import time

@@ -57,32 +57,32 @@ def session_lines(info: dict) -> List[str]:
     if len(phases) > 1 and "called_at" in names:
         called, done = names.index("called_at"), names.index("averaged_at")
         order = sorted(phases, key=lambda w: -speeds[w])
-        slowest = order[-1]
-        slow_last, other_last = [], []
-        for k in range(WARMUP, min(len(phases[w]) for w in order)):
-            arrive = {w: phases[w][k][called] for w in order}
-            tail = max(phases[w][k][done] for w in order) - max(arrive.values())
-            last = max(arrive, key=lambda w: arrive[w])
-            (slow_last if last == slowest else other_last).append(tail)
-        lines.append(f"  last arrival to last average, slowest arrived last: {_spread(slow_last)}")
-        lines.append(f"  last arrival to last average, another arrived last: {_spread(other_last)}")
+        steps = min(len(phases[w]) for w in order)
+        # each step's last arrival, and whether the slowest worker made it
+        arrivals = [max(phases[w][k][called] for w in order) for k in range(steps)]
+        slow_last = [max(order, key=lambda w: phases[w][k][called]) == order[-1]
+                     for k in range(steps)]
+        tails: Dict[bool, List[float]] = {True: [], False: []}
+        for k in range(WARMUP, steps):
+            tails[slow_last[k]].append(max(phases[w][k][done] for w in order) - arrivals[k])
+        lines.append(f"  last arrival to last average, slowest arrived last: {_spread(tails[True])}")
+        lines.append(f"  last arrival to last average, another arrived last: {_spread(tails[False])}")
         if info.get("worker_traces"):
-            lines.extend(trace_lines(info, order, called))
+            lines.extend(trace_lines(info, order, called, arrivals, slow_last))
     return lines
 
 
-def trace_lines(info: dict, order: List[str], called: int) -> List[str]:
+def trace_lines(info: dict, order: List[str], called: int, arrivals: List[float],
+                slow_last: List[bool]) -> List[str]:
     """Each traced call's median start and end (ms after the step's last
-    arrival) and thread CPU, per worker, over the steps the slowest worker
-    arrived last and over the others."""
+    arrival, ``arrivals``) and thread CPU, per worker, over the steps the
+    slowest worker arrived last and over the others (``slow_last``)."""
     phases, traces, speeds = info["worker_phases_s"], info["worker_traces"], info["worker_speeds"]
-    steps = min(len(phases[w]) for w in order)
-    arrivals = [max(phases[w][k][called] for w in order) for k in range(steps)]
-    slow_last = [max(order, key=lambda w: phases[w][k][called]) == order[-1]
-                 for k in range(steps)]
+    steps = len(arrivals)
     lines = []
     for case, want in (("slowest arrived last", True), ("another arrived last", False)):
         lines.append(f"  traced calls, {case} (ms from the last arrival: start, end; thread CPU):")
+        cases = max(1, sum(1 for k in range(WARMUP, steps) if slow_last[k] == want))
         for w in order:
             calls = phases[w]
             per: Dict[str, List[Tuple[float, float, float]]] = {}
@@ -98,7 +98,7 @@ def trace_lines(info: dict, order: List[str], called: int) -> List[str]:
                              f"{_ms(statistics.median(r[0] for r in rows))}, "
                              f"{_ms(statistics.median(r[1] for r in rows))}; "
                              f"{_ms(statistics.median(r[2] for r in rows))} "
-                             f"(per step: {len(rows) / max(1, sum(1 for k in range(WARMUP, steps) if slow_last[k] == want)):.0f})")
+                             f"(per step: {len(rows) / cases:.0f})")
     return lines
 
 

@@ -324,12 +324,18 @@ def run_session(benchmark, speeds, balance, steps, on_step=None, tag=""):
     return session, session.by_id
 
 
-def session_info(session: "Session") -> dict:
-    """What a closed session leaves for the JSON (it must have ended well)."""
+def check_ended(session: "Session") -> Dict[int, float]:
+    """A closed session ended well: every worker exited 0 and reported;
+    returns worker id -> speed."""
     for p in session.procs:
         assert p.returncode == 0, session.log_text
-    by_id = session.by_id
-    assert by_id is not None, session.log_text
+    assert session.by_id is not None, session.log_text
+    return session.by_id
+
+
+def session_info(session: "Session") -> dict:
+    """What a closed session that ended well leaves for the JSON."""
+    by_id = check_ended(session)
     return dict(
         samples_per_step=SAMPLES, steps=session.steps, cfs_period_us=PERIOD_US,
         pinned=PIN, worker_cpus=session.cpus,
@@ -352,7 +358,7 @@ def run_plain(speeds, balance, steps, tag="") -> "Session":
         session.serve()
     finally:
         session.close()
-    session_info(session)  # the same checks
+    check_ended(session)
     return session
 
 
@@ -423,7 +429,7 @@ def test_rounds(benchmark, setup):
                                    x.step_time for x in together.reports[WARMUP:]),
                                shards=[[w.samples for w in x.workers] for x in together.reports],
                                worker_speeds={str(k): v for k, v in
-                                              sorted((together.by_id or {}).items())}))
+                                              sorted(check_ended(together).items())}))
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     ratios = [x["ratio"] for x in rounds]
