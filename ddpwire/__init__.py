@@ -64,7 +64,7 @@ from .extensions import Codec, CollectiveKind, DType, Extension, RefusalReason, 
 from . import reduce
 from .coordinator import Coordinator
 from .worker import Worker
-from .options import SessionOptions
+from .options import CoordinatorOptions, SessionOptions
 from .results import BlockReduceResult, MembershipEvent, NonBlockReduceResult, ReduceResult
 from .sessioninfo import WorkerInfo
 from ._version import __version__
@@ -127,6 +127,7 @@ __all__ = [
     "WorkerDropped",
     "UnexpectedMessage",
     "Worker",
+    "CoordinatorOptions",
     "SessionOptions",
     "WorkerInfo",
     "WorkerLost",

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
+from . import incast as _incast
+from . import mesh as _mesh
 from .auth import normalize_token
 from .channel import DEFAULT_MAX_FRAME, check_timeout, heartbeat_limit
+from .extensions import Extension
 
-__all__ = ["SessionOptions", "UNSET", "options_from"]
+__all__ = ["CoordinatorOptions", "SessionOptions", "UNSET", "options_from"]
 
 
 class _Unset:
@@ -92,3 +95,153 @@ def options_from(options: Optional[SessionOptions], keywords: Dict[str, Any]) ->
         raise TypeError(f"pass either options= or {', '.join(sorted(given))}, not both "
                         f"(options.replace({next(iter(sorted(given)))}=...) changes one)")
     return options
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """What only a :class:`~ddpwire.Coordinator` chooses: its keywords
+    beside the :class:`SessionOptions`, checked once. Frozen.
+
+    ``join_timeout`` bounds :meth:`~ddpwire.Coordinator.wait_for_workers`
+    as a whole, and ``handshake_timeout`` each worker's handshake within it
+    (they all run at once). ``node_id`` names the coordinator in its
+    Heartbeats; ``extensions`` maps extension types
+    (:class:`ddpwire.extensions.Extension`) to the value granted to a
+    worker that offers them. Gradients are averaged as they stream in,
+    through a ring of ``ring_bytes`` per worker.
+
+    ``topology`` chooses how flat steps are averaged: "auto" (the default)
+    lets the workers average among themselves, the mesh of
+    :mod:`ddpwire.mesh`, when every worker is a ddpwire worker that offers
+    it, and keeps the star through the coordinator whenever a reference
+    worker takes part; "star" always keeps the star; "mesh" refuses a
+    session where some worker cannot join the mesh. Either way the bits of
+    the average are the reference's, and a NaN or +/-inf halts the step
+    before any worker applies any of it. Block and non-block messages
+    always take the star. ``compression`` ("bf16" or "fp16", mesh only)
+    sends gradients and averages as 16-bit words, summed in float32 in
+    worker order (docs/sessions.md gives the error this adds).
+
+    ``shared_memory`` lets a mesh whose workers all offered the same host
+    (:func:`ddpwire.shm.host_id`) move its steps through one shared segment
+    instead of loopback links, with the same bits and checks; it needs
+    float32 (no ``compression``) and is off when ``DDPWIRE_SHM=0`` on the
+    coordinator or on any worker.
+
+    ``coordinator_share`` is the part of each mesh step's vector (a
+    fraction in [0, 1), or "auto") that the coordinator averages itself
+    over its own link, which a mesh otherwise leaves idle: the workers send
+    it their last elements during the reduce-scatter and it streams the
+    average back, as the star does, held by the workers until the step's
+    go-ahead. "auto" takes three quarters of 1/(N+1) of the vector (where
+    equal links would finish together; :func:`ddpwire.mesh.auto_share`)
+    with 3 or more workers on the links, none of them on the coordinator's
+    host (whose link they would share), and float32; else none. A
+    coordinator whose link is slower than the workers' should pass 0.
+
+    ``receive_window`` bounds, in bytes, what each worker may have in
+    flight towards the coordinator: under the star all of them stream into
+    its link at once and, left to the kernel, overrun the buffer in front
+    of it (:mod:`ddpwire.incast`). "auto" (the default) sizes a window for
+    each worker of a star session from the round trip measured at the
+    join, leaving alone a single worker, a loopback one, a long path and
+    mesh sessions; an int sets that window on every worker connection;
+    None leaves every connection to the kernel.
+
+    ``balance`` sizes each step's shards in proportion to the workers'
+    measured speeds (:mod:`ddpwire.balance`), so a machine four times
+    faster computes four times the samples and nobody waits, and averages
+    the sample-weighted mean ``sum(c_i * g_i) / sum(c_i)``. It needs every
+    worker to report its compute time (a ddpwire worker does; the
+    reference does not): True refuses a session where one cannot, "auto"
+    keeps the reference's ``T // n`` for it; False (the default) always
+    keeps ``T // n`` and the plain mean.
+
+    ``elastic`` keeps the session going when a worker is lost (it
+    disconnects, or stays silent past ``timeout`` or ``heartbeat_timeout``):
+    the step it was lost in is called off on every survivor before any of
+    them applies any of it, and redone by the survivors with all of its
+    samples (:mod:`ddpwire.elastic`). Below ``min_workers`` (default 1) the
+    session ends with the WorkerLost as without ``elastic``. It needs flat
+    steps on the star (``topology`` becomes "star") and every worker able
+    to redo a step (a ddpwire worker: a reference worker is refused at the
+    join). ``resume`` (with ``elastic``) is a coordinator restarted after
+    the last one was lost: its workers kept their state and join it again,
+    each saying the step it goes on from.
+    """
+
+    join_timeout: float = 300.0
+    handshake_timeout: float = 10.0
+    ring_bytes: int = 1 << 20
+    node_id: str = "coordinator"
+    extensions: Optional[Mapping[int, bytes]] = None
+    topology: str = "auto"
+    compression: Optional[str] = None
+    shared_memory: bool = True
+    coordinator_share: Union[str, float] = "auto"
+    receive_window: Union[str, int, None] = "auto"
+    balance: Union[bool, str] = False
+    elastic: bool = False
+    min_workers: Optional[int] = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        if self.topology not in ("auto", "star", "mesh"):
+            raise ValueError(f"topology must be 'auto', 'star' or 'mesh', got {self.topology!r}")
+        if self.balance not in (True, False, "auto"):
+            raise ValueError(f"balance must be True, False or 'auto', got {self.balance!r}")
+        if self.elastic:
+            if self.topology == "mesh" or self.compression is not None:
+                raise ValueError("elastic sessions average on the star: topology 'mesh' and "
+                                 "compression are for sessions that end when a worker is lost")
+            put(self, "topology", "star")
+        if self.resume and not self.elastic:
+            raise ValueError("resume picks up an elastic session's run: it needs elastic=True")
+        _mesh.codec_of(self.compression)
+        if self.compression is not None and self.topology == "star":
+            raise ValueError("compression travels on the mesh: it needs topology 'auto' or 'mesh'")
+        if self.coordinator_share != "auto":
+            _mesh.share_value(self.coordinator_share)  # type: ignore[arg-type]
+        # below a few dozen segments TCP stalls on its own delayed ACKs
+        # (4 KiB took seconds per megabyte on loopback)
+        window = self.receive_window
+        if window not in ("auto", None) and (
+                not isinstance(window, int) or isinstance(window, bool)
+                or not _incast.FLOOR <= window <= 1 << 30):
+            raise ValueError(f"receive_window must be 'auto', None or a number of bytes from "
+                             f"{_incast.FLOOR} to 2**30, got {window!r}")
+        put(self, "join_timeout", check_timeout("join_timeout", self.join_timeout))
+        put(self, "handshake_timeout", check_timeout("handshake_timeout", self.handshake_timeout))
+        put(self, "elastic", bool(self.elastic))
+        put(self, "resume", bool(self.resume))
+        put(self, "shared_memory", bool(self.shared_memory))
+
+    def grants(self, per_block: Optional[bool]) -> Dict[int, bytes]:
+        """The extensions a ddpwire worker that offers them is granted."""
+        grants = dict(self.extensions or {})
+        if self.topology != "star" and not per_block:
+            grants[Extension.MESH] = b""
+        # granted whether or not the shards follow it: the timings show where
+        # each step's time went (Shards.timings, the progress table)
+        grants[Extension.BALANCE] = b""
+        if self.elastic:
+            grants[Extension.ELASTIC] = b""
+        return grants
+
+    def check(self, expect_workers: int, per_block: Optional[bool]) -> None:
+        """What these options need of the session's size and steps."""
+        if expect_workers < 1:
+            raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
+        if per_block and self.topology == "mesh":
+            raise ValueError("per-block steps always take the star: topology 'mesh' needs "
+                             "flat steps")
+        if per_block and self.elastic:
+            raise ValueError("elastic sessions run flat steps: per_block must not be True")
+        least = self.min_workers
+        if least is not None and (not self.elastic or isinstance(least, bool) or
+                                  not isinstance(least, int) or
+                                  not 1 <= least <= expect_workers):
+            raise ValueError(f"min_workers must be from 1 to expect_workers ({expect_workers}) "
+                             f"in an elastic session, got {least!r}"
+                             f"{'' if self.elastic else ' without elastic=True'}")

@@ -8,13 +8,8 @@ per-block mode overlaps them); two threads must not both send or both receive.
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
-import errno
-import hashlib
 import logging
-import math
-import os
 import socket
 import threading
 import time
@@ -23,154 +18,29 @@ from typing import (Any, Callable, ContextManager, Deque, Dict, FrozenSet, Mappi
 
 import numpy as np
 
-from . import _core, auth
+from . import _core
 from . import mesh as _mesh
-from . import shm as _shm
+from . import model_state as _model_state
 from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
 from .channel import Channel, check_timeout, message_name, result_buffer
-from .errors import (
-    AuthenticationFailed,
-    CoordinatorLost,
-    DdpwireError,
-    GradientMismatch,
-    JoinRefusedError,
-    JoinTimeout,
-    MembershipChanged,
-    NonFiniteGradient,
-    ProtocolError,
-    ShutdownDuringReduce,
-    UnexpectedMessage,
-    WorkerDropped,
-    WorkerLost,
-)
-from .extensions import (Extension, RefusalReason, decode_u64, encode_flag, encode_u64,
-                         samples_mismatch)
+from .errors import (CoordinatorLost, DdpwireError, GradientMismatch, MembershipChanged,
+                     NonFiniteGradient, ProtocolError, ShutdownDuringReduce, UnexpectedMessage,
+                     WorkerDropped)
+from .extensions import Extension, decode_u64
+from .join import default_node_id, join
 from .lifecycle import Lifecycle, LifecycleOwner
+from .mesh_step import MeshStep
+from .messages import (NO_WORKER, AveragedBlockGradient, AveragedGradient,
+                       AveragedNonBlockGradient, BlockGradientPayload, CollectiveError,
+                       GradientPayload, Heartbeat, NonBlockGradientPayload, ShardAssignment,
+                       ShardScale, Shutdown, StateRequest, StepAborted, StepTiming)
 from .options import UNSET, SessionOptions, options_from
-from .messages import (
-    AuthChallenge,
-    AuthProof,
-    AveragedBlockGradient,
-    AveragedGradient,
-    AveragedNonBlockGradient,
-    BlockGradientPayload,
-    CollectiveError,
-    GradientPayload,
-    Heartbeat,
-    JoinAccepted,
-    JoinRefused,
-    JoinRequest,
-    MeshPeers,
-    NO_WORKER,
-    NonBlockGradientPayload,
-    ShardAssignment,
-    ModelState,
-    ShardScale,
-    Shutdown,
-    StateRequest,
-    StepAborted,
-    StepCommit,
-    StepReport,
-    StepTiming,
-)
 
 __all__ = ["Worker", "WorkerState"]
 
 log = logging.getLogger(__name__)
-
-#: the most bytes of the model's state one ModelState carries (a joiner's state goes in pieces)
-_STATE_PIECE = 16 << 20
-
-_RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
-              errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
-
-
-def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> socket.socket:
-    """Connect, retrying while the coordinator is not up yet, until the deadline;
-    says at the first failure and then every ``report_every`` seconds what it
-    waits for and how long is left."""
-    host, port = addr
-    delay = 0.05
-    last: Optional[BaseException] = None
-    next_report = time.monotonic()
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            why = f": {last.strerror or last}" if isinstance(last, OSError) else ""
-            raise JoinTimeout(f"could not reach the coordinator at {host}:{port}{why}")
-        try:
-            return socket.create_connection((host, port), timeout=min(remaining, 5.0))
-        except socket.gaierror as exc:
-            raise OSError(errno.EINVAL, f"bad coordinator address {host}:{port}: {exc.strerror}") from None
-        except socket.timeout as exc:
-            last = exc
-        except OSError as exc:
-            if exc.errno not in _RETRYABLE:
-                raise
-            last = exc
-        now = time.monotonic()
-        if now >= next_report:
-            why = last.strerror if isinstance(last, OSError) and last.strerror else "timed out"
-            log.info("coordinator at %s:%d not reachable yet (%s); retrying, %d s left",
-                     host, port, why, math.ceil(max(0.0, deadline - now)))
-            next_report = now + report_every
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 1.0)
-
-
-def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
-                     where: str) -> JoinAccepted:
-    """The coordinator's answer to our JoinRequest, through the token
-    handshake when we have a token (docs/extensions.md, "Authentication").
-    ``where`` (host:port) names the coordinator when this worker gives up."""
-    reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused])
-    if isinstance(reply, AuthChallenge):
-        if token is None:
-            raise AuthenticationFailed(
-                RefusalReason.AUTH_REQUIRED,
-                f"the coordinator at {where} requires a token and this worker has none: start "
-                f"it with the coordinator's token (--token-file or {auth.TOKEN_ENV})",
-                by_worker=True)
-        expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
-        if not auth.proof_matches(expected, bytes(reply.proof)):
-            # a peer that does not know the token learns nothing from us
-            raise AuthenticationFailed(
-                RefusalReason.AUTH_FAILED,
-                f"the coordinator at {where} does not know this worker's token (its proof did "
-                f"not match): the tokens differ; check {auth.TOKEN_ENV} or --token-file on "
-                f"both sides", by_worker=True)
-        chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
-        reply = chan.expect([JoinAccepted, JoinRefused])
-    elif token is not None and isinstance(reply, JoinAccepted):
-        # a ddpwire coordinator without a token refuses the offer instead:
-        # this is the reference coordinator, or an older ddpwire one
-        raise AuthenticationFailed(
-            RefusalReason.AUTH_FAILED,
-            f"the coordinator at {where} admitted this worker without proving it knows the "
-            f"token: it has no token configured (or it is not a ddpwire coordinator), so it "
-            f"cannot prove it; start it with the same token, or drop the token from this worker",
-            by_worker=True)
-    if isinstance(reply, JoinRefused):
-        cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
-                                                       RefusalReason.AUTH_FAILED) else JoinRefusedError
-        raise cls(reply.reason, reply.detail)
-    return reply
-
-
-def _check_accepted(accepted: JoinAccepted) -> None:
-    if accepted.total_workers == 0:
-        raise ProtocolError("JoinAccepted.total_workers is 0")
-    if accepted.worker_id >= accepted.total_workers:
-        raise ProtocolError(f"JoinAccepted.worker_id {accepted.worker_id} is not below "
-                            f"total_workers {accepted.total_workers}")
-
-
-def _check_samples(granted: Mapping[int, bytes], ours: Optional[int]) -> None:
-    why = samples_mismatch(None, granted, ours)
-    if why is not None:
-        raise JoinRefusedError(RefusalReason.MISMATCH, why)
 
 
 class WorkerState(enum.Enum):
@@ -225,11 +95,8 @@ class Worker(LifecycleOwner[WorkerState]):
         # The mesh (docs/extensions.md): granted at the join, its peer table
         # arrives once every worker has joined, ahead of anything else; the
         # links open at the first flat step.
-        self._mesh_listener = mesh_listener
-        self._mesh_congestion = _mesh.check_congestion(tcp_congestion)
-        self._mesh_table: Optional[MeshPeers] = None
-        self._mesh: Optional[_mesh.Mesh] = None
-        self._mesh_sent: Optional[Tuple[int, int]] = None  # (step, length) reduced, not gathered
+        self._mesh_step = MeshStep(channel, worker_id, mesh_listener,
+                                   _mesh.check_congestion(tcp_congestion))
         self._topology_lock = threading.Lock()
         # Shards by measured speed (docs/extensions.md): the step last
         # assigned, its ShardScale, and when it was assigned (None once its
@@ -282,135 +149,58 @@ class Worker(LifecycleOwner[WorkerState]):
         gradient_length: Optional[int] = UNSET,
         resume_step: Optional[int] = None,
     ) -> "Worker":
-        """Connect to the coordinator at ``addr`` and join.
-
-        ``resume_step``: this worker was in an elastic session whose
-        coordinator was lost, and kept its state; it joins the restarted
-        coordinator (``Coordinator(resume=True)``, ``ddpwire coordinator
-        --resume``) to go on from that step, the next it would run. A
-        coordinator that resumes refuses workers that disagree on the step.
+        """Connect to the coordinator at ``addr`` and join (:mod:`ddpwire.join`).
 
         ``options`` (:class:`~ddpwire.options.SessionOptions`, the object a
         Coordinator takes too) gives ``timeout``, ``heartbeat``,
         ``heartbeat_timeout``, ``max_frame``, ``socket_threads``, ``token``,
         ``samples_per_step``, ``per_block`` and ``gradient_length`` at once;
-        or pass them as keywords (not both).
+        or pass them as keywords (not both). Connecting is retried until
+        ``connect_timeout`` (default ``timeout``), so workers may start before
+        the coordinator. ``timeout`` then bounds every wait on the
+        coordinator (:class:`~ddpwire.CoordinatorLost`) and, in a mesh
+        session, each flat step's part on this worker, counted from the
+        coordinator's last message before it, as the coordinator counts its
+        wait: give workers the coordinator's timeout, so that one left
+        waiting on a stalled peer names it in time. ``heartbeat`` needs a
+        ddpwire coordinator (the reference rejects Heartbeat frames).
+        ``socket_threads`` makes :meth:`allreduce` send from a thread of its
+        own while it receives (None: for a megabyte or more on two cores or
+        more). ``token`` authenticates both ways (docs/security.md,
+        :class:`~ddpwire.AuthenticationFailed`). ``samples_per_step``,
+        ``per_block`` and ``gradient_length`` let a ddpwire coordinator refuse
+        a worker of another mode or model at the join, not at step 0.
 
-        Connecting is retried until ``connect_timeout`` (default ``timeout``)
-        so workers may start before the coordinator. ``timeout`` then bounds
-        every wait on the coordinator: no awaited message within it raises
-        :class:`~ddpwire.CoordinatorLost`. In a mesh session it also bounds
-        each flat step's part on this worker, its links and reduce-scatter,
-        counted from the coordinator's last message before it (the
-        ShardAssignment, or the previous step's go-ahead), as the
-        coordinator counts its wait for the step: give workers the
-        coordinator's timeout, so that one left waiting on a stalled peer
-        names it in time. ``heartbeat`` (seconds) turns on
-        Heartbeat frames both ways (a ddpwire coordinator only; the reference
-        coordinator rejects them). ``socket_threads`` makes :meth:`allreduce`
-        send from a thread of its own while it receives, so the two kernel
-        copies run on two cores; None (the default) does so for gradients of
-        a megabyte or more when the machine has two cores or more.
-
-        ``token`` authenticates both ways (docs/security.md): this worker
-        proves it knows the token and refuses a coordinator that cannot prove
-        it too (:class:`~ddpwire.AuthenticationFailed`). ``extensions``
-        (type -> value) are offered to the coordinator; what it granted is
-        :attr:`extensions` afterwards. ``samples_per_step``, the value this
-        worker was given, lets a ddpwire coordinator refuse a mismatch; so do
-        ``per_block`` (whether this worker will send per-block or flat steps)
-        and ``gradient_length`` (the elements of one step's gradient, over
-        every block), so that workers of another mode or another model are
-        refused at the join rather than failing at step 0.
-        ``mesh`` offers to average flat steps with the other workers
-        directly (:mod:`ddpwire.mesh`; the coordinator decides): this worker
-        then listens on a port of its own, on the address it reaches the
-        coordinator from, for links from the other workers. Anything offered
-        travels in the JoinRequest's extension block, which the reference
-        coordinator ignores. ``tcp_congestion`` is the TCP congestion control
-        the mesh links send under where the kernel lets a socket choose
-        (Linux; default "cubic", see :data:`ddpwire.mesh.DEFAULT_CONGESTION`;
-        None keeps the system's); the link to the coordinator keeps the
-        system's. A refusal raises
-        :class:`~ddpwire.JoinRefusedError` saying why.
+        ``extensions`` (type -> value) are offered in the JoinRequest's
+        extension block, which the reference coordinator ignores; what was
+        granted is :attr:`extensions` afterwards. ``mesh`` offers to average
+        flat steps with the other workers directly (:mod:`ddpwire.mesh`; the
+        coordinator decides), on a port of its own on the address it reaches
+        the coordinator from; its links send under ``tcp_congestion`` where
+        the kernel lets a socket choose (:data:`ddpwire.mesh.DEFAULT_CONGESTION`;
+        None keeps the system's). ``resume_step``: this worker was in an
+        elastic session whose coordinator was lost, kept its state, and joins
+        the restarted one (``Coordinator(resume=True)``) to go on from that
+        step. A refusal raises :class:`~ddpwire.JoinRefusedError` saying why.
         """
         opts = options_from(options, dict(
             timeout=timeout, max_frame=max_frame, heartbeat=heartbeat,
             heartbeat_timeout=heartbeat_timeout, socket_threads=socket_threads, token=token,
             samples_per_step=samples_per_step, per_block=per_block,
             gradient_length=gradient_length))
-        timeout, heartbeat, max_frame = opts.timeout, opts.heartbeat, opts.max_frame
-        samples_per_step, per_block = opts.samples_per_step, opts.per_block
-        gradient_length, socket_threads = opts.gradient_length, opts.socket_threads
         tcp_congestion = _mesh.check_congestion(tcp_congestion)
-        connect_limit = timeout if connect_timeout is None else check_timeout(
+        connect_limit = opts.timeout if connect_timeout is None else check_timeout(
             "connect_timeout", connect_timeout)
-        hb_timeout = opts.heartbeat_timeout
-        secret: Optional[bytes] = opts.token  # type: ignore[assignment]
-        if node_id is None:
-            node_id = f"{socket.gethostname()}-{os.getpid()}"
-        offer: Dict[int, bytes] = dict(extensions or {})
-        # a ddpwire coordinator grants it to learn each step's compute time
-        # (its progress shows them) and, when it balances, to size the shards
-        offer.setdefault(Extension.BALANCE, b"")
-        # every step this worker runs can be computed again: an elastic
-        # coordinator calls off a step it lost a worker in (MembershipChanged)
         if resume_step is not None and (isinstance(resume_step, bool) or
                                         not isinstance(resume_step, int) or resume_step < 0):
             raise ValueError(f"resume_step must be a step number (an int >= 0), "
                              f"got {resume_step!r}")
-        offer.setdefault(Extension.ELASTIC, b"" if resume_step is None
-                         else encode_u64(resume_step))
-        if samples_per_step:
-            offer[Extension.SAMPLES] = encode_u64(samples_per_step)
-        if per_block is not None:
-            offer[Extension.PER_BLOCK] = encode_flag(per_block)
-        if gradient_length is not None:
-            offer[Extension.GRADIENT_LENGTH] = encode_u64(gradient_length)
-        nonce = auth.new_nonce() if secret is not None else b""
-        if secret is not None:
-            offer[Extension.AUTH] = nonce
-        dial_until = time.monotonic() + connect_limit
-        while True:
-            sock = _dial(addr, dial_until)
-            chan = Channel(sock, timeout=timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
-                           lost=CoordinatorLost, max_frame=max_frame)
-            listener: Optional[socket.socket] = None
-            try:
-                if mesh:
-                    listener = _mesh.listen(sock.getsockname()[0])
-                    offer[Extension.MESH] = _mesh.offer(
-                        listener, _shm.host_id() if _shm.enabled() else None)
-                # Always a block, empty when there is nothing to offer: the
-                # reference coordinator ignores it, and a ddpwire one then knows
-                # it may tell this worker why it is refused.
-                chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
-                                      extensions=offer))
-                accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
-                _check_accepted(accepted)
-                granted = dict(accepted.extensions or {})
-                _check_samples(granted, samples_per_step)
-                if listener is not None and Extension.MESH not in granted:
-                    listener.close()
-                    listener = None
-                break
-            except BaseException as exc:
-                if listener is not None:
-                    listener.close()
-                chan.close()
-                # a coordinator being restarted: the dying one's listener may
-                # still take the connection, and then close it unanswered
-                if resume_step is not None and isinstance(exc, CoordinatorLost) and \
-                        time.monotonic() < dial_until:
-                    log.info("the coordinator closed the join unanswered; trying again")
-                    time.sleep(0.1)
-                    continue
-                raise
-        chan.heartbeat_timeout = hb_timeout
-        log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
-                 accepted.worker_id, accepted.total_workers)
-        return cls(chan, accepted.worker_id, accepted.total_workers, node_id, heartbeat,
-                   socket_threads, granted, listener, tcp_congestion)
+        node_id = default_node_id() if node_id is None else node_id
+        j = join(addr, opts, gpu_count=gpu_count, backend=backend, node_id=node_id,
+                 connect_limit=connect_limit, extensions=extensions, mesh=mesh,
+                 resume_step=resume_step)
+        return cls(j.chan, j.accepted.worker_id, j.accepted.total_workers, node_id,
+                   opts.heartbeat, opts.socket_threads, j.granted, j.listener, tcp_congestion)
 
     @property
     def channel(self) -> Channel:
@@ -475,10 +265,8 @@ class Worker(LifecycleOwner[WorkerState]):
             blamed = getattr(cause, "worker_id", None)
             if not self._life.record(cause, step=step, worker_id=self._worker_id):
                 return False
-            mesh = self._mesh
-            cut = self._chan.frame_open or (mesh is not None and mesh.coordinator_frame_open)
-            if mesh is not None:
-                mesh.close()
+            cut = self._chan.frame_open or self._mesh_step.frame_open
+            self._mesh_step.close()
             worth_telling = isinstance(cause, DdpwireError) and \
                 not isinstance(cause, (CoordinatorLost, NonFiniteGradient))
             if tell and not cut and worth_telling and step is not None:
@@ -498,11 +286,7 @@ class Worker(LifecycleOwner[WorkerState]):
         connection to the coordinator, its heartbeat thread (called once,
         by the move to FAILED or to CLOSED, with the lifecycle's lock held)."""
         self._stop.set()
-        if self._mesh is not None:
-            self._mesh.close()
-        listener, self._mesh_listener = self._mesh_listener, None
-        if listener is not None:
-            listener.close()
+        self._mesh_step.close()
         self._chan.close()
         beat = self._heartbeat_thread
         if beat is not None and beat is not threading.current_thread():
@@ -519,7 +303,7 @@ class Worker(LifecycleOwner[WorkerState]):
         """A reply came in whole: READY once nothing more is owed (a
         per-block sender may have queued another meanwhile)."""
         with self._life.lock:
-            if not self._owed and self._mesh_sent is None:
+            if not self._owed and self._mesh_step.sent is None:
                 self._set_state(WorkerState.READY)
 
     # ---- flat steps ----
@@ -537,7 +321,9 @@ class Worker(LifecycleOwner[WorkerState]):
                 msg = self._chan.expect([ShardAssignment, Shutdown, StepAborted, StateRequest]
                                         if self._elastic else [ShardAssignment, Shutdown])
                 if isinstance(msg, StateRequest):
-                    self._send_state(msg.step)
+                    source = self.state_source
+                    state = b"" if source is None else source(msg.step)
+                    _model_state.send_state(self._chan, msg.step, state)
                     continue
                 if not isinstance(msg, StepAborted):
                     break
@@ -710,22 +496,6 @@ class Worker(LifecycleOwner[WorkerState]):
 
     # ---- joining an elastic session late ----
 
-    def _send_state(self, step: int) -> None:
-        """Answer a StateRequest: this worker's state (:attr:`state_source`)
-        in ModelState pieces, each within the frame limit."""
-        state = b"" if self.state_source is None else self.state_source(step)
-        data = memoryview(state).cast("B")
-        digest = hashlib.sha256(data).digest()
-        piece = max(1, min(_STATE_PIECE, self._chan.max_frame - 4096))
-        at = 0
-        while True:
-            chunk = data[at:at + piece]
-            self._chan.send(ModelState(step=step, total=len(data), digest=digest, data=chunk),
-                            step=step)
-            at += len(chunk)
-            if at >= len(data):
-                return
-
     def receive_state(self) -> Tuple[int, bytes]:
         """For a worker that joined an elastic session late (:attr:`joins_at`
         is not None), before its first shard: the model's state as a worker
@@ -739,23 +509,11 @@ class Worker(LifecycleOwner[WorkerState]):
                                "late (this one joined at the start)", worker_id=self._worker_id)
         step = self.joins_at
         with self._talking(step):
-            got = bytearray()
-            total, digest = 0, b""
-            # each piece is due within the timeout of the one before
-            for piece in self._chan.state_pieces(step):
-                if got and bytes(piece.digest) != digest:
-                    raise ProtocolError(f"ModelState pieces for step {step} with two digests",
-                                        worker_id=self._worker_id, step=step)
-                total, digest = piece.total, bytes(piece.digest)
-                got += memoryview(piece.data)
-            if hashlib.sha256(got).digest() != digest:
-                raise ProtocolError(f"the model's state for step {step} does not match its "
-                                    f"digest ({total} bytes)", worker_id=self._worker_id,
-                                    step=step)
+            total, state = _model_state.receive_state(self._chan, step, self._worker_id)
         self._state_received = True
         log.info("worker %d: took the model's state (%d bytes) before step %d",
                  self._worker_id, total, step)
-        return step, bytes(got)
+        return step, state
 
     def _check_aborted(self, msg: StepAborted, step: Optional[int] = None) -> None:
         """A StepAborted for another step than ``step`` (when given) is a
@@ -794,8 +552,7 @@ class Worker(LifecycleOwner[WorkerState]):
     def uses_mesh(self) -> bool:
         """Whether flat steps run on the mesh (known once the first call
         after the join has read the coordinator's peer table)."""
-        table = self._mesh_table
-        return table is not None and bool(table.peers)
+        return self._mesh_step.on
 
     def _settle_topology(self) -> None:
         """Leave JOINED: read the MeshPeers a coordinator that granted the
@@ -806,92 +563,31 @@ class Worker(LifecycleOwner[WorkerState]):
         with self._topology_lock:
             if self._life.state is not WorkerState.JOINED:
                 return
-            if self._mesh_listener is not None:
-                with self._talking(None):
-                    table = self._chan.expect([MeshPeers])
-                if not table.peers:
-                    self._mesh_listener.close()
-                    self._mesh_listener = None
-                self._mesh_table = table
+            with self._talking(None):
+                self._mesh_step.read_table()
             self._set_state(WorkerState.READY)
-
-    def _links(self) -> _mesh.Mesh:
-        if self._mesh is None:
-            assert self._mesh_table is not None and self._mesh_listener is not None
-            listener, self._mesh_listener = self._mesh_listener, None
-            self._mesh = _mesh.Mesh.connect(listener, self._mesh_table, self._worker_id,
-                                            self._total_workers, timeout=self._chan.timeout,
-                                            max_frame=self._chan.max_frame,
-                                            congestion=self._mesh_congestion,
-                                            coordinator=self._chan)
-        return self._mesh
 
     def _mesh_send(self, step: int, gradients: Any, loss: float, correct: int,
                    total: int) -> None:
-        if self._mesh_sent is not None:
-            raise DdpwireError(f"step {self._mesh_sent[0]}'s average not yet received",
+        sent = self._mesh_step.sent
+        if sent is not None:
+            raise DdpwireError(f"step {sent[0]}'s average not yet received",
                                worker_id=self._worker_id, step=step)
         # a mesh step that fails leaves frames cut short on some link
         with self._talking(step, any_error=True, tell=True):
-            deadline = self._step_deadline(step)
-            links = self._links()
-            gradients = self._upload(step, gradients)
-            # with a coordinator share a GradientPayload to the coordinator
-            # goes out with the slices: no heartbeat may land inside it
-            with self._chan.send_lock if links.coordinator_share else contextlib.nullcontext():
-                outcome = links.reduce_scatter(step, gradients, deadline, (loss, correct, total))
-            self._chan.send(StepReport(step=step, worker_id=self._worker_id, count=len(gradients),
-                                       loss=loss, correct=correct, total=total,
-                                       bad_worker=outcome.bad_worker, bad_index=outcome.bad_index,
-                                       bad_value=outcome.bad_value), step=step)
-            with self._life.lock:
-                self._mesh_sent = (step, len(gradients))
-                self._set_state(WorkerState.IN_STEP)
-
-    def _step_deadline(self, step: int) -> float:
-        """When this worker's part of a mesh step (its links, its
-        reduce-scatter) must be done: ``timeout`` after the coordinator's
-        last message, the step's ShardAssignment or the previous step's
-        go-ahead. The coordinator's wait for the step's reports starts then
-        too, so a worker left waiting on a stalled peer gives up, and names
-        that peer to the coordinator, no later than the coordinator's own
-        deadline (not ``timeout`` after its own computing ended, which
-        would be too late to be heard). A worker that only comes to its
-        step after that is itself the late one: WorkerLost naming it."""
-        now = time.monotonic()
-        since = self._chan.last_message_at
-        if since is None:
-            return now + self._chan.timeout
-        deadline = since + self._chan.timeout
-        if deadline <= now:
-            raise WorkerLost(f"worker {self._worker_id} came to its part of mesh step {step} "
-                             f"{now - since:.3g} s after the coordinator's last message, past "
-                             f"the step's {self._chan.timeout:g} s timeout",
-                             worker_id=self._worker_id, step=step)
-        return deadline
+            self._mesh_step.send(step, gradients, loss, correct, total, self._total_workers,
+                                 self._upload)
+            self._set_state(WorkerState.IN_STEP)
 
     def _mesh_receive(self, out: Optional[np.ndarray]) -> AveragedGradient:
-        if self._mesh_sent is None:
+        sent = self._mesh_step.sent
+        if sent is None:
             raise DdpwireError("receive_averaged before send_gradients", worker_id=self._worker_id)
-        step, count = self._mesh_sent
-        out = result_buffer(out, count)
-        ctx = dict(worker_id=self._worker_id, step=step)
-        with self._talking(step, any_error=True, tell=True):
-            try:
-                commit = self._chan.expect([StepCommit, Shutdown], step=step)
-                if isinstance(commit, Shutdown):
-                    raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
-                if commit.step != step:
-                    raise GradientMismatch("step", step, commit.step, **ctx)
-                if commit.bad_worker != NO_WORKER:
-                    raise NonFiniteGradient(commit.bad_worker, commit.bad_index, commit.bad_value,
-                                            worker_id=commit.bad_worker, step=step)
-                assert self._mesh is not None
-                self._mesh.allgather(step, out, time.monotonic() + self._chan.timeout)
-            finally:
-                self._mesh_sent = None
+        out = result_buffer(out, sent[1])
+        with self._talking(sent[0], any_error=True, tell=True):
+            result = self._mesh_step.receive(out)
         self._settled()
-        return AveragedGradient(step=step, gradients=out, global_loss=commit.global_loss)
+        return result
 
     # ---- per-block steps (v2) ----
 

@@ -44,7 +44,7 @@ class Session:
         try:
             w = Worker.connect(self.coord.local_addr, timeout=timeout, **kwargs)
             self.results[w.worker_id] = body(w)
-            self.planes[w.worker_id] = w._mesh is not None and w._mesh.plane is not None
+            self.planes[w.worker_id] = w._mesh_step.mesh is not None and w._mesh_step.mesh.plane is not None
         except BaseException as exc:  # handed to the test
             self.errors[w.worker_id if w is not None else -1] = exc
         finally:

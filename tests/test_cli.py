@@ -768,7 +768,7 @@ def test_a_stop_signal_waits_while_a_steps_shards_go_out():
         threads = start_workers(coord, 2, lambda w: w.receive_shard())
         coord.wait_for_workers()
         seen = []
-        for chan in coord._channels:
+        for chan in coord._roster.channels:
             send = chan.send
 
             def recording(msg, *, step=None, send=send):

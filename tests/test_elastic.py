@@ -390,7 +390,7 @@ def test_a_late_joiner_is_held_to_the_token_and_to_the_free_slots():
             deadline = time.monotonic() + 10
             while t.is_alive() and time.monotonic() < deadline:
                 # the step boundary's poll, as send_shard_assignments makes it
-                coord._admit_late(coord._next_step, 0.05, 3)
+                coord._members.admit(coord._members.next_step, 0.05, 3)
             return t.join_result(10)
 
         def on_step(report):
@@ -525,7 +525,7 @@ def test_late_joins_keep_the_join_rules_against_hostile_clients():
                 strays["bomb"] = socket.create_connection(coord.local_addr)
                 strays["bomb"].sendall((99_999_999).to_bytes(4, "big") + bytes([0x01]))
                 time.sleep(0.1)
-                coord._admit_late(3, 0.2, 3)  # the next boundary's poll, a little longer
+                coord._members.admit(3, 0.2, 3)  # the next boundary's poll, a little longer
                 seen["refused at once"] = [closed(strays[k], 0.5) for k in ("garbage", "bomb")]
                 time.sleep(0.6)  # past the strays' handshake deadline
             if report.step == 4:

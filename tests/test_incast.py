@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ddpwire import Coordinator, Worker, incast
+from ddpwire.star import limit_receive
 
 from session_helpers import reference_allreduce
 
@@ -59,12 +60,7 @@ def test_auto_limits_the_star_s_connections_to_other_hosts(monkeypatch, mesh, ad
     limited = []
     monkeypatch.setattr(incast, "round_trip", lambda sock: 200e-6)
     monkeypatch.setattr(incast, "limit_receive", lambda sock, window: limited.append(window))
-    coord = Coordinator(ADDR, len(addresses))
-    try:
-        coord.mesh = mesh
-        coord._limit_receive([_Admitted(i, a) for i, a in enumerate(addresses)])
-    finally:
-        coord.close()
+    limit_receive([_Admitted(i, a) for i, a in enumerate(addresses)], "auto", mesh)
     assert limited == want
 
 
@@ -74,12 +70,7 @@ def test_a_window_given_is_set_on_every_connection_and_none_sets_nothing(monkeyp
     admitted = [_Admitted(0, "127.0.0.1"), _Admitted(1, "10.0.0.3")]
     for window, want in [(65536, [65536, 65536]), (None, [])]:
         limited.clear()
-        coord = Coordinator(ADDR, 2, receive_window=window)
-        try:
-            coord.mesh = True
-            coord._limit_receive(admitted)
-        finally:
-            coord.close()
+        limit_receive(admitted, window, True)
         assert limited == want
 
 
@@ -114,7 +105,7 @@ def test_a_small_window_keeps_the_average_exact(topology, monkeypatch):
         t.start()
     try:
         coord.wait_for_workers()
-        for chan in coord._channels:
+        for chan in coord._roster.channels:
             assert chan.conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == \
                 rcvbuf_for(window)
         for step in range(2):

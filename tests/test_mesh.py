@@ -27,6 +27,7 @@ from ddpwire.errors import (
     WorkerLost,
 )
 from ddpwire.extensions import Codec
+from ddpwire.mesh_control import culprit
 from ddpwire.messages import MeshPeers, PeerHello
 from ddpwire.channel import Channel
 
@@ -256,7 +257,7 @@ def test_a_worker_held_up_before_its_step_is_named_not_the_one_waiting_for_it():
     # message (step 0's go-ahead), as the coordinator's does, so it names
     # worker 1 to the coordinator in time, though both are silent at the
     # coordinator's deadline.
-    from ddpwire.coordinator import MESH_BLAME_GRACE
+    from ddpwire.mesh_control import MESH_BLAME_GRACE
 
     grads = gradients(2, 1000, seed=9)
     release = threading.Event()
@@ -507,17 +508,17 @@ def test_the_coordinator_names_the_worker_that_vanished_not_one_that_gave_up_aft
     answers = [CollectiveError(1, 1, "worker 1 closed its mesh link"),
                CollectiveError(1, 2, "worker 2 closed its mesh link"),
                WorkerLost("worker 2 disconnected", worker_id=2, step=1)]
-    exc = Coordinator._mesh_culprit(answers, 1)
+    exc = culprit(answers, 1)
     assert exc.worker_id == 2 and exc.step == 1 and "worker 1 could not finish" in str(exc)
     # nobody vanished: the lowest blamed worker
-    exc = Coordinator._mesh_culprit([report, CollectiveError(1, 2, "wrong head"),
+    exc = culprit([report, CollectiveError(1, 2, "wrong head"),
                                      CollectiveError(1, 0, "wrong head")], 1)
     assert exc.worker_id == 0
     # nobody blamed: the silent one
     lost = WorkerLost("worker 1 silent", worker_id=1, step=1)
-    assert Coordinator._mesh_culprit([report, lost, report], 1) is lost
+    assert culprit([report, lost, report], 1) is lost
     # a blame without a worker names the worker that sent it
-    assert Coordinator._mesh_culprit([CollectiveError(1, NONE, "x"), report], 1).worker_id == 0
+    assert culprit([CollectiveError(1, NONE, "x"), report], 1).worker_id == 0
 
 
 def test_a_silent_worker_still_heard_from_is_not_named_for_one_that_is_not():
@@ -525,7 +526,6 @@ def test_a_silent_worker_still_heard_from_is_not_named_for_one_that_is_not():
     report = StepReport(2, 0, 10, 0.0, 0, 0, NONE, 0, 0.0)
     silent = [WorkerLost(f"worker {w} silent past the deadline", worker_id=w, step=2)
               for w in range(3)]
-    culprit = Coordinator._mesh_culprit
     # both silent at the deadline, worker 0 still heartbeating: worker 1
     assert culprit(silent[:2], 2, {0, 1}, {0}) is silent[1]
     assert culprit(silent[:2], 2, {0, 1}, {0}, final=False) is silent[1]
@@ -574,7 +574,7 @@ def test_mesh_links_send_under_the_congestion_control_asked_for(asked, caplog):
 
     def body(w):
         w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
-        links = [c.conn.sock for c in w._mesh.links if c is not None]
+        links = [c.conn.sock for c in w._mesh_step.mesh.links if c is not None]
         return [_congestion_of(s) for s in links], _congestion_of(w.channel.conn.sock)
 
     caplog.set_level("INFO", logger="ddpwire")

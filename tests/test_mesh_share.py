@@ -249,12 +249,9 @@ class _Admitted:
 ])
 def test_auto_share_is_taken_only_from_machines_of_their_own(n, addresses, hosts, want):
     from ddpwire import shm
-    coord = Coordinator(ADDR, n)
-    try:
-        admitted = [_Admitted(i, a, "10.0.0.1") for i, a in enumerate(addresses)]
-        hosts = [shm.host_id() if h == "here" else h for h in hosts]
-        assert coord._choose_share(admitted, hosts) == want
-        coord.coordinator_share = 0.3  # a fraction given is taken as it is
-        assert coord._choose_share(admitted, hosts) == meshmod.share_value(0.3)
-    finally:
-        coord.close()
+    from ddpwire.mesh_control import choose_share
+    admitted = [_Admitted(i, a, "10.0.0.1") for i, a in enumerate(addresses)]
+    hosts = [shm.host_id() if h == "here" else h for h in hosts]
+    assert choose_share(admitted, hosts, "auto") == want
+    # a fraction given is taken as it is
+    assert choose_share(admitted, hosts, 0.3) == meshmod.share_value(0.3)

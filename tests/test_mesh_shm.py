@@ -180,7 +180,7 @@ try:
         if w.worker_id == 0 and step == 2:
             os._exit(17)  # the segment's creator dies mid-session
         w.allreduce(step, g, 1.0, 1, 1)
-        print("plane", w._mesh.plane is not None, flush=True)
+        print("plane", w._mesh_step.mesh.plane is not None, flush=True)
     print("done", flush=True)
 except Exception as exc:
     print("error", type(exc).__name__, getattr(exc, "worker_id", None),

@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, SessionOptions, Worker
+from ddpwire import Coordinator, CoordinatorOptions, SessionOptions, Worker
 from ddpwire.channel import heartbeat_limit
+from ddpwire.extensions import Extension
 
 from session_helpers import reference_allreduce, spawn
 
@@ -62,3 +63,54 @@ def test_one_object_runs_both_sides_of_a_session():
         coord.allreduce(0)
         got = [t.join_result() for t in threads]
     assert all(np.array_equal(g, reference_allreduce(grads)) for g in got)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(topology="ring"), "topology must be"),
+    (dict(balance="yes"), "balance must be"),
+    (dict(elastic=True, topology="mesh"), "elastic sessions average on the star"),
+    (dict(elastic=True, compression="bf16"), "elastic sessions average on the star"),
+    (dict(resume=True), "resume picks up an elastic session"),
+    (dict(compression="int4"), "compression must be"),
+    (dict(compression="bf16", topology="star"), "compression travels on the mesh"),
+    (dict(coordinator_share=1.0), "coordinator_share must be"),
+    (dict(receive_window=1024), "receive_window must be"),
+    (dict(receive_window=True), "receive_window must be"),
+    (dict(join_timeout=0), "join_timeout"),
+    (dict(handshake_timeout=-1), "handshake_timeout"),
+])
+def test_a_bad_coordinator_option_is_refused_naming_it(bad, match):
+    with pytest.raises(ValueError, match=match):
+        CoordinatorOptions(**bad)
+    # the Coordinator's keywords are the same checks, made before it listens
+    with pytest.raises(ValueError, match=match):
+        Coordinator(("127.0.0.1", 0), 2, **bad)
+
+
+@pytest.mark.parametrize("bad,per_block,match", [
+    (dict(), None, "expect_workers must be at least 1"),
+    (dict(topology="mesh"), True, "per-block steps always take the star"),
+    (dict(elastic=True), True, "elastic sessions run flat steps"),
+    (dict(elastic=True, min_workers=3), None, r"min_workers must be from 1 to expect_workers \(2\)"),
+    (dict(min_workers=1), None, "without elastic=True"),
+])
+def test_what_the_options_need_of_the_session_is_checked_with_it(bad, per_block, match):
+    workers = 0 if not bad else 2
+    with pytest.raises(ValueError, match=match):
+        CoordinatorOptions(**bad).check(workers, per_block)
+    with pytest.raises(ValueError, match=match):
+        Coordinator(("127.0.0.1", 0), workers, per_block=per_block, **bad)
+
+
+def test_the_coordinator_keeps_its_options_as_checked():
+    with Coordinator(("127.0.0.1", 0), 2, elastic=True, join_timeout=7) as coord:
+        config = coord.config
+        assert isinstance(config, CoordinatorOptions)
+        # an elastic session averages on the star: the topology says so
+        assert config.topology == "star" == coord.topology and config.join_timeout == 7.0
+        grants = config.grants(per_block=None)
+        assert Extension.ELASTIC in grants and Extension.MESH not in grants
+    mesh = CoordinatorOptions().grants(per_block=None)
+    assert Extension.MESH in mesh and Extension.BALANCE in mesh
+    # per-block steps never take the mesh: it is not offered to their workers
+    assert Extension.MESH not in CoordinatorOptions().grants(per_block=True)

@@ -13,7 +13,7 @@ import pytest
 
 import ddpwire
 from ddpwire import Coordinator, shm
-from ddpwire.coordinator import MESH_BLAME_GRACE
+from ddpwire.mesh_control import MESH_BLAME_GRACE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +50,7 @@ try:
             else:
                 time.sleep(float(slow))
         w.allreduce(shard.step, g, 1.0, 1, 4)
-        plane = w._mesh is not None and w._mesh.plane is not None
+        plane = w._mesh_step.mesh is not None and w._mesh_step.mesh.plane is not None
         print("step", shard.step, "mesh", w.uses_mesh, "plane", plane, flush=True)
 except Exception as exc:
     print("error", type(exc).__name__, getattr(exc, "worker_id", None),

@@ -1,0 +1,312 @@
+"""Membership that follows the machines: an elastic session's losses and joins.
+
+A coordinator with ``elastic=True`` keeps its session going when a worker is
+lost: the step is called off on every survivor before any of them applies
+any of it (StepAborted, docs/extensions.md) and redone by the survivors with
+all of its samples; a worker that joins later, into a free slot, is handed
+the model's state by a worker in the session and takes part from the next
+step (docs/sessions.md, "Elastic sessions").
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from . import _core
+from ._core import encode_frame_parts
+from ._text import counted
+from .admission import Admission
+from .channel import Channel
+from .errors import DdpwireError, JoinTimeout, MembershipChanged, WorkerLost
+from .extensions import Extension, encode_u64
+from .messages import AveragedGradient, StateRequest, StepAborted
+from .results import MembershipEvent, ReduceResult
+from .roster import Roster, log
+from .star import FLAT, Star
+
+__all__ = ["Membership"]
+
+
+class Membership:
+    """Who takes part in an elastic session's steps, over ``roster``.
+
+    ``min_workers``: below it the session ends as without ``elastic``;
+    ``join_timeout`` bounds the wait for joiners to bring it back. The join
+    stays open between steps through :attr:`late`, the coordinator's
+    :class:`~ddpwire.admission.Admission` once its first join completed.
+    """
+
+    def __init__(self, roster: Roster, star: Star, *, elastic: bool, min_workers: int,
+                 join_timeout: float):
+        self.roster = roster
+        self.star = star
+        self.min_workers = min_workers
+        self.join_timeout = join_timeout
+        #: each worker that left or joined (:class:`ddpwire.results.MembershipEvent`)
+        self.events: List[MembershipEvent] = []
+        #: every averaged step's shards, ``(step, {worker_id: (start, end)})``
+        #: (None outside an elastic session): each sample of a step once
+        self.shard_log: Optional[List[Tuple[int, Dict[int, Tuple[int, int]]]]] = \
+            [] if elastic else None
+        #: the join, open between steps (None until the first join completes)
+        self.late: Optional[Admission] = None
+        self.next_step = 0  # the step after the last one averaged
+        self._dropped: List[Channel] = []  # told, half-closed, read until they hang up
+
+    def open(self, admission: Admission) -> None:
+        """The first join completed: it goes on between steps, for workers
+        that come late or come back. A coordinator that resumes a run goes
+        on from the step its workers agreed on."""
+        self.late = admission
+        if admission.resume:
+            self.next_step = admission.resume_step or 0
+            log.info("resuming the run at step %d, where its workers are", self.next_step)
+        admission.resume = False  # a later joiner is handed the state
+
+    def close_dropped(self) -> None:
+        """Close the connections of the workers dropped and not yet gone."""
+        for chan in self._dropped:
+            chan.close()
+        self._dropped = []
+
+    # ---- a step ----
+
+    def average(self, step: int, out: Optional[np.ndarray], reply: bool) -> ReduceResult:
+        """A flat step that a lost worker calls off instead of ending the
+        session: the heads, then every element summed (no reply streams
+        out meanwhile: a survivor holding part of an average could not be
+        told to drop it), then the average to each worker in turn. A loss
+        before the average is complete calls the step off
+        (:meth:`call_off`, MembershipChanged); one while it goes out only
+        drops that worker, and the step stands."""
+        roster = self.roster
+        with roster.talking(step):
+            chans = list(roster.channels)
+            heads: list = []
+            try:
+                # the poll loop: its byte counts say where each frame stands
+                result, _ = self.star.stream(FLAT, step, None, out, False, pinned=True,
+                                             heads_into=heads, socket_threads=False)
+            except WorkerLost as exc:
+                # lost during the heads (those not read yet are None) or the
+                # sum (how far each frame was read rides on the error)
+                assert exc.worker_id is not None, exc
+                self.call_off(step, {int(exc.worker_id): exc}, chans,
+                              heads + [None] * (len(chans) - len(heads)),
+                              getattr(exc, "received", None))
+            assert self.shard_log is not None and roster.shards is not None
+            self.shard_log.append((step, {c.peer_id: roster.shards.bounds(c.peer_id)
+                                          for c in chans}))
+            self.next_step = step + 1
+            sent_at = time.perf_counter()
+            if reply:
+                self._send_each(AveragedGradient(step=step, gradients=result.avg_gradients,
+                                                 global_loss=result.global_loss), step)
+        result.reduce_time += time.perf_counter() - sent_at
+        return result  # type: ignore[return-value]
+
+    def call_off(self, step: int, lost: Dict[int, WorkerLost], chans: List[Channel],
+                 heads: list, received: Optional[List[int]]) -> None:
+        """Call ``step`` off after losing ``lost``: drop them, tell every
+        survivor (StepAborted), read the rest of each survivor's gradient
+        frame for the step (``chans`` were sent the step's shards; ``heads``
+        and ``received``, where known, say how far each was read), so that
+        every connection is between two frames and nothing of the step was
+        applied. A survivor lost meanwhile is dropped too. Raises
+        MembershipChanged; with fewer than ``min_workers`` left, once
+        joiners have brought them back (waiting up to half the timeout, the
+        survivors' wait for their next shard, or ``join_timeout`` when
+        shorter), else the first WorkerLost."""
+        roster = self.roster
+        gone: Dict[int, WorkerLost] = {}
+        told: Set[int] = set()
+        drained: Set[int] = set()
+        fresh = dict(lost)
+        while fresh:
+            for w, exc in fresh.items():
+                gone[w] = exc
+                self._drop(w, step, exc, committed=False)
+            fresh = {}
+            for w in sorted(set(gone) - told):
+                told.add(w)
+                for chan in roster.channels:
+                    try:
+                        chan.send(StepAborted(step=step, worker_id=w,
+                                              workers=len(roster.channels)), step=step)
+                    except WorkerLost as exc:
+                        fresh.setdefault(chan.peer_id, exc)
+            deadline = time.monotonic() + roster.timeout
+            for chan, head, got in zip(chans, heads, received or [0] * len(chans)):
+                if chan.peer_id in gone or chan.peer_id in fresh or chan.peer_id in drained:
+                    continue
+                try:
+                    chan.discard_gradients(head, got, deadline=deadline, step=step)
+                    drained.add(chan.peer_id)
+                except WorkerLost as exc:
+                    fresh[chan.peer_id] = exc
+        if len(roster.channels) < self.min_workers and self.late is not None:
+            log.warning("step %d: %s left, fewer than min_workers (%d): waiting for workers to "
+                        "join", step, counted(len(roster.channels), "worker"), self.min_workers)
+            self.admit(step, min(self.join_timeout, roster.timeout / 2), self.min_workers)
+        if len(roster.channels) < self.min_workers:
+            # nobody will send them anything more: closing tells them at once
+            for chan in roster.channels:
+                chan.close()
+            first = next(iter(lost.values()))
+            raise first.__class__(
+                f"{first.message}; {counted(len(roster.channels), 'worker')} left, fewer "
+                f"than min_workers ({self.min_workers})", worker_id=first.worker_id, step=step)
+        raise MembershipChanged(sorted(gone), len(roster.channels), step=step,
+                                why="; ".join(e.message for e in gone.values()))
+
+    def _drop(self, worker_id: int, step: int, exc: WorkerLost, *, committed: bool) -> None:
+        """Take a lost worker out of the session: no more shards, no place
+        in any later sum. One that may only be stalled (a stopped process)
+        is told it was dropped, and its connection half-closed, so that
+        resumed it reads StepAborted naming itself, not a reset."""
+        roster = self.roster
+        chan = next((c for c in roster.channels if c.peer_id == worker_id), None)
+        if chan is None:
+            return
+        roster.channels = [c for c in roster.channels if c is not chan]
+        roster.workers = [i for i in roster.workers if i.worker_id != worker_id]
+        assert roster.shards is not None
+        roster.shards.drop(worker_id)
+        if self.late is not None:
+            self.late.release(worker_id)
+        self.events.append(MembershipEvent(step, worker_id, exc.message, len(roster.channels),
+                                           committed))
+        log.warning("worker %d lost during step %d (%s): %s with %s", worker_id, step,
+                    exc.message, "the step stands, going on" if committed else "redoing it",
+                    counted(len(roster.channels), "worker"))
+        # a heartbeat may be going out: it is short, and a frame of its own
+        if not chan.send_lock.acquire(timeout=1.0):
+            chan.close()
+            return
+        try:
+            if chan.frame_open or chan.conn.fileno() < 0:
+                chan.close()  # inside a frame from here: closing is all it can be told
+                return
+            chan.conn.send_parts(encode_frame_parts(StepAborted(
+                step=step, worker_id=worker_id, workers=len(roster.channels))), 1.0,
+                what="telling a dropped worker")
+            chan.conn.sock.shutdown(socket.SHUT_WR)
+        except (DdpwireError, OSError):
+            chan.close()
+            return
+        finally:
+            chan.send_lock.release()
+        self._dropped.append(chan)
+
+    def _send_each(self, msg: object, step: int) -> None:
+        """``msg`` to every worker, one connection after another: a worker
+        lost meanwhile is dropped and the others still get all of it."""
+        roster = self.roster
+        parts = encode_frame_parts(msg, max_frame=roster.max_frame)
+        lost: Dict[int, WorkerLost] = {}
+        for chan in list(roster.channels):
+            with chan.send_lock:
+                chan.frame_open = True
+                try:
+                    _core.send_many([chan.conn], parts, roster.timeout, step=step,
+                                    what=f"sending {type(msg).__name__}")
+                except WorkerLost as exc:
+                    lost[chan.peer_id] = exc  # its frame stays open: it is closed
+                    continue
+                chan.frame_open = False
+        for w, exc in lost.items():
+            self._drop(w, step, exc, committed=True)
+        if len(roster.channels) < self.min_workers:
+            raise WorkerLost(f"{counted(len(roster.channels), 'worker')} left after step "
+                             f"{step}, fewer than min_workers ({self.min_workers})", step=step)
+
+    # ---- between steps ----
+
+    def wait(self, limit: float, want: int) -> None:
+        """wait_for_workers between two steps: admit late joiners (each
+        handed the model's state, :meth:`admit`) until ``want`` take part;
+        JoinTimeout after ``limit`` seconds."""
+        deadline = time.monotonic() + limit
+        step = self.next_step
+        with self.roster.talking(step):
+            while len(self.roster.channels) < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise JoinTimeout(f"{len(self.roster.channels)} of {counted(want, 'worker')} "
+                                      f"in the session within {limit:g} s")
+                self.admit(step, left, want)
+
+    def admit(self, step: int, timeout: float, until: int) -> None:
+        """Take in the workers that completed the join since the last step
+        (waiting up to ``timeout`` for ``until`` to take part): each receives
+        the model's state before ``step`` from a worker in the session
+        (:meth:`_hand_state`) and takes part from ``step`` on."""
+        roster = self.roster
+        assert self.late is not None and roster.shards is not None
+        self.late.grants[Extension.ELASTIC] = encode_u64(step)
+        for a in self.late.admit_late(timeout, until):
+            chan = roster.open_channel(a)
+            try:
+                self._hand_state(step, chan)
+            except WorkerLost as exc:
+                if exc.worker_id != a.worker_id:
+                    raise
+                log.warning("worker %d joined before step %d but could not take the model's "
+                            "state: %s", a.worker_id, step, exc.message)
+                chan.close()
+                self.late.release(a.worker_id)
+                continue
+            roster.channels = sorted(roster.channels + [chan], key=lambda c: c.peer_id)
+            roster.workers = sorted(roster.workers + [a.info()], key=lambda i: i.worker_id)
+            timed = Extension.BALANCE in a.granted
+            roster.shards.add(a.worker_id, timed)
+            if timed:
+                roster.watch_timing(chan)
+            self.events.append(MembershipEvent(
+                step, a.worker_id, f"joined from {a.join.node_id}@{a.address[0]}",
+                len(roster.channels), False, joined=True))
+            log.warning("worker %d (%s@%s) joined before step %d: going on with %s",
+                        a.worker_id, a.join.node_id, a.address[0], step,
+                        counted(len(roster.channels), "worker"))
+
+    def _hand_state(self, step: int, joiner: Channel) -> None:
+        """Relay the model's state before ``step`` from a worker in the
+        session to ``joiner``, piece by piece (ModelState, docs/extensions.md):
+        asked of each in turn until one answers; one lost meanwhile is
+        dropped. The joiner checks the digest."""
+        for source in list(self.roster.channels):
+            try:
+                source.send(StateRequest(step=step), step=step)
+                deadline = time.monotonic() + self.roster.timeout
+                for piece in source.state_pieces(step, deadline=deadline):
+                    joiner.send(piece, step=step)
+                return
+            except WorkerLost as exc:
+                if exc.worker_id == joiner.peer_id:
+                    raise
+                self._drop(source.peer_id, step, exc, committed=True)
+        raise WorkerLost(f"no worker in the session to take the model's state from for "
+                         f"step {step}", worker_id=joiner.peer_id, step=step)
+
+    def reap(self) -> None:
+        """Read and drop what the dropped workers still send; close those that
+        hung up (closing one with bytes unread would reset it before it read
+        that it was dropped)."""
+        keep = []
+        for chan in self._dropped:
+            sock = chan.conn.sock
+            try:
+                while True:
+                    data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                    if not data:
+                        break
+            except (BlockingIOError, InterruptedError):
+                keep.append(chan)
+                continue
+            except OSError:
+                pass
+            chan.close()
+        self._dropped = keep

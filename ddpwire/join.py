@@ -1,0 +1,200 @@
+"""The worker's side of the join: reach the coordinator, offer, prove, be admitted.
+
+The coordinator's side is :mod:`ddpwire.admission`. Connecting is retried
+while the coordinator is not up yet, so workers may start first; the token
+handshake proves both ways that each side knows the token
+(docs/extensions.md, "Authentication"); a refusal says why.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple
+
+from . import auth
+from . import mesh as _mesh
+from . import shm as _shm
+from .channel import Channel
+from .errors import (AuthenticationFailed, CoordinatorLost, JoinRefusedError, JoinTimeout,
+                     ProtocolError)
+from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
+from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
+from .options import SessionOptions
+
+__all__ = ["Joined", "join"]
+
+# the worker side's one logger, whichever module speaks
+log = logging.getLogger("ddpwire.worker")
+
+_RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
+              errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
+
+
+def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> socket.socket:
+    """Connect, retrying while the coordinator is not up yet, until the deadline;
+    says at the first failure and then every ``report_every`` seconds what it
+    waits for and how long is left."""
+    host, port = addr
+    delay = 0.05
+    last: Optional[BaseException] = None
+    next_report = time.monotonic()
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            why = f": {last.strerror or last}" if isinstance(last, OSError) else ""
+            raise JoinTimeout(f"could not reach the coordinator at {host}:{port}{why}")
+        try:
+            return socket.create_connection((host, port), timeout=min(remaining, 5.0))
+        except socket.gaierror as exc:
+            raise OSError(errno.EINVAL, f"bad coordinator address {host}:{port}: {exc.strerror}") from None
+        except socket.timeout as exc:
+            last = exc
+        except OSError as exc:
+            if exc.errno not in _RETRYABLE:
+                raise
+            last = exc
+        now = time.monotonic()
+        if now >= next_report:
+            why = last.strerror if isinstance(last, OSError) and last.strerror else "timed out"
+            log.info("coordinator at %s:%d not reachable yet (%s); retrying, %d s left",
+                     host, port, why, math.ceil(max(0.0, deadline - now)))
+            next_report = now + report_every
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 1.0)
+
+
+def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
+                     where: str) -> JoinAccepted:
+    """The coordinator's answer to our JoinRequest, through the token
+    handshake when we have a token (docs/extensions.md, "Authentication").
+    ``where`` (host:port) names the coordinator when this worker gives up."""
+    reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused])
+    if isinstance(reply, AuthChallenge):
+        if token is None:
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_REQUIRED,
+                f"the coordinator at {where} requires a token and this worker has none: start "
+                f"it with the coordinator's token (--token-file or {auth.TOKEN_ENV})",
+                by_worker=True)
+        expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
+        if not auth.proof_matches(expected, bytes(reply.proof)):
+            # a peer that does not know the token learns nothing from us
+            raise AuthenticationFailed(
+                RefusalReason.AUTH_FAILED,
+                f"the coordinator at {where} does not know this worker's token (its proof did "
+                f"not match): the tokens differ; check {auth.TOKEN_ENV} or --token-file on "
+                f"both sides", by_worker=True)
+        chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
+        reply = chan.expect([JoinAccepted, JoinRefused])
+    elif token is not None and isinstance(reply, JoinAccepted):
+        # a ddpwire coordinator without a token refuses the offer instead:
+        # this is the reference coordinator, or an older ddpwire one
+        raise AuthenticationFailed(
+            RefusalReason.AUTH_FAILED,
+            f"the coordinator at {where} admitted this worker without proving it knows the "
+            f"token: it has no token configured (or it is not a ddpwire coordinator), so it "
+            f"cannot prove it; start it with the same token, or drop the token from this worker",
+            by_worker=True)
+    if isinstance(reply, JoinRefused):
+        cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
+                                                       RefusalReason.AUTH_FAILED) else JoinRefusedError
+        raise cls(reply.reason, reply.detail)
+    return reply
+
+
+def _check_accepted(accepted: JoinAccepted) -> None:
+    if accepted.total_workers == 0:
+        raise ProtocolError("JoinAccepted.total_workers is 0")
+    if accepted.worker_id >= accepted.total_workers:
+        raise ProtocolError(f"JoinAccepted.worker_id {accepted.worker_id} is not below "
+                            f"total_workers {accepted.total_workers}")
+
+
+def _check_samples(granted: Mapping[int, bytes], ours: Optional[int]) -> None:
+    why = samples_mismatch(None, granted, ours)
+    if why is not None:
+        raise JoinRefusedError(RefusalReason.MISMATCH, why)
+
+
+@dataclass
+class Joined:
+    """A join that succeeded: the connection, the coordinator's answer, the
+    extensions it granted, and the mesh listener when the mesh was granted."""
+
+    chan: Channel
+    accepted: JoinAccepted
+    granted: Dict[int, bytes]
+    listener: Optional[socket.socket]
+
+
+def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend: str,
+         node_id: str, connect_limit: float, extensions: Optional[Mapping[int, bytes]],
+         mesh: bool, resume_step: Optional[int]) -> Joined:
+    """Join the coordinator at ``addr`` (Worker.connect's arguments, checked)."""
+    secret: Optional[bytes] = opts.token  # type: ignore[assignment]
+    offer: Dict[int, bytes] = dict(extensions or {})
+    # a ddpwire coordinator grants it to learn each step's compute time
+    # (its progress shows them) and, when it balances, to size the shards
+    offer.setdefault(Extension.BALANCE, b"")
+    # every step this worker runs can be computed again: an elastic
+    # coordinator calls off a step it lost a worker in (MembershipChanged)
+    offer.setdefault(Extension.ELASTIC, b"" if resume_step is None else encode_u64(resume_step))
+    if opts.samples_per_step:
+        offer[Extension.SAMPLES] = encode_u64(opts.samples_per_step)
+    if opts.per_block is not None:
+        offer[Extension.PER_BLOCK] = encode_flag(opts.per_block)
+    if opts.gradient_length is not None:
+        offer[Extension.GRADIENT_LENGTH] = encode_u64(opts.gradient_length)
+    nonce = auth.new_nonce() if secret is not None else b""
+    if secret is not None:
+        offer[Extension.AUTH] = nonce
+    dial_until = time.monotonic() + connect_limit
+    while True:
+        sock = _dial(addr, dial_until)
+        chan = Channel(sock, timeout=opts.timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
+                       lost=CoordinatorLost, max_frame=opts.max_frame)
+        listener: Optional[socket.socket] = None
+        try:
+            if mesh:
+                listener = _mesh.listen(sock.getsockname()[0])
+                offer[Extension.MESH] = _mesh.offer(
+                    listener, _shm.host_id() if _shm.enabled() else None)
+            # Always a block, empty when there is nothing to offer: the
+            # reference coordinator ignores it, and a ddpwire one then knows
+            # it may tell this worker why it is refused.
+            chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
+                                  extensions=offer))
+            accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
+            _check_accepted(accepted)
+            granted = dict(accepted.extensions or {})
+            _check_samples(granted, opts.samples_per_step)
+            if listener is not None and Extension.MESH not in granted:
+                listener.close()
+                listener = None
+            break
+        except BaseException as exc:
+            if listener is not None:
+                listener.close()
+            chan.close()
+            # a coordinator being restarted: the dying one's listener may
+            # still take the connection, and then close it unanswered
+            if resume_step is not None and isinstance(exc, CoordinatorLost) and \
+                    time.monotonic() < dial_until:
+                log.info("the coordinator closed the join unanswered; trying again")
+                time.sleep(0.1)
+                continue
+            raise
+    chan.heartbeat_timeout = opts.heartbeat_timeout
+    log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
+             accepted.worker_id, accepted.total_workers)
+    return Joined(chan, accepted, granted, listener)
+
+
+def default_node_id() -> str:
+    """A worker's node_id when none is given: host and process."""
+    return f"{socket.gethostname()}-{os.getpid()}"
