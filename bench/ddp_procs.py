@@ -83,14 +83,19 @@ def main() -> None:
 
 
 BACKENDS = ("gloo", "ddpwire")
+#: another built checkout of ddpwire: its ranks are the case "ddpwire-baseline"
+BASELINE_ENV = "DDPWIRE_BASELINE"
 
 
 def cases() -> List[Tuple[str, int]]:
     """(backend, world) for each case of a rank benchmark, gloo first per
-    world; DDPWIRE_BENCH_RANKS ("2,3,4") picks the worlds."""
+    world; DDPWIRE_BENCH_RANKS ("2,3,4") picks the worlds. With
+    $DDPWIRE_BASELINE, "ddpwire-baseline" runs that checkout's ranks (its
+    own copy of this script) beside this one's, in the same run."""
     worlds = [int(x) for x in os.environ.get("DDPWIRE_BENCH_RANKS", "2,3,4").split(",")
               if x.strip()]
-    return [(backend, n) for n in worlds for backend in BACKENDS]
+    backends = BACKENDS + (("ddpwire-baseline",) if os.environ.get(BASELINE_ENV) else ())
+    return [(backend, n) for n in worlds for backend in backends]
 
 
 def case_ids() -> List[str]:
@@ -105,6 +110,10 @@ class Ranks:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         here = Path(__file__).resolve()
+        if backend == "ddpwire-baseline":
+            # the older checkout's script puts its own tree first on sys.path
+            here = Path(os.environ[BASELINE_ENV]).resolve() / "bench" / here.name
+            backend = "ddpwire"
         root = str(here.parent.parent)
         self.procs = []
         for rank in range(world):

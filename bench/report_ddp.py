@@ -5,7 +5,8 @@
 
 One row per rank count: gloo's and ddpwire's median (and spread) in ms and
 the ratio ddpwire / gloo, both measured in the same run, with the commit and
-machine the run recorded.
+machine the run recorded; where the run had a baseline checkout
+($DDPWIRE_BASELINE: bench/ddp_procs.py), its median and ddpwire / baseline.
 """
 from __future__ import annotations
 
@@ -25,15 +26,20 @@ def table(path: str) -> str:
     head = (f"`{path}`: commit {commit.get('id', '?')[:7]}"
             f"{' (dirty)' if commit.get('dirty') else ''}, "
             f"{data.get('machine_info', {}).get('cpu', {}).get('count', '?')} cores")
-    rows = [head, "", "| ranks | gloo median ms (IQR) | ddpwire median ms (IQR) | ddpwire / gloo |",
-            "|---:|---:|---:|---:|"]
-    for n in sorted(med):
-        g, d = med[n].get("gloo"), med[n].get("ddpwire")
+    base = any("ddpwire-baseline" in by for by in med.values())
+    rows = [head, "", "| ranks | gloo median ms (IQR) | ddpwire median ms (IQR) | ddpwire / gloo |"
+            + (" baseline median ms (IQR) | ddpwire / baseline |" if base else ""),
+            "|---:|---:|---:|---:|" + ("---:|---:|" if base else "")]
 
-        def cell(s):
-            return f"{s['median'] * 1e3:.1f} ({s['iqr'] * 1e3:.1f})" if s else "–"
-        ratio = f"{d['median'] / g['median']:.2f}" if g and d else "–"
-        rows.append(f"| {n} | {cell(g)} | {cell(d)} | {ratio} |")
+    def cell(s: dict) -> str:
+        return f"{s['median'] * 1e3:.1f} ({s['iqr'] * 1e3:.1f})" if s else "–"
+
+    def ratio(a: dict, b: dict) -> str:
+        return f"{a['median'] / b['median']:.2f}" if a and b else "–"
+    for n in sorted(med):
+        g, d, o = (med[n].get(k) for k in ("gloo", "ddpwire", "ddpwire-baseline"))
+        row = f"| {n} | {cell(g)} | {cell(d)} | {ratio(d, g)} |"
+        rows.append(row + (f" {cell(o)} | {ratio(d, o)} |" if base else ""))
     return "\n".join(rows)
 
 

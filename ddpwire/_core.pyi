@@ -211,7 +211,6 @@ def read_tail(conn: Connection, head: FrameHead, timeout: float, *,
 SHM_OK: int
 SHM_TIMEOUT: int
 SHM_ABORTED: int
-SHM_DISAGREE: int
 
 SHM_OFFER_LEN: int
 
@@ -243,15 +242,15 @@ class ShmArena:
     def abort(self, rank: int) -> None: ...
     def aborted(self) -> int: ...
     def slice(self, n: int, rank: int) -> Tuple[int, int]: ...
-    def allreduce(self, buf: _Buffer, op: int, generation: int, timeout: float) -> Tuple[int, int]:
-        """In place over every rank, barriers ``generation`` and ``generation + 1``:
-        (SHM_OK, -1) or (status, rank at fault). ``buf`` must not change meanwhile."""
-    def stage(self, buf: _Buffer) -> None:
+    def stage(self, buf: _Buffer, op: int = ...) -> None:
         """Copy float32 bytes, all but this rank's own slice, into its input
-        region and post their count; ``buf`` must not change until :meth:`reduce_mean`."""
+        region and post their count and ``op`` (SUM 0, AVG 1); ``buf`` must
+        not change until :meth:`reduce`."""
     def agree(self) -> int: ...
-    def reduce_mean(self, buf: _Buffer) -> Tuple[int, int, int, int, float]:
-        """This rank's slice averaged, its own input read from ``buf`` (the
-        buffer :meth:`stage` was given): (start, count, bad rank or -1, bad
-        element, its value)."""
-    def gather(self, buf: _Buffer) -> None: ...
+    def reduce(self, buf: _Buffer, into_own: bool = ...) -> Tuple[int, int, int, int, float]:
+        """This rank's slice reduced with the staged op into the output (and,
+        with ``into_own``, into ``buf``), its own input read from ``buf``
+        (the buffer :meth:`stage` was given): (start, count, bad rank or -1,
+        bad element, its value)."""
+    def gather(self, buf: _Buffer, skip_own: bool = ...) -> None:
+        """The output into ``buf`` (with ``skip_own``, all but this rank's slice)."""

@@ -5,11 +5,10 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyOb
 from libc.string cimport memcpy, memset
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
-#: ShmArena.allreduce / barrier results
+#: ShmArena.barrier results
 SHM_OK = DDPW_SHM_OK
 SHM_TIMEOUT = DDPW_SHM_TIMEOUT
 SHM_ABORTED = DDPW_SHM_ABORTED
-SHM_DISAGREE = 3
 
 # How long one GIL-free wait lasts before the thread looks for a signal:
 # short enough that Ctrl-C in a barrier is prompt.
@@ -66,17 +65,18 @@ cdef class ShmArena:
 
     cdef Py_buffer _view
     cdef bint _held
-    # a close() while an allreduce runs without the GIL waits for its end:
+    # a close() while a call runs without the GIL waits for its end:
     # the mapping must outlive every C call on it
     cdef int _busy
     cdef bint _close_pending
     cdef readonly uint32_t rank
     cdef readonly uint32_t world
     cdef readonly uint64_t region_bytes
-    # what stage() was given: reduce_mean() reads this rank's slice from it
-    # (only its address and length, to refuse another buffer)
+    # what stage() was given: reduce() reads this rank's slice from it (only
+    # its address and length, to refuse another buffer), and the op posted
     cdef const void *_staged
     cdef Py_ssize_t _staged_len
+    cdef uint32_t _staged_op
 
     def __cinit__(self):
         self._held = False
@@ -84,6 +84,7 @@ cdef class ShmArena:
         self._close_pending = False
         self._staged = NULL
         self._staged_len = -1
+        self._staged_op = DDPW_SHM_AVG
 
     def __init__(self, mapping, world, rank, region_bytes):
         if not 0 < world <= DDPW_SHM_MAX_WORLD or not 0 <= rank < world:
@@ -168,68 +169,9 @@ cdef class ShmArena:
         ddpw_shm_slice(n, self.world, rank, &start, &count)
         return start, count
 
-    def allreduce(self, buf, op, generation, timeout):
-        """Average (op 1) or sum (op 0) ``buf`` (a writable contiguous buffer
-        of float32 bytes, at most region_bytes) with every rank's, in place,
-        using barriers ``generation`` and ``generation + 1``, each waited for
-        at most ``timeout`` seconds. (SHM_OK, -1), or (status, rank at fault)
-        with SHM_TIMEOUT, SHM_ABORTED or SHM_DISAGREE (a rank posted another
-        count or op than rank 0); after a failure the arena is unusable.
-        This rank's own slice is read from ``buf`` itself, never staged, and
-        the result's slice is written back into it by the same pass, so
-        nothing may write ``buf`` while the call runs, and after a failure it
-        may hold part of the result."""
-        cdef Py_buffer view
-        cdef void *base = self._base()
-        cdef uint32_t missing = 0
-        cdef uint32_t gen = <uint32_t>generation
-        cdef uint32_t cop = op
-        cdef size_t n, start = 0, count = 0
-        cdef int status, staged
-        cdef int64_t bad
-        cdef const float *own
-        if cop != DDPW_SHM_SUM and cop != DDPW_SHM_AVG:
-            raise ValueError(f"op {op} is neither SUM (0) nor AVG (1)")
-        PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE | PyBUF_WRITABLE)
-        self._busy += 1
-        try:
-            if view.len % 4 or <uint64_t>view.len > self.region_bytes:
-                raise ValueError(f"{view.len} bytes are not float32 elements within "
-                                 f"the {self.region_bytes}-byte region")
-            n = <size_t>view.len // 4
-            own = <const float *>view.buf
-            with nogil:
-                staged = ddpw_shm_stage(base, self.rank, self.world, own, n, cop)
-            if staged != 0:
-                raise ValueError(f"{n} elements cannot be staged in this arena")
-            status = self._wait(gen, timeout, &missing)
-            if status != DDPW_SHM_OK:
-                return status, <int>missing
-            bad = ddpw_shm_agree(base, self.world)
-            if bad >= 0:
-                return SHM_DISAGREE, <int>bad
-            with nogil:
-                ddpw_shm_slice(n, self.world, self.rank, &start, &count)
-                # this rank's slice of the result lands in buf in the same pass
-                ddpw_shm_reduce(base, self.world, start, count, cop, own, self.rank,
-                                <float *>view.buf, NULL)
-            status = self._wait(gen + 1, timeout, &missing)
-            if status != DDPW_SHM_OK:
-                return status, <int>missing
-            with nogil:
-                memcpy(view.buf, ddpw_shm_output(base), start * 4)
-                memcpy(<float *>view.buf + start + count, ddpw_shm_output(base) + start + count,
-                       (n - start - count) * 4)
-            return SHM_OK, -1
-        finally:
-            PyBuffer_Release(&view)
-            self._busy -= 1
-            if self._busy == 0 and self._close_pending:
-                self.close()
-
-    # ---- the mesh's data plane (ddpwire.mesh): the allreduce above cut at
-    # its barriers, so the coordinator's verdict fits between the reduce and
-    # the copy out ----
+    # ---- one allreduce, cut at its barriers (csrc/shm.h's steps 1, 3 and
+    # 5), so that a caller may act between them: the mesh hears the
+    # coordinator's verdict between the reduce and the copy out ----
 
     cdef int _enter(self, buf, Py_buffer *view, uint64_t limit, int flags) except -1:
         PyObject_GetBuffer(buf, view, flags)
@@ -246,24 +188,27 @@ cdef class ShmArena:
         if self._busy == 0 and self._close_pending:
             self.close()
 
-    def stage(self, buf):
+    def stage(self, buf, op=DDPW_SHM_AVG):
         """Copy ``buf`` (float32 bytes) into this rank's input region, all
-        but this rank's own slice, and post its element count for
-        :meth:`agree`. :meth:`reduce_mean` reads the own slice from ``buf``
-        itself: it must not change until then."""
+        but this rank's own slice, and post its element count and ``op``
+        (SUM 0, AVG 1) for :meth:`agree`. :meth:`reduce` reads the own slice
+        from ``buf`` itself: it must not change until then."""
         cdef Py_buffer view
         cdef void *base = self._base()
         cdef int staged
+        cdef uint32_t cop = op
+        if cop != DDPW_SHM_SUM and cop != DDPW_SHM_AVG:
+            raise ValueError(f"op {op} is neither SUM (0) nor AVG (1)")
         self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE)
         try:
             self._staged = NULL
             self._staged_len = -1
             with nogil:
                 staged = ddpw_shm_stage(base, self.rank, self.world, <const float *>view.buf,
-                                        <size_t>view.len // 4, DDPW_SHM_AVG)
+                                        <size_t>view.len // 4, cop)
             if staged != 0:
                 raise ValueError(f"{view.len // 4} elements cannot be staged in this arena")
-            self._staged, self._staged_len = view.buf, view.len
+            self._staged, self._staged_len, self._staged_op = view.buf, view.len, cop
         finally:
             self._leave(&view)
 
@@ -272,29 +217,35 @@ cdef class ShmArena:
         elements as rank 0, else the first rank that did not."""
         return ddpw_shm_agree(self._base(), self.world)
 
-    def reduce_mean(self, buf):
-        """Average this rank's slice of the vector into the output region,
-        ``buf`` being the vector :meth:`stage` was given (unchanged since:
-        its own slice, never staged, is read from it): (start, count, bad
-        rank or -1, its first bad element of the vector, that element's
-        value)."""
+    def reduce(self, buf, bint into_own=False):
+        """Reduce this rank's slice of the vector with the op :meth:`stage`
+        posted, into the output region and, with ``into_own``, into
+        ``buf``'s own slice too (in the same pass); ``buf`` is the vector
+        :meth:`stage` was given (unchanged since: its own slice, never
+        staged, is read from it). Returns (start, count, the lowest rank
+        holding a non-finite element of the slice or -1, that element's
+        index in the vector, its value)."""
         cdef Py_buffer view
         cdef void *base = self._base()
         cdef size_t start = 0, count = 0, n
         cdef uint32_t bad_rank = 0
         cdef int64_t bad
         cdef const float *own
+        cdef float *result = NULL
         cdef float value
-        self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE)
+        self._enter(buf, &view, self.region_bytes,
+                    PyBUF_SIMPLE | (PyBUF_WRITABLE if into_own else 0))
         try:
             if view.buf != self._staged or view.len != self._staged_len:
-                raise ValueError("reduce_mean takes the buffer stage() was given")
+                raise ValueError("reduce takes the buffer stage() was given")
             own = <const float *>view.buf
+            if into_own:
+                result = <float *>view.buf
             n = <size_t>view.len // 4
             with nogil:
                 ddpw_shm_slice(n, self.world, self.rank, &start, &count)
-                bad = ddpw_shm_reduce(base, self.world, start, count, DDPW_SHM_AVG, own,
-                                      self.rank, NULL, &bad_rank)
+                bad = ddpw_shm_reduce(base, self.world, start, count, self._staged_op, own,
+                                      self.rank, result, &bad_rank)
             if bad < 0:
                 return start, count, -1, 0, 0.0
             # the own rank's input is buf, its region holds stale bytes
@@ -306,13 +257,23 @@ cdef class ShmArena:
         finally:
             self._leave(&view)
 
-    def gather(self, buf):
-        """Copy the output region's first len(buf) bytes into ``buf``."""
+    def gather(self, buf, bint skip_own=False):
+        """Copy the output region's first len(buf) bytes into ``buf``; with
+        ``skip_own``, all but this rank's own slice of them (which
+        :meth:`reduce` wrote into it already)."""
         cdef Py_buffer view
         cdef void *base = self._base()
+        cdef size_t n, start = 0, count = 0
         self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE | PyBUF_WRITABLE)
         try:
+            n = <size_t>view.len // 4
             with nogil:
-                memcpy(view.buf, ddpw_shm_output(base), <size_t>view.len)
+                if skip_own:
+                    ddpw_shm_slice(n, self.world, self.rank, &start, &count)
+                    memcpy(view.buf, ddpw_shm_output(base), start * 4)
+                    memcpy(<float *>view.buf + start + count,
+                           ddpw_shm_output(base) + start + count, (n - start - count) * 4)
+                else:
+                    memcpy(view.buf, ddpw_shm_output(base), n * 4)
         finally:
             self._leave(&view)

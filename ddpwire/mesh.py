@@ -34,7 +34,8 @@ has the bytes; docs/sessions.md the timeouts and failures.
 
 When every worker is on one host (the coordinator says so in MeshPeers,
 from the host ids in the workers' offers) the same step runs through one
-shared segment instead (:class:`SharedPlane`): the links open as above and
+shared segment instead (:class:`ddpwire.shm.SharedPlane`, the torch backend's
+plane too): the links open as above and
 carry only the segment's set-up; gradients and averages move through
 memory, with the same arithmetic per element, reports and go-ahead, and the
 same bits.
@@ -77,7 +78,7 @@ from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientP
 # the plan's helpers stay importable from here (their home before ddpwire.plan)
 from .plan import Plan, coordinator_part, range_bounds, range_count, slice_bounds
 
-__all__ = ["CODECS", "Mesh", "SharedPlane", "SliceOutcome", "auto_share", "codec_of",
+__all__ = ["CODECS", "Mesh", "SliceOutcome", "auto_share", "codec_of",
            "coordinator_part", "format_peers", "listen", "parse_peers", "parse_ports", "offer",
            "peer_host",
            "peer_port", "range_bounds", "range_count", "share_value", "slice_bounds"]
@@ -451,7 +452,7 @@ class Mesh:
         # answers that never come).
         self._want_shared = (bool(shared_memory) and self.codec == Codec.FLOAT32
                              and Plan(0, self.world, self.fractions).equal)
-        self.plane: Optional[SharedPlane] = None
+        self.plane: Optional[_shm.SharedPlane] = None
 
     @classmethod
     def connect(cls, listener: socket.socket, table: MeshPeers, worker_id: int, world: int, *,
@@ -683,70 +684,62 @@ class Mesh:
                                 f"set-up on the mesh link", **ctx)
         return bytes(memoryview(msg.data).cast("B")) if msg.count else b""
 
-    def _share(self, step: int, count: int, deadline: float) -> Optional[SharedPlane]:
-        """Worker 0 creates a segment sized for ``count`` float32 per
-        region and tells every other worker its nonce and name; each
-        attaches and answers 1 or 0; worker 0 unlinks the name and tells
-        everyone whether all attached. Any 0 keeps the links for the data."""
+    def _share(self, step: int, count: int, deadline: float) -> Optional[_shm.SharedPlane]:
+        """The segment of a mesh whose workers share a host, negotiated as
+        the torch backend's is (:func:`ddpwire.shm.share_segment`) over the
+        links: worker 0 sends its offer (a region of ``count`` float32) to
+        every other worker; each answers whether it attached; worker 0 tells
+        everyone whether all did. Any refusal keeps the links for the data."""
         me, world = self.worker_id, self.world
-        region = max(4, count * 4)
-        seg: Optional[_shm.Segment] = None
+
+        def broadcast(offer: bytes) -> bytes:
+            if me != 0:
+                return self._heard(0, step, deadline)
+            for j in range(1, world):
+                self._note(j, step, offer)
+            return offer
+
+        def agree(ok: bool) -> bool:
+            if me != 0:
+                self._note(0, step, b"\x01" if ok else b"\x00")
+                return self._heard(0, step, deadline) == b"\x01"
+            answers = [self._heard(j, step, deadline) == b"\x01" for j in range(1, world)]
+            every = ok and all(answers)
+            for j in range(1, world):
+                self._note(j, step, b"\x01" if every else b"\x00")
+            if ok and not every:
+                log.warning("mesh: worker %d could not attach the shared segment; the links "
+                            "carry the steps", answers.index(False) + 1)
+            return every
+
         try:
-            if me == 0:
-                offer = _core.shm_offer_encode(b"", b"", 0, "")
-                if _shm.enabled():
-                    try:
-                        seg = _shm.Segment.create(world, region)
-                        nonce = secrets.token_bytes(16)
-                        seg.init(nonce)
-                        offer = _core.shm_offer_encode(_shm.host_id(), nonce, region, seg.name)
-                    except (OSError, ValueError) as exc:
-                        log.warning("mesh: no shared segment, the links carry the steps: %s", exc)
-                        if seg is not None:
-                            seg.close()
-                        seg = None
-                for j in range(1, world):
-                    self._note(j, step, offer)
-                answers = [self._heard(j, step, deadline) for j in range(1, world)]
-                if seg is not None:
-                    seg.unlink()  # every worker that could attach has: the name is done
-                ok = seg is not None and all(a == b"\x01" for a in answers)
-                for j in range(1, world):
-                    self._note(j, step, b"\x01" if ok else b"\x00")
-                if not ok and seg is not None:
-                    refused = [j + 1 for j, a in enumerate(answers) if a != b"\x01"]
-                    log.warning("mesh: worker %s could not attach the shared segment; the "
-                                "links carry the steps", refused[0])
-            else:
-                offered = self._heard(0, step, deadline)
-                try:
-                    where = _core.shm_offer_decode(offered)
-                except ValueError as exc:
-                    raise ProtocolError(f"worker 0's shared-memory offer: {exc}", worker_id=0,
-                                        step=step) from None
-                if where is not None:
-                    host, nonce, offered_region, name = where
-                    try:
-                        if host != _shm.host_id() or offered_region != region:
-                            raise ValueError("another host or another vector length")
-                        seg = _shm.Segment.attach(name, world, me, region, nonce)
-                    except (OSError, ValueError) as exc:
-                        log.warning("mesh: worker %d cannot attach the shared segment: %s",
-                                    me, exc)
-                        seg = None
-                self._note(0, step, b"\x01" if seg is not None else b"\x00")
-                ok = self._heard(0, step, deadline) == b"\x01"
-            if not ok:
-                if seg is not None:
-                    seg.close()
-                return None
-            assert seg is not None
-            log.info("mesh: worker %d steps through shared memory", me)
-            return SharedPlane(seg, self)
-        except BaseException:
-            if seg is not None:
-                seg.close()
-            raise
+            seg = _shm.share_segment(me, world, max(4, count * 4), broadcast=broadcast,
+                                     agree=agree, who="mesh")
+        except ValueError as exc:  # a malformed offer
+            raise ProtocolError(f"worker 0's shared-memory offer: {exc}", worker_id=0,
+                                step=step) from None
+        if seg is None:
+            return None
+        log.info("mesh: worker %d steps through shared memory", me)
+        return _shm.SharedPlane(seg, lost=_worker_lost, mismatch=_mesh_mismatch,
+                                timeout=self.timeout, member="worker", gone=self._gone)
+
+    def _gone(self) -> Optional[int]:
+        """A peer whose link has closed (EOF or reset), if any: a shared
+        step's barrier looks here while it waits."""
+        socks = {chan.conn.sock: j for j, chan in enumerate(self.links) if chan is not None}
+        if not socks:
+            return None
+        readable, _, _ = select.select(list(socks), [], [], 0)
+        for sock in readable:
+            try:
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    return socks[sock]
+            except BlockingIOError:
+                continue
+            except OSError:
+                return socks[sock]
+        return None
 
     # ---- the kernels of one range (on the helper thread) ----
 
@@ -805,7 +798,8 @@ class Mesh:
             self._want_shared = False
             self.plane = self._share(step, len(gradients), deadline)
         if self.plane is not None:
-            return self.plane.reduce_scatter(step, gradients, deadline)
+            bad = self.plane.reduce_scatter(step, gradients, deadline, op)
+            return SliceOutcome() if bad is None else SliceOutcome(*bad)
         n, me = self.world, self.worker_id
         plan = self.plan_for(len(gradients))
         leg = self._leg(step, gradients, tail, plan)
@@ -942,129 +936,10 @@ def _piece(buf: Optional[np.ndarray], cuts: Optional[List[Tuple[int, int]]], c: 
     return [buf[s:e]] if e > s else []
 
 
-# ---- the data plane on one host: a shared segment ----
-
-#: how long one barrier wait lasts before the links are looked at for a
-#: worker that left: a dead worker is named this soon, not at the deadline
-_LOOK_EVERY = 0.2
+def _worker_lost(detail: str, worker: int, step: int) -> WorkerLost:
+    return WorkerLost(detail, worker_id=worker, step=step)
 
 
-class SharedPlane:
-    """A mesh step through one shared segment (csrc/shm.h), every worker on
-    one host: each stages its gradient into its input region, all but its
-    own slice (no other worker reads that); barrier; each averages its slice
-    (:meth:`_core.ShmArena.reduce_mean`, the reference's bits, non-finite
-    elements reported as on the links) into the output region, reading its
-    own input straight from its gradient; the StepReport and StepCommit;
-    barrier; each copies the whole output. So a worker's gradients stay an
-    input until :meth:`reduce_scatter` returns: nothing may write them
-    before (the worker's send returns only then). The second barrier comes
-    after the go-ahead, so no worker reads the average of a halted step. The
-    links stay open: a worker that leaves closes them, which the others see
-    while they wait."""
-
-    def __init__(self, segment: "_shm.Segment", mesh: "Mesh") -> None:
-        self.segment = segment
-        self.mesh = mesh
-        self._arena = segment._arena
-        self._generation = 0
-        self._pending: Optional[Tuple[int, int]] = None  # (step, count) between the phases
-
-    def abort(self, blame: int) -> None:
-        self.segment.abort(blame)
-
-    def close(self) -> None:
-        if self._pending is not None:
-            # a step this worker leaves half done: nobody waits for it
-            self.abort(self.mesh.worker_id)
-        self.segment.close()
-
-    def _gone(self) -> Optional[int]:
-        """A peer whose link has closed (EOF or reset), if any."""
-        socks = {chan.conn.sock: j for j, chan in enumerate(self.mesh.links) if chan is not None}
-        if not socks:
-            return None
-        readable, _, _ = select.select(list(socks), [], [], 0)
-        for sock in readable:
-            try:
-                if sock.recv(1, socket.MSG_PEEK) == b"":
-                    return socks[sock]
-            except BlockingIOError:
-                continue
-            except OSError:
-                return socks[sock]
-        return None
-
-    def _wait(self, generation: int, step: int, deadline: float, what: str) -> None:
-        while True:
-            left = deadline - time.monotonic()
-            status, rank = self._arena.barrier(generation, max(0.0, min(left, _LOOK_EVERY)))
-            if status == _core.SHM_OK:
-                return
-            if status == _core.SHM_ABORTED:
-                raise WorkerLost(f"worker {rank} left the shared-memory mesh step {step} "
-                                 f"({what})", worker_id=rank, step=step)
-            gone = self._gone()
-            if gone is not None:
-                # a worker arrives before it closes its links: one that
-                # arrived and left normally is no failure; and one that
-                # failed calls the group off (blaming the worker it lost)
-                # before it closes them: that blame names the cause
-                status, rank = self._arena.barrier(generation, 0.0)
-                if status == _core.SHM_OK:
-                    return
-                if status == _core.SHM_ABORTED:
-                    raise WorkerLost(f"worker {rank} left the shared-memory mesh step {step} "
-                                     f"({what})", worker_id=rank, step=step)
-                self.abort(gone)
-                raise WorkerLost(f"worker {gone} closed its mesh link during step {step} "
-                                 f"({what})", worker_id=gone, step=step)
-            if time.monotonic() >= deadline:
-                self.abort(rank)
-                raise WorkerLost(f"worker {rank} did not reach the shared-memory barrier of "
-                                 f"step {step} ({what}) within {self.mesh.timeout:g} s",
-                                 worker_id=rank, step=step)
-
-    def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float) -> SliceOutcome:
-        me, n = self.mesh.worker_id, len(gradients)
-        try:
-            if n * 4 > self.segment.region_bytes:
-                raise GradientMismatch("mesh vector length (the shared segment was sized by "
-                                       "the first step)", self.segment.region_bytes // 4, n,
-                                       worker_id=me, step=step)
-            self._pending = (step, n)
-            self._arena.stage(gradients)
-            self._wait(self._generation + 1, step, deadline, "gradients in place")
-            bad = self._arena.agree()
-            if bad >= 0:
-                raise GradientMismatch("mesh vector length (its gradients have another length "
-                                       "than worker 0's)", n, "another", worker_id=bad, step=step)
-            _start, _count, bad_rank, index, value = self._arena.reduce_mean(gradients)
-        except BaseException as exc:
-            self.abort(_blame(exc, me))
-            raise
-        if bad_rank < 0:
-            return SliceOutcome()
-        return SliceOutcome(bad_rank, index, value)
-
-    def allgather(self, step: int, out: np.ndarray, deadline: float) -> np.ndarray:
-        me = self.mesh.worker_id
-        if self._pending is None or self._pending[0] != step or self._pending[1] != len(out):
-            raise ProtocolError(f"allgather for step {step} without its reduce-scatter",
-                                worker_id=me, step=step)
-        try:
-            self._wait(self._generation + 2, step, deadline, "every slice averaged")
-            self._arena.gather(out)
-        except BaseException as exc:
-            self.abort(_blame(exc, me))
-            raise
-        # generations are 32-bit in the segment, compared wrap-safely
-        self._generation = (self._generation + 2) & 0xFFFFFFFF
-        self._pending = None
-        return out
-
-
-def _blame(exc: BaseException, me: int) -> int:
-    if isinstance(exc, WorkerLost) and getattr(exc, "worker_id", None) is not None:
-        return int(exc.worker_id)  # type: ignore[arg-type]
-    return me
+def _mesh_mismatch(field: str, expected: object, got: object, worker: int,
+                   step: int) -> GradientMismatch:
+    return GradientMismatch(f"shared-memory {field}", expected, got, worker_id=worker, step=step)

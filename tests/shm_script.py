@@ -50,7 +50,8 @@ def main() -> None:
     dist.init_process_group("ddpwire", init_method=os.environ["SHM_INIT"], rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
     backend = _ddpwire_group()
-    seg = backend._shm
+    plane = backend._shm
+    seg = None if plane is None else plane.segment
     record = {"shared_memory": backend.shared_memory,
               "name": None if seg is None else seg.name,
               "linked_after_init": None if seg is None else os.path.exists("/dev/shm" + seg.name)}

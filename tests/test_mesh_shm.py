@@ -1,4 +1,4 @@
-"""The mesh's shared-memory data plane (ddpwire.mesh.SharedPlane): every
+"""The mesh's shared-memory data plane (ddpwire.shm.SharedPlane): every
 worker on this host, so the coordinator grants it and the steps go through
 one shared segment; tests/test_mesh.py runs its own tests on both planes.
 
@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from ddpwire import Coordinator, shm
-from ddpwire import mesh as meshmod
 from ddpwire.errors import NonFiniteGradient, WorkerLost
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, gradients, halted_step,
@@ -55,12 +54,12 @@ def test_shared_memory_steps_give_the_reference_bits(n, count):
 def planes_made(monkeypatch):
     """How many workers set up a shared plane (a mesh that fails drops its own)."""
     made = []
-    init = meshmod.SharedPlane.__init__
+    init = shm.SharedPlane.__init__
 
-    def counting(self, segment, mesh):
-        made.append(mesh.worker_id)
-        init(self, segment, mesh)
-    monkeypatch.setattr(meshmod.SharedPlane, "__init__", counting)
+    def counting(self, segment, **kw):
+        made.append(segment.rank)
+        init(self, segment, **kw)
+    monkeypatch.setattr(shm.SharedPlane, "__init__", counting)
     return made
 
 

@@ -7,6 +7,7 @@ reference (tests/session_helpers.py), a killed or absent rank named, an
 abort, Ctrl-C in a barrier. The backend tests run tests/shm_script.py and
 tests/ddp_script.py ranks.
 """
+import mmap
 import multiprocessing
 import os
 import signal
@@ -50,16 +51,16 @@ def op_of(i):
 
 
 def segment_rank(name, world, rank, results, hold=None):
-    seg = shm.Segment.attach(name, world, rank, REGION, NONCE)
+    plane = shm.rank_plane(shm.Segment.attach(name, world, rank, REGION, NONCE), LIMIT)
     try:
         out = []
         for i, n in enumerate(SIZES):
             x = inputs_of(rank, i, n)
-            seg.allreduce(x, op_of(i), timeout=LIMIT)
+            plane.allreduce(x, op_of(i), timeout=LIMIT)
             out.append(x)
         results.put((rank, out))
     finally:
-        seg.close()
+        plane.close()
 
 
 def test_segment_allreduce_is_bit_exact_in_rank_order():
@@ -134,16 +135,16 @@ def test_a_segment_whose_creator_is_gone_is_swept():
 
 
 def waiting_rank(name, world, rank, timeout, results, ready=None):
-    seg = shm.Segment.attach(name, world, rank, REGION, NONCE)
+    plane = shm.rank_plane(shm.Segment.attach(name, world, rank, REGION, NONCE), timeout)
     if ready is not None:
         ready.put(rank)
     try:
-        seg.allreduce(np.ones(1000, dtype=np.float32), Op.AVG, timeout=timeout)
+        plane.allreduce(np.ones(1000, dtype=np.float32), Op.AVG, timeout=timeout)
         results.put((rank, None, None, None))
     except CollectiveAborted as exc:
         results.put((rank, type(exc).__name__, exc.rank, str(exc)))
     finally:
-        seg.close()
+        plane.close()
 
 
 def idle_rank(name, world, rank, attached, release):
@@ -220,20 +221,24 @@ def test_an_arrived_rank_wins_over_an_abort():
 # it from its own buffer. These tests fill or scribble that slice of the
 # input regions, so reading it from there would change the bits or reports.
 
-def in_process(world, body, region=REGION):
-    """``body(arena, rank, inputs)`` on a thread per rank of one bytearray
-    mapping (``inputs``: the input regions as float32 rows, the layout's
-    last world + 1 regions being the inputs then the output)."""
-    mapping = bytearray(_core.shm_size(world, region))
-    arenas = [_core.ShmArena(mapping, world, r, region) for r in range(world)]
+def in_process(world, body, region=REGION, planes=False):
+    """``body(arena, rank, inputs)`` on a thread per rank of one mapping
+    (``inputs``: the input regions as float32 rows, the layout's last
+    world + 1 regions being the inputs then the output); with ``planes``
+    each rank's :class:`ddpwire.shm.SharedPlane` in place of its arena."""
+    mapping = mmap.mmap(-1, _core.shm_size(world, region))
+    segments = [shm.Segment("in-process", mapping, world, r, region, False)
+                for r in range(world)]
+    arenas = [seg.arena for seg in segments]
     arenas[0].init(NONCE)
+    ranks = [shm.rank_plane(seg, LIMIT) for seg in segments] if planes else arenas
     regions = np.frombuffer(mapping, dtype=np.float32, offset=len(mapping) - (world + 1) * region)
     inputs = regions.reshape(world + 1, region // 4)[:world]
     results, errors = {}, {}
 
     def run(r):
         try:
-            results[r] = body(arenas[r], r, inputs)
+            results[r] = body(ranks[r], r, inputs)
         except BaseException as exc:  # handed to the test
             errors[r] = exc
             arenas[r].abort(r)
@@ -247,6 +252,7 @@ def in_process(world, body, region=REGION):
     del regions, inputs
     for a in arenas:
         a.close()
+    mapping.close()
     assert not errors, errors
     return results
 
@@ -260,21 +266,20 @@ def reference(op, ins):
 def test_allreduce_reads_each_rank_s_own_slice_from_its_buffer(world):
     sizes = [1, 5, 17, 16 * 4 + 3, 4099, REGION // 4]
 
-    def body(arena, rank, inputs):
+    def body(plane, rank, inputs):
         out = []
         for i, n in enumerate(sizes):
             x = inputs_of(rank, i, n)
             # only this rank reads this slice of its region: once the last
             # allreduce has returned, nobody else is reading it at all
-            start, count = arena.slice(n, rank)
+            start, count = plane.segment.arena.slice(n, rank)
             inputs[rank][start:start + count] = np.nan
-            status = arena.allreduce(x, int(op_of(i)), 2 * i + 1, LIMIT)
-            assert status == (_core.SHM_OK, -1)
+            plane.allreduce(x, op_of(i), LIMIT)
             assert np.isnan(inputs[rank][start:start + count]).all()  # never staged
             out.append(x)
         return out
 
-    got = in_process(world, body)
+    got = in_process(world, body, planes=True)
     for i, n in enumerate(sizes):
         want = reference(op_of(i), [inputs_of(r, i, n) for r in range(world)])
         for r in range(world):
@@ -292,26 +297,27 @@ def test_allreduce_writes_the_own_slice_from_the_sum_itself(world, op):
     n = (1 << 22) * world + 4099
     region = n * 4
 
-    def body(arena, rank, inputs):
+    def body(plane, rank, inputs):
         x = inputs_of(rank, 3, n)  # rank 1 holds an inf
-        assert arena.allreduce(x, int(op), 1, LIMIT) == (_core.SHM_OK, -1)
+        plane.allreduce(x, op, LIMIT)
         return x
 
-    got = in_process(world, body, region)
+    got = in_process(world, body, region, planes=True)
     want = reference(op, [inputs_of(r, 3, n) for r in range(world)])
     for r in range(world):
         assert got[r].tobytes() == want.tobytes(), (world, op, r)
 
 def split_step(arena, rank, x, scribble, inputs, generation=0):
-    """The mesh's calls (ddpwire.mesh.SharedPlane) for one vector, with this
-    rank's own slice of its input region scribbled over between stage and
-    reduce: (reduce_mean's report, the gathered average)."""
+    """A plane's arena calls for one vector, the whole result copied out as
+    the mesh copies it, with this rank's own slice of its input region
+    scribbled over between stage and reduce: (reduce's report, the gathered
+    average)."""
     arena.stage(x)
     assert arena.barrier(generation + 1, LIMIT) == (_core.SHM_OK, -1)
     assert arena.agree() == -1
     start, count = arena.slice(len(x), rank)
     inputs[rank][start:start + count] = scribble
-    report = arena.reduce_mean(x)
+    report = arena.reduce(x)
     assert report[:2] == (start, count)
     assert arena.barrier(generation + 2, LIMIT) == (_core.SHM_OK, -1)
     out = np.empty_like(x)
@@ -362,18 +368,20 @@ def test_a_non_finite_value_in_the_own_slice_is_reported_from_the_buffer():
         assert got[r][1].tobytes() == want.tobytes(), r
 
 
-def test_reduce_mean_takes_the_staged_buffer_only():
+def test_reduce_takes_the_staged_buffer_only():
     arena = _core.ShmArena(bytearray(_core.shm_size(1, 4096)), 1, 0, 4096)
     arena.init(NONCE)
     x = np.arange(8, dtype=np.float32)
     with pytest.raises(ValueError, match="stage"):
-        arena.reduce_mean(x)  # nothing staged
+        arena.reduce(x)  # nothing staged
+    with pytest.raises(ValueError, match="neither SUM"):
+        arena.stage(x, 7)
     arena.stage(x)
     for other in (x.copy(), x[:4]):
         with pytest.raises(ValueError, match="stage"):
-            arena.reduce_mean(other)
+            arena.reduce(other)
     assert arena.barrier(1, 1.0) == (_core.SHM_OK, -1)
-    assert arena.reduce_mean(x) == (0, 8, -1, 0, 0.0)
+    assert arena.reduce(x) == (0, 8, -1, 0, 0.0)
     assert arena.barrier(2, 1.0) == (_core.SHM_OK, -1)
     out = np.empty_like(x)
     arena.gather(out)
@@ -390,7 +398,7 @@ def test_ctrl_c_interrupts_a_barrier(tmp_path):
             f"seg = shm.Segment.attach({seg.name!r}, 2, 0, {REGION}, {NONCE!r})\n"
             f"open({str(mark)!r}, 'w').close()\n"
             # rank 1 never comes: only Ctrl-C ends this within the test's limit
-            "seg.allreduce(np.ones(10, dtype=np.float32), Op.SUM, timeout=3600)\n")
+            "shm.rank_plane(seg, 3600).allreduce(np.ones(10, dtype=np.float32), Op.SUM, 3600)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:

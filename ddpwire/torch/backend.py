@@ -190,7 +190,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         self._group: Rendezvous = join_group(store, rank, world_size, timeout)
         self._close_timeout = min(seconds, 10.0)
         self._seconds = seconds
-        self._shm: Optional[_shm.Segment] = None
+        self._shm: Optional[_shm.SharedPlane] = None
         try:
             self._shm = _shm.negotiate(self._group.client, rank, world_size, seconds)
         except BaseException:
@@ -210,7 +210,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                 raise
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def _hook_shm(self, seg: "_shm.Segment") -> None:
+    def _hook_shm(self, seg: "_shm.SharedPlane") -> None:
         # A barrier in shared memory watches no socket: whatever ends the
         # group (the service's error, the coordinator gone, on rank 0 a rank's
         # connection closing) calls the barriers off, naming the rank.
