@@ -1,14 +1,18 @@
-"""The allreduce of ranks that share one host, through shared memory.
+"""The allreduce of members that share one host, through shared memory: the
+one shared-memory plane of ddpwire, for the torch backend's ranks and the
+Worker mesh's workers alike.
 
-Rank 0 creates a segment (POSIX shared memory, mode 0600, csrc/shm.h has the
-layout and the algorithm), announces its name and a random nonce to the
-group through the collectives service, and every rank attaches and checks
-the nonce. Once every rank has answered, rank 0 unlinks the name: from then
-on the segment lives only as long as some rank maps it, so no rank's death,
-even by SIGKILL, can leave it behind. If any rank cannot attach, or is on
-another host, every rank stays on TCP.
+Member 0 creates a segment (POSIX shared memory, mode 0600, csrc/shm.h has
+the layout and the algorithm) and announces its name and a random nonce to
+the group (:func:`share_segment`: through the collectives service for the
+backend, :func:`negotiate`; over the mesh links for the Worker mesh), and
+every member attaches and checks the nonce. Once every member has answered,
+member 0 unlinks the name: from then on the segment lives only as long as
+some member maps it, so no member's death, even by SIGKILL, can leave it
+behind. If any member cannot attach, or is on another host, every member
+stays on TCP. :class:`SharedPlane` then runs every allreduce on it.
 
-``DDPWIRE_SHM=0`` turns it off (on any rank: the group then stays on TCP).
+``DDPWIRE_SHM=0`` turns it off (on any member: the group then stays on TCP).
 Nothing here imports torch.
 """
 from __future__ import annotations
