@@ -245,7 +245,9 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         """The step this coordinator's run starts at: 0, or with ``resume``
         the one its workers go on from (known once they have joined)."""
         late = self._members.late
-        return late.resume_step or 0 if self.resume and late is not None else 0
+        if not self.resume or late is None or late.resume_step is None:
+            return 0
+        return late.resume_step
 
     def channel(self, worker_id: int) -> Channel:
         """The connection to one joined worker, for extensions that exchange

@@ -88,7 +88,6 @@ class Segment:
         self.region_bytes = region
         self._map = mapping
         self.arena = _core.ShmArena(mapping, world, rank, region)
-        self._owner = owner
         self._linked = owner
 
     @classmethod
