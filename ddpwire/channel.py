@@ -153,6 +153,26 @@ class Channel:
         finally:
             self.send_lock.release()
 
+    def send_last(self, msg: Any, *, lock_wait: float, timeout: float, what: str) -> bool:
+        """Send ``msg`` as the last frame from this side, then shut the
+        sending half (the peer reads it, then the end of the stream).
+        Only between two frames: a stream left inside one (an exception cut
+        a frame short) would take ``msg`` for the rest of it, and so would
+        a closed connection's peer; a heartbeat going out is waited for up
+        to ``lock_wait`` seconds. Returns whether ``msg`` went out; a send
+        that fails raises (DdpwireError, OSError)."""
+        if self.conn.fileno() < 0 or not self.send_lock.acquire(timeout=max(0.0, lock_wait)):
+            return False
+        try:
+            if self.frame_open:
+                return False
+            self.conn.send_parts(encode_frame_parts(msg, max_frame=self.max_frame), timeout,
+                                 what=what)
+            self.conn.sock.shutdown(socket.SHUT_WR)
+            return True
+        finally:
+            self.send_lock.release()
+
     def read_head(self, expected: Sequence[type], *, step: Optional[int] = None,
                   what: str = "receiving", deadline: Optional[float] = None) -> Any:
         """The next frame other than a Heartbeat: a whole message, or the

@@ -182,23 +182,16 @@ class Membership:
         log.warning("worker %d lost during step %d (%s): %s with %s", worker_id, step,
                     exc.message, "the step stands, going on" if committed else "redoing it",
                     counted(len(roster.channels), "worker"))
-        # a heartbeat may be going out: it is short, and a frame of its own
-        if not chan.send_lock.acquire(timeout=1.0):
-            chan.close()
-            return
         try:
-            if chan.frame_open or chan.conn.fileno() < 0:
-                chan.close()  # inside a frame from here: closing is all it can be told
-                return
-            chan.conn.send_parts(encode_frame_parts(StepAborted(
-                step=step, worker_id=worker_id, workers=len(roster.channels))), 1.0,
-                what="telling a dropped worker")
-            chan.conn.sock.shutdown(socket.SHUT_WR)
+            # a heartbeat may be going out: it is short, and a frame of its own
+            told = chan.send_last(StepAborted(step=step, worker_id=worker_id,
+                                              workers=len(roster.channels)),
+                                  lock_wait=1.0, timeout=1.0, what="telling a dropped worker")
         except (DdpwireError, OSError):
-            chan.close()
+            told = False
+        if not told:
+            chan.close()  # inside a frame, or gone: closing is all it can be told
             return
-        finally:
-            chan.send_lock.release()
         self._dropped.append(chan)
 
     def _send_each(self, msg: object, step: int) -> None:

@@ -17,14 +17,14 @@ from . import mesh as _mesh
 from . import plan as _plan
 from . import shm as _shm
 from .admission import Admitted
-from .errors import DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError, WorkerLost
+from .errors import DdpwireError, GradientMismatch, ProtocolError, WorkerLost
 from .extensions import Extension
 from .launch import is_loopback
 from .messages import NO_WORKER, CollectiveError, MeshPeers, StepCommit, StepReport
 from .channel import SIDE_MESSAGES
 from .results import ReduceResult
 from .roster import Roster, log
-from .star import FLAT, Star
+from .star import FLAT, Star, halting
 
 __all__ = ["MESH_BLAME_GRACE", "MeshControl", "choose_share", "culprit"]
 
@@ -245,7 +245,6 @@ class MeshControl:
 
     def _halt(self, step: int, bad_worker: int, bad_index: int, bad_value: float) -> None:
         """Tell every worker which element halts the step, and raise it."""
-        log.error("worker %d sent a non-finite gradient at step %d: halting", bad_worker, step)
         # even an interrupted halt ends the session: its frames are cut short
         with self.roster.talking(step, any_error=True, mesh=True):
             try:
@@ -255,8 +254,7 @@ class MeshControl:
             except DdpwireError as exc:
                 # the halt is the cause; a worker not told hears the close
                 log.warning("step %d: the halt did not reach every worker: %s", step, exc)
-            raise NonFiniteGradient(bad_worker, bad_index, bad_value, worker_id=bad_worker,
-                                    step=step)
+            raise halting(bad_worker, bad_index, bad_value, step)
 
     def _answers(self, step: int) -> Tuple[List[object], Set[int], Set[int]]:
         """Every worker's answer to a mesh step, all watched at once: a

@@ -251,25 +251,18 @@ class Roster:
         failing that send before the worker reads the Shutdown."""
         deadline = time.monotonic() + grace
         self._stop.set()  # no heartbeat after the Shutdown
-        frame = encode_frame_parts(Shutdown())
         told: List[Channel] = []
         for chan in self.channels:
-            if chan.conn.fileno() < 0:
-                continue  # closed: a failed step abandoned it
-            # the heartbeat thread may be inside a frame: it is short, wait
-            if not chan.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                continue
             try:
-                if chan.frame_open:
+                # the heartbeat thread may be inside a frame: it is short, wait
+                if chan.send_last(Shutdown(), lock_wait=deadline - time.monotonic(),
+                                  timeout=min(grace, self.timeout), what="sending Shutdown"):
+                    told.append(chan)
+                elif chan.conn.fileno() >= 0:
                     log.info("worker %s: its connection is inside a frame, no Shutdown",
                              chan.peer_id)
-                    continue
-                chan.conn.send_parts(frame, min(grace, self.timeout), what="sending Shutdown")
-                told.append(chan)
-            except DdpwireError as exc:
+            except (DdpwireError, OSError) as exc:
                 log.debug("could not send Shutdown to worker %s: %s", chan.peer_id, exc)
-            finally:
-                chan.send_lock.release()
         _await_hang_up(told, deadline)
         return len(told)
 
@@ -281,7 +274,6 @@ def _await_hang_up(chans: List[Channel], deadline: float) -> None:
     try:
         for chan in chans:
             try:
-                chan.conn.sock.shutdown(socket.SHUT_WR)  # nothing more from here
                 sel.register(chan.conn.sock, selectors.EVENT_READ)
             except (OSError, ValueError):
                 continue

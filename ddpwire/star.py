@@ -77,6 +77,13 @@ def limit_receive(admitted: Sequence[Admitted], setting: Union[str, int, None],
             log.info("worker %d: receive window %d bytes", a.worker_id, window)
 
 
+def halting(worker_id: int, index: int, value: float, step: int) -> NonFiniteGradient:
+    """The error a step halts on, for the first non-finite element a worker
+    sent (logged here, once, whichever engine found it)."""
+    log.error("worker %d sent a non-finite gradient at step %d: halting", worker_id, step)
+    return NonFiniteGradient(worker_id, index, value, worker_id=worker_id, step=step)
+
+
 class Star:
     """The star's average over ``roster``'s workers, through a ring of
     ``ring_bytes`` per worker; ``socket_threads`` as the coordinator's."""
@@ -262,8 +269,7 @@ class Star:
         for chan, (index, value) in zip(self.roster.channels, bad):
             wid = chan.peer_id
             if index >= 0:
-                log.error("worker %d sent a non-finite gradient at step %d: halting", wid, step)
-                raise NonFiniteGradient(wid, index, value, worker_id=wid, step=step)
+                raise halting(wid, index, value, step)
 
     def _use_socket_threads(self, heads: list) -> bool:
         """Whether the vectors these heads announce stream on threads."""

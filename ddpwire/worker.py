@@ -95,8 +95,7 @@ class Worker(LifecycleOwner[WorkerState]):
         # The mesh (docs/extensions.md): granted at the join, its peer table
         # arrives once every worker has joined, ahead of anything else; the
         # links open at the first flat step.
-        self._mesh_step = MeshStep(channel, worker_id, mesh_listener,
-                                   _mesh.check_congestion(tcp_congestion))
+        self._mesh_step = MeshStep(channel, worker_id, mesh_listener, tcp_congestion)
         self._topology_lock = threading.Lock()
         # Shards by measured speed (docs/extensions.md): the step last
         # assigned, its ShardScale, and when it was assigned (None once its
