@@ -1,8 +1,9 @@
 """What a DDP step of bench/ddp_step.py's model costs without the network:
 forward, backward and the SGD step, each rank alone on its process, N ranks
 at once on this machine's cores (as the cluster's ranks share them), beside
-torch's own float32 -> bfloat16 -> float32 round trip of the whole gradient
-(a cost a 16-bit bucket pays in some form on every rank).
+the float32 -> bfloat16 -> float32 round trip of the whole gradient that a
+16-bit bucket pays in some form on every rank: torch's (``.to``) and
+ddpwire's C kernels (``to_half``, ``from_half``, as the rank links run them).
 
     python -m pytest -q bench/test_bench_ddp_compute.py --benchmark-json=docs/ddp-compute.json
 
@@ -26,11 +27,14 @@ from ddp_step import BATCH, WIDTHS, _model
 RANKS = [int(n) for n in os.environ.get("DDPWIRE_BENCH_RANKS", "1,2,4").split(",")]
 ROUNDS = 10
 WARMUP = 3
-PHASES = ("forward", "backward", "optimizer", "bf16_round_trip")
+PHASES = ("forward", "backward", "optimizer", "bf16_round_trip", "ddpwire_bf16_round_trip")
 
 
 def _rank(steps: int, go, done) -> None:
+    import numpy as np
     import torch
+
+    from ddpwire import _core
 
     torch.set_num_threads(1)
     model = _model()
@@ -48,9 +52,15 @@ def _rank(steps: int, go, done) -> None:
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
-        torch.cat([p.grad.reshape(-1) for p in model.parameters()]).to(torch.bfloat16).float()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         t4 = time.perf_counter()
-        done.put((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+        flat.to(torch.bfloat16).float()
+        t5 = time.perf_counter()
+        grads = flat.numpy()
+        half = _core.to_half(grads, np.empty(len(grads), np.uint16), codec="bf16")
+        _core.from_half(half, grads, codec="bf16")
+        t6 = time.perf_counter()
+        done.put((t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5))
 
 
 @pytest.mark.parametrize("ranks", RANKS, ids=[f"N{n}" for n in RANKS])
