@@ -7,6 +7,12 @@ only knob is the backend's name ("gloo" or "ddpwire") and, for "ddpwire-bf16",
 ddpwire's 16-bit bucket hook. It speaks bench/allreduce_procs.py's step
 protocol: each "step" is one forward, backward (DDP's bucketed allreduces
 overlapping it) and optimizer step.
+
+With DDPWIRE_DDP_TRACE=1 every bucket's hook is wrapped to stamp it
+(CLOCK_MONOTONIC ns: handed to the hook, its future done) and the stamps come
+back in the rank's summary ("buckets": [step, bucket index, elements, issued,
+done] each); the wrapping puts a Python hook on gloo's path too, so traced
+runs are for finding where a step's time goes, not for the ratios.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None,
 DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
 BATCH = 8
+TRACE_ENV = "DDPWIRE_DDP_TRACE"
 
 
 def parameter_count() -> int:
@@ -42,6 +49,29 @@ def _model() -> Any:
     for a, b in zip(WIDTHS, WIDTHS[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
+
+
+def _stamped(hook: Any, trace: list) -> Any:
+    """``hook`` with each bucket's hand-over and completion stamped into ``trace``."""
+    import time
+
+    step, seen = [0], set()
+
+    # unannotated: DDP refuses a hook whose annotations are not its own types
+    def stamped(state, bucket):  # type: ignore[no-untyped-def]
+        index = bucket.index()
+        if index in seen:  # every bucket goes once a step: a new step began
+            step[0] += 1
+            seen.clear()
+        seen.add(index)
+        entry = [step[0], index, bucket.buffer().numel(), time.monotonic_ns(), None]
+        trace.append(entry)
+
+        def done(fut: Any) -> Any:
+            entry[4] = time.monotonic_ns()
+            return fut.value()
+        return hook(state, bucket).then(done)
+    return stamped
 
 
 def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
@@ -62,17 +92,25 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=n, timeout=timedelta(seconds=120))
         ddp = DDP(_model())
+        chosen = None
         if hook == "bf16":
             from ddpwire.torch.hooks import bf16_wire_hook
 
-            ddp.register_comm_hook(None, bf16_wire_hook)
+            chosen = bf16_wire_hook
+        trace: list = []
+        if os.environ.get(TRACE_ENV) == "1":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            chosen = _stamped(chosen or allreduce_hook, trace)
+        if chosen is not None:
+            ddp.register_comm_hook(None, chosen)
         gen = torch.Generator().manual_seed(100 + rank)
         group = dist.distributed_c10d._get_default_group()
         return {"dist": dist, "torch": torch, "ddp": ddp,
                 "opt": torch.optim.SGD(ddp.parameters(), lr=0.01),
                 "x": torch.randn(BATCH, WIDTHS[0], generator=gen),
                 "y": torch.randint(0, WIDTHS[-1], (BATCH,), generator=gen),
-                "links": bool(getattr(group, "rank_links", False))}
+                "links": bool(getattr(group, "rank_links", False)), "trace": trace}
 
     def step(st: Dict[str, Any]) -> None:
         st["opt"].zero_grad()
@@ -86,6 +124,6 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         st["dist"].destroy_process_group()
         # DDP keeps every rank's parameters identical: the test compares digests
         return {"average_ok": True, "weights_sha256": digest.hexdigest(),
-                "rank_links": st["links"]}
+                "rank_links": st["links"], "buckets": st["trace"]}
 
     _serve(conn, setup, step, finish)

@@ -60,4 +60,7 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
     benchmark.extra_info.update(
         kind=kind, workers=n, parameters=parameter_count(), rounds=rounds, warmup=WARMUP,
         step_spans=spans, step_span_median=statistics.median(spans),
-        worker_rate_bps=PARAMS.worker_rate, coord_rate_bps=PARAMS.coord_rate)
+        worker_rate_bps=PARAMS.worker_rate, coord_rate_bps=PARAMS.coord_rate,
+        step_stamps=group.step_stamps)
+    if any(r.get("buckets") for r in ranks):
+        benchmark.extra_info["buckets"] = [r["buckets"] for r in ranks]
