@@ -45,7 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["CHOICES", "JUMP", "MIN_COMPUTE", "SETTLED", "SMOOTHING", "TOLERANCE", "Balancer",
-           "Shards", "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
+           "ShardClock", "Shards", "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
 CHOICES = {"auto": "auto", "on": True, "off": False}
@@ -357,3 +357,39 @@ class Shards:
         """Each active worker's part of the planned step, as far as it is known."""
         return [WorkerTiming(w, self.split[w], self._compute[w], self.balancer.rates[w])
                 for w in self.active]
+
+
+class ShardClock:
+    """A timed worker's side: when each step's shard came (its ShardScale
+    with it), so that the step's StepTiming says how long the compute took,
+    and the scale its gradients leave multiplied by (no I/O: the worker
+    sends the messages)."""
+
+    def __init__(self) -> None:
+        self._step: Optional[int] = None
+        self._scale = 1.0
+        self._since: Optional[float] = None
+        self._scaled: Optional[np.ndarray] = None
+
+    def assigned(self, step: int, scale: float, now: float) -> None:
+        """``step``'s shard and ShardScale came in at ``now`` (seconds)."""
+        self._step, self._scale, self._since = step, scale, now
+
+    def compute_us(self, step: int, now: float) -> Optional[int]:
+        """Microseconds of compute on ``step``'s shard up to ``now``: once
+        per step (its first upload), None otherwise or for a step not
+        assigned here."""
+        if step != self._step or self._since is None:
+            return None
+        since, self._since = self._since, None
+        return int((now - since) * 1e6)
+
+    def scaled(self, step: int, gradients: np.ndarray) -> np.ndarray:
+        """``gradients`` times ``step``'s scale, in a buffer kept for the
+        next step; a scale of 1 (equal shards) sends them as they are."""
+        if step != self._step or self._scale == 1.0:
+            return gradients
+        src = np.asarray(gradients)
+        if self._scaled is None or len(self._scaled) < len(src):
+            self._scaled = np.empty(len(src), dtype=np.float32)
+        return np.multiply(src, np.float32(self._scale), out=self._scaled[:len(src)])

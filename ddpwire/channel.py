@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _core
 from ._core import encode_frame_parts
-from .errors import GradientMismatch, PeerLost, ProtocolError, UnexpectedMessage
+from .errors import DdpwireError, GradientMismatch, PeerLost, ProtocolError, UnexpectedMessage
 from .messages import GradientPayload, Heartbeat, ModelState, StepTiming
 
 from ._core import DEFAULT_MAX_FRAME
@@ -296,6 +296,43 @@ class Channel:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class Heartbeats:
+    """A Heartbeat on each of ``channels()`` every ``interval`` seconds,
+    from a daemon thread named ``name``, from :meth:`start` (which names the
+    sender) until :meth:`stop`. A channel inside a frame is skipped (bytes are flowing
+    there), and one whose send fails is only logged: its reader finds out."""
+
+    def __init__(self, interval: float, channels: Callable[[], Sequence["Channel"]],
+                 name: str) -> None:
+        self.interval = interval
+        self.node_id = ""
+        self._channels = channels
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self, node_id: str) -> None:
+        """Start beating as ``node_id`` (once; not after :meth:`stop`)."""
+        if not self._stopped.is_set() and self._thread.ident is None:
+            self.node_id = node_id
+            self._thread.start()
+
+    def stop(self, wait: Optional[float] = None) -> None:
+        """No Heartbeat after this returns, with ``wait`` (seconds) for one
+        in flight to end: closing its channel first wakes it."""
+        self._stopped.set()
+        thread = self._thread
+        if wait is not None and thread.ident is not None and thread is not threading.current_thread():
+            thread.join(wait)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            for chan in list(self._channels()):
+                try:
+                    chan.try_send_heartbeat(self.node_id)
+                except (DdpwireError, OSError) as exc:
+                    log.debug("heartbeat on %s failed: %s", chan.conn.peer_name, exc)
 
 
 def still_open(sock: socket.socket) -> bool:

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import selectors
 import socket
-import threading
 import time
 from typing import ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -22,7 +21,7 @@ from . import _core
 from . import balance as _balance
 from ._core import encode_frame_parts
 from .admission import Admitted
-from .channel import Channel
+from .channel import Channel, Heartbeats
 from ._text import counted
 from .errors import DdpwireError, ProtocolError, WorkerLost
 from .extensions import Extension
@@ -59,8 +58,8 @@ class Roster:
         self.heartbeat_timeout = options.heartbeat_timeout
         self.heartbeat = options.heartbeat
         self.life = life
-        self._stop = threading.Event()
-        self._heartbeat_thread: Optional[threading.Thread] = None
+        self._beats = Heartbeats(options.heartbeat, lambda: self.channels,
+                                 "ddpwire-coordinator-heartbeat") if options.heartbeat else None
 
     def channel(self, worker_id: int) -> Channel:
         """The connection to one worker in the session."""
@@ -143,32 +142,22 @@ class Roster:
         (with the lifecycle's lock held; once more is harmless)."""
         # the heartbeat thread may be inside a send on a connection closed
         # below: Connection.close() then waits for it to leave the descriptor
-        self._stop.set()
+        self._stop_heartbeats()
         for chan in self.channels:
             chan.close()
-        beat = self._heartbeat_thread
-        if beat is not None and beat is not threading.current_thread():
-            beat.join(self.timeout)
+        self._stop_heartbeats(self.timeout)
 
     # ---- heartbeats ----
 
     def start_heartbeats(self, node_id: str) -> None:
         """With ``heartbeat`` set, a Heartbeat to each idle worker at that
         interval until :meth:`release` or :meth:`stop`."""
-        if not self.heartbeat or self._heartbeat_thread is not None:
-            return
-        self._heartbeat_thread = threading.Thread(
-            target=self._send_heartbeats, args=(self.heartbeat, node_id),
-            name="ddpwire-coordinator-heartbeat", daemon=True)
-        self._heartbeat_thread.start()
+        if self._beats is not None:
+            self._beats.start(node_id)
 
-    def _send_heartbeats(self, interval: float, node_id: str) -> None:
-        while not self._stop.wait(interval):
-            for chan in list(self.channels):
-                try:
-                    chan.try_send_heartbeat(node_id)
-                except (DdpwireError, OSError) as exc:
-                    log.debug("heartbeat to worker %s failed: %s", chan.peer_id, exc)
+    def _stop_heartbeats(self, wait: Optional[float] = None) -> None:
+        if self._beats is not None:
+            self._beats.stop(wait)
 
     # ---- sending to every worker ----
 
@@ -250,7 +239,7 @@ class Roster:
         gradients, and closing with them unread would reset the connection,
         failing that send before the worker reads the Shutdown."""
         deadline = time.monotonic() + grace
-        self._stop.set()  # no heartbeat after the Shutdown
+        self._stop_heartbeats()  # no heartbeat after the Shutdown
         told: List[Channel] = []
         for chan in self.channels:
             try:

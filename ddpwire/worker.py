@@ -7,36 +7,34 @@ per-block mode overlaps them); two threads must not both send or both receive.
 """
 from __future__ import annotations
 
-import collections
 import enum
 import logging
 import socket
 import threading
 import time
-from typing import (Any, Callable, ContextManager, Deque, Dict, FrozenSet, Mapping, Optional,
-                    Sequence, Tuple, Union)
+from typing import (Any, Callable, ContextManager, Dict, FrozenSet, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 
 from . import _core
 from . import mesh as _mesh
 from . import model_state as _model_state
-from . import socket_threads as _socket_threads
-from ._core import encode_frame_parts
 from ._text import counted
-from .channel import Channel, check_timeout, message_name, result_buffer
+from .balance import ShardClock
+from .channel import Channel, Heartbeats, check_timeout, result_buffer
 from .errors import (CoordinatorLost, DdpwireError, GradientMismatch, MembershipChanged,
-                     NonFiniteGradient, ProtocolError, ShutdownDuringReduce, UnexpectedMessage,
-                     WorkerDropped)
+                     NonFiniteGradient, ProtocolError)
 from .extensions import Extension, decode_u64
 from .join import default_node_id, join
 from .lifecycle import Lifecycle, LifecycleOwner
 from .mesh_step import MeshStep
 from .messages import (NO_WORKER, AveragedBlockGradient, AveragedGradient,
                        AveragedNonBlockGradient, BlockGradientPayload, CollectiveError,
-                       GradientPayload, Heartbeat, NonBlockGradientPayload, ShardAssignment,
-                       ShardScale, Shutdown, StateRequest, StepAborted, StepTiming)
+                       GradientPayload, NonBlockGradientPayload, ShardAssignment, ShardScale,
+                       Shutdown, StateRequest, StepAborted, StepTiming)
 from .options import UNSET, SessionOptions, options_from
+from .star_step import Owed, StarStep, check_aborted
 
 __all__ = ["Worker", "WorkerState"]
 
@@ -81,29 +79,28 @@ class Worker(LifecycleOwner[WorkerState]):
                  tcp_congestion: Optional[str] = _mesh.DEFAULT_CONGESTION) -> None:
         self._chan = channel
         self.extensions: Dict[int, bytes] = dict(extensions or {})
-        self.socket_threads = socket_threads
         self._worker_id = worker_id
         self._total_workers = total_workers
         self.node_id = node_id
         self._life: Lifecycle[WorkerState] = Lifecycle(
             WorkerState.JOINED, _WORKER_MOVES, failed=WorkerState.FAILED,
             closed=WorkerState.CLOSED, owner=f"worker {worker_id}")
-        # (type, step, block_idx or component) of each reply still owed, so a
-        # reply for something else is caught instead of applied; changed with
-        # the state (IN_STEP while any is owed), under the lifecycle's lock.
-        self._owed: Deque[Tuple[type, int, Optional[int]]] = collections.deque()
         # The mesh (docs/extensions.md): granted at the join, its peer table
         # arrives once every worker has joined, ahead of anything else; the
         # links open at the first flat step.
         self._mesh_step = MeshStep(channel, worker_id, mesh_listener, tcp_congestion)
         self._topology_lock = threading.Lock()
-        # Shards by measured speed (docs/extensions.md): the step last
-        # assigned, its ShardScale, and when it was assigned (None once its
-        # StepTiming went out); a buffer for the scaled gradients.
+        # Shards by measured speed (docs/extensions.md): each shard comes
+        # with its ShardScale, and its compute time goes back (StepTiming).
         self._timed = Extension.BALANCE in self.extensions
+        self._clock = ShardClock()
         # An elastic session (docs/extensions.md): a step may be called off
         # (StepAborted) in place of its average, and computed again.
         self._elastic = Extension.ELASTIC in self.extensions
+        # the replies the coordinator owes (IN_STEP while any is), changed
+        # with the state under the lifecycle's lock
+        self._star = StarStep(channel, worker_id, self._life.lock, elastic=self._elastic,
+                              socket_threads=socket_threads)
         late = self.extensions.get(Extension.ELASTIC) or b""
         #: the step a worker that joined an elastic session late enters at
         #: (its state comes first: :meth:`receive_state`); None for the first join
@@ -114,15 +111,10 @@ class Worker(LifecycleOwner[WorkerState]):
         #: this one, it returns the state (bytes-like) the joiner starts from
         #: (DataParallelTrainer sets it); None hands an empty state
         self.state_source: Optional[Callable[[int], Any]] = None
-        self._shard: Optional[Tuple[int, float, Optional[float]]] = None
-        self._scaled: Optional[np.ndarray] = None
-        self._stop = threading.Event()
-        self._heartbeat_thread: Optional[threading.Thread] = None
-        if heartbeat:
-            self._heartbeat_thread = threading.Thread(
-                target=self._send_heartbeats, args=(heartbeat,),
-                name="ddpwire-worker-heartbeat", daemon=True)
-            self._heartbeat_thread.start()
+        self._beats = Heartbeats(heartbeat, lambda: (channel,), "ddpwire-worker-heartbeat") \
+            if heartbeat else None
+        if self._beats is not None:
+            self._beats.start(node_id)
 
     @classmethod
     def connect(
@@ -224,14 +216,6 @@ class Worker(LifecycleOwner[WorkerState]):
         """The number of workers in the session."""
         return self._total_workers
 
-    def _send_heartbeats(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                self._chan.try_send_heartbeat(self.node_id)
-            except (DdpwireError, OSError) as exc:
-                log.debug("heartbeat failed: %s", exc)
-                return
-
     # ---- the session's state and its one failure path ----
 
     def _talking(self, step: Optional[int], *, any_error: bool = False,
@@ -284,25 +268,25 @@ class Worker(LifecycleOwner[WorkerState]):
         """Close what the session holds: its links, its listener, its
         connection to the coordinator, its heartbeat thread (called once,
         by the move to FAILED or to CLOSED, with the lifecycle's lock held)."""
-        self._stop.set()
+        beats = self._beats
+        if beats is not None:
+            beats.stop()
         self._mesh_step.close()
         self._chan.close()
-        beat = self._heartbeat_thread
-        if beat is not None and beat is not threading.current_thread():
-            # the close above wakes a heartbeat blocked in its send
-            beat.join(self._chan.timeout)
+        if beats is not None:
+            beats.stop(self._chan.timeout)  # the close above wakes one blocked in its send
 
-    def _owe(self, reply: Tuple[type, int, Optional[int]]) -> None:
+    def _owe(self, reply: Owed) -> None:
         """Record a reply the coordinator now owes: IN_STEP until it is in."""
         with self._life.lock:
             self._set_state(WorkerState.IN_STEP)
-            self._owed.append(reply)
+            self._star.owed.append(reply)
 
     def _settled(self) -> None:
         """A reply came in whole: READY once nothing more is owed (a
         per-block sender may have queued another meanwhile)."""
         with self._life.lock:
-            if not self._owed and self._mesh_step.sent is None:
+            if not self._star.owed and self._mesh_step.sent is None:
                 self._set_state(WorkerState.READY)
 
     # ---- flat steps ----
@@ -328,7 +312,7 @@ class Worker(LifecycleOwner[WorkerState]):
                     break
                 # another worker lost while the step was being called off
                 # (its MembershipChanged was raised already), or this one dropped
-                self._check_aborted(msg)
+                check_aborted(msg, self._worker_id)
             if isinstance(msg, Shutdown):
                 log.info("worker %d: shutdown from the coordinator", self._worker_id)
                 return None
@@ -345,28 +329,18 @@ class Worker(LifecycleOwner[WorkerState]):
                 if scale.step != msg.step:
                     raise GradientMismatch("ShardScale step", msg.step, scale.step,
                                            worker_id=self._worker_id, step=msg.step)
-                self._shard = (msg.step, scale.scale, time.perf_counter())
+                self._clock.assigned(msg.step, scale.scale, time.perf_counter())
         return msg
 
     def _upload(self, step: int, gradients: np.ndarray) -> np.ndarray:
         """What goes out for ``step``: with shards by speed, first the
         step's StepTiming (the time since its shard arrived: the compute),
         then the gradients times its ShardScale, which makes the plain
-        mean every path computes the sample-weighted one (ddpwire.balance).
-        A scale of 1 (equal shards) sends the gradients as they are."""
-        if self._shard is None or self._shard[0] != step:
-            return gradients
-        _, scale, since = self._shard
-        if since is not None:
-            compute_us = int((time.perf_counter() - since) * 1e6)
+        mean every path computes the sample-weighted one (ddpwire.balance)."""
+        compute_us = self._clock.compute_us(step, time.perf_counter())
+        if compute_us is not None:
             self._chan.send(StepTiming(step=step, compute_us=compute_us), step=step)
-            self._shard = (step, scale, None)
-        if scale == 1.0:
-            return gradients
-        src = np.asarray(gradients)
-        if self._scaled is None or len(self._scaled) < len(src):
-            self._scaled = np.empty(len(src), dtype=np.float32)
-        return np.multiply(src, np.float32(scale), out=self._scaled[:len(src)])
+        return self._clock.scaled(step, gradients)
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
         """Send this step's gradients (any C-contiguous float32 buffer, sent
@@ -432,7 +406,7 @@ class Worker(LifecycleOwner[WorkerState]):
             self._mesh_send(step, gradients, loss, correct, total)
             return self._mesh_receive(out)
         if self._life.state is WorkerState.IN_STEP:
-            raise DdpwireError(f"allreduce: {counted(len(self._owed), 'earlier average')} "
+            raise DdpwireError(f"allreduce: {counted(len(self._star.owed), 'earlier average')} "
                                f"not yet received",
                                worker_id=self._worker_id, step=step)
         out = result_buffer(out, len(gradients))
@@ -440,58 +414,13 @@ class Worker(LifecycleOwner[WorkerState]):
             gradients = self._upload(step, gradients)
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
-        chan = self._chan
-        send_thread = _socket_threads.for_worker(self.socket_threads, 4 * len(gradients))
-        # any exception inside leaves a frame cut short, one way or the other
         with self._talking(step, any_error=True):
-            parts = encode_frame_parts(msg, max_frame=chan.max_frame)
             self._set_state(WorkerState.IN_STEP)
-            with chan.send_lock:
-                exchange = _core.Exchange(chan.conn, parts, chan.read_timeout, step=step,
-                                         what="sending GradientPayload", send_thread=send_thread)
-                try:
-                    global_loss = self._exchange_averaged(exchange, step, out)
-                    # called off or not, the coordinator reads the rest of the gradients
-                    exchange.finish()
-                except BaseException:
-                    exchange.abandon()  # its thread must be off the socket before it closes
-                    raise
+            global_loss = self._star.exchange(msg, out)
         self._settled()
         if isinstance(global_loss, StepAborted):
             raise self._membership_changed(global_loss)
         return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
-
-    def _exchange_averaged(self, exchange: "_core.Exchange", step: int,
-                           out: np.ndarray) -> Union[float, StepAborted]:
-        """Receive the AveragedGradient for ``step`` into ``out`` while the
-        payload goes out; returns global_loss, or in an elastic session the
-        StepAborted that came in its place."""
-        chan = self._chan
-        ctx = dict(worker_id=self._worker_id, step=step)
-        deadline = time.monotonic() + chan.timeout
-        expect = (AveragedGradient, Shutdown, Heartbeat) + ((StepAborted,) if self._elastic else ())
-        while True:
-            head = _core.exchange_frame_head(exchange, chan.max_frame, deadline=deadline,
-                                             expect=expect, peer_id=self._worker_id, step=step,
-                                             what="receiving AveragedGradient")
-            if isinstance(head, StepAborted):
-                self._check_aborted(head, step)
-                return head
-            if not isinstance(head, Heartbeat):
-                break
-        if isinstance(head, Shutdown):
-            raise ShutdownDuringReduce("coordinator shut down during AllReduce", **ctx)
-        if not isinstance(head, _core.FrameHead) or head.tag != AveragedGradient.TAG:
-            raise UnexpectedMessage(AveragedGradient.__name__, message_name(head), **ctx)
-        if head.gradient_count != len(out):
-            raise GradientMismatch("gradients length", len(out), head.gradient_count, **ctx)
-        if head.step != step:
-            raise GradientMismatch("step", step, head.step, **ctx)
-        tail = bytearray(head.tail_len)
-        bad = exchange.recv_into(out, tail, what="receiving AveragedGradient.gradients",
-                                 check_finite=True)
-        self._refuse_non_finite(out, bad, step)
-        return _core.decode_tail(head.tag, bytes(tail))[3]
 
     # ---- joining an elastic session late ----
 
@@ -514,19 +443,6 @@ class Worker(LifecycleOwner[WorkerState]):
                  self._worker_id, total, step)
         return step, state
 
-    def _check_aborted(self, msg: StepAborted, step: Optional[int] = None) -> None:
-        """A StepAborted for another step than ``step`` (when given) is a
-        GradientMismatch; one naming this worker says it was dropped
-        (WorkerDropped, which ends the session here)."""
-        if step is not None and msg.step != step:
-            raise GradientMismatch("StepAborted step", step, msg.step, worker_id=self._worker_id,
-                                   step=step)
-        if msg.worker_id == self._worker_id:
-            raise WorkerDropped(
-                f"the coordinator dropped this worker during step {msg.step} (it was silent or "
-                f"stalled past the coordinator's timeout) and goes on with "
-                f"{counted(msg.workers, 'worker')}", worker_id=self._worker_id, step=msg.step)
-
     def _membership_changed(self, msg: StepAborted) -> MembershipChanged:
         """What the call a step was called off in raises: the step is to be
         computed again, on the shard that comes next."""
@@ -535,15 +451,6 @@ class Worker(LifecycleOwner[WorkerState]):
                     self._worker_id, msg.worker_id, msg.step, counted(msg.workers, "worker"))
         return MembershipChanged([msg.worker_id], msg.workers, step=msg.step,
                                  worker_id=self._worker_id)
-
-    def _refuse_non_finite(self, average: np.ndarray, bad: Optional[int],
-                           step: Optional[int]) -> None:
-        """A coordinator must never send a non-finite average (the receive
-        checked each element as it landed); applying one would ruin the
-        model, so it is an error here too."""
-        if bad is not None:
-            raise NonFiniteGradient(self._worker_id, bad, float(average[bad]),
-                                    worker_id=self._worker_id, step=step, source="average")
 
     # ---- the mesh ----
 
@@ -626,64 +533,12 @@ class Worker(LifecycleOwner[WorkerState]):
         return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
 
     def _receive(self, expected: type, out: Optional[np.ndarray], what: str) -> Any:
-        # The per-block receiver starts waiting before the first send, so the
-        # queue may still be empty here: peek only to name the step in errors,
-        # and take the owed entry once the head is in (a send queues its entry
-        # before its bytes go out, so any reply finds it).
-        step = self._owed[0][1] if self._owed else None
-        called_off = [StepAborted] if self._elastic and expected is AveragedGradient else []
-        with self._talking(step):
-            try:
-                head = self._chan.read_head([expected, Shutdown] + called_off, step=step,
-                                            what=f"waiting for {expected.__name__}")
-            except DdpwireError as exc:
-                if self._owed:
-                    exc.add_context(step=self._owed[0][1])
-                raise
-            owed = self._owed[0] if self._owed else None
-            if owed is not None:
-                step = owed[1]
-            if isinstance(head, StepAborted):
-                self._check_aborted(head, step)
-                with self._life.lock:
-                    self._owed.popleft()
-        if isinstance(head, StepAborted):
-            self._settled()
-            raise self._membership_changed(head)
-        with self._talking(step):
-            if isinstance(head, Shutdown):
-                raise ShutdownDuringReduce(f"coordinator shut down during {what}",
-                                           worker_id=self._worker_id, step=step)
-            if not isinstance(head, _core.FrameHead) or head.tag != expected.TAG:
-                raise UnexpectedMessage(expected.__name__, message_name(head),
-                                        worker_id=self._worker_id, step=step)
-            if owed is not None:
-                with self._life.lock:
-                    self._owed.popleft()
-                self._check_owed(owed, expected, head)
-            gradients, tail, bad = self._chan.recv_gradients(head, out, step=head.step)
-            self._refuse_non_finite(gradients, bad, head.step)
+        with self._talking(self._star.owed_step()):
+            reply = self._star.receive(expected, out, what)
         self._settled()
-        if expected is AveragedGradient:
-            return AveragedGradient(step=head.step, gradients=gradients, global_loss=tail[3])
-        if expected is AveragedBlockGradient:
-            return AveragedBlockGradient(step=head.step, block_idx=head.block_idx,
-                                         component_sizes=head.component_sizes, gradients=gradients)
-        return AveragedNonBlockGradient(step=head.step, component=head.component,
-                                        gradients=gradients)
-
-    def _check_owed(self, owed: Tuple[type, int, Optional[int]], expected: type,
-                    head: "_core.FrameHead") -> None:
-        kind, step, key = owed
-        ctx = dict(worker_id=self._worker_id, step=step)
-        if kind is not expected:
-            raise UnexpectedMessage(kind.__name__, expected.__name__, **ctx)
-        if head.step != step:
-            raise GradientMismatch("step", step, head.step, **ctx)
-        if kind is AveragedBlockGradient and head.block_idx != key:
-            raise GradientMismatch("block_idx", key, head.block_idx, **ctx)
-        if kind is AveragedNonBlockGradient and head.component != key:
-            raise GradientMismatch("component", key, head.component, **ctx)
+        if isinstance(reply, StepAborted):
+            raise self._membership_changed(reply)
+        return reply
 
     # ---- lifecycle ----
 
