@@ -12,7 +12,10 @@ With DDPWIRE_DDP_TRACE=1 every bucket's hook is wrapped to stamp it
 (CLOCK_MONOTONIC ns: handed to the hook, its future done) and the stamps come
 back in the rank's summary ("buckets": [step, bucket index, elements, issued,
 done] each); the wrapping puts a Python hook on gloo's path too, so traced
-runs are for finding where a step's time goes, not for the ratios.
+runs are for finding where a step's time goes, not for the ratios. On the
+rank links each bucket's two phases are stamped too ("phases": [phase,
+seq, elements, start, end] each, phase "reduce_scatter" or "allgather"),
+by wrapping the runner's methods in this process only.
 """
 from __future__ import annotations
 
@@ -74,6 +77,24 @@ def _stamped(hook: Any, trace: list) -> Any:
     return stamped
 
 
+def _stamp_phases(phases: list) -> None:
+    """Wrap :class:`ddpwire.mesh.Mesh`'s two phases, in this process, to
+    stamp each one's start and end into ``phases``."""
+    import time
+
+    from ddpwire.mesh import Mesh
+
+    def stamped(name: str, method: Any) -> Any:
+        def run(self: Any, step: int, data: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic_ns()
+            result = method(self, step, data, *args, **kwargs)
+            phases.append([name, step, len(data), start, time.monotonic_ns()])
+            return result
+        return run
+    Mesh.reduce_scatter = stamped("reduce_scatter", Mesh.reduce_scatter)  # type: ignore[method-assign]
+    Mesh.allgather = stamped("allgather", Mesh.allgather)  # type: ignore[method-assign]
+
+
 def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
               baseline: Optional[str] = None) -> None:
     backend, hook, _ = DDP_KINDS[kind]
@@ -87,6 +108,9 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
 
         import ddpwire.torch  # noqa: F401  (registers "ddpwire")
 
+        phases: list = []
+        if os.environ.get(TRACE_ENV) == "1" and backend == "ddpwire":
+            _stamp_phases(phases)
         # n ranks share this machine's cores: more intra-op threads would contend
         torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
@@ -110,7 +134,8 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
                 "opt": torch.optim.SGD(ddp.parameters(), lr=0.01),
                 "x": torch.randn(BATCH, WIDTHS[0], generator=gen),
                 "y": torch.randint(0, WIDTHS[-1], (BATCH,), generator=gen),
-                "links": bool(getattr(group, "rank_links", False)), "trace": trace}
+                "links": bool(getattr(group, "rank_links", False)), "trace": trace,
+                "phases": phases}
 
     def step(st: Dict[str, Any]) -> None:
         st["opt"].zero_grad()
@@ -124,6 +149,6 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         st["dist"].destroy_process_group()
         # DDP keeps every rank's parameters identical: the test compares digests
         return {"average_ok": True, "weights_sha256": digest.hexdigest(),
-                "rank_links": st["links"], "buckets": st["trace"]}
+                "rank_links": st["links"], "buckets": st["trace"], "phases": st["phases"]}
 
     _serve(conn, setup, step, finish)

@@ -64,3 +64,5 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
         step_stamps=group.step_stamps)
     if any(r.get("buckets") for r in ranks):
         benchmark.extra_info["buckets"] = [r["buckets"] for r in ranks]
+    if any(r.get("phases") for r in ranks):
+        benchmark.extra_info["phases"] = [r["phases"] for r in ranks]
