@@ -73,8 +73,8 @@ from .channel import Channel, check_timeout
 from .errors import (DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError,
                      ShutdownDuringReduce, UnexpectedMessage, WorkerLost)
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
-from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientPayload, MeshPeers,
-                       PeerHello, Shutdown)
+from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientPayload, Heartbeat,
+                       MeshPeers, PeerHello, Shutdown)
 # the plan's helpers stay importable from here (their home before ddpwire.plan)
 from .plan import Plan, coordinator_part, range_bounds, range_count, slice_bounds
 
@@ -590,9 +590,16 @@ class Mesh:
         for j, chan in enumerate(self.links):
             if chan is None:
                 continue
-            head = _core.read_frame_head(chan.conn, self.timeout, chan.max_frame,
-                                         deadline=deadline, expect=(CollectiveRequest,),
-                                         step=step, what=what, collective_heads=True)
+            # a peer still computing may send Heartbeats on an idle link (a
+            # process group's links: ddpwire.torch.links); each one read
+            # restarts the silence limit, the deadline holds
+            while True:
+                head = _core.read_frame_head(chan.conn, self.timeout, chan.max_frame,
+                                             deadline=deadline,
+                                             expect=(CollectiveRequest, Heartbeat),
+                                             step=step, what=what, collective_heads=True)
+                if not isinstance(head, Heartbeat):
+                    break
             self._check_head(head, step, kind, j, len(recvs[j]), op)
         if leg is not None:
             self._check_reply_head(leg, step, deadline)

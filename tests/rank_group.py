@@ -37,7 +37,7 @@ class Group:
 
 def form_all(world: int, per_rank: Callable[[int], Dict[str, Any]]) -> list:
     """form_links on ``world`` threads; ``per_rank(rank)`` gives its keyword
-    arguments. Returns each rank's RankLinks or None (or its exception)."""
+    arguments (a timeout of 10 s unless they give one). Returns each rank's RankLinks or None (or its exception)."""
     from ddpwire.torch import links as _links
 
     group = Group(world)
@@ -45,8 +45,8 @@ def form_all(world: int, per_rank: Callable[[int], Dict[str, Any]]) -> list:
 
     def run(rank: int) -> None:
         try:
-            got[rank] = _links.form_links(group.client(rank), rank, world, timeout=10.0,
-                                          **per_rank(rank))
+            got[rank] = _links.form_links(group.client(rank), rank, world,
+                                          **{"timeout": 10.0, **per_rank(rank)})
         except BaseException as exc:  # handed to the test
             got[rank] = exc
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]

@@ -5,8 +5,11 @@ when the links cannot open."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -164,3 +167,88 @@ def test_after_a_failure_every_later_call_raises_the_first_cause():
         ranks[0].allreduce(buf, Op.SUM)
     assert again.value is first.value
     ranks[0].close()
+
+
+def _beating(rank):
+    # heartbeats every 50 ms, a peer silent for 0.5 s lost; the group's
+    # deadline far beyond both
+    return {**_loopback(rank), "heartbeat": 0.05, "silence": 0.5}
+
+
+def test_a_rank_computing_past_the_silence_limit_is_waited_for():
+    # rank 1 joins the allreduce 2 s late, four times the silence limit:
+    # its heartbeats on the idle links keep it alive, and the result is exact
+    world, n = 2, 50_000
+    ranks = _form_all(world, _beating)
+    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    rng = np.random.default_rng(9)
+    inputs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    bufs = [x.copy() for x in inputs]
+    errors = []
+
+    def run(r, delay):
+        try:
+            threading.Event().wait(delay)
+            for _ in range(2):  # a second allreduce after the heartbeats: frames intact
+                ranks[r].allreduce(bufs[r], Op.SUM)
+        except BaseException as exc:  # handed to the test
+            errors.append((r, exc))
+    try:
+        threads = [threading.Thread(target=run, args=(r, 2.0 * r)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        once = reference_allreduce(inputs, Op.SUM)
+        want = reference_allreduce([once, once], Op.SUM)
+        for r in range(world):
+            assert np.array_equal(bufs[r].view(np.uint32), want.view(np.uint32)), r
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_a_rank_gone_silent_is_named_within_the_silence_limit_not_the_deadline():
+    # rank 1's machine goes quiet (its heartbeats stop, it never joins the
+    # allreduce, its links stay open): rank 0 names it after the 0.5 s of
+    # silence, where the group's deadline is 60 s away
+    ranks = _form_all(2, lambda r: {**_beating(r), "timeout": 60.0})
+    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    ranks[1]._beats.stop(5.0)
+    buf = np.ones(1000, dtype=np.float32)
+    started = time.monotonic()
+    try:
+        with pytest.raises(CollectiveAborted) as lost:
+            ranks[0].allreduce(buf, Op.SUM)
+        took = time.monotonic() - started
+        assert lost.value.rank == 1, lost.value
+        assert took < 30.0, took  # named by its silence: the deadline was 60 s off
+    finally:
+        for r in ranks:
+            r.close()
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_by_its_silence_on_the_links(tmp_path):
+    # a group timeout of 120 s: the links' silence limit is 20 s
+    # (ddpwire.torch.rendezvous.HEARTBEAT_LIMIT), so rank 0 names the frozen
+    # rank long before the deadline of the allreduce it waits in
+    from ddpwire.torch.rendezvous import HEARTBEAT_LIMIT
+
+    timeout = 120.0
+    procs = tb.start_ranks(2, tmp_path / "run", ["ddpwire"], torchrun_env=False,
+                           extra={**ON_LINKS, "DDP_TIMEOUT": str(timeout),
+                                  "DDP_STEPS": "100000", "DDP_MARK": str(tmp_path / "mark")})
+    try:
+        tb._wait_training(procs, 1, tmp_path / "mark")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        out0, _ = procs[0].communicate(timeout=tb.LIMIT)
+        took = time.monotonic() - stopped
+    finally:
+        tb._kill_all(procs)
+    assert procs[0].returncode != 0
+    assert "CollectiveAborted" in out0 and "rank 1" in out0, out0
+    assert took < timeout / 2, took  # the silence named it; the deadline was 120 s away
+    assert took >= HEARTBEAT_LIMIT / 2, took  # not before the limit: heartbeats kept it alive

@@ -181,7 +181,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)
         self._rank = rank
         self._world = world_size
-        seconds, _, silence = timings(timeout)
+        seconds, heartbeat, silence = timings(timeout)
         # a Work waits past the group timeout only by the time the service
         # needs to notice a silent rank and say so
         self._limit = seconds + silence + 5.0
@@ -204,7 +204,8 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                 self._links = form_links(self._group.client, rank, world_size,
                                          listen_host=self._group.listen_host,
                                          advertise=self._group.advertise, timeout=seconds,
-                                         ports=ports_from_env())
+                                         ports=ports_from_env(), heartbeat=heartbeat,
+                                         silence=silence)
             except BaseException:
                 self._group.close(self._close_timeout)
                 raise

@@ -19,19 +19,21 @@ never hang. Nothing here imports torch.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import mesh as _mesh
 from .. import plan as _plan
 from ..collectives import CollectiveAborted, DType, Kind, Op
+from ..channel import Heartbeats
 from ..errors import DdpwireError
 from ..extensions import Codec, ReduceOp
 
@@ -63,30 +65,46 @@ class RankLinks:
     rank must pass the same. A rank with fraction 0 sums nothing and still
     gets the whole result.
 
+    With ``heartbeat`` (seconds) every idle link carries a Heartbeat that
+    often, and a peer that sends nothing for ``silence`` seconds is lost,
+    named long before the group's ``timeout`` (which still bounds each
+    allreduce) where a machine goes quiet.
+
     After a failure the links are closed and every later call raises the
     first error again, naming the rank at fault.
     """
 
     def __init__(self, links: list, rank: int, timeout: float,
-                 fractions: Optional[Sequence[float]] = None) -> None:
+                 fractions: Optional[Sequence[float]] = None, *,
+                 heartbeat: Optional[float] = None, silence: Optional[float] = None) -> None:
         self.rank = rank
         self.world = len(links)
         self.timeout = timeout
         self._links = links
         self.fractions = fractions
+        # A rank may compute for the whole group timeout before it joins an
+        # allreduce, so only heartbeats tell a silent machine from a busy
+        # one: each rank beats on its idle links, and a peer silent for
+        # ``silence`` (no byte, heartbeats included) is lost, whatever the
+        # deadline says.
+        self._read_limit = timeout if silence is None else min(silence, timeout)
         # one runner per wire codec, over the same links: float32 for the
         # default buckets, 16 bits for a bucket asked to travel in them
-        self._runners = {Codec.FLOAT32: _mesh.Mesh(links, rank, Codec.FLOAT32, timeout,
-                                                   fractions=fractions)}
+        self._runners: Dict[Codec, _mesh.Mesh] = {}
         self._seq = 0
         self._lock = threading.Lock()
         self.failure: Optional[CollectiveAborted] = None
+        self._beats = None if not heartbeat else Heartbeats(
+            heartbeat, lambda: [c for c in links if c is not None],
+            f"ddpwire-rank-{rank}-links-heartbeat")
+        if self._beats is not None:
+            self._beats.start(f"rank {rank}")
 
     def _runner(self, codec: Codec) -> _mesh.Mesh:
         runner = self._runners.get(codec)
         if runner is None:
             runner = self._runners[codec] = _mesh.Mesh(self._links, self.rank, codec,
-                                                       self.timeout, fractions=self.fractions)
+                                                       self._read_limit, fractions=self.fractions)
         return runner
 
     def allreduce(self, data: np.ndarray, op: Op, compression: Optional[str] = None) -> None:
@@ -104,8 +122,9 @@ class RankLinks:
             runner = self._runner(_mesh.CODECS[compression])
             deadline = time.monotonic() + self.timeout
             try:
-                runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
-                runner.allgather(seq, data, deadline)
+                with self._sending(seq):
+                    runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
+                    runner.allgather(seq, data, deadline)
             except BaseException as exc:
                 self.failure = _aborted(exc, seq)
                 self._close()
@@ -113,14 +132,41 @@ class RankLinks:
                     raise
                 raise self.failure from exc
 
+    @contextlib.contextmanager
+    def _sending(self, seq: int) -> Iterator[None]:
+        """Hold every link's send lock for one allreduce: the heartbeat
+        thread skips a link whose lock is taken, so no Heartbeat lands
+        inside the allreduce's frames (one in flight is waited for)."""
+        held: List[threading.Lock] = []
+        try:
+            for j, chan in enumerate(self._links):
+                if chan is None:
+                    continue
+                if not chan.send_lock.acquire(timeout=self._read_limit):
+                    raise CollectiveAborted(f"rank link: a heartbeat to rank {j} did not go out "
+                                            f"in {self._read_limit:g} s", rank=j, seq=seq)
+                held.append(chan.send_lock)
+            yield
+        finally:
+            for lock in held:
+                lock.release()
+
     def close(self) -> None:
         """Close every link (a rank that leaves: the others see it at once)."""
         with self._lock:
             self._close()
 
     def _close(self) -> None:
+        beats = self._beats
+        if beats is not None:
+            beats.stop()
+        for chan in self._links:
+            if chan is not None:
+                chan.close()
         for runner in self._runners.values():
             runner.close()
+        if beats is not None:
+            beats.stop(self._read_limit)  # the close above wakes one blocked in its send
 
 
 def _aborted(exc: BaseException, seq: int) -> CollectiveAborted:
@@ -148,13 +194,16 @@ def _addresses(gathered: np.ndarray, world: int) -> List[str]:
 def form_links(client: object, rank: int, world: int, *, listen_host: str, advertise: str,
                timeout: float, ports: Optional[Tuple[int, int]] = None,
                max_frame: int = 1 << 30,
-               fractions: Optional[Sequence[float]] = None) -> Optional[RankLinks]:
+               fractions: Optional[Sequence[float]] = None,
+               heartbeat: Optional[float] = None,
+               silence: Optional[float] = None) -> Optional[RankLinks]:
     """Open this rank's links (every rank calls this once, right after the
     join, in the same order as its collectives). ``listen_host`` is the
     address the listener binds, ``advertise`` the one other ranks dial;
-    ``ports`` pins the listening port to a range; ``fractions`` goes to
-    :class:`RankLinks` (checked here first, a ValueError before any
-    collective). Returns None, on every rank alike, when some rank could
+    ``ports`` pins the listening port to a range; ``fractions``,
+    ``heartbeat`` (seconds between Heartbeats on an idle link) and
+    ``silence`` (how long a peer may send nothing) go to :class:`RankLinks`
+    (the fractions checked here first, a ValueError before any collective). Returns None, on every rank alike, when some rank could
     not open all its links: the group then keeps to the service, and the
     reason is logged."""
     if world < 2:
@@ -195,7 +244,7 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
     if links is not None and verdicts.all():
         log.info("rank %d: direct links to the %d other ranks carry the large allreduces",
                  rank, world - 1)
-        return RankLinks(links, rank, timeout, fractions)
+        return RankLinks(links, rank, timeout, fractions, heartbeat=heartbeat, silence=silence)
     if links is not None:
         for chan in links:
             if chan is not None:
