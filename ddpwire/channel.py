@@ -301,10 +301,11 @@ class Channel:
 class Heartbeats:
     """A Heartbeat on each of ``channels()`` every ``interval`` seconds,
     from a daemon thread named ``name``, from :meth:`start` (which names the
-    sender) until :meth:`stop`. A channel inside a frame is skipped (bytes are flowing
+    sender) until :meth:`stop`; an ``interval`` of None (heartbeats off)
+    starts nothing. A channel inside a frame is skipped (bytes are flowing
     there), and one whose send fails is only logged: its reader finds out."""
 
-    def __init__(self, interval: float, channels: Callable[[], Sequence["Channel"]],
+    def __init__(self, interval: Optional[float], channels: Callable[[], Sequence["Channel"]],
                  name: str) -> None:
         self.interval = interval
         self.node_id = ""
@@ -314,7 +315,7 @@ class Heartbeats:
 
     def start(self, node_id: str) -> None:
         """Start beating as ``node_id`` (once; not after :meth:`stop`)."""
-        if not self._stopped.is_set() and self._thread.ident is None:
+        if self.interval and not self._stopped.is_set() and self._thread.ident is None:
             self.node_id = node_id
             self._thread.start()
 
@@ -327,6 +328,7 @@ class Heartbeats:
             thread.join(wait)
 
     def _run(self) -> None:
+        assert self.interval
         while not self._stopped.wait(self.interval):
             for chan in list(self._channels()):
                 try:

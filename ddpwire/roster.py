@@ -59,7 +59,7 @@ class Roster:
         self.heartbeat = options.heartbeat
         self.life = life
         self._beats = Heartbeats(options.heartbeat, lambda: self.channels,
-                                 "ddpwire-coordinator-heartbeat") if options.heartbeat else None
+                                 "ddpwire-coordinator-heartbeat")
 
     def channel(self, worker_id: int) -> Channel:
         """The connection to one worker in the session."""
@@ -142,22 +142,17 @@ class Roster:
         (with the lifecycle's lock held; once more is harmless)."""
         # the heartbeat thread may be inside a send on a connection closed
         # below: Connection.close() then waits for it to leave the descriptor
-        self._stop_heartbeats()
+        self._beats.stop()
         for chan in self.channels:
             chan.close()
-        self._stop_heartbeats(self.timeout)
+        self._beats.stop(self.timeout)
 
     # ---- heartbeats ----
 
     def start_heartbeats(self, node_id: str) -> None:
         """With ``heartbeat`` set, a Heartbeat to each idle worker at that
         interval until :meth:`release` or :meth:`stop`."""
-        if self._beats is not None:
-            self._beats.start(node_id)
-
-    def _stop_heartbeats(self, wait: Optional[float] = None) -> None:
-        if self._beats is not None:
-            self._beats.stop(wait)
+        self._beats.start(node_id)
 
     # ---- sending to every worker ----
 
@@ -239,7 +234,7 @@ class Roster:
         gradients, and closing with them unread would reset the connection,
         failing that send before the worker reads the Shutdown."""
         deadline = time.monotonic() + grace
-        self._stop_heartbeats()  # no heartbeat after the Shutdown
+        self._beats.stop()  # no heartbeat after the Shutdown
         told: List[Channel] = []
         for chan in self.channels:
             try:

@@ -111,10 +111,8 @@ class Worker(LifecycleOwner[WorkerState]):
         #: this one, it returns the state (bytes-like) the joiner starts from
         #: (DataParallelTrainer sets it); None hands an empty state
         self.state_source: Optional[Callable[[int], Any]] = None
-        self._beats = Heartbeats(heartbeat, lambda: (channel,), "ddpwire-worker-heartbeat") \
-            if heartbeat else None
-        if self._beats is not None:
-            self._beats.start(node_id)
+        self._beats = Heartbeats(heartbeat, lambda: (channel,), "ddpwire-worker-heartbeat")
+        self._beats.start(node_id)
 
     @classmethod
     def connect(
@@ -268,13 +266,10 @@ class Worker(LifecycleOwner[WorkerState]):
         """Close what the session holds: its links, its listener, its
         connection to the coordinator, its heartbeat thread (called once,
         by the move to FAILED or to CLOSED, with the lifecycle's lock held)."""
-        beats = self._beats
-        if beats is not None:
-            beats.stop()
+        self._beats.stop()
         self._mesh_step.close()
         self._chan.close()
-        if beats is not None:
-            beats.stop(self._chan.timeout)  # the close above wakes one blocked in its send
+        self._beats.stop(self._chan.timeout)  # the close above wakes one blocked in its send
 
     def _owe(self, reply: Owed) -> None:
         """Record a reply the coordinator now owes: IN_STEP until it is in."""

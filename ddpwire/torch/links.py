@@ -94,11 +94,9 @@ class RankLinks:
         self._seq = 0
         self._lock = threading.Lock()
         self.failure: Optional[CollectiveAborted] = None
-        self._beats = None if not heartbeat else Heartbeats(
-            heartbeat, lambda: [c for c in links if c is not None],
-            f"ddpwire-rank-{rank}-links-heartbeat")
-        if self._beats is not None:
-            self._beats.start(f"rank {rank}")
+        self._beats = Heartbeats(heartbeat, lambda: [c for c in links if c is not None],
+                                 f"ddpwire-rank-{rank}-links-heartbeat")
+        self._beats.start(f"rank {rank}")
 
     def _runner(self, codec: Codec) -> _mesh.Mesh:
         runner = self._runners.get(codec)
@@ -157,16 +155,13 @@ class RankLinks:
             self._close()
 
     def _close(self) -> None:
-        beats = self._beats
-        if beats is not None:
-            beats.stop()
+        self._beats.stop()
         for chan in self._links:
             if chan is not None:
                 chan.close()
         for runner in self._runners.values():
             runner.close()
-        if beats is not None:
-            beats.stop(self._read_limit)  # the close above wakes one blocked in its send
+        self._beats.stop(self._read_limit)  # the close above wakes one blocked in its send
 
 
 def _aborted(exc: BaseException, seq: int) -> CollectiveAborted:
@@ -203,7 +198,8 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
     ``ports`` pins the listening port to a range; ``fractions``,
     ``heartbeat`` (seconds between Heartbeats on an idle link) and
     ``silence`` (how long a peer may send nothing) go to :class:`RankLinks`
-    (the fractions checked here first, a ValueError before any collective). Returns None, on every rank alike, when some rank could
+    (the fractions checked here first, a ValueError before any
+    collective). Returns None, on every rank alike, when some rank could
     not open all its links: the group then keeps to the service, and the
     reason is logged."""
     if world < 2:
