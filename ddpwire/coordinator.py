@@ -2,8 +2,9 @@
 
 It mirrors the reference coordinator's session (protocol.md, "Session
 semantics") with what the reference leaves undefined made into typed errors.
-Its parts each have a module: the join (concurrent handshakes, tokens,
-refusals) is :mod:`ddpwire.admission`, the workers' connections and the one
+Its parts each have a module: the listening socket :mod:`ddpwire.intake`,
+the join on it (concurrent handshakes, tokens, refusals)
+:mod:`ddpwire.admission`, the workers' connections and the one
 failure path :mod:`ddpwire.roster`, the star's streaming average
 :mod:`ddpwire.star`, the mesh's control :mod:`ddpwire.mesh_control`, an
 elastic session's losses and joins :mod:`ddpwire.elastic`, the shards
@@ -13,10 +14,7 @@ the calls a training loop makes, in order.
 from __future__ import annotations
 
 import enum
-import errno
 import logging
-import socket
-import time
 from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
@@ -24,12 +22,11 @@ import numpy as np
 from . import balance as _balance
 from . import mesh as _mesh
 from ._text import counted
-from .admission import Admission, Refuser
-from .auth import TOKEN_ENV
+from .admission import Admitted
 from .channel import Channel, check_timeout, result_buffer
 from .elastic import Membership
 from .errors import DdpwireError
-from .launch import is_loopback
+from .intake import Intake
 from .lifecycle import Lifecycle, LifecycleOwner
 from .mesh_control import MeshControl
 from .messages import AveragedBlockGradient, AveragedGradient, AveragedNonBlockGradient
@@ -42,19 +39,6 @@ from .star import BLOCK, FLAT, NON_BLOCK, AnyResult, Kind, Star, limit_receive
 __all__ = ["Coordinator", "CoordinatorState"]
 
 log = logging.getLogger(__name__)
-
-
-def _bind(bind: Tuple[str, int], backlog: int) -> socket.socket:
-    host, port = bind
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return socket.create_server((host, port), family=family, backlog=backlog)
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise OSError(exc.errno, f"cannot listen on {host}:{port}: address already in use") from None
-        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-            raise OSError(exc.errno, f"cannot listen on {host}:{port}: no such local address") from None
-        raise
 
 
 class CoordinatorState(enum.Enum):
@@ -90,32 +74,18 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     """Admits ``expect_workers`` workers and runs the averaging side of training.
 
     ``options`` (:class:`~ddpwire.options.SessionOptions`, the object
-    :meth:`Worker.connect` takes too) gives ``timeout``, ``heartbeat``,
-    ``heartbeat_timeout``, ``max_frame``, ``socket_threads``, ``token``,
-    ``samples_per_step``, ``per_block`` and ``gradient_length`` at once,
-    checked once; or pass them as keywords (not both). ``timeout`` bounds
-    every wait on a worker: one that has not sent the message waited for
-    within it (Heartbeats do not count), or goes silent that long while
-    streaming it, raises :class:`~ddpwire.WorkerLost` naming it and the step.
-    ``heartbeat`` sends Heartbeat frames to idle workers (leave it off when
-    reference workers join: the reference does not speak them). ``token``
-    admits only workers that prove they know it, and proves the
-    coordinator does too (docs/security.md). A ddpwire worker given another
-    ``samples_per_step``, or that sends per-block steps when ``per_block``
-    is False (flat ones when True), or whose gradient has another length
-    than ``gradient_length``, is refused at the join; where one is None the
-    first worker to offer it sets it for the others. ``socket_threads``
-    gives each worker connection a receiving and a sending thread while a
-    step streams (None: for vectors of a megabyte or more when there is a
-    core for each worker plus one); the bits are the same either way.
-
+    :meth:`Worker.connect` takes too) holds what both sides agree on, checked
+    once; or pass its fields as keywords (not both). ``timeout`` bounds every
+    wait on a worker: one that has not sent what is waited for within it
+    (Heartbeats do not count), or goes silent that long mid-message, raises
+    :class:`~ddpwire.WorkerLost` naming it and the step. A ddpwire worker
+    whose ``samples_per_step``, ``per_block`` or ``gradient_length`` differs
+    is refused at the join; where one is None the first worker sets it.
     The other keywords are :class:`~ddpwire.options.CoordinatorOptions`,
-    documented there: the join's timeouts, the topology (star or mesh),
-    compression, shared memory, the coordinator's share of a mesh step, the
-    receive window, shards by measured speed (``balance``; :attr:`shards`
-    shows each step's split and times) and elastic membership
-    (:attr:`membership`, :attr:`shard_log`, :attr:`first_step`).
-    What a failure leaves is in docs/sessions.md ("When a session fails").
+    documented there (the join's timeouts, topology, compression, shared
+    memory, the coordinator's share, the receive window, ``balance``:
+    :attr:`shards`, and ``elastic``: :attr:`membership`). What a failure
+    leaves is in docs/sessions.md ("When a session fails").
     """
 
     def __init__(
@@ -185,21 +155,14 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         self.total_samples = 0
         if opts.samples_per_step is not None:
             self.set_total_samples(opts.samples_per_step)
-        self._listener = _bind(bind, backlog=max(16, expect_workers))
-        if opts.token is None and not is_loopback(bind[0]):
-            log.warning("listening on %s:%d without a token: any host that reaches this port can "
-                        "join as a worker and change the averages (pass token=, --token-file or "
-                        "%s; see docs/security.md)", *self.local_addr, TOKEN_ENV)
-        self._admission: Optional[Admission] = None
-        self._refuser: Optional[Refuser] = None
+        self._intake = Intake(bind, expect_workers, opts, config, self._grants)
 
     # ---- what the session shows ----
 
     @property
     def local_addr(self) -> Tuple[str, int]:
         """The (host, port) listened on (the real port when bound to 0)."""
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        return self._intake.local_addr
 
     @property
     def workers(self) -> List[WorkerInfo]:
@@ -236,9 +199,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     @property
     def worker_count(self) -> int:
         """Workers joined so far."""
-        if self._admission is not None:
-            return sum(slot is not None for slot in self._admission.slots)
-        return len(self._roster.channels)
+        return self._intake.joined or len(self._roster.channels)
 
     @property
     def first_step(self) -> int:
@@ -285,29 +246,20 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         self._life.check()
         if self._members.late is not None:
             self._members.wait(limit, want)
-            return self.workers
-        if self._refuser is not None:
-            return self.workers
-        if self._admission is None:
-            self._admission = Admission(
-                self._listener, expect_workers=self.expect_workers, token=self.options.token,
-                grants=self._grants, samples=self.total_samples or None,
-                handshake_timeout=config.handshake_timeout, max_frame=self.max_frame,
-                per_block=self.per_block, gradient_length=self.gradient_length,
-                elastic=self.elastic, resume=self.resume)  # type: ignore[arg-type]
-        admitted = self._admission.run(time.monotonic() + limit, limit, want)
-        if len(admitted) < self.expect_workers:
-            return [a.info() for a in admitted]
-        for a in admitted:
-            self._roster.channels.append(self._roster.open_channel(a))
-            self._roster.workers.append(a.info())
-        if self.elastic:
-            self._members.open(self._admission)
-        else:
-            self._refuser = Refuser(self._admission.handshakes,
-                                    detail=f"training has started with "
-                                           f"{counted(self.expect_workers, 'worker')}")
-        self._admission = None
+        elif self._life.state is CoordinatorState.JOINING:
+            admitted = self._intake.admit(limit, want, self.total_samples or None)
+            if len(admitted) < self.expect_workers:
+                return [a.info() for a in admitted]
+            self._seat(admitted)
+        return self.workers
+
+    def _seat(self, admitted: List[Admitted]) -> None:
+        """The join is complete: the workers' connections, their shards and
+        the topology they are told; then steps may run."""
+        self._roster.seat(admitted)
+        late = self._intake.complete()
+        if late is not None:
+            self._members.open(late)
         with self._roster.talking(None):
             self._roster.start_shards(admitted, self.balance, weighted=self.elastic)
             if self.per_block:  # no worker was granted the mesh: nothing to tell them
@@ -316,10 +268,9 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                 self._mesh.announce(admitted)
             if self.compression and not self._mesh.on:
                 log.warning("compression=%r is off: it travels on the mesh only", self.compression)
-            limit_receive(admitted, config.receive_window, self._mesh.on)
+            limit_receive(admitted, self.config.receive_window, self._mesh.on)
         self._set_state(CoordinatorState.READY)
-        self._roster.start_heartbeats(config.node_id)
-        return self.workers
+        self._roster.start_heartbeats(self.config.node_id)
 
     def close(self) -> None:
         """Close every connection and the listening socket. After a failure,
@@ -330,16 +281,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                 return
             self._set_state(CoordinatorState.CLOSED)
             self._roster.release()
-        if self._refuser is not None:
-            self._refuser.close()
-        if self._members.late is not None:
-            self._members.late.close_late()
-        if self._admission is not None:
-            self._admission.handshakes.close_all()
-            for slot in self._admission.slots:
-                if slot is not None:
-                    slot.sock.close()
-        self._listener.close()
+        self._members.close_late()
+        self._intake.close()
 
     def __enter__(self) -> "Coordinator":
         return self
@@ -371,18 +314,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         in an elastic session, take in the workers that joined since the
         last step first, and call the step off for a worker lost here."""
         self._check_ready()
-        roster = self._roster
-        assert roster.shards is not None
-        self._members.reap()
-        if self._members.late is not None:
-            with roster.talking(step):
-                self._members.admit(step, 0.0, self.expect_workers)
-        roster.shards.plan(step, self.total_samples)
-        with roster.talking(step):
-            sent, lost = roster.assign(step, elastic=self.elastic)
-            if lost:
-                # those told already compute the step: it is called off for them
-                self._members.call_off(step, lost, sent, [None] * len(sent), None)
+        self._members.assign(step, self.total_samples, self.expect_workers)
 
     # ---- averaging: one entry per message kind ----
 

@@ -43,6 +43,7 @@ class Membership:
                  join_timeout: float):
         self.roster = roster
         self.star = star
+        self.elastic = elastic
         self.min_workers = min_workers
         self.join_timeout = join_timeout
         #: each worker that left or joined (:class:`ddpwire.results.MembershipEvent`)
@@ -71,6 +72,28 @@ class Membership:
         for chan in self._dropped:
             chan.close()
         self._dropped = []
+
+    def close_late(self) -> None:
+        """Close the join that stays open between steps (if it is)."""
+        if self.late is not None:
+            self.late.close_late()
+
+    def assign(self, step: int, total: int, expect_workers: int) -> None:
+        """Send every worker its shard of ``total`` samples for ``step``;
+        in an elastic session, take in the workers that joined since the
+        last step first, and call the step off for a worker lost here."""
+        roster = self.roster
+        assert roster.shards is not None
+        self.reap()
+        if self.late is not None:
+            with roster.talking(step):
+                self.admit(step, 0.0, expect_workers)
+        roster.shards.plan(step, total)
+        with roster.talking(step):
+            sent, lost = roster.assign(step, elastic=self.elastic)
+            if lost:
+                # those told already compute the step: it is called off for them
+                self.call_off(step, lost, sent, [None] * len(sent), None)
 
     # ---- a step ----
 

@@ -37,12 +37,15 @@ class SessionOptions:
     """Options of one session, the same on the coordinator and its workers.
 
     ``timeout`` bounds every wait on the peer (seconds); ``heartbeat``
-    (seconds, None: off) sends Heartbeat frames at that interval and
-    ``heartbeat_timeout`` (default: a few missed heartbeats,
+    (seconds, None: off) sends Heartbeat frames at that interval on an idle
+    connection (leave it off beside a reference peer, which does not speak
+    them) and ``heartbeat_timeout`` (default: a few missed heartbeats,
     :func:`ddpwire.channel.heartbeat_limit`) is the silence after which the
-    peer is lost. ``max_frame`` bounds one frame's bytes; ``socket_threads``
-    streams steps on threads (None: where it pays). ``token`` (str or bytes)
-    authenticates both ways. ``samples_per_step``, ``per_block`` and
+    peer is lost. ``max_frame`` bounds one frame's bytes. ``socket_threads``
+    streams a step from a sending and a receiving thread per connection
+    (None: for a megabyte or more where there are cores for them); the bits
+    are the same either way. ``token`` (str or bytes) authenticates both
+    ways (docs/security.md). ``samples_per_step``, ``per_block`` and
     ``gradient_length`` describe the training, so that a worker set up for
     another is refused at the join. Frozen: checked values stay checked.
     """

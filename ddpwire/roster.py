@@ -68,6 +68,11 @@ class Roster:
                 return chan
         raise KeyError(f"worker {worker_id} is not in the session")
 
+    def seat(self, admitted: Sequence[Admitted]) -> None:
+        """The workers of the completed join, in worker order."""
+        self.channels.extend(self.open_channel(a) for a in admitted)
+        self.workers.extend(a.info() for a in admitted)
+
     def open_channel(self, a: Admitted) -> Channel:
         """The channel of a worker that completed the join."""
         return Channel(a.sock, timeout=self.timeout, lost=WorkerLost, peer_id=a.worker_id,

@@ -11,7 +11,6 @@ import enum
 import logging
 import socket
 import threading
-import time
 from typing import (Any, Callable, ContextManager, Dict, FrozenSet, Mapping, Optional, Sequence,
                     Tuple, Union)
 
@@ -19,22 +18,18 @@ import numpy as np
 
 from . import _core
 from . import mesh as _mesh
-from . import model_state as _model_state
 from ._text import counted
-from .balance import ShardClock
 from .channel import Channel, Heartbeats, check_timeout, result_buffer
-from .errors import (CoordinatorLost, DdpwireError, GradientMismatch, MembershipChanged,
-                     NonFiniteGradient, ProtocolError)
-from .extensions import Extension, decode_u64
+from .errors import CoordinatorLost, DdpwireError, MembershipChanged, NonFiniteGradient
 from .join import default_node_id, join
 from .lifecycle import Lifecycle, LifecycleOwner
 from .mesh_step import MeshStep
 from .messages import (NO_WORKER, AveragedBlockGradient, AveragedGradient,
                        AveragedNonBlockGradient, BlockGradientPayload, CollectiveError,
-                       GradientPayload, NonBlockGradientPayload, ShardAssignment, ShardScale,
-                       Shutdown, StateRequest, StepAborted, StepTiming)
+                       GradientPayload, NonBlockGradientPayload, ShardAssignment, StepAborted)
 from .options import UNSET, SessionOptions, options_from
-from .star_step import Owed, StarStep, check_aborted
+from .shard_inbox import ShardInbox
+from .star_step import Owed, StarStep
 
 __all__ = ["Worker", "WorkerState"]
 
@@ -90,22 +85,18 @@ class Worker(LifecycleOwner[WorkerState]):
         # links open at the first flat step.
         self._mesh_step = MeshStep(channel, worker_id, mesh_listener, tcp_congestion)
         self._topology_lock = threading.Lock()
-        # Shards by measured speed (docs/extensions.md): each shard comes
-        # with its ShardScale, and its compute time goes back (StepTiming).
-        self._timed = Extension.BALANCE in self.extensions
-        self._clock = ShardClock()
-        # An elastic session (docs/extensions.md): a step may be called off
-        # (StepAborted) in place of its average, and computed again.
-        self._elastic = Extension.ELASTIC in self.extensions
+        # Between steps (ddpwire.shard_inbox): shards, timed and scaled when
+        # they follow measured speed; in an elastic session (docs/extensions.md)
+        # a step may be called off (StepAborted) and computed again.
+        self._inbox = ShardInbox(channel, worker_id, self.extensions)
+        self._elastic = self._inbox.elastic
         # the replies the coordinator owes (IN_STEP while any is), changed
         # with the state under the lifecycle's lock
         self._star = StarStep(channel, worker_id, self._life.lock, elastic=self._elastic,
                               socket_threads=socket_threads)
-        late = self.extensions.get(Extension.ELASTIC) or b""
         #: the step a worker that joined an elastic session late enters at
         #: (its state comes first: :meth:`receive_state`); None for the first join
-        self.joins_at: Optional[int] = decode_u64(late) if late else None
-        self._state_received = False
+        self.joins_at: Optional[int] = self._inbox.joins_at
         #: what this worker hands a worker joining an elastic session late:
         #: called with the step the joiner enters at, between two steps of
         #: this one, it returns the state (bytes-like) the joiner starts from
@@ -141,10 +132,8 @@ class Worker(LifecycleOwner[WorkerState]):
         """Connect to the coordinator at ``addr`` and join (:mod:`ddpwire.join`).
 
         ``options`` (:class:`~ddpwire.options.SessionOptions`, the object a
-        Coordinator takes too) gives ``timeout``, ``heartbeat``,
-        ``heartbeat_timeout``, ``max_frame``, ``socket_threads``, ``token``,
-        ``samples_per_step``, ``per_block`` and ``gradient_length`` at once;
-        or pass them as keywords (not both). Connecting is retried until
+        Coordinator takes too) holds what both sides agree on; or pass its
+        fields as keywords (not both). Connecting is retried until
         ``connect_timeout`` (default ``timeout``), so workers may start before
         the coordinator. ``timeout`` then bounds every wait on the
         coordinator (:class:`~ddpwire.CoordinatorLost`) and, in a mesh
@@ -152,13 +141,9 @@ class Worker(LifecycleOwner[WorkerState]):
         coordinator's last message before it, as the coordinator counts its
         wait: give workers the coordinator's timeout, so that one left
         waiting on a stalled peer names it in time. ``heartbeat`` needs a
-        ddpwire coordinator (the reference rejects Heartbeat frames).
-        ``socket_threads`` makes :meth:`allreduce` send from a thread of its
-        own while it receives (None: for a megabyte or more on two cores or
-        more). ``token`` authenticates both ways (docs/security.md,
-        :class:`~ddpwire.AuthenticationFailed`). ``samples_per_step``,
-        ``per_block`` and ``gradient_length`` let a ddpwire coordinator refuse
-        a worker of another mode or model at the join, not at step 0.
+        ddpwire coordinator. A worker whose ``samples_per_step``,
+        ``per_block`` or ``gradient_length`` differs from the session's is
+        refused at the join, not at step 0.
 
         ``extensions`` (type -> value) are offered in the JoinRequest's
         extension block, which the reference coordinator ignores; what was
@@ -271,6 +256,12 @@ class Worker(LifecycleOwner[WorkerState]):
         self._chan.close()
         self._beats.stop(self._chan.timeout)  # the close above wakes one blocked in its send
 
+    def _enter(self) -> None:
+        """What every call checks first: the session's failure, or that it
+        is closed; and leaving JOINED (:meth:`_settle_topology`)."""
+        self._life.check()
+        self._settle_topology()
+
     def _owe(self, reply: Owed) -> None:
         """Record a reply the coordinator now owes: IN_STEP until it is in."""
         with self._life.lock:
@@ -288,78 +279,29 @@ class Worker(LifecycleOwner[WorkerState]):
 
     def receive_shard(self) -> Optional[ShardAssignment]:
         """The next ShardAssignment, or None when the coordinator shuts training down."""
-        self._life.check()
-        self._settle_topology()
-        if self.joins_at is not None and not self._state_received:
-            raise DdpwireError("this worker joined the session late: call receive_state() for "
-                               "the model's state before its first shard",
-                               worker_id=self._worker_id, step=self.joins_at)
+        self._enter()
+        self._inbox.check_order(receiving_state=False)
         with self._talking(None):
-            while True:
-                msg = self._chan.expect([ShardAssignment, Shutdown, StepAborted, StateRequest]
-                                        if self._elastic else [ShardAssignment, Shutdown])
-                if isinstance(msg, StateRequest):
-                    source = self.state_source
-                    state = b"" if source is None else source(msg.step)
-                    _model_state.send_state(self._chan, msg.step, state)
-                    continue
-                if not isinstance(msg, StepAborted):
-                    break
-                # another worker lost while the step was being called off
-                # (its MembershipChanged was raised already), or this one dropped
-                check_aborted(msg, self._worker_id)
-            if isinstance(msg, Shutdown):
-                log.info("worker %d: shutdown from the coordinator", self._worker_id)
-                return None
-            if msg.shard_start > msg.shard_end:
-                raise ProtocolError(f"ShardAssignment.shard_start {msg.shard_start} is past "
-                                    f"shard_end {msg.shard_end}", worker_id=self._worker_id,
-                                    step=msg.step)
-            if self._timed:
-                # a coordinator stopped between the two frames shuts down here
-                scale = self._chan.expect([ShardScale, Shutdown], step=msg.step)
-                if isinstance(scale, Shutdown):
-                    log.info("worker %d: shutdown from the coordinator", self._worker_id)
-                    return None
-                if scale.step != msg.step:
-                    raise GradientMismatch("ShardScale step", msg.step, scale.step,
-                                           worker_id=self._worker_id, step=msg.step)
-                self._clock.assigned(msg.step, scale.scale, time.perf_counter())
-        return msg
-
-    def _upload(self, step: int, gradients: np.ndarray) -> np.ndarray:
-        """What goes out for ``step``: with shards by speed, first the
-        step's StepTiming (the time since its shard arrived: the compute),
-        then the gradients times its ShardScale, which makes the plain
-        mean every path computes the sample-weighted one (ddpwire.balance)."""
-        compute_us = self._clock.compute_us(step, time.perf_counter())
-        if compute_us is not None:
-            self._chan.send(StepTiming(step=step, compute_us=compute_us), step=step)
-        return self._clock.scaled(step, gradients)
+            return self._inbox.next_shard(self.state_source)
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
         """Send this step's gradients (any C-contiguous float32 buffer, sent
         from where it lies) with the shard's mean loss and counts. In a mesh
         session this is the reduce-scatter and the StepReport."""
         gradients = _core.float32_gradients(gradients)
-        self._life.check()
-        self._settle_topology()
+        self._enter()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
             return
-        with self._talking(step):
-            msg = GradientPayload(step=step, worker_id=self._worker_id,
-                                  gradients=self._upload(step, gradients),
-                                  loss=loss, correct=correct, total=total)
-            self._owe((AveragedGradient, step, None))
-            self._chan.send(msg, step=step)
+        self._send(step, (AveragedGradient, step, None), gradients, lambda up: GradientPayload(
+            step=step, worker_id=self._worker_id, gradients=up, loss=loss, correct=correct,
+            total=total))
 
     def receive_averaged(self, out: Optional[np.ndarray] = None) -> AveragedGradient:
         """The averaged gradients; with ``out`` (float32, the gradient length)
         the elements are received straight into it, allocating nothing."""
         result_buffer(out, None)
-        self._life.check()
-        self._settle_topology()
+        self._enter()
         if self.uses_mesh:
             return self._mesh_receive(out)
         return self._receive(AveragedGradient, out, "AllReduce")
@@ -395,8 +337,7 @@ class Worker(LifecycleOwner[WorkerState]):
         # both checked before anything goes on the wire, on every path
         gradients = _core.float32_gradients(gradients)
         result_buffer(out, len(gradients))
-        self._life.check()
-        self._settle_topology()
+        self._enter()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
             return self._mesh_receive(out)
@@ -406,7 +347,7 @@ class Worker(LifecycleOwner[WorkerState]):
                                worker_id=self._worker_id, step=step)
         out = result_buffer(out, len(gradients))
         with self._talking(step):
-            gradients = self._upload(step, gradients)
+            gradients = self._inbox.upload(step, gradients)
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
         with self._talking(step, any_error=True):
@@ -427,16 +368,9 @@ class Worker(LifecycleOwner[WorkerState]):
         :meth:`receive_shard` on. A digest that does not match is a
         ProtocolError."""
         self._life.check()
-        if self.joins_at is None:
-            raise DdpwireError("receive_state() is for a worker that joined an elastic session "
-                               "late (this one joined at the start)", worker_id=self._worker_id)
-        step = self.joins_at
-        with self._talking(step):
-            total, state = _model_state.receive_state(self._chan, step, self._worker_id)
-        self._state_received = True
-        log.info("worker %d: took the model's state (%d bytes) before step %d",
-                 self._worker_id, total, step)
-        return step, state
+        self._inbox.check_order(receiving_state=True)
+        with self._talking(self.joins_at):
+            return self._inbox.receive_state()
 
     def _membership_changed(self, msg: StepAborted) -> MembershipChanged:
         """What the call a step was called off in raises: the step is to be
@@ -477,7 +411,7 @@ class Worker(LifecycleOwner[WorkerState]):
         # a mesh step that fails leaves frames cut short on some link
         with self._talking(step, any_error=True, tell=True):
             self._mesh_step.send(step, gradients, loss, correct, total, self._total_workers,
-                                 self._upload)
+                                 self._inbox.upload)
             self._set_state(WorkerState.IN_STEP)
 
     def _mesh_receive(self, out: Optional[np.ndarray]) -> AveragedGradient:
@@ -495,39 +429,39 @@ class Worker(LifecycleOwner[WorkerState]):
     def send_block_gradient(self, step: int, block_idx: int, num_blocks: int, gradients: Any,
                             component_sizes: Sequence[int]) -> None:
         """Send one block's gradient: its components concatenated, with their sizes."""
-        self._life.check()
-        self._settle_topology()
-        with self._talking(step):
-            msg = BlockGradientPayload(step=step, worker_id=self._worker_id, block_idx=block_idx,
-                                       num_blocks=num_blocks, component_sizes=component_sizes,
-                                       gradients=self._upload(step, gradients))
-            self._owe((AveragedBlockGradient, step, block_idx))
-            self._chan.send(msg, step=step)
+        self._enter()
+        self._send(step, (AveragedBlockGradient, step, block_idx), gradients,
+                   lambda up: BlockGradientPayload(
+                       step=step, worker_id=self._worker_id, block_idx=block_idx,
+                       num_blocks=num_blocks, component_sizes=component_sizes, gradients=up))
 
     def receive_averaged_block(self, out: Optional[np.ndarray] = None) -> AveragedBlockGradient:
         """The next averaged block gradient (into ``out`` when given)."""
-        self._life.check()
-        self._settle_topology()
         return self._receive(AveragedBlockGradient, out, "block AllReduce")
 
     def send_non_block_gradient(self, step: int, component: int, gradients: Any) -> None:
         """Send a non-block component's gradient (0 lm_head, 1 final_norm, 2 embedding)."""
-        self._life.check()
-        self._settle_topology()
-        with self._talking(step):
-            msg = NonBlockGradientPayload(step=step, worker_id=self._worker_id,
-                                          component=component,
-                                          gradients=self._upload(step, gradients))
-            self._owe((AveragedNonBlockGradient, step, component))
-            self._chan.send(msg, step=step)
+        self._enter()
+        self._send(step, (AveragedNonBlockGradient, step, component), gradients,
+                   lambda up: NonBlockGradientPayload(step=step, worker_id=self._worker_id,
+                                                      component=component, gradients=up))
 
     def receive_averaged_non_block(self, out: Optional[np.ndarray] = None) -> AveragedNonBlockGradient:
         """The next averaged non-block gradient (into ``out`` when given)."""
-        self._life.check()
-        self._settle_topology()
         return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
 
+    def _send(self, step: int, owed: Owed, gradients: Any,
+              message: Callable[[np.ndarray], object]) -> None:
+        """A star message carrying this step's gradients (``message`` made
+        from what the shard's timing and scale leave of them); its reply is
+        owed from here on."""
+        with self._talking(step):
+            msg = message(self._inbox.upload(step, gradients))
+            self._owe(owed)
+            self._chan.send(msg, step=step)
+
     def _receive(self, expected: type, out: Optional[np.ndarray], what: str) -> Any:
+        self._enter()
         with self._talking(self._star.owed_step()):
             reply = self._star.receive(expected, out, what)
         self._settled()
