@@ -16,6 +16,12 @@ runs are for finding where a step's time goes, not for the ratios. On the
 rank links each bucket's two phases are stamped too ("phases": [phase,
 seq, elements, start, end] each, phase "reduce_scatter" or "allgather"),
 by wrapping the runner's methods in this process only.
+
+"ddp-ddpwire-bf16-free" is a bound, not a result: the 16-bit buckets with
+the rank links' narrowing, averaging and widening made free (those kernels
+replaced by nothing in this process), so each rank's bucket comes back as
+whatever its buffers held and the ranks' weights differ. Its step is the
+shortest that faster 16-bit kernels could give on the same links.
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ from allreduce_procs import _serve, use_baseline
 #: whether ddpwire comes from the older checkout $DDPWIRE_BASELINE names)
 DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None, False),
              "ddp-ddpwire-bf16": ("ddpwire", "bf16", False),
-             "ddp-ddpwire-baseline": ("ddpwire", None, True)}
+             "ddp-ddpwire-baseline": ("ddpwire", None, True),
+             "ddp-ddpwire-bf16-free": ("ddpwire", "bf16-free", False)}
 #: what a run measures unless told otherwise: the baseline needs a checkout
 DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
@@ -95,6 +102,22 @@ def _stamp_phases(phases: list) -> None:
     Mesh.allgather = stamped("allgather", Mesh.allgather)  # type: ignore[method-assign]
 
 
+def _free_half_kernels() -> None:
+    """Make the rank links' 16-bit kernels cost nothing, in this process:
+    the bytes still travel, no element is converted or averaged."""
+    from ddpwire.mesh import Mesh
+
+    def nothing(*args: Any) -> None:
+        return None
+    for name in ("_narrow", "_widen", "_widen_own"):
+        setattr(Mesh, name, nothing)
+    average = Mesh._average
+
+    def averaged(self: Any, *args: Any) -> Any:
+        return None if self._half is not None else average(self, *args)
+    Mesh._average = averaged  # type: ignore[method-assign]
+
+
 def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
               baseline: Optional[str] = None) -> None:
     backend, hook, _ = DDP_KINDS[kind]
@@ -108,6 +131,8 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
 
         import ddpwire.torch  # noqa: F401  (registers "ddpwire")
 
+        if hook == "bf16-free":
+            _free_half_kernels()
         phases: list = []
         if os.environ.get(TRACE_ENV) == "1" and backend == "ddpwire":
             _stamp_phases(phases)
@@ -117,7 +142,7 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
                                 world_size=n, timeout=timedelta(seconds=120))
         ddp = DDP(_model())
         chosen = None
-        if hook == "bf16":
+        if hook in ("bf16", "bf16-free"):
             from ddpwire.torch.hooks import bf16_wire_hook
 
             chosen = bf16_wire_hook

@@ -25,9 +25,12 @@ import sys
 from collections import defaultdict
 from typing import Dict
 
-KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-baseline")
+KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-baseline",
+         "ddp-ddpwire-bf16-free")
 LABELS = {"ddp-ddpwire": "ddpwire", "ddp-ddpwire-bf16": "ddpwire bf16",
-          "ddp-ddpwire-baseline": "baseline"}
+          "ddp-ddpwire-baseline": "baseline", "ddp-ddpwire-bf16-free": "bf16, free kernels"}
+#: columns shown only where the file has them
+OPTIONAL = ("ddp-ddpwire-baseline", "ddp-ddpwire-bf16-free")
 
 
 def table(path: str) -> str:
@@ -41,9 +44,7 @@ def table(path: str) -> str:
         med[info["workers"]][info["kind"]] = statistics.median(info["step_spans"])
         rate = info.get("worker_rate_bps", rate)
     commit = data.get("commit_info", {})
-    # the baseline's column only where the file has it
-    kinds = [k for k in KINDS[1:] if k != "ddp-ddpwire-baseline"
-             or any(k in by for by in med.values())]
+    kinds = [k for k in KINDS[1:] if k not in OPTIONAL or any(k in by for by in med.values())]
     rows = [f"`{path}`: commit {commit.get('id', '?')[:7]}"
             f"{' (dirty)' if commit.get('dirty') else ''}, links "
             f"{(rate or 0) / 1e9:g} Gbit/s", "",
@@ -119,7 +120,7 @@ def timeline(path: str) -> str:
             rs_end = max(e for _, _, e in rs)
             sizes[rs[0][0]].append((rs_end - max(s for _, s, _ in rs),
                                     max(e for _, _, e in ag) - rs_end))
-        width = 2 if kind == "ddp-ddpwire-bf16" else 4
+        width = 2 if kind.startswith("ddp-ddpwire-bf16") else 4
         for count in sorted(sizes, key=lambda c: -len(sizes[c])):
             spans = sizes[count]
             link = count * width * (n - 1) / n * 8 / info["worker_rate_bps"] * 1e9

@@ -42,7 +42,6 @@ bench/test_bench_allreduce.py, whose process bodies run here unchanged.
 from __future__ import annotations
 
 import importlib.util
-import os
 import statistics
 
 import pytest
