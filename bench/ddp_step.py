@@ -37,7 +37,8 @@ from allreduce_procs import _serve, use_baseline
 DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None, False),
              "ddp-ddpwire-bf16": ("ddpwire", "bf16", False),
              "ddp-ddpwire-baseline": ("ddpwire", None, True),
-             "ddp-ddpwire-bf16-free": ("ddpwire", "bf16-free", False)}
+             "ddp-ddpwire-bf16-free": ("ddpwire", "bf16-free", False),
+             "ddp-ddpwire-bf16-baseline": ("ddpwire", "bf16", True)}
 #: what a run measures unless told otherwise: the baseline needs a checkout
 DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
@@ -104,18 +105,15 @@ def _stamp_phases(phases: list) -> None:
 
 def _free_half_kernels() -> None:
     """Make the rank links' 16-bit kernels cost nothing, in this process:
-    the bytes still travel, no element is converted or averaged."""
+    the bytes still travel, and no element is narrowed, averaged or widened
+    on the way (but for widening the rank's own slice after the allgather)."""
     from ddpwire.mesh import Mesh
 
-    def nothing(*args: Any) -> None:
-        return None
-    for name in ("_narrow", "_widen", "_widen_own"):
-        setattr(Mesh, name, nothing)
-    average = Mesh._average
+    exchange = Mesh._exchange
 
-    def averaged(self: Any, *args: Any) -> Any:
-        return None if self._half is not None else average(self, *args)
-    Mesh._average = averaged  # type: ignore[method-assign]
+    def bare(self: Any, *args: Any, **kernels: Any) -> Any:
+        return exchange(self, *args, **({} if self._half is not None else kernels))
+    Mesh._exchange = bare  # type: ignore[method-assign]
 
 
 def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,

@@ -705,12 +705,36 @@ out:
     return result;
 }
 
-/* Move what peer p's socket allows now, both ways, without blocking; then
- * say in *events what it still waits for (0: done). DDPW_NET_OK or a code. */
-static int exchange_ready(ddpw_net_peer_io *p, short *events, int *err)
+/* Elements narrowed ahead of a peer's send cursor: enough that a socket
+ * taking all it can at once seldom waits for the next narrowing, little
+ * enough to stay in cache. The fewest elements widened or reduced per
+ * kernel call but the last (a shorter call costs more than it saves). */
+#define NARROW_AHEAD ((size_t)1 << 16)
+#define KERNEL_CHUNK ((size_t)1 << 15)
+static size_t narrow_ahead = NARROW_AHEAD, kernel_chunk = KERNEL_CHUNK;
+
+void ddpw_net_set_kernel_chunk(size_t elements)
+{
+    narrow_ahead = elements ? elements : NARROW_AHEAD;
+    kernel_chunk = elements ? elements : KERNEL_CHUNK;
+}
+
+static size_t kern_width(const ddpw_net_kernels *kern)
+{
+    return kern->codec == DDPW_HALF_NONE ? 4 : 2;
+}
+
+/* Move what peer i's socket allows now, both ways, without blocking,
+ * narrowing its elements just ahead of the bytes that go out and widening
+ * those that came in; then say in *events what it still waits for (0:
+ * done). DDPW_NET_OK or a code. */
+static int exchange_ready(ddpw_net_peer_io *p, size_t i, ddpw_net_kernels *kern,
+                          short *events, int *err)
 {
     size_t in_total = iov_total(p->in_iov, p->in_cnt);
     size_t out_total = iov_total(p->out_iov, p->out_cnt);
+    const float *narrow = kern && kern->narrow_from ? kern->narrow_from[i] : NULL;
+    float *widen = kern && kern->widen_into ? kern->widen_into[i] : NULL;
     int rc;
     /* drain first: what the peer sends must never wait behind our own bytes */
     while (p->received < in_total) {
@@ -720,10 +744,39 @@ static int exchange_ready(ddpw_net_peer_io *p, short *events, int *err)
         if (rc == 0)
             break;
     }
+    if (widen != NULL) {
+        size_t have = p->received / 2, done = kern->widened[i];
+        if (have > done && (have - done >= kernel_chunk || p->received == in_total)) {
+            ddpw_from_half(widen + done, (const uint16_t *)p->in_iov[0].iov_base + done,
+                           have - done, kern->codec);
+            kern->widened[i] = have;
+        }
+    }
     /* a peer that closed fails here too (EPIPE): its exchange cannot complete */
-    rc = send_ready(p->fd, p->out_iov, p->out_cnt, out_total, &p->sent, err);
-    if (rc < 0)
-        return rc;
+    for (;;) {
+        size_t limit = out_total;
+        struct iovec ready = p->out_cnt > 0 ? p->out_iov[0] : (struct iovec){NULL, 0};
+        if (narrow != NULL) {
+            size_t count = out_total / 2, done = kern->narrowed[i];
+            size_t want = p->sent / 2 + narrow_ahead;
+            if (want > count)
+                want = count;
+            if (want > done) {
+                ddpw_to_half((uint16_t *)p->out_iov[0].iov_base + done, narrow + done,
+                             want - done, kern->codec);
+                kern->narrowed[i] = done = want;
+            }
+            /* only what is narrowed may go: sendmsg takes the whole iov */
+            limit = ready.iov_len = done * 2;
+        }
+        rc = narrow != NULL ? send_ready(p->fd, &ready, 1, limit, &p->sent, err)
+                            : send_ready(p->fd, p->out_iov, p->out_cnt, limit, &p->sent, err);
+        if (rc < 0)
+            return rc;
+        /* the socket is full, or every narrowed byte went: narrow more */
+        if (p->sent < limit || limit == out_total)
+            break;
+    }
     *events = 0;
     if (p->received < in_total)
         *events |= POLLIN;
@@ -732,8 +785,84 @@ static int exchange_ready(ddpw_net_peer_io *p, short *events, int *err)
     return DDPW_NET_OK;
 }
 
+/* The slice's reduce over every element range all its inputs have: one
+ * kernel call per range of at least kernel_chunk elements (or the last). */
+static void reduce_ready(const ddpw_net_peer_io *peers, ddpw_net_kernels *kern)
+{
+    size_t width = kern_width(kern), have = kern->count, j, bad_input = 0, n;
+    const void *ins[DDPW_NET_MAX_PEERS + 1];
+    int64_t bad;
+    for (j = 0; j < kern->k; j++) {
+        size_t from = kern->from[j];
+        if (from != DDPW_NET_OWN && peers[from].received / width < have)
+            have = peers[from].received / width;
+    }
+    n = have - kern->reduced;
+    if (have <= kern->reduced || (n < kernel_chunk && have < kern->count))
+        return;
+    for (j = 0; j < kern->k; j++) {
+        ins[j] = (const uint8_t *)kern->inputs[j] + kern->reduced * width;
+        if (kern->from[j] == DDPW_NET_OWN && width == 2 && kern->own_from != NULL)
+            ddpw_to_half((uint16_t *)ins[j], kern->own_from + kern->reduced, n, kern->codec);
+    }
+    if (width == 2)
+        bad = ddpw_mean_half((uint16_t *)kern->out + kern->reduced,
+                             (const uint16_t *const *)ins, kern->k, n, kern->codec, &bad_input);
+    else if (kern->divide)
+        bad = ddpw_mean((float *)kern->out + kern->reduced, (const float *const *)ins, kern->k,
+                        n, &bad_input);
+    else
+        bad = ddpw_total((float *)kern->out + kern->reduced, (const float *const *)ins, kern->k,
+                         n, &bad_input);
+    if (bad >= 0 && (kern->bad_index < 0 || bad_input < kern->bad_input)) {
+        /* a later range's find counts only for a lower input */
+        kern->bad_input = bad_input;
+        kern->bad_index = (int64_t)kern->reduced + bad;
+    }
+    kern->reduced = have;
+}
+
+/* What a call's kernels need of its peers and codec, checked before
+ * anything moves: DDPW_NET_OK, or DDPW_NET_NOMEM with *failed the peer. */
+static int check_kernels(const ddpw_net_peer_io *peers, size_t n, const ddpw_net_kernels *kern,
+                         size_t *failed)
+{
+    size_t i, j;
+    int half = kern->codec == DDPW_HALF_BF16 || kern->codec == DDPW_HALF_FP16;
+    if (!half && kern->codec != DDPW_HALF_NONE)
+        return DDPW_NET_NOMEM;
+    if (!half && (kern->narrow_from != NULL || kern->widen_into != NULL))
+        return DDPW_NET_NOMEM;
+    if (kern->k > DDPW_NET_MAX_PEERS + 1)
+        return DDPW_NET_NOMEM;
+    for (i = 0; i < n; i++) {
+        int narrow = kern->narrow_from != NULL && kern->narrow_from[i] != NULL;
+        int widen = kern->widen_into != NULL && kern->widen_into[i] != NULL;
+        if ((narrow && peers[i].out_cnt != 1) || (widen && peers[i].in_cnt != 1)) {
+            *failed = i;
+            return DDPW_NET_NOMEM;
+        }
+    }
+    for (j = 0; j < kern->k; j++) {
+        size_t from = kern->from[j];
+        if (from != DDPW_NET_OWN && (from >= n || peers[from].in_cnt != 1 ||
+                                     peers[from].in_iov[0].iov_len / kern_width(kern) <
+                                         kern->count)) {
+            *failed = from < n ? from : 0;
+            return DDPW_NET_NOMEM;
+        }
+    }
+    return DDPW_NET_OK;
+}
+
 int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
                           int64_t deadline_ms, size_t *failed, int *err)
+{
+    return ddpw_net_exchange_kernels(peers, n, NULL, timeout_ms, deadline_ms, failed, err);
+}
+
+int ddpw_net_exchange_kernels(ddpw_net_peer_io *peers, size_t n, ddpw_net_kernels *kern,
+                             int timeout_ms, int64_t deadline_ms, size_t *failed, int *err)
 {
     /* indexed by peer, idle slots at fd -1 (poll skips them): no index map */
     struct pollfd *pfd;
@@ -749,9 +878,11 @@ int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
             return DDPW_NET_NOMEM;
         }
     }
-    if (n == 0)
+    if (kern != NULL && check_kernels(peers, n, kern, failed) != DDPW_NET_OK)
+        return DDPW_NET_NOMEM;
+    if (n == 0 && (kern == NULL || kern->k == 0))
         return DDPW_NET_OK;
-    pfd = (struct pollfd *)malloc(n * sizeof *pfd); /* n capped above: no overflow */
+    pfd = (struct pollfd *)malloc((n ? n : 1) * sizeof *pfd); /* n capped above: no overflow */
     if (pfd == NULL)
         return DDPW_NET_NOMEM;
     for (;;) {
@@ -759,7 +890,7 @@ int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
         for (i = 0; i < n; i++) {
             short events = 0;
             if (peers[i].fd >= 0) {
-                result = exchange_ready(&peers[i], &events, err);
+                result = exchange_ready(&peers[i], i, kern, &events, err);
                 if (result != DDPW_NET_OK) {
                     if (result != DDPW_NET_EINTR)
                         *failed = i;
@@ -770,6 +901,11 @@ int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
             pfd[i].events = events;
             pfd[i].revents = 0;
             waiting |= events != 0;
+        }
+        if (kern != NULL && kern->k > 0) {
+            reduce_ready(peers, kern);
+            /* the last range is reduced once every input has it whole */
+            waiting |= kern->reduced < kern->count;
         }
         if (!waiting)
             break;

@@ -120,6 +120,61 @@ typedef struct ddpw_net_peer_io {
 int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
                           int64_t deadline_ms, size_t *failed, int *err);
 
+/* An input of ddpw_net_exchange_kernels' reduce that is this member's own,
+ * not a peer's: complete from the start. */
+#define DDPW_NET_OWN ((size_t)-1)
+
+/* Kernels ddpw_net_exchange_kernels runs on a phase's elements while they
+ * move, so that no pass over a vector waits for the last byte or holds up
+ * the first (a reduce-scatter's narrowing and its slice's reduce, an
+ * allgather's widening). Every array has one entry per peer of the call,
+ * NULL where a peer has none; a peer with a kernel has one in_iov (out_iov)
+ * entry, its elements. The cursors (narrowed, widened, reduced) start at 0
+ * and let an interrupted call resume; elements of an unfinished call are
+ * not all written. */
+typedef struct ddpw_net_kernels {
+    int codec;                  /* DDPW_HALF_NONE (float32) or a 16-bit codec */
+    /* peer i's out_iov[0] holds its uint16 elements narrowed from
+     * narrow_from[i], a little ahead of its send cursor */
+    const float *const *narrow_from;
+    size_t *narrowed;
+    /* peer i's in_iov[0] receives uint16 elements, widened into
+     * widen_into[i] as they complete */
+    float *const *widen_into;
+    size_t *widened;
+    /* the slice's reduce (k == 0: none): out[0, count) from k inputs in
+     * member order, as ddpw_mean (divide) or ddpw_total (float32), or
+     * ddpw_mean_half (16-bit), element range by element range as every
+     * input has it. Input j is peer from[j]'s in_iov[0], or with from[j] ==
+     * DDPW_NET_OWN this member's own: in 16 bits narrowed from own_from into
+     * inputs[j] just before its range is reduced. */
+    size_t k, count;
+    const void *const *inputs;
+    const size_t *from;
+    const float *own_from;
+    void *out;
+    int divide;
+    size_t reduced;
+    /* the first non-finite input element (the lowest input holding one,
+     * then the lowest index): bad_index -1 for none */
+    int64_t bad_index;
+    size_t bad_input;
+} ddpw_net_kernels;
+
+/* ddpw_net_exchange_many running ``kern``'s kernels (NULL: none) as the
+ * bytes move; done when every byte moved and every kernel ran to the end.
+ * A codec that is not DDPW_HALF_* with narrowing, widening or a 16-bit
+ * reduce, or a kernel peer with more than one iov entry: DDPW_NET_NOMEM
+ * before anything moves. */
+int ddpw_net_exchange_kernels(ddpw_net_peer_io *peers, size_t n, ddpw_net_kernels *kern,
+                             int timeout_ms, int64_t deadline_ms, size_t *failed, int *err);
+
+/* The kernels' step, in elements (0: the defaults, 64 Ki narrowed ahead
+ * and 32 Ki per widening or reduce at least): a few elements make every
+ * phase run its kernels in many short ranges, for tests. Not to be changed
+ * while a call runs. */
+void ddpw_net_set_kernel_chunk(size_t elements);
+
 /* Streaming average of one gradient vector arriving on n sockets.
  *
  * Each socket i carries grad_bytes bytes of little-endian float32 elements

@@ -161,7 +161,12 @@ def exchange_many(conns: Sequence[Optional[Connection]],
                   sends: Sequence[Optional[Sequence[Optional[_Buffer]]]],
                   recvs: Sequence[Optional[Sequence[_Buffer]]], timeout: float, *,
                   deadline: Optional[float] = ..., step: Optional[int] = ...,
-                  what: str = ...) -> None:
+                  what: str = ..., codec: Optional[str] = ...,
+                  narrow_from: Optional[Sequence[Optional[_Buffer]]] = ...,
+                  widen_into: Optional[Sequence[Optional[_Buffer]]] = ...,
+                  reduce: Optional[Tuple[Sequence[_Buffer], Sequence[Optional[int]], _Buffer,
+                                         bool, Optional[_Buffer]]] = ...
+                  ) -> Optional[Tuple[int, int]]:
     """Send ``sends[i]`` to ``conns[i]`` while filling ``recvs[i]`` from it, for
     every i at once in one GIL-free poll loop (the data plane of a mesh
     reduce); receiving never waits for sending, so peers that all send before
@@ -169,7 +174,19 @@ def exchange_many(conns: Sequence[Optional[Connection]],
     ``sends[i]`` / ``recvs[i]`` is at most 8 buffers (recvs writable), taken as
     one concatenation. ``timeout`` bounds silence on all sockets together,
     ``deadline`` (time.monotonic()) the whole call; a failure raises the
-    failing connection's ``lost`` error, naming that peer and the bytes moved."""
+    failing connection's ``lost`` error, naming that peer and the bytes moved.
+
+    Kernels run on the elements as they move: with ``codec`` ("bf16",
+    "fp16"), ``narrow_from[i]`` (float32) is narrowed into ``sends[i]``'s one
+    part just ahead of its bytes and ``recvs[i]``'s one buffer widened into
+    ``widen_into[i]`` as it arrives; ``reduce`` = (inputs, sources, out,
+    divide, own_from) makes ``out`` the mean or sum of ``inputs`` in order,
+    input j arriving as ``recvs[sources[j]]`` (None: this member's own,
+    narrowed from ``own_from`` in 16 bits). Returns the reduce's first
+    non-finite input element as (input, index), or None."""
+def set_kernel_chunk(elements: int) -> None:
+    """How many elements exchange_many's kernels narrow ahead and reduce or
+    widen per call at least (0: the defaults); a few, for tests."""
 def reduce_stream(conns: List[Connection], out: _Buffer, tail_len: int, timeout: float, *,
                   ring_bytes: int = ..., socket_threads: bool = ..., step: Optional[int] = ...,
                   what: str = ..., scales: Optional[Sequence[float]] = ...

@@ -317,8 +317,23 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
         free(done)
 
 
+def set_kernel_chunk(size_t elements):
+    """How many elements exchange_many's kernels narrow ahead and reduce or
+    widen per call at least (0: the defaults). A few make every phase run
+    them in many short ranges, for tests; not while an exchange runs."""
+    ddpw_net_set_kernel_chunk(elements)
+
+
+cdef HeldBuffer _held16(object obj, str name, bint writable):
+    cdef HeldBuffer b = HeldBuffer()
+    acquire_uint16(obj, &b.view, writable, name)
+    b.held = True
+    return b
+
+
 def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None,
-                  str what="exchanging"):
+                  str what="exchanging", codec=None, narrow_from=None, widen_into=None,
+                  reduce=None):
     """Send ``sends[i]`` to ``conns[i]`` while filling ``recvs[i]`` from it, for
     every i at once, in one GIL-free poll loop: the data plane of a mesh
     reduce, where every worker sends to every other one. Receiving never
@@ -329,26 +344,68 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
     ``recvs[i]`` one of writable buffers, at most 8 each, each list taken as
     one concatenation (None: nothing). ``timeout`` bounds silence on every socket together;
     ``deadline`` (time.monotonic()) the whole call. A failure is the failing
-    connection's ``lost`` error, naming that peer."""
-    cdef size_t n = len(conns), i, failed = 0
+    connection's ``lost`` error, naming that peer.
+
+    Kernels run on the elements as they move, so that no pass over a
+    vector waits for its last byte or holds up its first (csrc/net.h,
+    ddpw_net_kernels). ``codec`` ("bf16", "fp16"; None: float32) is the
+    elements' wire format. ``narrow_from[i]`` (float32; None: nothing) is
+    narrowed into ``sends[i]``'s one part (uint16) just ahead of its bytes
+    going out; ``recvs[i]``'s one buffer (uint16) is widened into
+    ``widen_into[i]`` (float32) as it arrives. ``reduce`` is ``(inputs,
+    sources, out, divide, own_from)``: ``out`` becomes the mean (``divide``;
+    in 16 bits always) or the sum of ``inputs`` in order, range by range as
+    they arrive: ``inputs[j]`` is ``recvs[sources[j]]``'s one buffer, or
+    with ``sources[j]`` None this member's own, narrowed from ``own_from``
+    (16 bits; None: already there) just before its range is reduced.
+    Returns the first non-finite input element of the reduce as (input,
+    index), or None."""
+    cdef size_t n = len(conns), i, failed = 0, k = 0, width = 4
     cdef int err = 0, rc, ms = timeout_ms(timeout)
     cdef int64_t until = deadline_ms(deadline)
     cdef ddpw_net_peer_io *peers = NULL
     cdef iovec *iovs = NULL
+    cdef ddpw_net_kernels kern
+    cdef ddpw_net_kernels *use = NULL
+    cdef size_t *cursors = NULL
+    cdef void **ptrs = NULL
+    cdef size_t *froms = NULL
+    cdef const float **narrows = NULL
+    cdef float **widens = NULL
+    cdef const void **ins = NULL
     cdef list held = []
     cdef list entered = []
     cdef Connection c
+    cdef HeldBuffer h
     if <size_t>len(sends) != n or <size_t>len(recvs) != n:
         raise ValueError(f"exchange_many: {n} connections but {len(sends)} sends and "
                          f"{len(recvs)} receives")
     if n > DDPW_NET_MAX_PEERS:
         raise ValueError(f"exchange_many: at most {DDPW_NET_MAX_PEERS} peers, got {n}")
-    if n == 0:
-        return
-    peers = <ddpw_net_peer_io *>calloc(n, sizeof(ddpw_net_peer_io))
-    iovs = <iovec *>calloc(2 * n * MAX_PARTS, sizeof(iovec))
+    memset(&kern, 0, sizeof(kern))
+    kern.bad_index = -1
+    if codec is not None:
+        kern.codec = _codec(codec)
+        width = 2
+    for name, arg in (("narrow_from", narrow_from), ("widen_into", widen_into)):
+        if arg is not None and (codec is None or <size_t>len(arg) != n):
+            raise ValueError(f"exchange_many: {name} needs a 16-bit codec and one entry "
+                             f"per connection")
+    if reduce is not None:
+        inputs, sources, out, divide, own_from = reduce
+        k = len(inputs)
+        if <size_t>len(sources) != k or k > DDPW_NET_MAX_PEERS + 1:
+            raise ValueError(f"exchange_many: {k} reduce inputs, {len(sources)} sources")
+    if n == 0 and k == 0:
+        return None
+    peers = <ddpw_net_peer_io *>calloc(n + 1, sizeof(ddpw_net_peer_io))
+    iovs = <iovec *>calloc(2 * (n + 1) * MAX_PARTS, sizeof(iovec))
+    # the kernels' arrays: cursors (narrowed, widened, from) and pointers
+    # (narrow_from, widen_into, inputs)
+    cursors = <size_t *>calloc(2 * (n + 1) + k + 1, sizeof(size_t))
+    ptrs = <void **>calloc(2 * (n + 1) + k + 1, sizeof(void *))
     try:
-        if peers is NULL or iovs is NULL:
+        if peers is NULL or iovs is NULL or cursors is NULL or ptrs is NULL:
             raise MemoryError()
         # every buffer is held before any connection is entered
         for i in range(n):
@@ -361,6 +418,73 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
             peers[i].in_iov = &iovs[(2 * i + 1) * MAX_PARTS]
             peers[i].in_cnt = fill_recv_iov(() if recvs[i] is None else recvs[i],
                                              &iovs[(2 * i + 1) * MAX_PARTS], held)
+        if narrow_from is not None or widen_into is not None or k or codec is not None:
+            use = &kern
+            kern.narrowed = cursors
+            kern.widened = cursors + (n + 1)
+            froms = cursors + 2 * (n + 1)
+            kern.from_ = froms
+            if narrow_from is not None:
+                narrows = <const float **>ptrs
+                kern.narrow_from = narrows
+                for i in range(n):
+                    if narrow_from[i] is None or conns[i] is None:
+                        continue
+                    h = get_float32(narrow_from[i], "narrow_from", False)
+                    held.append(h)
+                    if peers[i].out_cnt != 1 or h.view.len // 4 * 2 != <Py_ssize_t>peers[i].out_iov[0].iov_len:
+                        raise ValueError(f"exchange_many: narrow_from[{i}] has {h.view.len // 4} "
+                                         f"elements, its send {peers[i].out_iov[0].iov_len} bytes")
+                    narrows[i] = <const float *>h.view.buf
+            if widen_into is not None:
+                widens = <float **>(ptrs + (n + 1))
+                kern.widen_into = widens
+                for i in range(n):
+                    if widen_into[i] is None or conns[i] is None:
+                        continue
+                    h = get_float32(widen_into[i], "widen_into", True)
+                    held.append(h)
+                    if peers[i].in_cnt != 1 or h.view.len // 4 * 2 != <Py_ssize_t>peers[i].in_iov[0].iov_len:
+                        raise ValueError(f"exchange_many: widen_into[{i}] has {h.view.len // 4} "
+                                         f"elements, its receive {peers[i].in_iov[0].iov_len} bytes")
+                    widens[i] = <float *>h.view.buf
+            if k:
+                kern.k = k
+                ins = <const void **>(ptrs + 2 * (n + 1))
+                kern.inputs = ins
+                kern.divide = 1 if divide else 0
+                h = get_float32(out, "out", True) if codec is None else _held16(out, "out", True)
+                held.append(h)
+                kern.out = h.view.buf
+                kern.count = <size_t>(h.view.len // <Py_ssize_t>width)
+                for i in range(k):
+                    h = get_float32(inputs[i], "input", True) if codec is None else \
+                        _held16(inputs[i], "input", True)
+                    held.append(h)
+                    if <size_t>(h.view.len // <Py_ssize_t>width) != kern.count:
+                        raise ValueError(f"exchange_many: reduce input {i} has "
+                                         f"{h.view.len // <Py_ssize_t>width} elements, out "
+                                         f"{kern.count}")
+                    ins[i] = h.view.buf
+                    if sources[i] is None:
+                        froms[i] = DDPW_NET_OWN
+                    else:
+                        froms[i] = <size_t>sources[i]
+                        if froms[i] >= n or conns[froms[i]] is None:
+                            raise ValueError(f"exchange_many: reduce input {i} arrives from "
+                                             f"no connection ({sources[i]})")
+                        # the C loop reads it as its bytes land there
+                        if peers[froms[i]].in_cnt != 1 or \
+                                peers[froms[i]].in_iov[0].iov_base != h.view.buf:
+                            raise ValueError(f"exchange_many: reduce input {i} is not the "
+                                             f"buffer received from connection {sources[i]}")
+                if own_from is not None:
+                    h = get_float32(own_from, "own_from", False)
+                    held.append(h)
+                    if <size_t>(h.view.len // 4) != kern.count:
+                        raise ValueError(f"exchange_many: own_from has {h.view.len // 4} "
+                                         f"elements, out {kern.count}")
+                    kern.own_from = <const float *>h.view.buf
         for i in range(n):
             if conns[i] is None:
                 continue
@@ -370,7 +494,7 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
             peers[i].fd = c.fd
         while True:
             with nogil:
-                rc = ddpw_net_exchange_many(peers, n, ms, until, &failed, &err)
+                rc = ddpw_net_exchange_kernels(peers, n, use, ms, until, &failed, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
@@ -384,12 +508,14 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
                     f"{iov_bytes(peers[i].out_iov, peers[i].out_cnt)} bytes, received "
                     f"{peers[i].received} of {iov_bytes(peers[i].in_iov, peers[i].in_cnt)} bytes)",
                     ms, deadline)
-            return
+            return None if kern.bad_index < 0 else (int(kern.bad_input), int(kern.bad_index))
     finally:
         for c in entered:
             c.leave()
         free(peers)
         free(iovs)
+        free(cursors)
+        free(ptrs)
 
 
 def reduce_stream(list conns, out, size_t tail_len, timeout, *, size_t ring_bytes=1 << 20,

@@ -17,12 +17,13 @@ cuts them, and the coordinator's part, for every worker alike):
 3. allgather: only after a go-ahead, every worker sends its averaged slice
    to every other, straight into their output buffers.
 
-Each exchange moves its frames' elements in consecutive element ranges
-(:data:`ddpwire.plan.RANGE_BYTES` of one peer's slice at most), one
-GIL-free call per range: while range c+1 travels, a helper thread of the
-Mesh averages (or widens) range c, and narrows the outgoing ranges ahead of
-their call. The kernels are element-wise, so the bits are those of one pass
-over the whole slice; the bytes on the wire are the same frames either way.
+Each exchange moves its frames' elements in one GIL-free call that runs the
+kernels on them as they move (:func:`ddpwire._core.exchange_many`): a
+peer's slice is narrowed to 16 bits just ahead of its bytes, the owner's
+average is computed range by range as every peer's bytes of that range are
+in, and an allgather's 16 bits are widened as they arrive. The kernels are
+element-wise, so the bits are those of one pass over the whole slice; the
+bytes on the wire are the frames either way.
 
 So every worker ends with the bits the star gives, and no worker holds any
 averaged element before the coordinator has seen that the whole vector is
@@ -57,10 +58,8 @@ import select
 import selectors
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as _wait_all
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -70,18 +69,18 @@ from . import reduce as _reduce
 from . import shm as _shm
 from ._text import counted
 from .channel import Channel, check_timeout
-from .errors import (DdpwireError, GradientMismatch, NonFiniteGradient, ProtocolError,
+from .errors import (GradientMismatch, ProtocolError,
                      ShutdownDuringReduce, UnexpectedMessage, WorkerLost)
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
 from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientPayload, Heartbeat,
                        MeshPeers, PeerHello, Shutdown)
 # the plan's helpers stay importable from here (their home before ddpwire.plan)
-from .plan import Plan, coordinator_part, range_bounds, range_count, slice_bounds
+from .plan import Plan, coordinator_part, slice_bounds
 
 __all__ = ["CODECS", "Mesh", "SliceOutcome", "auto_share", "codec_of",
            "coordinator_part", "format_peers", "listen", "parse_peers", "parse_ports", "offer",
            "peer_host",
-           "peer_port", "range_bounds", "range_count", "share_value", "slice_bounds"]
+           "peer_port", "share_value", "slice_bounds"]
 
 log = logging.getLogger(__name__)
 
@@ -438,11 +437,6 @@ class Mesh:
         self._step: Optional[int] = None
         self._part: Optional[np.ndarray] = None  # the coordinator's averaged part
         self._op = ReduceOp.AVG  # of the reduce-scatter under way
-        # Runs the kernels while the calling thread moves bytes. The caller
-        # keeps every socket: a failure or Ctrl-C there needs no other thread
-        # woken, and the helper only ever waits for a bounded kernel call.
-        self._helper: Optional[ThreadPoolExecutor] = None
-        self._closed = False
         # The coordinator saw every worker on one host: the first step
         # tries to set up a shared segment, and steps use it once every
         # worker has attached. The segment's kernels (csrc/shm.c) cut equal
@@ -491,18 +485,13 @@ class Mesh:
                    coordinator_share=table.coordinator_share, fractions=fractions)
 
     def close(self) -> None:
-        """Close every link and stop the helper thread (after the kernel call
-        it may be running: nothing it does waits on a peer)."""
-        self._closed = True
+        """Close every link (and the shared plane)."""
         plane, self.plane = self.plane, None
         if plane is not None:
             plane.close()
         for chan in self.links:
             if chan is not None:
                 chan.close()
-        helper, self._helper = self._helper, None
-        if helper is not None:
-            helper.shutdown(wait=True, cancel_futures=True)
 
     def plan_for(self, count: int) -> Plan:
         """The cut of a ``count``-element vector: this mesh's fractions,
@@ -535,40 +524,20 @@ class Mesh:
         self._scratch[key] = buf
         return buf
 
-    def _submit(self, fn: Callable[..., object], *args: object) -> Future:
-        if self._closed:
-            raise DdpwireError("the mesh is closed", worker_id=self.worker_id)
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(
-                1, thread_name_prefix=f"ddpwire-mesh-{self.worker_id}")
-        try:
-            return self._helper.submit(fn, *args)
-        except RuntimeError:  # closed by another thread since the check
-            raise DdpwireError("the mesh is closed", worker_id=self.worker_id) from None
-
-    @staticmethod
-    def _settle(futures: Sequence[Future]) -> None:
-        """After a failure: no queued kernel may start and the running one
-        must end before the caller gets its buffers back."""
-        for f in futures:
-            f.cancel()
-        _wait_all(futures)
-
     # ---- one exchange: heads first, then the elements range by range ----
 
     def _exchange(self, step: int, kind: CollectiveKind, sends: Sequence[Optional[np.ndarray]],
-                  recvs: Sequence[Optional[np.ndarray]], deadline: float, parts: int = 1,
-                  before: Optional[Callable[[int], None]] = None,
-                  after: Optional[Callable[[int], None]] = None,
-                  leg: Optional[_CoordinatorLeg] = None, op: ReduceOp = ReduceOp.AVG) -> None:
+                  recvs: Sequence[Optional[np.ndarray]], deadline: float,
+                  leg: Optional[_CoordinatorLeg] = None, op: ReduceOp = ReduceOp.AVG,
+                  **kernels: object) -> Optional[Tuple[int, int]]:
         """Send sends[j] to worker j while receiving recvs[j] from it, every
         link at once. The heads go first, each checked (step, phase, sender,
         length, dtype), so a worker whose vector differs is named before any
         element is read into a buffer sized for another length. The elements
-        follow in ``parts`` ranges (:func:`range_bounds` of each slice), one
-        call each; ``before(c)`` returns once range c may go out, ``after(c)``
-        is told it is in both directions. ``leg`` adds the coordinator's part
-        on the connection to it, cut into the same ranges."""
+        follow in one GIL-free call that runs ``kernels`` on them as they
+        move (:func:`ddpwire._core.exchange_many`'s narrowing, widening and
+        reduce; its report of a non-finite input is returned). ``leg`` adds
+        the coordinator's part on the connection to it."""
         me = self.worker_id
         heads_out: List[List[bytes]] = [[] for _ in range(self.world)]
         for j, chan in enumerate(self.links):
@@ -580,9 +549,13 @@ class Mesh:
             head, _bulk, _tail = _core.encode_frame_parts(msg, max_frame=chan.max_frame)
             heads_out[j] = [head]
         conns = self._conns
+        out: List[list] = [[] if c is None else [sends[j]] for j, c in enumerate(conns)]
+        into: List[list] = [[] if c is None else [recvs[j]] for j, c in enumerate(conns)]
         if leg is not None:
             conns.append(leg.chan.conn)
             heads_out.append([leg.head])
+            out.append([leg.data, leg.tail])
+            into.append([leg.into, leg.reply_tail])
             self.coordinator_frame_open = True
         what = f"exchanging {kind.name.lower()} heads"
         _core.exchange_many(conns, heads_out, [[] for _ in conns], self.timeout,
@@ -603,30 +576,16 @@ class Mesh:
             self._check_head(head, step, kind, j, len(recvs[j]), op)
         if leg is not None:
             self._check_reply_head(leg, step, deadline)
+            for name in ("narrow_from", "widen_into"):
+                if kernels.get(name) is not None:
+                    kernels[name] = [*kernels[name], None]  # type: ignore[misc]
         # the elements follow their head as raw bytes in the sender's order,
         # as encode_frame_parts would send them
-        cuts_out = [None if s is None else range_bounds(len(s), parts) for s in sends]
-        cuts_in = [None if r is None else range_bounds(len(r), parts) for r in recvs]
-        if leg is not None:
-            cuts_leg = range_bounds(len(leg.data), parts)
-        what = f"exchanging {kind.name.lower()} slices"
-        for c in range(parts):
-            if before is not None:
-                before(c)
-            out: List[list] = []
-            into: List[list] = []
-            for j in range(self.world):
-                out.append(_piece(sends[j], cuts_out[j], c) if conns[j] is not None else [])
-                into.append(_piece(recvs[j], cuts_in[j], c) if conns[j] is not None else [])
-            if leg is not None:
-                last = c == parts - 1
-                out.append(_piece(leg.data, cuts_leg, c) + ([leg.tail] if last else []))
-                into.append(_piece(leg.into, cuts_leg, c) + ([leg.reply_tail] if last else []))
-            _core.exchange_many(conns, out, into, self.timeout, deadline=deadline, step=step,
-                                what=what if parts == 1 else f"{what} (range {c + 1} of {parts})")
-            if after is not None:
-                after(c)
+        bad = _core.exchange_many(conns, out, into, self.timeout, deadline=deadline, step=step,
+                                  what=f"exchanging {kind.name.lower()} slices",
+                                  codec=self._half, **kernels)
         self.coordinator_frame_open = False
+        return bad
 
     def _check_reply_head(self, leg: _CoordinatorLeg, step: int, deadline: float) -> None:
         """The head of the coordinator's AveragedGradient for its part."""
@@ -748,40 +707,6 @@ class Mesh:
                 return socks[sock]
         return None
 
-    # ---- the kernels of one range (on the helper thread) ----
-
-    def _narrow(self, gradients: np.ndarray, wire: np.ndarray, plan: Plan, c: int) -> None:
-        for j in range(plan.members):
-            s, e = plan.piece(j, c)
-            if e > s:
-                _reduce.to_half(gradients[s:e], wire[s:e], codec=self._half)
-
-    def _average(self, inputs: Sequence[np.ndarray], own: np.ndarray, s: int,
-                 e: int) -> Optional[Tuple[int, int, float]]:
-        """Range [s, e) of the slice's average; the first non-finite input
-        element of the range as (worker, index in the slice, value), if any."""
-        if e == s:
-            return None
-        ins = [x[s:e] for x in inputs]
-        try:
-            if self._half is not None:
-                _reduce.mean_half(ins, own[s:e], codec=self._half)
-            elif self._op is ReduceOp.SUM:
-                _reduce.total(ins, own[s:e])
-            else:
-                _reduce.mean(ins, own[s:e])
-        except NonFiniteGradient as bad:
-            return int(bad.input), s + int(bad.index), float(bad.value)
-        return None
-
-    def _widen(self, full: np.ndarray, out: np.ndarray, plan: Plan, c: int) -> None:
-        for j in range(plan.members):
-            if j == self.worker_id:
-                continue
-            s, e = plan.piece(j, c)
-            if e > s:
-                _reduce.from_half(full[s:e], out[s:e], codec=self._half)
-
     # ---- the step ----
 
     def reduce_scatter(self, step: int, gradients: np.ndarray, deadline: float,
@@ -812,57 +737,45 @@ class Mesh:
         leg = self._leg(step, gradients, tail, plan)
         bounds = plan.bounds
         lo, hi = bounds[me]
-        if self._half is None:
-            wire = gradients
-        else:
-            wire = self._buffer("wire", len(gradients), np.dtype(np.uint16))
+        half = self._half
+        wire = gradients if half is None else self._buffer("wire", len(gradients),
+                                                            np.dtype(np.uint16))
         mine = hi - lo
         inbox = self._buffer("inbox", mine * max(n - 1, 1), wire.dtype)
         recvs: List[Optional[np.ndarray]] = []
         inputs: List[np.ndarray] = []
+        sources: List[Optional[int]] = []
         k = 0
         for j in range(n):
             if j == me:
                 recvs.append(None)
                 inputs.append(wire[lo:hi])
+                sources.append(None)
             else:
                 part = inbox[k * mine:(k + 1) * mine]
                 k += 1
                 recvs.append(part)
                 inputs.append(part)
+                sources.append(j)
         sends = [None if j == me else wire[a:b] for j, (a, b) in enumerate(bounds)]
         own = self._buffer("own", mine, wire.dtype)
-        parts = plan.parts
-        # a worker with fraction 0 owns no element: every range is empty
-        # and it only sends (its heads say count 0 to every owner)
-        pieces = plan.cuts(mine)
-        # the narrowing runs ahead of the exchange (from before the heads),
-        # the averaging one range behind it
-        narrowed = [] if self._half is None else [
-            self._submit(self._narrow, gradients, wire, plan, c) for c in range(parts)]
-        averaged: List[Future] = []
-
-        def before(c: int) -> None:
-            if narrowed:
-                narrowed[c].result()
-
-        def after(c: int) -> None:
-            averaged.append(self._submit(self._average, inputs, own, *pieces[c]))
-
-        try:
-            self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline, parts,
-                           before, after, leg, op)
-            found = [f.result() for f in averaged]
-        except BaseException:
-            self._settle(narrowed + averaged)
-            raise
+        # each peer's slice is narrowed just ahead of its bytes, and this
+        # worker's own slice averaged range by range as every peer's arrives;
+        # a worker with fraction 0 owns no element: it only sends (its heads
+        # say count 0 to every owner)
+        narrow = None if half is None else [
+            None if j == me or b == a else gradients[a:b] for j, (a, b) in enumerate(bounds)]
+        reduce = None if mine == 0 else (inputs, sources, own, op is ReduceOp.AVG,
+                                         None if half is None else gradients[lo:hi])
+        bad = self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline, leg,
+                             op, narrow_from=narrow, reduce=reduce)
         outcome = SliceOutcome()
-        hits = [h for h in found if h is not None]
-        if hits:
-            # the first by worker, then index, over the whole slice: every
-            # range names its own lowest worker, so the lowest of those wins
-            worker, index, value = min(hits, key=lambda h: (h[0], h[1]))
-            outcome = SliceOutcome(worker, lo + index, value)
+        if bad is not None:
+            worker, index = bad
+            value = inputs[worker][index:index + 1]
+            wide = float(value[0]) if half is None else \
+                float(_reduce.from_half(value, codec=half)[0])
+            outcome = SliceOutcome(worker, lo + index, wide)
         self._own, self._step = own, step
         self._part = None if leg is None else leg.into
         return outcome
@@ -896,37 +809,22 @@ class Mesh:
         plan = self.plan_for(len(out))
         bounds = plan.bounds
         lo, hi = bounds[me]
-        if self._half is None:
-            # float32 lands where it belongs: nothing to do per range
-            full = out
-            parts = 1
-            pending = [self._submit(np.copyto, out[lo:hi], own)]
-            if part is not None:
-                pending.append(self._submit(np.copyto, out[plan.ours:], part))
-            after: Optional[Callable[[int], None]] = None
-        else:
-            full = self._buffer("gathered", len(out), own.dtype)
-            parts = plan.parts
-            pending = [self._submit(self._widen_own, own, out[lo:hi])]
-
-            def widen(c: int) -> None:
-                pending.append(self._submit(self._widen, full, out, plan, c))
-            after = widen
-
         sends = [None if j == me else own for j in range(n)]
+        if self._half is None:
+            # float32 lands where it belongs
+            recvs = [None if j == me else out[a:b] for j, (a, b) in enumerate(bounds)]
+            self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline)
+            out[lo:hi] = own
+            if part is not None:
+                out[plan.ours:] = part
+            return out
+        # 16 bits are widened into ``out`` as they arrive
+        full = self._buffer("gathered", len(out), own.dtype)
         recvs = [None if j == me else full[a:b] for j, (a, b) in enumerate(bounds)]
-        try:
-            self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline, parts,
-                           after=after)
-            for f in pending:
-                f.result()
-        except BaseException:
-            self._settle(pending)
-            raise
+        widen = [None if j == me or b == a else out[a:b] for j, (a, b) in enumerate(bounds)]
+        self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline, widen_into=widen)
+        _reduce.from_half(own, out[lo:hi], codec=self._half)
         return out
-
-    def _widen_own(self, own: np.ndarray, out: np.ndarray) -> None:
-        _reduce.from_half(own, out, codec=self._half)
 
 
 def _op_name(op: int) -> str:
@@ -934,13 +832,6 @@ def _op_name(op: int) -> str:
         return ReduceOp(op).name.lower()
     except ValueError:
         return f"op {op}"
-
-
-def _piece(buf: Optional[np.ndarray], cuts: Optional[List[Tuple[int, int]]], c: int) -> list:
-    if buf is None or cuts is None:
-        return []
-    s, e = cuts[c]
-    return [buf[s:e]] if e > s else []
 
 
 def _worker_lost(detail: str, worker: int, step: int) -> WorkerLost:

@@ -1,5 +1,5 @@
-"""One plan per vector: which elements each mesh member averages, which the
-coordinator does, and the ranges an exchange moves them in.
+"""One plan per vector: which elements each mesh member averages, and which
+the coordinator does.
 
 Every member of a mesh computes the same :class:`Plan` from the same inputs
 (the vector's length, the members' fractions, the codec and
@@ -42,13 +42,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from .extensions import Codec
 
-__all__ = ["MAX_SHARE", "RANGE_BYTES", "Plan", "check_fractions", "coordinator_part",
-           "range_bounds", "range_count", "slice_bounds"]
+__all__ = ["MAX_SHARE", "Plan", "check_fractions", "coordinator_part", "slice_bounds"]
 
-#: the most bytes of one member's slice an exchange moves per call: small
-#: enough that the kernel work left after the last range is short, large
-#: enough that the pause between two calls is noise next to a range's transfer
-RANGE_BYTES = 8 << 20
 #: the largest MeshPeers.coordinator_share (65536ths of the vector)
 MAX_SHARE = 0xFFFF
 
@@ -68,21 +63,6 @@ def coordinator_part(count: int, share: int) -> int:
     coordinator averages itself, for MeshPeers.coordinator_share ``share``
     (65536ths of the vector, rounded down)."""
     return (count * share) >> 16
-
-
-def range_bounds(length: int, parts: int) -> List[Bounds]:
-    """Range c of ``parts`` consecutive ranges of a ``length``-element slice:
-    [c·length//parts, (c+1)·length//parts); some are empty when the slice is
-    shorter than ``parts``, all of them when it is empty."""
-    return [(c * length // parts, (c + 1) * length // parts) for c in range(parts)]
-
-
-def range_count(slice_bytes: int) -> int:
-    """How many ranges an exchange whose largest slice has ``slice_bytes``
-    bytes moves. Every member derives it from the plan alone, so all split
-    a slice the same way (a different split would still move the same
-    bytes, only with other pauses)."""
-    return max(1, -(-slice_bytes // RANGE_BYTES))
 
 
 def check_fractions(fractions: Optional[Sequence[float]],
@@ -142,9 +122,9 @@ class Plan:
     ``fractions`` (any sequence, kept as a tuple of floats; None: equally;
     see the module's rounding rule); the
     coordinator averages the last :attr:`part` ones, for MeshPeers
-    ``coordinator_share`` (65536ths). ``codec`` is how slices travel, which
-    sets the bytes per element and so how many ranges an exchange cuts
-    each slice into. Raises ValueError naming a bad argument.
+    ``coordinator_share`` (65536ths). ``codec`` is how slices travel
+    (:attr:`itemsize` bytes per element). Raises ValueError naming a bad
+    argument.
     """
 
     count: int
@@ -204,25 +184,3 @@ class Plan:
         if not 0 <= member < self.members:
             raise ValueError(f"member must be from 0 to {self.members - 1}, got {member}")
         return self.bounds[member]
-
-    @property
-    def largest(self) -> int:
-        """Elements in the largest member slice."""
-        return max(b - a for a, b in self.bounds)
-
-    @property
-    def parts(self) -> int:
-        """How many ranges an exchange cuts every slice into, from the
-        largest slice alone: every member cuts the same way."""
-        return range_count(self.largest * self.itemsize)
-
-    def cuts(self, length: int) -> List[Bounds]:
-        """The :attr:`parts` ranges of a ``length``-element piece (a slice,
-        or the coordinator's part), relative to its start."""
-        return range_bounds(length, self.parts)
-
-    def piece(self, member: int, c: int) -> Bounds:
-        """[start, end) in the whole vector of range ``c`` of ``member``'s slice."""
-        a, b = self.slice(member)
-        s, e = range_bounds(b - a, self.parts)[c]
-        return a + s, a + e

@@ -301,4 +301,122 @@ def test_c_exchange_many_under_sanitizer(tmp_path, sanitizer):
 
 EXCHANGE_CHECK_LINES = [
     "ok mesh 2", "ok mesh 3", "ok mesh 5", "ok eof", "ok timeout", "ok deadline", "ok bounds",
+    "ok kernels 0", "ok kernels 5",
 ]
+
+
+# ---- the kernels run on the elements as they move ----
+
+def kernel_phases(grads, codec, chunk, divide=True):
+    """A reduce-scatter and an allgather over a full mesh of threads with
+    exchange_many's kernels, as ddpwire.mesh runs them: each member narrows
+    what it sends (16 bits), reduces its own slice as the others' arrive and
+    widens what the allgather brings. Returns every member's result and its
+    reduce's report."""
+    from ddpwire import _core
+    from ddpwire.plan import slice_bounds
+
+    n, count = len(grads), len(grads[0])
+    bounds = slice_bounds(count, n)
+    wide = np.uint16 if codec else np.float32
+    socks = mesh(n)
+    conns = [[None if s is None else Connection(s, peer_id=j, lost=ddpwire.WorkerLost)
+              for j, s in enumerate(row)] for row in socks]
+    outs, bads = [None] * n, [None] * n
+    _core.set_kernel_chunk(chunk)
+    try:
+        def member(i):
+            g = grads[i]
+            lo, hi = bounds[i]
+            wire = g if codec is None else np.empty(count, np.uint16)
+            inbox = {j: np.empty(hi - lo, wide) for j in range(n) if j != i}
+            inputs = [wire[lo:hi] if j == i else inbox[j] for j in range(n)]
+            own = np.empty(hi - lo, wide)
+            bads[i] = exchange_many(
+                conns[i], [None if j == i else [wire[a:b]] for j, (a, b) in enumerate(bounds)],
+                [None if j == i else [inbox[j]] for j in range(n)], 30.0, codec=codec,
+                narrow_from=None if codec is None else [
+                    None if j == i else g[a:b] for j, (a, b) in enumerate(bounds)],
+                reduce=(inputs, [None if j == i else j for j in range(n)], own, divide,
+                        None if codec is None else g[lo:hi]))
+            out = np.full(count, -7.0, np.float32)
+            full = out if codec is None else np.empty(count, np.uint16)
+            exchange_many(conns[i], [None if j == i else [own] for j in range(n)],
+                          [None if j == i else [full[a:b]] for j, (a, b) in enumerate(bounds)],
+                          30.0, codec=codec, widen_into=None if codec is None else [
+                              None if j == i else out[a:b] for j, (a, b) in enumerate(bounds)])
+            if codec is None:
+                out[lo:hi] = own
+            else:
+                _core.from_half(own, out[lo:hi], codec=codec)
+            outs[i] = out
+
+        threads = [Spawned(lambda i=i: member(i)) for i in range(n)]
+        for t in threads:
+            t.join_result()
+    finally:
+        _core.set_kernel_chunk(0)
+        for row in conns:
+            for c in row:
+                if c is not None:
+                    c.close()
+    return outs, bads
+
+
+@pytest.mark.parametrize("codec", [None, "bf16", "fp16"])
+@pytest.mark.parametrize("n,count,chunk", [(2, 1, 0), (3, 300_001, 0), (3, 1_001, 3),
+                                           (4, 2, 1), (5, 20_011, 7)])
+def test_kernels_on_the_moving_elements_give_the_bits_of_whole_vector_passes(codec, n, count,
+                                                                           chunk):
+    from ddpwire import _core
+    rng = np.random.default_rng(count + n)
+    grads = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+    outs, bads = kernel_phases(grads, codec, chunk)
+    if codec is None:
+        want = _core.mean(grads)
+    else:
+        want = _core.from_half(_core.mean_half([_core.to_half(g, codec=codec) for g in grads],
+                                               codec=codec), codec=codec)
+    for out in outs:
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    assert bads == [None] * n
+
+
+@pytest.mark.parametrize("codec", [None, "bf16"])
+def test_the_reduce_reports_the_lowest_input_then_the_lowest_index_across_ranges(codec):
+    count = 3_000  # member 1 owns [1000, 2000), reduced 5 elements or more at a time
+    grads = [np.ones(count, np.float32) for _ in range(3)]
+    grads[2][1003] = np.nan   # the lowest index, from a later input
+    grads[1][1900] = np.inf   # a later range, the lowest input holding one
+    grads[1][1950] = np.nan
+    _, bads = kernel_phases(grads, codec, 5)
+    assert bads == [None, (1, 900), None]
+
+
+def test_kernel_argument_errors():
+    a, b = tcp_pair()
+    conn = Connection(a)
+    f32, u16 = np.zeros(4, np.float32), np.zeros(4, np.uint16)
+    try:
+        with pytest.raises(ValueError, match="needs a 16-bit codec"):
+            exchange_many([conn], [[u16]], [None], 1.0, narrow_from=[f32])
+        with pytest.raises(ValueError, match="codec must be one of"):
+            exchange_many([conn], [[u16]], [None], 1.0, codec="int8")
+        with pytest.raises(ValueError, match="narrow_from.0. has 3 elements, its send 8 bytes"):
+            exchange_many([conn], [[u16]], [None], 1.0, codec="bf16", narrow_from=[f32[:3]])
+        with pytest.raises(ValueError, match="reduce input 1 has 3 elements, out 4"):
+            exchange_many([conn], [None], [[f32]], 1.0,
+                          reduce=([f32, f32[:3]], [None, 0], np.zeros(4, np.float32), True, None))
+        with pytest.raises(ValueError, match="arrives from no connection"):
+            exchange_many([conn], [None], [[f32]], 1.0,
+                          reduce=([f32], [3], np.zeros(4, np.float32), True, None))
+        with pytest.raises(ValueError, match="is not the buffer received"):
+            exchange_many([conn], [None], [[f32]], 1.0,
+                          reduce=([f32.copy()], [0], np.zeros(4, np.float32), True, None))
+        # nothing was entered or left half-held: the connection still works
+        exchange_many([conn], [[b"ok"]], [None], 1.0)
+        b.setblocking(True)
+        assert b.recv(2) == b"ok"
+    finally:
+        conn.close()
+        b.close()

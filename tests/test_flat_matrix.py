@@ -11,7 +11,8 @@ and the result rounded once to 16 bits). The paths:
   each worker's Mesh (MeshPeers carries none: only a Mesh made with
   fractions cuts unequally, so the test hands them to Mesh.connect);
 * Mesh runners on links made here: unequal and zero fractions, SUM and
-  AVG in float32, AVG in bf16 and fp16, whole and tiny ranges;
+  AVG in float32, AVG in bf16 and fp16, the exchange's kernels in their
+  default ranges and in ranges of a few elements;
 * the torch backend's RankLinks, set up through a fake service: the same
   fractions, SUM and AVG, float32 and 16-bit buckets.
 
@@ -26,6 +27,7 @@ from typing import List, NamedTuple, Optional
 import numpy as np
 import pytest
 
+from ddpwire import _core
 from ddpwire import mesh as meshmod
 from ddpwire import plan as planmod
 from ddpwire.errors import GradientMismatch
@@ -155,12 +157,14 @@ REDUCTIONS = [(None, ReduceOp.SUM), (None, ReduceOp.AVG), ("bf16", ReduceOp.AVG)
 
 
 @pytest.fixture(params=["whole", "tiny"])
-def ranges(request, monkeypatch):
-    """Each slice in one range, or in ranges of 3 float32 (6 16-bit)
-    elements: many ranges, some uneven, every one of an empty slice empty."""
+def ranges(request):
+    """The exchange's kernels at their default step (each small slice here
+    in one range), or narrowing 3 elements ahead of the bytes and reducing
+    or widening 3 at least per call: many small writes, many ranges."""
     if request.param == "tiny":
-        monkeypatch.setattr(planmod, "RANGE_BYTES", 12)
-    return request.param
+        _core.set_kernel_chunk(3)
+    yield request.param
+    _core.set_kernel_chunk(0)
 
 
 def _fid(fractions):

@@ -15,9 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, Worker
+from ddpwire import Coordinator, Worker, _core
 from ddpwire import mesh as meshmod
-from ddpwire import plan as planmod
 from ddpwire.errors import (
     DdpwireError,
     GradientMismatch,
@@ -420,15 +419,16 @@ def test_a_stranger_on_a_mesh_port_is_dropped_and_the_mesh_still_forms():
             chan.close()
 
 
-# ---- the elements in ranges ----
-
-# (the cuts themselves: tests/test_plan.py)
+# ---- the kernels in short ranges ----
 
 @pytest.fixture
-def tiny_ranges(monkeypatch):
-    """Ranges of 3 float32 (or 6 16-bit) elements, so every slice below is
-    cut in many ranges, some uneven and some empty."""
-    monkeypatch.setattr(planmod, "RANGE_BYTES", 12)
+def tiny_ranges():
+    """The exchange's kernels narrow 3 elements ahead of the bytes and
+    reduce or widen 3 at least per call, so every slice below is sent in
+    many small writes and its kernels run in many ranges, some uneven."""
+    _core.set_kernel_chunk(3)
+    yield
+    _core.set_kernel_chunk(0)
 
 
 def helper_threads():
@@ -443,7 +443,7 @@ def test_split_ranges_give_the_reference_bits(tiny_ranges, n, count):
     want = reference_allreduce(grads)
     for i in range(n):
         assert np.array_equal(bits(s.results[i][0]), bits(want))
-    assert not helper_threads()  # closing each worker's mesh stopped its helper
+    assert not helper_threads()  # a mesh runs no thread of its own
 
 
 @pytest.mark.parametrize("codec", ["bf16", "fp16"])
@@ -462,7 +462,7 @@ def test_split_ranges_give_the_16_bit_bits(tiny_ranges, codec, n, count):
     [(1, 76), (1, 41), (2, 40)],
 ])
 def test_the_first_non_finite_element_is_found_across_ranges(tiny_ranges, codec, bad):
-    count = 120  # worker 1 owns [40, 80): 14 ranges of 3 elements at most
+    count = 120  # worker 1 owns [40, 80), reduced 3 elements or more at a time
     grads = gradients(3, count, seed=7)
     for w, i in bad:
         grads[w][i] = np.inf if i % 2 else np.nan
@@ -476,7 +476,7 @@ def test_the_first_non_finite_element_is_found_across_ranges(tiny_ranges, codec,
         assert isinstance(exc, NonFiniteGradient) and (exc.worker_id, exc.index) == (worker, index)
 
 
-def test_a_lost_worker_is_named_with_split_ranges_and_no_helper_is_left(tiny_ranges):
+def test_a_lost_worker_is_named_with_short_ranges_and_no_thread_is_left(tiny_ranges):
     grads = gradients(3, 3_000, seed=12)
     steps_done = threading.Barrier(3)
 

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator
+from ddpwire import Coordinator, _core
 from ddpwire import mesh as meshmod
 from ddpwire import plan as planmod
 from ddpwire.errors import (GradientMismatch, NonFiniteGradient, PeerLost, ProtocolError,
@@ -94,10 +94,13 @@ def test_collect_then_broadcast_with_a_share():
         assert np.array_equal(bits(s.results[i][0]), bits(reference_allreduce(grads)))
 
 
-def test_split_ranges_give_the_reference_bits(monkeypatch):
-    monkeypatch.setattr(planmod, "RANGE_BYTES", 8)
-    grads = gradients(4, 101, seed=3)
-    s = run_flat_steps(grads, 2, coordinator_share=0.3)
+def test_short_kernel_ranges_give_the_reference_bits():
+    _core.set_kernel_chunk(2)
+    try:
+        grads = gradients(4, 101, seed=3)
+        s = run_flat_steps(grads, 2, coordinator_share=0.3)
+    finally:
+        _core.set_kernel_chunk(0)
     for i in range(4):
         assert np.array_equal(bits(s.results[i][0]), bits(reference_allreduce(grads)))
 

@@ -1,6 +1,5 @@
 """ddpwire.plan: the one cut of a vector among the mesh's members and the
-coordinator, and the ranges an exchange moves it in. Pure arithmetic: no
-links, no threads."""
+coordinator. Pure arithmetic: no links, no threads."""
 from __future__ import annotations
 
 import ast
@@ -97,26 +96,9 @@ def test_the_coordinator_s_part_is_the_vector_s_last_elements():
     assert Plan(0, 3, [1, 0, 2]).bounds == ((0, 0),) * 3
 
 
-def test_ranges_come_from_the_largest_slice_and_the_codec(monkeypatch):
-    monkeypatch.setattr(planmod, "RANGE_BYTES", 12)
-    plan = Plan(40, 3, [1, 0, 3])  # slices of 10, 0 and 30 elements
-    assert plan.largest == 30 and plan.itemsize == 4 and plan.parts == 10
-    assert plan.cuts(0) == [(0, 0)] * 10  # the empty slice: every range empty
-    assert plan.cuts(10) == planmod.range_bounds(10, 10)
-    assert [plan.piece(2, c) for c in (0, 9)] == [(10, 13), (37, 40)]
-    assert plan.piece(1, 4) == (10, 10)
-    # 16-bit words: half the bytes, half the ranges
-    assert Plan(40, 3, [1, 0, 3], Codec.FP16).parts == 5
-    assert Plan(0, 2).parts == 1
-
-
-def test_the_range_helpers():
-    assert planmod.range_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
-    assert planmod.range_bounds(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
-    assert planmod.range_bounds(0, 3) == [(0, 0)] * 3
-    assert planmod.range_count(0) == 1
-    assert planmod.range_count(planmod.RANGE_BYTES) == 1
-    assert planmod.range_count(planmod.RANGE_BYTES + 1) == 2
+def test_the_codec_sets_the_bytes_per_element():
+    assert Plan(40, 3, [1, 0, 3]).itemsize == 4
+    assert Plan(40, 3, [1, 0, 3], Codec.FP16).itemsize == Plan(4, 2, None, Codec.BF16).itemsize == 2
 
 
 @pytest.mark.parametrize("fractions,members,message", [
@@ -160,7 +142,7 @@ def test_bad_plan_arguments_are_a_value_error_naming_them(kwargs, message):
 
 
 def test_the_mesh_names_are_the_plan_s():
-    for name in ("slice_bounds", "coordinator_part", "range_bounds", "range_count"):
+    for name in ("slice_bounds", "coordinator_part"):
         assert getattr(meshmod, name) is getattr(planmod, name)
 
 

@@ -26,11 +26,12 @@ from collections import defaultdict
 from typing import Dict
 
 KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-baseline",
-         "ddp-ddpwire-bf16-free")
+         "ddp-ddpwire-bf16-baseline", "ddp-ddpwire-bf16-free")
 LABELS = {"ddp-ddpwire": "ddpwire", "ddp-ddpwire-bf16": "ddpwire bf16",
-          "ddp-ddpwire-baseline": "baseline", "ddp-ddpwire-bf16-free": "bf16, free kernels"}
+          "ddp-ddpwire-baseline": "baseline", "ddp-ddpwire-bf16-baseline": "bf16 baseline",
+          "ddp-ddpwire-bf16-free": "bf16, free kernels"}
 #: columns shown only where the file has them
-OPTIONAL = ("ddp-ddpwire-baseline", "ddp-ddpwire-bf16-free")
+OPTIONAL = ("ddp-ddpwire-baseline", "ddp-ddpwire-bf16-baseline", "ddp-ddpwire-bf16-free")
 
 
 def table(path: str) -> str:

@@ -6,8 +6,9 @@ a tbf-shaped link, so nothing can take two ranks for one host: no shared
 memory, every bucket over the links. Kinds: "ddp-gloo" (torch's gloo),
 "ddp-ddpwire" (the backend's default, DDP's float32 buckets on the rank
 links), "ddp-ddpwire-bf16" (its bf16_wire_hook: bfloat16 on the wire) and,
-with DDPWIRE_CLUSTER_DDP_KINDS naming them, "ddp-ddpwire-baseline" (the
-backend of the checkout $DDPWIRE_BASELINE names) and "ddp-ddpwire-bf16-free"
+with DDPWIRE_CLUSTER_DDP_KINDS naming them, "ddp-ddpwire-baseline" and
+"ddp-ddpwire-bf16-baseline" (the backend of the checkout $DDPWIRE_BASELINE
+names) and "ddp-ddpwire-bf16-free"
 (a bound: the bf16 step with its 16-bit kernels made free, see
 bench/ddp_step.py; its ranks' weights differ), for each N of
 DDPWIRE_CLUSTER_WORKERS. Needs root, iproute2 and torch:

@@ -51,6 +51,29 @@ cdef extern from "net.h" nogil:
     int ddpw_net_exchange_many(ddpw_net_peer_io *peers, size_t n, int timeout_ms,
                               int64_t deadline_ms, size_t *failed, int *err)
 
+    size_t DDPW_NET_OWN
+
+    ctypedef struct ddpw_net_kernels:
+        int codec
+        const float *const *narrow_from
+        size_t *narrowed
+        float *const *widen_into
+        size_t *widened
+        size_t k
+        size_t count
+        const void *const *inputs
+        const size_t *from_ "from"
+        const float *own_from
+        void *out
+        int divide
+        size_t reduced
+        int64_t bad_index
+        size_t bad_input
+
+    int ddpw_net_exchange_kernels(ddpw_net_peer_io *peers, size_t n, ddpw_net_kernels *kern,
+                                 int timeout_ms, int64_t deadline_ms, size_t *failed, int *err)
+    void ddpw_net_set_kernel_chunk(size_t elements)
+
     ctypedef struct ddpw_net_reduce_state:
         size_t n
         size_t grad_bytes

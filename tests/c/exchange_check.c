@@ -4,11 +4,15 @@
  * before a receive would deadlock), with scatter-gather on both sides and
  * empty iovec entries; then the failure paths: a peer closing while it owes
  * bytes, a silent peer named before one only slow to read, a deadline that
- * ends a trickle, and the bounds. Prints one "ok" line per case; exits
- * non-zero on the first failure. */
+ * ends a trickle, and the bounds; and ddpw_net_exchange_kernels' phases
+ * (a 16-bit reduce-scatter narrowing as it sends and reducing as it
+ * receives, an allgather widening as it receives) against whole-vector
+ * passes, bit for bit, in the default and in tiny kernel steps. Prints one
+ * "ok" line per case; exits non-zero on the first failure. */
 #define _POSIX_C_SOURCE 200809L
 
 #include "net.h"
+#include "reduce.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -269,6 +273,176 @@ static void run_bounds(void)
     printf("ok bounds\n");
 }
 
+/* ---- the kernels, a 16-bit reduce-scatter then allgather ---- */
+
+#define K_N 3
+#define K_COUNT ((size_t)200003)
+
+typedef struct kern_member {
+    size_t self;
+    int fds[K_N];
+    const float *grad;
+    float *out;
+    int rc;
+} kern_member;
+
+static size_t k_lo(size_t w) { return w * K_COUNT / K_N; }
+
+static void *kern_thread(void *arg)
+{
+    kern_member *m = (kern_member *)arg;
+    size_t lo = k_lo(m->self), hi = k_lo(m->self + 1), mine = hi - lo, j;
+    uint16_t *wire = (uint16_t *)malloc(K_COUNT * 2), *own = (uint16_t *)malloc(mine * 2 + 2);
+    uint16_t *inbox = (uint16_t *)malloc(K_N * (mine * 2 + 2)), *full = (uint16_t *)malloc(K_COUNT * 2);
+    ddpw_net_peer_io io[K_N];
+    struct iovec out_iov[K_N], in_iov[K_N];
+    const float *narrow[K_N];
+    float *widen[K_N];
+    size_t narrowed[K_N], widened[K_N], from[K_N];
+    const void *inputs[K_N];
+    ddpw_net_kernels kern;
+    size_t failed;
+    int err = 0;
+    if (!wire || !own || !inbox || !full)
+        die("malloc", 0);
+    memset(io, 0, sizeof io);
+    memset(&kern, 0, sizeof kern);
+    memset(narrowed, 0, sizeof narrowed);
+    memset(widened, 0, sizeof widened);
+    for (j = 0; j < K_N; j++) {
+        size_t a = k_lo(j), b = k_lo(j + 1);
+        io[j].fd = m->fds[j];
+        narrow[j] = NULL;
+        if (j == m->self) {
+            inputs[j] = wire + lo;
+            from[j] = DDPW_NET_OWN;
+            continue;
+        }
+        out_iov[j].iov_base = wire + a;
+        out_iov[j].iov_len = (b - a) * 2;
+        io[j].out_iov = &out_iov[j];
+        io[j].out_cnt = 1;
+        narrow[j] = m->grad + a;
+        in_iov[j].iov_base = inbox + j * (mine + 1);
+        in_iov[j].iov_len = mine * 2;
+        io[j].in_iov = &in_iov[j];
+        io[j].in_cnt = 1;
+        inputs[j] = in_iov[j].iov_base;
+        from[j] = j;
+    }
+    kern.codec = DDPW_HALF_BF16;
+    kern.narrow_from = narrow;
+    kern.narrowed = narrowed;
+    kern.widened = widened;
+    kern.k = K_N;
+    kern.count = mine;
+    kern.inputs = inputs;
+    kern.from = from;
+    kern.own_from = m->grad + lo;
+    kern.out = own;
+    kern.divide = 1;
+    kern.bad_index = -1;
+    do
+        m->rc = ddpw_net_exchange_kernels(io, K_N, &kern, 30000, -1, &failed, &err);
+    while (m->rc == DDPW_NET_EINTR);
+    if (m->rc != DDPW_NET_OK || kern.bad_index != -1 || kern.reduced != mine)
+        goto done;
+    /* the allgather: this member's average out, every other slice widened in */
+    memset(io, 0, sizeof io);
+    memset(&kern, 0, sizeof kern);
+    for (j = 0; j < K_N; j++) {
+        size_t a = k_lo(j), b = k_lo(j + 1);
+        io[j].fd = m->fds[j];
+        widen[j] = NULL;
+        if (j == m->self)
+            continue;
+        out_iov[j].iov_base = own;
+        out_iov[j].iov_len = mine * 2;
+        io[j].out_iov = &out_iov[j];
+        io[j].out_cnt = 1;
+        in_iov[j].iov_base = full + a;
+        in_iov[j].iov_len = (b - a) * 2;
+        io[j].in_iov = &in_iov[j];
+        io[j].in_cnt = 1;
+        widen[j] = m->out + a;
+    }
+    kern.codec = DDPW_HALF_BF16;
+    kern.widen_into = widen;
+    kern.widened = widened;
+    kern.narrowed = narrowed;
+    kern.bad_index = -1;
+    do
+        m->rc = ddpw_net_exchange_kernels(io, K_N, &kern, 30000, -1, &failed, &err);
+    while (m->rc == DDPW_NET_EINTR);
+    ddpw_from_half(m->out + lo, own, mine, DDPW_HALF_BF16);
+done:
+    free(wire);
+    free(own);
+    free(inbox);
+    free(full);
+    return NULL;
+}
+
+static void run_kernels(size_t chunk)
+{
+    kern_member members[K_N];
+    pthread_t threads[K_N];
+    float *grads[K_N], *want = (float *)malloc(K_COUNT * 4);
+    uint16_t *half[K_N], *avg = (uint16_t *)malloc(K_COUNT * 2);
+    const uint16_t *ins[K_N];
+    size_t i, j, k;
+    if (!want || !avg)
+        die("malloc", 0);
+    memset(members, 0, sizeof members);
+    for (i = 0; i < K_N; i++) {
+        grads[i] = (float *)malloc(K_COUNT * 4);
+        half[i] = (uint16_t *)malloc(K_COUNT * 2);
+        members[i].out = (float *)malloc(K_COUNT * 4);
+        if (!grads[i] || !half[i] || !members[i].out)
+            die("malloc", 0);
+        for (k = 0; k < K_COUNT; k++)
+            grads[i][k] = (float)((int)((k * 7919 + i * 104729) % 2001) - 1000) / 37.0f;
+        ddpw_to_half(half[i], grads[i], K_COUNT, DDPW_HALF_BF16);
+        ins[i] = half[i];
+        members[i].self = i;
+        members[i].grad = grads[i];
+        members[i].fds[i] = -1;
+    }
+    ddpw_mean_half(avg, ins, K_N, K_COUNT, DDPW_HALF_BF16, NULL);
+    ddpw_from_half(want, avg, K_COUNT, DDPW_HALF_BF16);
+    for (i = 0; i < K_N; i++)
+        for (j = i + 1; j < K_N; j++) {
+            int pair[2];
+            make_pair(pair);
+            members[i].fds[j] = pair[0];
+            members[j].fds[i] = pair[1];
+        }
+    ddpw_net_set_kernel_chunk(chunk);
+    for (i = 0; i < K_N; i++)
+        if (pthread_create(&threads[i], NULL, kern_thread, &members[i]) != 0)
+            die("pthread_create", 0);
+    for (i = 0; i < K_N; i++)
+        pthread_join(threads[i], NULL);
+    ddpw_net_set_kernel_chunk(0);
+    for (i = 0; i < K_N; i++) {
+        if (members[i].rc != DDPW_NET_OK)
+            die("kernel exchange", members[i].rc);
+        if (memcmp(members[i].out, want, K_COUNT * 4) != 0)
+            die("kernel bits", (int)i);
+    }
+    for (i = 0; i < K_N; i++) {
+        for (j = 0; j < K_N; j++)
+            if (members[i].fds[j] >= 0)
+                close(members[i].fds[j]);
+        free(grads[i]);
+        free(half[i]);
+        free(members[i].out);
+    }
+    free(want);
+    free(avg);
+    printf("ok kernels %zu\n", chunk);
+}
+
 int main(void)
 {
     run_mesh(2);
@@ -278,5 +452,7 @@ int main(void)
     run_timeout();
     run_deadline();
     run_bounds();
+    run_kernels(0);
+    run_kernels(5);
     return 0;
 }
