@@ -169,7 +169,7 @@ typedef struct ddpw_net_kernels {
 int ddpw_net_exchange_kernels(ddpw_net_peer_io *peers, size_t n, ddpw_net_kernels *kern,
                              int timeout_ms, int64_t deadline_ms, size_t *failed, int *err);
 
-/* The kernels' step, in elements (0: the defaults, 64 Ki narrowed ahead
+/* The kernels' step, in elements (0: the defaults, 1 Mi narrowed ahead
  * and 32 Ki per widening or reduce at least): a few elements make every
  * phase run its kernels in many short ranges, for tests. Not to be changed
  * while a call runs. */
