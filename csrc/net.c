@@ -706,9 +706,9 @@ out:
 }
 
 /* Elements narrowed ahead of a peer's send cursor: about what a socket's
- * send buffer takes at once (2 MiB of 16-bit words; at 64 Ki the sends were
- * cut short and the 4-worker bf16 step ran 5% slower), so a socket seldom
- * waits for the next narrowing. The fewest elements widened or reduced per
+ * send buffer takes at once (2 MiB of 16-bit words; far fewer cut every
+ * sendmsg short of what the socket would take), so a socket seldom waits
+ * for the next narrowing. The fewest elements widened or reduced per
  * kernel call but the last (a shorter call costs more than it saves). */
 #define NARROW_AHEAD ((size_t)1 << 20)
 #define KERNEL_CHUNK ((size_t)1 << 15)
