@@ -436,7 +436,6 @@ class Mesh:
         self._own: Optional[np.ndarray] = None
         self._step: Optional[int] = None
         self._part: Optional[np.ndarray] = None  # the coordinator's averaged part
-        self._op = ReduceOp.AVG  # of the reduce-scatter under way
         # The coordinator saw every worker on one host: the first step
         # tries to set up a shared segment, and steps use it once every
         # worker has attached. The segment's kernels (csrc/shm.c) cut equal
@@ -725,7 +724,6 @@ class Mesh:
                                                       (self._half or self.coordinator_share)):
             raise ValueError(f"the mesh reduces AVG, and SUM in float32 without a coordinator "
                              f"share, not {op.name} ({self.codec.name.lower()})")
-        self._op = op
         if self._want_shared:
             self._want_shared = False
             self.plane = self._share(step, len(gradients), deadline)

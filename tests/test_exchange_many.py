@@ -273,6 +273,23 @@ def test_argument_errors():
             exchange_many([conn], [None], [None], float("nan"))
         with pytest.raises(TypeError):
             exchange_many([b], [None], [None], 1.0)
+        # the kernels' arguments (their runs: the tests at the end)
+        f32, u16 = np.zeros(4, np.float32), np.zeros(4, np.uint16)
+        with pytest.raises(ValueError, match="needs a 16-bit codec"):
+            exchange_many([conn], [[u16]], [None], 1.0, narrow_from=[f32])
+        with pytest.raises(ValueError, match="codec must be one of"):
+            exchange_many([conn], [[u16]], [None], 1.0, codec="int8")
+        with pytest.raises(ValueError, match="narrow_from.0. has 3 elements, its send 8 bytes"):
+            exchange_many([conn], [[u16]], [None], 1.0, codec="bf16", narrow_from=[f32[:3]])
+        with pytest.raises(ValueError, match="reduce input 1 has 3 elements, out 4"):
+            exchange_many([conn], [None], [[f32]], 1.0,
+                          reduce=([f32, f32[:3]], [None, 0], np.zeros(4, np.float32), True, None))
+        with pytest.raises(ValueError, match="arrives from no connection"):
+            exchange_many([conn], [None], [[f32]], 1.0,
+                          reduce=([f32], [3], np.zeros(4, np.float32), True, None))
+        with pytest.raises(ValueError, match="is not the buffer received"):
+            exchange_many([conn], [None], [[f32]], 1.0,
+                          reduce=([f32.copy()], [0], np.zeros(4, np.float32), True, None))
         # nothing was entered or left half-held: the connection still works
         exchange_many([conn], [[b"ok"]], [None], 1.0)
         b.setblocking(True)
@@ -391,32 +408,3 @@ def test_the_reduce_reports_the_lowest_input_then_the_lowest_index_across_ranges
     grads[1][1950] = np.nan
     _, bads = kernel_phases(grads, codec, 5)
     assert bads == [None, (1, 900), None]
-
-
-def test_kernel_argument_errors():
-    a, b = tcp_pair()
-    conn = Connection(a)
-    f32, u16 = np.zeros(4, np.float32), np.zeros(4, np.uint16)
-    try:
-        with pytest.raises(ValueError, match="needs a 16-bit codec"):
-            exchange_many([conn], [[u16]], [None], 1.0, narrow_from=[f32])
-        with pytest.raises(ValueError, match="codec must be one of"):
-            exchange_many([conn], [[u16]], [None], 1.0, codec="int8")
-        with pytest.raises(ValueError, match="narrow_from.0. has 3 elements, its send 8 bytes"):
-            exchange_many([conn], [[u16]], [None], 1.0, codec="bf16", narrow_from=[f32[:3]])
-        with pytest.raises(ValueError, match="reduce input 1 has 3 elements, out 4"):
-            exchange_many([conn], [None], [[f32]], 1.0,
-                          reduce=([f32, f32[:3]], [None, 0], np.zeros(4, np.float32), True, None))
-        with pytest.raises(ValueError, match="arrives from no connection"):
-            exchange_many([conn], [None], [[f32]], 1.0,
-                          reduce=([f32], [3], np.zeros(4, np.float32), True, None))
-        with pytest.raises(ValueError, match="is not the buffer received"):
-            exchange_many([conn], [None], [[f32]], 1.0,
-                          reduce=([f32.copy()], [0], np.zeros(4, np.float32), True, None))
-        # nothing was entered or left half-held: the connection still works
-        exchange_many([conn], [[b"ok"]], [None], 1.0)
-        b.setblocking(True)
-        assert b.recv(2) == b"ok"
-    finally:
-        conn.close()
-        b.close()
