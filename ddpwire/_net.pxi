@@ -324,6 +324,18 @@ def set_kernel_chunk(size_t elements):
     ddpw_net_set_kernel_chunk(elements)
 
 
+cdef void *_kernel_floats(object buf, str name, size_t i, bint writable, const iovec *iov,
+                          int cnt, str side, list held) except? NULL:
+    """The float32 buffer that connection i's one 16-bit send or receive is
+    narrowed from or widened into, held; its element count must match."""
+    cdef HeldBuffer h = get_float32(buf, name, writable)
+    held.append(h)
+    if cnt != 1 or h.view.len // 4 * 2 != <Py_ssize_t>iov[0].iov_len:
+        raise ValueError(f"exchange_many: {name}[{i}] has {h.view.len // 4} elements, its "
+                         f"{side} {iov_bytes(iov, cnt)} bytes")
+    return h.view.buf
+
+
 cdef HeldBuffer _held16(object obj, str name, bint writable):
     cdef HeldBuffer b = HeldBuffer()
     acquire_uint16(obj, &b.view, writable, name)
@@ -428,26 +440,18 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
                 narrows = <const float **>ptrs
                 kern.narrow_from = narrows
                 for i in range(n):
-                    if narrow_from[i] is None or conns[i] is None:
-                        continue
-                    h = get_float32(narrow_from[i], "narrow_from", False)
-                    held.append(h)
-                    if peers[i].out_cnt != 1 or h.view.len // 4 * 2 != <Py_ssize_t>peers[i].out_iov[0].iov_len:
-                        raise ValueError(f"exchange_many: narrow_from[{i}] has {h.view.len // 4} "
-                                         f"elements, its send {peers[i].out_iov[0].iov_len} bytes")
-                    narrows[i] = <const float *>h.view.buf
+                    if narrow_from[i] is not None and conns[i] is not None:
+                        narrows[i] = <const float *>_kernel_floats(
+                            narrow_from[i], "narrow_from", i, False, peers[i].out_iov,
+                            peers[i].out_cnt, "send", held)
             if widen_into is not None:
                 widens = <float **>(ptrs + (n + 1))
                 kern.widen_into = widens
                 for i in range(n):
-                    if widen_into[i] is None or conns[i] is None:
-                        continue
-                    h = get_float32(widen_into[i], "widen_into", True)
-                    held.append(h)
-                    if peers[i].in_cnt != 1 or h.view.len // 4 * 2 != <Py_ssize_t>peers[i].in_iov[0].iov_len:
-                        raise ValueError(f"exchange_many: widen_into[{i}] has {h.view.len // 4} "
-                                         f"elements, its receive {peers[i].in_iov[0].iov_len} bytes")
-                    widens[i] = <float *>h.view.buf
+                    if widen_into[i] is not None and conns[i] is not None:
+                        widens[i] = <float *>_kernel_floats(
+                            widen_into[i], "widen_into", i, True, peers[i].in_iov,
+                            peers[i].in_cnt, "receive", held)
             if k:
                 kern.k = k
                 ins = <const void **>(ptrs + 2 * (n + 1))

@@ -575,9 +575,6 @@ class Mesh:
             self._check_head(head, step, kind, j, len(recvs[j]), op)
         if leg is not None:
             self._check_reply_head(leg, step, deadline)
-            for name in ("narrow_from", "widen_into"):
-                if kernels.get(name) is not None:
-                    kernels[name] = [*kernels[name], None]  # type: ignore[misc]
         # the elements follow their head as raw bytes in the sender's order,
         # as encode_frame_parts would send them
         bad = _core.exchange_many(conns, out, into, self.timeout, deadline=deadline, step=step,

@@ -47,8 +47,6 @@ __all__ = ["MAX_SHARE", "Plan", "check_fractions", "coordinator_part", "slice_bo
 #: the largest MeshPeers.coordinator_share (65536ths of the vector)
 MAX_SHARE = 0xFFFF
 
-_ITEMSIZE = {Codec.FLOAT32: 4, Codec.BF16: 2, Codec.FP16: 2}
-
 Bounds = Tuple[int, int]
 
 
@@ -122,9 +120,8 @@ class Plan:
     ``fractions`` (any sequence, kept as a tuple of floats; None: equally;
     see the module's rounding rule); the
     coordinator averages the last :attr:`part` ones, for MeshPeers
-    ``coordinator_share`` (65536ths). ``codec`` is how slices travel
-    (:attr:`itemsize` bytes per element). Raises ValueError naming a bad
-    argument.
+    ``coordinator_share`` (65536ths). ``codec`` is how slices travel. Raises
+    ValueError naming a bad argument.
     """
 
     count: int
@@ -173,11 +170,6 @@ class Plan:
     def ours(self) -> int:
         """The elements the members average among themselves: [0, ours)."""
         return self.count - self.part
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element on the links."""
-        return _ITEMSIZE[self.codec]
 
     def slice(self, member: int) -> Bounds:
         """[start, end) of ``member``'s slice (empty for a fraction of 0)."""

@@ -437,6 +437,7 @@ class Worker(LifecycleOwner[WorkerState]):
 
     def receive_averaged_block(self, out: Optional[np.ndarray] = None) -> AveragedBlockGradient:
         """The next averaged block gradient (into ``out`` when given)."""
+        self._enter()
         return self._receive(AveragedBlockGradient, out, "block AllReduce")
 
     def send_non_block_gradient(self, step: int, component: int, gradients: Any) -> None:
@@ -448,6 +449,7 @@ class Worker(LifecycleOwner[WorkerState]):
 
     def receive_averaged_non_block(self, out: Optional[np.ndarray] = None) -> AveragedNonBlockGradient:
         """The next averaged non-block gradient (into ``out`` when given)."""
+        self._enter()
         return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
 
     def _send(self, step: int, owed: Owed, gradients: Any,
@@ -461,7 +463,6 @@ class Worker(LifecycleOwner[WorkerState]):
             self._chan.send(msg, step=step)
 
     def _receive(self, expected: type, out: Optional[np.ndarray], what: str) -> Any:
-        self._enter()
         with self._talking(self._star.owed_step()):
             reply = self._star.receive(expected, out, what)
         self._settled()

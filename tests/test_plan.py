@@ -96,11 +96,6 @@ def test_the_coordinator_s_part_is_the_vector_s_last_elements():
     assert Plan(0, 3, [1, 0, 2]).bounds == ((0, 0),) * 3
 
 
-def test_the_codec_sets_the_bytes_per_element():
-    assert Plan(40, 3, [1, 0, 3]).itemsize == 4
-    assert Plan(40, 3, [1, 0, 3], Codec.FP16).itemsize == Plan(4, 2, None, Codec.BF16).itemsize == 2
-
-
 @pytest.mark.parametrize("fractions,members,message", [
     ([1, 2], 3, "fractions name 2 members, the mesh has 3"),
     ([1, -0.5, 1], 3, r"fractions\[1\] must not be negative, got -0.5"),

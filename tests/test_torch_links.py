@@ -30,6 +30,13 @@ ON_LINKS = {"DDPWIRE_SHM": "0", "DDPWIRE_SHM_MIN_BYTES": "4"}
 ON_SERVICE = {"DDPWIRE_SHM": "0", "DDPWIRE_SHM_MIN_BYTES": str(1 << 40)}
 
 
+def _linked(world, per_rank):
+    """form_all's ranks, every one of which must have opened its links."""
+    ranks = _form_all(world, per_rank)
+    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    return ranks
+
+
 def _run(tmp_path, label, backend, extra, world=3):
     out = tmp_path / label
     codes, outputs = tb.finish(tb.start_ranks(world, out, [backend, "gloo"], torchrun_env=False,
@@ -75,8 +82,7 @@ def test_a_killed_rank_is_named_on_the_links(tmp_path):
 
 def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
     world, n = 3, 100_003
-    ranks = _form_all(world, _loopback)
-    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    ranks = _linked(world, _loopback)
     rng = np.random.default_rng(5)
     inputs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
     inputs[1][77] = np.nan  # passed on, as gloo does
@@ -156,8 +162,7 @@ def test_a_port_range_is_parsed_or_refused():
 
 
 def test_after_a_failure_every_later_call_raises_the_first_cause():
-    ranks = _form_all(2, _loopback)
-    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    ranks = _linked(2, _loopback)
     ranks[1].close()  # rank 1 leaves
     buf = np.ones(1000, dtype=np.float32)
     with pytest.raises(CollectiveAborted) as first:
@@ -179,8 +184,7 @@ def test_a_rank_computing_past_the_silence_limit_is_waited_for():
     # rank 1 joins the allreduce 2 s late, four times the silence limit:
     # its heartbeats on the idle links keep it alive, and the result is exact
     world, n = 2, 50_000
-    ranks = _form_all(world, _beating)
-    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    ranks = _linked(world, _beating)
     rng = np.random.default_rng(9)
     inputs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
     bufs = [x.copy() for x in inputs]
@@ -213,8 +217,7 @@ def test_a_rank_gone_silent_is_named_within_the_silence_limit_not_the_deadline()
     # rank 1's machine goes quiet (its heartbeats stop, it never joins the
     # allreduce, its links stay open): rank 0 names it after the 0.5 s of
     # silence, where the group's deadline is 60 s away
-    ranks = _form_all(2, lambda r: {**_beating(r), "timeout": 60.0})
-    assert all(isinstance(r, _links.RankLinks) for r in ranks), ranks
+    ranks = _linked(2, lambda r: {**_beating(r), "timeout": 60.0})
     ranks[1]._beats.stop(5.0)
     buf = np.ones(1000, dtype=np.float32)
     started = time.monotonic()
