@@ -19,7 +19,7 @@ from typing import Dict, Mapping, Optional, Tuple
 from . import auth
 from . import mesh as _mesh
 from . import shm as _shm
-from .channel import Channel
+from .channel import Channel, check_timeout
 from .errors import (AuthenticationFailed, CoordinatorLost, JoinRefusedError, JoinTimeout,
                      ProtocolError)
 from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
@@ -130,12 +130,20 @@ class Joined:
     accepted: JoinAccepted
     granted: Dict[int, bytes]
     listener: Optional[socket.socket]
+    node_id: str
 
 
 def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend: str,
-         node_id: str, connect_limit: float, extensions: Optional[Mapping[int, bytes]],
-         mesh: bool, resume_step: Optional[int]) -> Joined:
-    """Join the coordinator at ``addr`` (Worker.connect's arguments, checked)."""
+         node_id: Optional[str], connect_timeout: Optional[float],
+         extensions: Optional[Mapping[int, bytes]], mesh: bool,
+         resume_step: Optional[int]) -> Joined:
+    """Join the coordinator at ``addr`` (Worker.connect's arguments)."""
+    connect_limit = opts.timeout if connect_timeout is None else check_timeout(
+        "connect_timeout", connect_timeout)
+    if resume_step is not None and (isinstance(resume_step, bool) or
+                                    not isinstance(resume_step, int) or resume_step < 0):
+        raise ValueError(f"resume_step must be a step number (an int >= 0), got {resume_step!r}")
+    node_id = default_node_id() if node_id is None else node_id
     secret: Optional[bytes] = opts.token  # type: ignore[assignment]
     offer: Dict[int, bytes] = dict(extensions or {})
     # a ddpwire coordinator grants it to learn each step's compute time
@@ -192,7 +200,7 @@ def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend
     chan.heartbeat_timeout = opts.heartbeat_timeout
     log.info("joined %s:%s as worker %d of %d", addr[0], addr[1],
              accepted.worker_id, accepted.total_workers)
-    return Joined(chan, accepted, granted, listener)
+    return Joined(chan, accepted, granted, listener, node_id)
 
 
 def default_node_id() -> str:

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import mesh as _mesh
 from .channel import Channel
-from .errors import GradientMismatch, NonFiniteGradient, ShutdownDuringReduce, WorkerLost
+from .errors import DdpwireError, GradientMismatch, NonFiniteGradient, ShutdownDuringReduce, WorkerLost
 from .messages import NO_WORKER, AveragedGradient, MeshPeers, Shutdown, StepCommit, StepReport
 
 __all__ = ["MeshStep"]
@@ -51,6 +51,20 @@ class MeshStep:
     def frame_open(self) -> bool:
         """Whether a GradientPayload of the coordinator's share is cut short."""
         return self.mesh is not None and self.mesh.coordinator_frame_open
+
+    # Misuse, checked outside the failure path: it ends nothing.
+
+    def check_send(self, step: int) -> None:
+        """A step's gradients go out only once the last step's average is in."""
+        if self.sent is not None:
+            raise DdpwireError(f"step {self.sent[0]}'s average not yet received",
+                               worker_id=self.worker_id, step=step)
+
+    def check_receive(self) -> Tuple[int, int]:
+        """An average is received only for the step :attr:`sent`, returned."""
+        if self.sent is None:
+            raise DdpwireError("receive_averaged before send_gradients", worker_id=self.worker_id)
+        return self.sent
 
     def read_table(self) -> None:
         """The MeshPeers a coordinator that granted the mesh sends before

@@ -126,8 +126,8 @@ class StarStep:
         refuse_non_finite(self.worker_id, out, bad, step)
         return _core.decode_tail(head.tag, bytes(tail))[3]
 
-    def receive(self, expected: type, out: Optional[np.ndarray],
-                what: str) -> Union[Averaged, StepAborted]:
+    def receive(self, expected: type,
+                out: Optional[np.ndarray]) -> Union[Averaged, StepAborted]:
         """The next reply, of type ``expected``, into ``out`` when given;
         in an elastic session a flat step's StepAborted (the owed reply is
         settled then too)."""

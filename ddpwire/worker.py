@@ -2,66 +2,40 @@
 receive their average.
 
 Method names follow the reference worker client, so code written against one
-reads like the other. One thread may send while another receives (the
+reads like the other. Its parts each have a module: the join
+:mod:`ddpwire.join`, the state and the one failure path
+:mod:`ddpwire.uplink`, what comes between steps :mod:`ddpwire.shard_inbox`,
+the steps through the coordinator :mod:`ddpwire.star_step` and on the mesh
+:mod:`ddpwire.mesh_step`. This module is the session's face: the calls a
+training loop makes. One thread may send while another receives (the
 per-block mode overlaps them); two threads must not both send or both receive.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import socket
-import threading
-from typing import (Any, Callable, ContextManager, Dict, FrozenSet, Mapping, Optional, Sequence,
-                    Tuple, Union)
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _core
 from . import mesh as _mesh
 from ._text import counted
-from .channel import Channel, Heartbeats, check_timeout, result_buffer
-from .errors import CoordinatorLost, DdpwireError, MembershipChanged, NonFiniteGradient
-from .join import default_node_id, join
-from .lifecycle import Lifecycle, LifecycleOwner
-from .mesh_step import MeshStep
-from .messages import (NO_WORKER, AveragedBlockGradient, AveragedGradient,
-                       AveragedNonBlockGradient, BlockGradientPayload, CollectiveError,
-                       GradientPayload, NonBlockGradientPayload, ShardAssignment, StepAborted)
+from .channel import Channel, result_buffer
+from .errors import DdpwireError
+from .join import join
+from .lifecycle import LifecycleOwner
+from .messages import (AveragedBlockGradient, AveragedGradient, AveragedNonBlockGradient,
+                       BlockGradientPayload, GradientPayload, NonBlockGradientPayload,
+                       ShardAssignment, StepAborted)
 from .options import UNSET, SessionOptions, options_from
 from .shard_inbox import ShardInbox
-from .star_step import Owed, StarStep
+from .star_step import Owed
+from .uplink import Uplink, WorkerState
 
 __all__ = ["Worker", "WorkerState"]
 
 log = logging.getLogger(__name__)
-
-
-class WorkerState(enum.Enum):
-    """Where a :class:`Worker`'s session stands (:attr:`Worker.state`).
-
-    JOINED: admitted; when the mesh was granted, the coordinator's peer
-    table is still due (the first call reads it). READY: between steps.
-    IN_STEP: gradients sent, their average not yet received. FAILED: an
-    error ended the session (:attr:`Worker.failure`); every link is closed
-    and every later call raises that error again. CLOSED: :meth:`Worker.close`
-    ran. The session only moves forward: READY and IN_STEP take turns,
-    step after step, and nothing leaves FAILED but CLOSED, or CLOSED at all.
-    """
-
-    JOINED = "joined"
-    READY = "ready"
-    IN_STEP = "in step"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-
-_WORKER_MOVES: Dict[WorkerState, FrozenSet[WorkerState]] = {
-    WorkerState.JOINED: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.CLOSED}),
-    WorkerState.READY: frozenset({WorkerState.IN_STEP, WorkerState.FAILED, WorkerState.CLOSED}),
-    WorkerState.IN_STEP: frozenset({WorkerState.READY, WorkerState.FAILED, WorkerState.CLOSED}),
-    WorkerState.FAILED: frozenset({WorkerState.CLOSED}),
-    WorkerState.CLOSED: frozenset(),
-}
 
 
 class Worker(LifecycleOwner[WorkerState]):
@@ -75,25 +49,16 @@ class Worker(LifecycleOwner[WorkerState]):
         self._chan = channel
         self.extensions: Dict[int, bytes] = dict(extensions or {})
         self._worker_id = worker_id
-        self._total_workers = total_workers
         self.node_id = node_id
-        self._life: Lifecycle[WorkerState] = Lifecycle(
-            WorkerState.JOINED, _WORKER_MOVES, failed=WorkerState.FAILED,
-            closed=WorkerState.CLOSED, owner=f"worker {worker_id}")
-        # The mesh (docs/extensions.md): granted at the join, its peer table
-        # arrives once every worker has joined, ahead of anything else; the
-        # links open at the first flat step.
-        self._mesh_step = MeshStep(channel, worker_id, mesh_listener, tcp_congestion)
-        self._topology_lock = threading.Lock()
         # Between steps (ddpwire.shard_inbox): shards, timed and scaled when
         # they follow measured speed; in an elastic session (docs/extensions.md)
         # a step may be called off (StepAborted) and computed again.
         self._inbox = ShardInbox(channel, worker_id, self.extensions)
-        self._elastic = self._inbox.elastic
-        # the replies the coordinator owes (IN_STEP while any is), changed
-        # with the state under the lifecycle's lock
-        self._star = StarStep(channel, worker_id, self._life.lock, elastic=self._elastic,
-                              socket_threads=socket_threads)
+        self._up = Uplink(channel, worker_id, total_workers, heartbeat=heartbeat,
+                          node_id=node_id, listener=mesh_listener, congestion=tcp_congestion,
+                          elastic=self._inbox.elastic, socket_threads=socket_threads)
+        self._life = self._up.life
+        self._mesh_step, self._star = self._up.mesh, self._up.star
         #: the step a worker that joined an elastic session late enters at
         #: (its state comes first: :meth:`receive_state`); None for the first join
         self.joins_at: Optional[int] = self._inbox.joins_at
@@ -102,8 +67,6 @@ class Worker(LifecycleOwner[WorkerState]):
         #: this one, it returns the state (bytes-like) the joiner starts from
         #: (DataParallelTrainer sets it); None hands an empty state
         self.state_source: Optional[Callable[[int], Any]] = None
-        self._beats = Heartbeats(heartbeat, lambda: (channel,), "ddpwire-worker-heartbeat")
-        self._beats.start(node_id)
 
     @classmethod
     def connect(
@@ -163,17 +126,10 @@ class Worker(LifecycleOwner[WorkerState]):
             samples_per_step=samples_per_step, per_block=per_block,
             gradient_length=gradient_length))
         tcp_congestion = _mesh.check_congestion(tcp_congestion)
-        connect_limit = opts.timeout if connect_timeout is None else check_timeout(
-            "connect_timeout", connect_timeout)
-        if resume_step is not None and (isinstance(resume_step, bool) or
-                                        not isinstance(resume_step, int) or resume_step < 0):
-            raise ValueError(f"resume_step must be a step number (an int >= 0), "
-                             f"got {resume_step!r}")
-        node_id = default_node_id() if node_id is None else node_id
         j = join(addr, opts, gpu_count=gpu_count, backend=backend, node_id=node_id,
-                 connect_limit=connect_limit, extensions=extensions, mesh=mesh,
+                 connect_timeout=connect_timeout, extensions=extensions, mesh=mesh,
                  resume_step=resume_step)
-        return cls(j.chan, j.accepted.worker_id, j.accepted.total_workers, node_id,
+        return cls(j.chan, j.accepted.worker_id, j.accepted.total_workers, j.node_id,
                    opts.heartbeat, opts.socket_threads, j.granted, j.listener, tcp_congestion)
 
     @property
@@ -192,96 +148,20 @@ class Worker(LifecycleOwner[WorkerState]):
         """Whether the coordinator may call a step off (an elastic session:
         :class:`~ddpwire.MembershipChanged`) instead of ending the session
         when it loses a worker."""
-        return self._elastic
+        return self._inbox.elastic
 
     @property
     def total_workers(self) -> int:
         """The number of workers in the session."""
-        return self._total_workers
-
-    # ---- the session's state and its one failure path ----
-
-    def _talking(self, step: Optional[int], *, any_error: bool = False,
-                 tell: bool = False) -> ContextManager[None]:
-        """Where a call talks to a peer about ``step``: an error there
-        ends the session through :meth:`_fail` (``any_error``: any
-        exception, where one may leave a frame cut short; ``tell``: a mesh
-        step, whose failure the coordinator is told of)."""
-        def fail(exc: BaseException) -> None:
-            self._fail(exc, step, tell=tell)
-        return self._life.failing(fail, any_error=any_error)
-
-    def _fail(self, cause: BaseException, step: Optional[int] = None, *,
-              tell: bool = False) -> bool:
-        """End the session on ``cause``, once: keep it (the first cause;
-        :attr:`failure`) for every later call, and close everything this
-        worker holds. Returns False when the session had ended already,
-        whatever ended it.
-
-        The links to the other workers close first, which tells every peer
-        at once. With ``tell`` (a failed mesh step), a failure on a link to
-        another worker is first told to the coordinator, a CollectiveError
-        naming that worker, where it would otherwise only see this worker
-        leave; but only between two frames on that connection: inside one
-        (a GradientPayload of the coordinator's share cut short) the
-        coordinator would read the CollectiveError as gradient bytes, and
-        closing is all it can be told. The coordinator's own loss, and a
-        halt it decided, it needs no telling of."""
-        with self._life.lock:
-            blamed = getattr(cause, "worker_id", None)
-            if not self._life.record(cause, step=step, worker_id=self._worker_id):
-                return False
-            cut = self._chan.frame_open or self._mesh_step.frame_open
-            self._mesh_step.close()
-            worth_telling = isinstance(cause, DdpwireError) and \
-                not isinstance(cause, (CoordinatorLost, NonFiniteGradient))
-            if tell and not cut and worth_telling and step is not None:
-                # the message alone: the CollectiveError carries the worker and
-                # the step, and the coordinator's error names them again
-                try:
-                    self._chan.send(CollectiveError(
-                        seq=step, worker_id=NO_WORKER if blamed is None else blamed,
-                        detail=cause.message[:1000]), step=step)
-                except DdpwireError:
-                    pass  # the coordinator is gone too: closing says the rest
-            self._release()
-        return True
-
-    def _release(self) -> None:
-        """Close what the session holds: its links, its listener, its
-        connection to the coordinator, its heartbeat thread (called once,
-        by the move to FAILED or to CLOSED, with the lifecycle's lock held)."""
-        self._beats.stop()
-        self._mesh_step.close()
-        self._chan.close()
-        self._beats.stop(self._chan.timeout)  # the close above wakes one blocked in its send
-
-    def _enter(self) -> None:
-        """What every call checks first: the session's failure, or that it
-        is closed; and leaving JOINED (:meth:`_settle_topology`)."""
-        self._life.check()
-        self._settle_topology()
-
-    def _owe(self, reply: Owed) -> None:
-        """Record a reply the coordinator now owes: IN_STEP until it is in."""
-        with self._life.lock:
-            self._set_state(WorkerState.IN_STEP)
-            self._star.owed.append(reply)
-
-    def _settled(self) -> None:
-        """A reply came in whole: READY once nothing more is owed (a
-        per-block sender may have queued another meanwhile)."""
-        with self._life.lock:
-            if not self._star.owed and self._mesh_step.sent is None:
-                self._set_state(WorkerState.READY)
+        return self._up.total_workers
 
     # ---- flat steps ----
 
     def receive_shard(self) -> Optional[ShardAssignment]:
         """The next ShardAssignment, or None when the coordinator shuts training down."""
-        self._enter()
+        self._up.enter()
         self._inbox.check_order(receiving_state=False)
-        with self._talking(None):
+        with self._up.talking(None):
             return self._inbox.next_shard(self.state_source)
 
     def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
@@ -289,7 +169,7 @@ class Worker(LifecycleOwner[WorkerState]):
         from where it lies) with the shard's mean loss and counts. In a mesh
         session this is the reduce-scatter and the StepReport."""
         gradients = _core.float32_gradients(gradients)
-        self._enter()
+        self._up.enter()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
             return
@@ -301,10 +181,10 @@ class Worker(LifecycleOwner[WorkerState]):
         """The averaged gradients; with ``out`` (float32, the gradient length)
         the elements are received straight into it, allocating nothing."""
         result_buffer(out, None)
-        self._enter()
+        self._up.enter()
         if self.uses_mesh:
             return self._mesh_receive(out)
-        return self._receive(AveragedGradient, out, "AllReduce")
+        return self._receive(AveragedGradient, out)
 
     def allreduce(self, step: int, gradients: Any, loss: float, correct: int, total: int,
                   out: Optional[np.ndarray] = None) -> AveragedGradient:
@@ -337,7 +217,7 @@ class Worker(LifecycleOwner[WorkerState]):
         # both checked before anything goes on the wire, on every path
         gradients = _core.float32_gradients(gradients)
         result_buffer(out, len(gradients))
-        self._enter()
+        self._up.enter()
         if self.uses_mesh:
             self._mesh_send(step, gradients, loss, correct, total)
             return self._mesh_receive(out)
@@ -346,16 +226,16 @@ class Worker(LifecycleOwner[WorkerState]):
                                f"not yet received",
                                worker_id=self._worker_id, step=step)
         out = result_buffer(out, len(gradients))
-        with self._talking(step):
+        with self._up.talking(step):
             gradients = self._inbox.upload(step, gradients)
         msg = GradientPayload(step=step, worker_id=self._worker_id, gradients=gradients,
                               loss=loss, correct=correct, total=total)
-        with self._talking(step, any_error=True):
-            self._set_state(WorkerState.IN_STEP)
+        with self._up.talking(step, any_error=True):
+            self._up.owe()
             global_loss = self._star.exchange(msg, out)
-        self._settled()
+        self._up.settled()
         if isinstance(global_loss, StepAborted):
-            raise self._membership_changed(global_loss)
+            raise self._up.membership_changed(global_loss)
         return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
 
     # ---- joining an elastic session late ----
@@ -369,17 +249,8 @@ class Worker(LifecycleOwner[WorkerState]):
         ProtocolError."""
         self._life.check()
         self._inbox.check_order(receiving_state=True)
-        with self._talking(self.joins_at):
+        with self._up.talking(self.joins_at):
             return self._inbox.receive_state()
-
-    def _membership_changed(self, msg: StepAborted) -> MembershipChanged:
-        """What the call a step was called off in raises: the step is to be
-        computed again, on the shard that comes next."""
-        self._total_workers = msg.workers
-        log.warning("worker %d: worker %d was lost during step %d; computing it again with %s",
-                    self._worker_id, msg.worker_id, msg.step, counted(msg.workers, "worker"))
-        return MembershipChanged([msg.worker_id], msg.workers, step=msg.step,
-                                 worker_id=self._worker_id)
 
     # ---- the mesh ----
 
@@ -389,39 +260,21 @@ class Worker(LifecycleOwner[WorkerState]):
         after the join has read the coordinator's peer table)."""
         return self._mesh_step.on
 
-    def _settle_topology(self) -> None:
-        """Leave JOINED: read the MeshPeers a coordinator that granted the
-        mesh sends before anything else (once; the per-block threads may
-        race here)."""
-        if self._life.state is not WorkerState.JOINED:
-            return
-        with self._topology_lock:
-            if self._life.state is not WorkerState.JOINED:
-                return
-            with self._talking(None):
-                self._mesh_step.read_table()
-            self._set_state(WorkerState.READY)
-
     def _mesh_send(self, step: int, gradients: Any, loss: float, correct: int,
                    total: int) -> None:
-        sent = self._mesh_step.sent
-        if sent is not None:
-            raise DdpwireError(f"step {sent[0]}'s average not yet received",
-                               worker_id=self._worker_id, step=step)
+        self._mesh_step.check_send(step)
         # a mesh step that fails leaves frames cut short on some link
-        with self._talking(step, any_error=True, tell=True):
-            self._mesh_step.send(step, gradients, loss, correct, total, self._total_workers,
-                                 self._inbox.upload)
-            self._set_state(WorkerState.IN_STEP)
+        with self._up.talking(step, any_error=True, tell=True):
+            self._mesh_step.send(step, gradients, loss, correct, total,
+                                 self._up.total_workers, self._inbox.upload)
+            self._up.owe()
 
     def _mesh_receive(self, out: Optional[np.ndarray]) -> AveragedGradient:
-        sent = self._mesh_step.sent
-        if sent is None:
-            raise DdpwireError("receive_averaged before send_gradients", worker_id=self._worker_id)
+        sent = self._mesh_step.check_receive()
         out = result_buffer(out, sent[1])
-        with self._talking(sent[0], any_error=True, tell=True):
+        with self._up.talking(sent[0], any_error=True, tell=True):
             result = self._mesh_step.receive(out)
-        self._settled()
+        self._up.settled()
         return result
 
     # ---- per-block steps (v2) ----
@@ -429,7 +282,7 @@ class Worker(LifecycleOwner[WorkerState]):
     def send_block_gradient(self, step: int, block_idx: int, num_blocks: int, gradients: Any,
                             component_sizes: Sequence[int]) -> None:
         """Send one block's gradient: its components concatenated, with their sizes."""
-        self._enter()
+        self._up.enter()
         self._send(step, (AveragedBlockGradient, step, block_idx), gradients,
                    lambda up: BlockGradientPayload(
                        step=step, worker_id=self._worker_id, block_idx=block_idx,
@@ -437,37 +290,37 @@ class Worker(LifecycleOwner[WorkerState]):
 
     def receive_averaged_block(self, out: Optional[np.ndarray] = None) -> AveragedBlockGradient:
         """The next averaged block gradient (into ``out`` when given)."""
-        self._enter()
-        return self._receive(AveragedBlockGradient, out, "block AllReduce")
+        self._up.enter()
+        return self._receive(AveragedBlockGradient, out)
 
     def send_non_block_gradient(self, step: int, component: int, gradients: Any) -> None:
         """Send a non-block component's gradient (0 lm_head, 1 final_norm, 2 embedding)."""
-        self._enter()
+        self._up.enter()
         self._send(step, (AveragedNonBlockGradient, step, component), gradients,
                    lambda up: NonBlockGradientPayload(step=step, worker_id=self._worker_id,
                                                       component=component, gradients=up))
 
     def receive_averaged_non_block(self, out: Optional[np.ndarray] = None) -> AveragedNonBlockGradient:
         """The next averaged non-block gradient (into ``out`` when given)."""
-        self._enter()
-        return self._receive(AveragedNonBlockGradient, out, "non-block AllReduce")
+        self._up.enter()
+        return self._receive(AveragedNonBlockGradient, out)
 
     def _send(self, step: int, owed: Owed, gradients: Any,
               message: Callable[[np.ndarray], object]) -> None:
         """A star message carrying this step's gradients (``message`` made
         from what the shard's timing and scale leave of them); its reply is
         owed from here on."""
-        with self._talking(step):
+        with self._up.talking(step):
             msg = message(self._inbox.upload(step, gradients))
-            self._owe(owed)
+            self._up.owe(owed)
             self._chan.send(msg, step=step)
 
-    def _receive(self, expected: type, out: Optional[np.ndarray], what: str) -> Any:
-        with self._talking(self._star.owed_step()):
-            reply = self._star.receive(expected, out, what)
-        self._settled()
+    def _receive(self, expected: type, out: Optional[np.ndarray]) -> Any:
+        with self._up.talking(self._star.owed_step()):
+            reply = self._star.receive(expected, out)
+        self._up.settled()
         if isinstance(reply, StepAborted):
-            raise self._membership_changed(reply)
+            raise self._up.membership_changed(reply)
         return reply
 
     # ---- lifecycle ----
@@ -476,13 +329,7 @@ class Worker(LifecycleOwner[WorkerState]):
         """Close the connection (the coordinator sees the worker leave).
         After a failure everything is closed already; the failure stays
         what every call raises."""
-        with self._life.lock:
-            state = self._life.state
-            if state is WorkerState.CLOSED:
-                return
-            self._set_state(WorkerState.CLOSED)
-            if state is not WorkerState.FAILED:
-                self._release()
+        self._up.close()
 
     def __enter__(self) -> "Worker":
         return self
