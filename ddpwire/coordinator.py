@@ -20,7 +20,6 @@ from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from . import balance as _balance
-from . import mesh as _mesh
 from ._text import counted
 from .admission import Admitted
 from .channel import Channel, check_timeout, result_buffer
@@ -29,7 +28,6 @@ from .errors import DdpwireError
 from .intake import Intake
 from .lifecycle import Lifecycle, LifecycleOwner
 from .mesh_control import MeshControl
-from .messages import AveragedBlockGradient, AveragedGradient, AveragedNonBlockGradient
 from .options import UNSET, CoordinatorOptions, SessionOptions, options_from
 from .results import BlockReduceResult, MembershipEvent, NonBlockReduceResult, ReduceResult
 from .roster import Roster
@@ -130,32 +128,21 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             coordinator_share=coordinator_share, receive_window=receive_window,
             balance=balance, elastic=elastic, min_workers=min_workers, resume=resume)
         config.check(expect_workers, opts.per_block)
-        #: the session's options and the coordinator's, as checked
+        #: the session's options and the coordinator's, as checked: the one
+        #: home of every option (``coord.options.timeout``, ``coord.config.topology``)
         self.options, self.config = opts, config
         self.expect_workers = expect_workers
-        self.per_block, self.gradient_length = opts.per_block, opts.gradient_length
-        self.timeout, self.max_frame = opts.timeout, opts.max_frame
-        self.heartbeat, self.heartbeat_timeout = opts.heartbeat, opts.heartbeat_timeout
-        self.topology, self.compression = config.topology, config.compression
-        self.elastic, self.resume, self.balance = config.elastic, config.resume, config.balance
-        self.min_workers = 1 if min_workers is None else min_workers
-        self._grants = config.grants(opts.per_block)
         self._life: Lifecycle[CoordinatorState] = Lifecycle(
             CoordinatorState.JOINING, _COORDINATOR_MOVES, failed=CoordinatorState.FAILED,
             closed=CoordinatorState.CLOSED, owner="the coordinator")
         self._roster = Roster(opts, self._life)
         self._star = Star(self._roster, config.ring_bytes, opts.socket_threads)
-        self._mesh = MeshControl(self._roster, self._star, topology=config.topology,
-                                 codec=_mesh.codec_of(compression),
-                                 shared_memory=config.shared_memory,
-                                 coordinator_share=coordinator_share)
-        self._members = Membership(self._roster, self._star, elastic=config.elastic,
-                                   min_workers=self.min_workers,
-                                   join_timeout=config.join_timeout)
+        self._mesh = MeshControl(self._roster, self._star, config)
+        self._members = Membership(self._roster, self._star, config)
         self.total_samples = 0
         if opts.samples_per_step is not None:
             self.set_total_samples(opts.samples_per_step)
-        self._intake = Intake(bind, expect_workers, opts, config, self._grants)
+        self._intake = Intake(bind, expect_workers, opts, config)
 
     # ---- what the session shows ----
 
@@ -205,10 +192,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     def first_step(self) -> int:
         """The step this coordinator's run starts at: 0, or with ``resume``
         the one its workers go on from (known once they have joined)."""
-        late = self._members.late
-        if not self.resume or late is None or late.resume_step is None:
-            return 0
-        return late.resume_step
+        return self._members.first_step if self.config.resume else 0
 
     def channel(self, worker_id: int) -> Channel:
         """The connection to one joined worker, for extensions that exchange
@@ -261,13 +245,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if late is not None:
             self._members.open(late)
         with self._roster.talking(None):
-            self._roster.start_shards(admitted, self.balance, weighted=self.elastic)
-            if self.per_block:  # no worker was granted the mesh: nothing to tell them
-                log.info("per-block steps run on the star, through this coordinator")
-            else:
-                self._mesh.announce(admitted)
-            if self.compression and not self._mesh.on:
-                log.warning("compression=%r is off: it travels on the mesh only", self.compression)
+            self._roster.start_shards(admitted, self.config.balance, weighted=self.config.elastic)
+            self._mesh.announce(admitted, per_block=bool(self.options.per_block))
             limit_receive(admitted, self.config.receive_window, self._mesh.on)
         self._set_state(CoordinatorState.READY)
         self._roster.start_heartbeats(self.config.node_id)
@@ -343,7 +322,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
                                  "(topology='star' keeps a copy here)")
             self._check_ready()
             return self._mesh.step(step, reply)
-        if self.elastic:
+        if self.config.elastic:
             result_buffer(out, None)
             self._check_ready()
             return self._members.average(step, out, reply)
@@ -395,25 +374,17 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if self._mesh.on:
             self._mesh.commit(step, result.global_loss)
             return
-        self._send_all(step, AveragedGradient(step=step, gradients=result.avg_gradients,
-                                              global_loss=result.global_loss))
+        self._star.broadcast(FLAT, step, result)
 
     def broadcast_averaged_block(self, step: int, result: BlockReduceResult) -> None:
         """Send every worker the same AveragedBlockGradient."""
         self._check_ready()
-        self._send_all(step, AveragedBlockGradient(step=step, block_idx=result.block_idx,
-                                                   component_sizes=result.component_sizes,
-                                                   gradients=result.avg_gradients))
+        self._star.broadcast(BLOCK, step, result)
 
     def broadcast_averaged_non_block(self, step: int, result: NonBlockReduceResult) -> None:
         """Send every worker the same AveragedNonBlockGradient."""
         self._check_ready()
-        self._send_all(step, AveragedNonBlockGradient(step=step, component=result.component,
-                                                      gradients=result.avg_gradients))
-
-    def _send_all(self, step: int, msg: object) -> None:
-        with self._roster.talking(step):
-            self._roster.broadcast(msg, step)
+        self._star.broadcast(NON_BLOCK, step, result)
 
     # ---- the end ----
 

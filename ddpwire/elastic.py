@@ -23,6 +23,7 @@ from .channel import Channel
 from .errors import DdpwireError, JoinTimeout, MembershipChanged, WorkerLost
 from .extensions import Extension, encode_u64
 from .messages import AveragedGradient, StateRequest, StepAborted
+from .options import CoordinatorOptions
 from .results import MembershipEvent, ReduceResult
 from .roster import Roster, log
 from .star import FLAT, Star
@@ -39,13 +40,12 @@ class Membership:
     :class:`~ddpwire.admission.Admission` once its first join completed.
     """
 
-    def __init__(self, roster: Roster, star: Star, *, elastic: bool, min_workers: int,
-                 join_timeout: float):
+    def __init__(self, roster: Roster, star: Star, config: CoordinatorOptions):
         self.roster = roster
         self.star = star
-        self.elastic = elastic
-        self.min_workers = min_workers
-        self.join_timeout = join_timeout
+        self.elastic = elastic = config.elastic
+        self.min_workers = config.min_workers or 1
+        self.join_timeout = config.join_timeout
         #: each worker that left or joined (:class:`ddpwire.results.MembershipEvent`)
         self.events: List[MembershipEvent] = []
         #: every averaged step's shards, ``(step, {worker_id: (start, end)})``
@@ -72,6 +72,13 @@ class Membership:
         for chan in self._dropped:
             chan.close()
         self._dropped = []
+
+    @property
+    def first_step(self) -> int:
+        """The step a resumed run goes on from, as its workers said at the
+        join (0 before they have joined, or when none said)."""
+        late = self.late
+        return 0 if late is None or late.resume_step is None else late.resume_step
 
     def close_late(self) -> None:
         """Close the join that stays open between steps (if it is)."""

@@ -14,7 +14,7 @@ import errno
 import logging
 import socket
 import time
-from typing import List, Mapping, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ._text import counted
 from .admission import Admission, Admitted, Refuser
@@ -47,9 +47,10 @@ class Intake:
     address other hosts reach, a warning says that anyone may join."""
 
     def __init__(self, bind: Tuple[str, int], expect_workers: int, options: SessionOptions,
-                 config: CoordinatorOptions, grants: Mapping[int, bytes]) -> None:
+                 config: CoordinatorOptions) -> None:
         self.expect_workers = expect_workers
-        self._options, self._config, self._grants = options, config, grants
+        self._options, self._config = options, config
+        self._grants = config.grants(options.per_block)
         self.listener = _bind(bind, backlog=max(16, expect_workers))
         self._admission: Optional[Admission] = None
         self._refuser: Optional[Refuser] = None

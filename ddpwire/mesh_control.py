@@ -21,6 +21,7 @@ from .errors import DdpwireError, GradientMismatch, ProtocolError, WorkerLost
 from .extensions import Extension
 from .launch import is_loopback
 from .messages import NO_WORKER, CollectiveError, MeshPeers, StepCommit, StepReport
+from .options import CoordinatorOptions
 from .channel import SIDE_MESSAGES
 from .results import ReduceResult
 from .roster import Roster, log
@@ -109,22 +110,31 @@ class MeshControl:
     :attr:`share` are what the join decided.
     """
 
-    def __init__(self, roster: Roster, star: Star, *, topology: str, codec: "_mesh.Codec",
-                 shared_memory: bool, coordinator_share: object):
+    def __init__(self, roster: Roster, star: Star, config: CoordinatorOptions):
         self.roster = roster
         self.star = star
-        self.topology = topology
-        self.codec = codec
-        self.shared_memory = shared_memory
-        self.coordinator_share = coordinator_share
+        self.topology = config.topology
+        self.codec = _mesh.codec_of(config.compression)
+        self.shared_memory = config.shared_memory
+        self.coordinator_share = config.coordinator_share
         #: whether flat steps run on the mesh (decided when the join completes)
         self.on = False
         #: MeshPeers.coordinator_share in effect (65536ths of each vector)
         self.share = 0
 
-    def announce(self, admitted: Sequence[Admitted]) -> None:
+    def announce(self, admitted: Sequence[Admitted], *, per_block: bool) -> None:
         """Choose the star or the mesh for flat steps and tell every worker
-        that was granted the mesh which (an empty MeshPeers keeps the star)."""
+        that was granted the mesh which (an empty MeshPeers keeps the star);
+        with ``per_block`` steps no worker was granted it."""
+        if per_block:
+            log.info("per-block steps run on the star, through this coordinator")
+        else:
+            self._tell(admitted)
+        if self.codec != _mesh.Codec.FLOAT32 and not self.on:
+            log.warning("compression=%r is off: it travels on the mesh only",
+                        self.codec.name.lower())
+
+    def _tell(self, admitted: Sequence[Admitted]) -> None:
         addresses: List[Optional[Tuple[str, int]]] = []
         hosts: List[Optional[bytes]] = []
         for a in admitted:

@@ -41,10 +41,10 @@ def serve(
     others and redone (its report's ``membership`` names who left, and who
     joined before it).
     """
-    if coord.per_block is not None and coord.per_block != per_block:
+    if coord.options.per_block is not None and coord.options.per_block != per_block:
         # its workers were admitted for the other mode: every step would fail
         raise ValueError(f"serve(per_block={per_block}) on a coordinator built with "
-                         f"per_block={coord.per_block}")
+                         f"per_block={coord.options.per_block}")
     coord.set_total_samples(total_samples)
     reports = []
     step = coord.first_step

@@ -144,7 +144,7 @@ class Star:
             self._raise_bad(bad, step)
             finish(tails)
         else:
-            head = encode_frame_parts(self.reply(kind, step, key, heads, out, 0.0),
+            head = encode_frame_parts(self.reply(kind, step, key, out, 0.0, heads[0].component_sizes),
                                       max_frame=roster.max_frame)[0]
 
             def make_tail(tails: List[bytes]) -> bytes:
@@ -152,7 +152,7 @@ class Star:
                 # flat step its global_loss ends the reply
                 result = finish(tails)
                 loss = getattr(result, "global_loss", 0.0)
-                return encode_frame_parts(self.reply(kind, step, key, heads, out, loss),
+                return encode_frame_parts(self.reply(kind, step, key, out, loss, heads[0].component_sizes),
                                           max_frame=roster.max_frame)[2]
 
             # Cut short by anything, it leaves some workers holding part of a
@@ -277,15 +277,26 @@ class Star:
                                                4 * heads[0].gradient_count)
 
     @staticmethod
-    def reply(kind: Kind, step: int, key: Optional[int], heads: list, out: np.ndarray,
-              global_loss: float) -> object:
-        """The averaged message for ``out`` (only the flat one has a tail)."""
+    def reply(kind: Kind, step: int, key: Optional[int], out: np.ndarray, global_loss: float,
+              component_sizes: Optional[Sequence[int]]) -> object:
+        """The averaged message for ``out`` (only the flat one has a tail;
+        a block's carries worker 0's ``component_sizes``)."""
         if kind is FLAT:
             return AveragedGradient(step=step, gradients=out, global_loss=global_loss)
         if kind is BLOCK:
             return AveragedBlockGradient(step=step, block_idx=key,
-                                         component_sizes=heads[0].component_sizes, gradients=out)
+                                         component_sizes=component_sizes, gradients=out)
         return AveragedNonBlockGradient(step=step, component=key, gradients=out)
+
+    def broadcast(self, kind: Kind, step: int, result: AnyResult) -> None:
+        """Send every worker the same reply to the ``result`` a collect
+        without reply kept (the reference's broadcast after collect_and_reduce)."""
+        key = None if kind.key is None else getattr(result, kind.key)
+        msg = self.reply(kind, step, key, result.avg_gradients,
+                         getattr(result, "global_loss", 0.0),
+                         getattr(result, "component_sizes", None))
+        with self.roster.talking(step):
+            self.roster.broadcast(msg, step)
 
     @staticmethod
     def result(kind: Kind, step: int, key: Optional[int], heads: list, avg: np.ndarray,

@@ -295,7 +295,8 @@ def test_elastic_arguments_are_checked(kwargs, match):
 def test_an_elastic_session_takes_the_star():
     coord = Coordinator(("127.0.0.1", 0), 2, elastic=True)
     try:
-        assert coord.topology == "star" and coord.elastic and coord.min_workers == 1
+        assert coord.config.topology == "star" and coord.config.elastic
+        assert coord.config.min_workers is None  # the session goes on down to one worker
     finally:
         coord.close()
 

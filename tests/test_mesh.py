@@ -113,15 +113,22 @@ def test_16_bit_codecs_give_every_worker_the_same_rounded_average(codec, n):
     assert not np.array_equal(bits(want), bits(exact))  # it did travel in 16 bits
 
 
-def test_a_worker_without_the_mesh_keeps_the_star_for_everyone():
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_worker_without_the_mesh_keeps_the_star_for_everyone(compression, caplog):
+    # compression travels on the mesh only: on the star it is off, and said so
     grads = gradients(3, 9_999, seed=9)
 
     def body(w):
         out = w.allreduce(0, grads[w.worker_id], 1.0, 1, 1)
         return out.gradients.copy(), w.uses_mesh
 
-    s = Session(3, body, workers={1: dict(mesh=False)})
+    with caplog.at_level("WARNING", logger="ddpwire.coordinator"):
+        s = Session(3, body, workers={1: dict(mesh=False)},
+                    coordinator=dict(compression=compression))
+    warned = [r.getMessage() for r in caplog.records if "travels on the mesh only" in r.getMessage()]
     try:
+        assert warned == (["compression='bf16' is off: it travels on the mesh only"]
+                          if compression else [])
         assert not s.coord.mesh
         r = s.coord.allreduce(0)
     finally:

@@ -49,7 +49,7 @@ def test_one_object_runs_both_sides_of_a_session():
                           gradient_length=500)
     grads = [np.full(500, i + 1, dtype=np.float32) for i in range(2)]
     with Coordinator(("127.0.0.1", 0), 2, options=opts, join_timeout=20.0) as coord:
-        assert coord.timeout == 20.0 and coord.heartbeat_timeout == opts.heartbeat_timeout
+        assert coord.options.timeout == 20.0 and coord.options.heartbeat_timeout == opts.heartbeat_timeout
 
         def body():
             with Worker.connect(coord.local_addr, options=opts) as w:
@@ -107,7 +107,7 @@ def test_the_coordinator_keeps_its_options_as_checked():
         config = coord.config
         assert isinstance(config, CoordinatorOptions)
         # an elastic session averages on the star: the topology says so
-        assert config.topology == "star" == coord.topology and config.join_timeout == 7.0
+        assert config.topology == "star" == coord.config.topology and config.join_timeout == 7.0
         grants = config.grants(per_block=None)
         assert Extension.ELASTIC in grants and Extension.MESH not in grants
     mesh = CoordinatorOptions().grants(per_block=None)

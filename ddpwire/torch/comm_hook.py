@@ -173,7 +173,7 @@ def serve_comm_hook(coord: Coordinator) -> int:
     step, served = None, 0
     try:
         # worker 0 leaving between blocks ends training; anything else is an error
-        while first.wait_for_frame(coord.timeout):
+        while first.wait_for_frame(coord.options.timeout):
             result = coord.allreduce_block(None, None)
             if result.step != step:
                 served += step is not None
