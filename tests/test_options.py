@@ -1,12 +1,16 @@
 """One options object for both sides of a session (ddpwire.options)."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import numpy as np
 import pytest
 
 from ddpwire import Coordinator, CoordinatorOptions, SessionOptions, Worker
 from ddpwire.channel import heartbeat_limit
 from ddpwire.extensions import Extension
+from ddpwire.options import UNSET
 
 from session_helpers import reference_allreduce, spawn
 
@@ -107,10 +111,26 @@ def test_the_coordinator_keeps_its_options_as_checked():
         config = coord.config
         assert isinstance(config, CoordinatorOptions)
         # an elastic session averages on the star: the topology says so
-        assert config.topology == "star" == coord.config.topology and config.join_timeout == 7.0
+        assert config.topology == "star" and config.join_timeout == 7.0
         grants = config.grants(per_block=None)
         assert Extension.ELASTIC in grants and Extension.MESH not in grants
     mesh = CoordinatorOptions().grants(per_block=None)
     assert Extension.MESH in mesh and Extension.BALANCE in mesh
     # per-block steps never take the mesh: it is not offered to their workers
     assert Extension.MESH not in CoordinatorOptions().grants(per_block=True)
+
+
+def test_the_keywords_are_the_options_fields_with_their_defaults():
+    # The keywords are a thin layer over the two objects: each field once,
+    # a shared one UNSET (so that options= may stand in for it), one of the
+    # coordinator's with the CoordinatorOptions default, which help() shows.
+    shared = {f.name for f in dataclasses.fields(SessionOptions)}
+    own = {f.name: f.default for f in dataclasses.fields(CoordinatorOptions)}
+    params = inspect.signature(Coordinator.__init__).parameters
+    keywords = {name: p.default for name, p in params.items()
+                if p.kind is p.KEYWORD_ONLY and name != "options"}
+    assert set(keywords) == shared | set(own)
+    assert all(keywords[name] is UNSET for name in shared)
+    assert {name: keywords[name] for name in own} == own
+    connect = inspect.signature(Worker.connect).parameters
+    assert all(connect[name].default is UNSET for name in shared)
