@@ -562,18 +562,19 @@ def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
     return rate
 
 
-@pytest.mark.parametrize("speed", [1.0, 0.25], ids=_percent)
+@pytest.mark.parametrize("speed", sorted(SPEEDS, reverse=True), ids=_percent)
 def test_ddp_solo(benchmark, tmp_path, speed):
     benchmark.group = "ddp solo"
     DDP_SOLO[speed] = run_ddp(benchmark, tmp_path, [speed], False)
 
 
-@pytest.mark.parametrize("balance", [False, True], ids=["off", "on"])
-def test_ddp_pair(benchmark, tmp_path, balance):
-    speeds = SETUPS["pair"]
-    benchmark.group = "ddp pair 100%+25%"
+@pytest.mark.parametrize("setup,balance", CASES,
+                         ids=[f"{s}-{'on' if b else 'off'}" for s, b in CASES])
+def test_ddp_together(benchmark, tmp_path, setup, balance):
+    speeds = SETUPS[setup]
+    benchmark.group = f"ddp {setup} " + "+".join(_percent(s) for s in speeds)
     rate = run_ddp(benchmark, tmp_path, speeds, balance)
     solos = [DDP_SOLO.get(s) for s in speeds]
     solo_sum = sum(solos) if all(x is not None for x in solos) else None
-    benchmark.extra_info.update(solo_samples_per_s=solos, solo_sum=solo_sum,
+    benchmark.extra_info.update(setup=setup, solo_samples_per_s=solos, solo_sum=solo_sum,
                                 ratio=None if solo_sum is None else rate / solo_sum)

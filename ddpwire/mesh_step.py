@@ -18,7 +18,8 @@ import numpy as np
 
 from . import mesh as _mesh
 from .channel import Channel
-from .errors import DdpwireError, GradientMismatch, NonFiniteGradient, ShutdownDuringReduce, WorkerLost
+from .errors import (DdpwireError, GradientMismatch, NonFiniteGradient, ShutdownDuringReduce,
+                     WorkerLost)
 from .messages import NO_WORKER, AveragedGradient, MeshPeers, Shutdown, StepCommit, StepReport
 
 __all__ = ["MeshStep"]

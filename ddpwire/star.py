@@ -144,7 +144,8 @@ class Star:
             self._raise_bad(bad, step)
             finish(tails)
         else:
-            head = encode_frame_parts(self.reply(kind, step, key, out, 0.0, heads[0].component_sizes),
+            sizes = heads[0].component_sizes
+            head = encode_frame_parts(self.reply(kind, step, key, out, 0.0, sizes),
                                       max_frame=roster.max_frame)[0]
 
             def make_tail(tails: List[bytes]) -> bytes:
@@ -152,7 +153,7 @@ class Star:
                 # flat step its global_loss ends the reply
                 result = finish(tails)
                 loss = getattr(result, "global_loss", 0.0)
-                return encode_frame_parts(self.reply(kind, step, key, out, loss, heads[0].component_sizes),
+                return encode_frame_parts(self.reply(kind, step, key, out, loss, sizes),
                                           max_frame=roster.max_frame)[2]
 
             # Cut short by anything, it leaves some workers holding part of a
