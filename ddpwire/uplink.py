@@ -106,8 +106,10 @@ class Uplink:
     # ---- a step's replies: IN_STEP while any is owed ----
 
     def owe(self, reply: Optional[Owed] = None) -> None:
-        """A step's gradients went out: IN_STEP until its reply is in
-        (``reply``, a star reply; None for the mesh step :attr:`MeshStep.sent`)."""
+        """A step's gradients went out: IN_STEP until its reply is in.
+        ``reply`` is a star reply queued for a later receive; None where the
+        call itself takes the reply (the star's duplex allreduce) or the
+        mesh step records it (:attr:`MeshStep.sent`)."""
         with self.life.lock:
             self.life.move(WorkerState.IN_STEP)
             if reply is not None:
