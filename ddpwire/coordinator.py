@@ -28,7 +28,7 @@ from .errors import DdpwireError
 from .intake import Intake
 from .lifecycle import Lifecycle, LifecycleOwner
 from .mesh_control import MeshControl
-from .options import UNSET, CoordinatorOptions, SessionOptions, options_from
+from .options import UNSET, CoordinatorOptions, SessionOptions
 from .results import BlockReduceResult, MembershipEvent, NonBlockReduceResult, ReduceResult
 from .roster import Roster
 from .sessioninfo import WorkerInfo
@@ -71,19 +71,12 @@ _COORDINATOR_MOVES: Dict[CoordinatorState, FrozenSet[CoordinatorState]] = {
 class Coordinator(LifecycleOwner[CoordinatorState]):
     """Admits ``expect_workers`` workers and runs the averaging side of training.
 
-    ``options`` (:class:`~ddpwire.options.SessionOptions`, the object
-    :meth:`Worker.connect` takes too) holds what both sides agree on, checked
-    once; or pass its fields as keywords (not both). ``timeout`` bounds every
-    wait on a worker: one that has not sent what is waited for within it
-    (Heartbeats do not count), or goes silent that long mid-message, raises
-    :class:`~ddpwire.WorkerLost` naming it and the step. A ddpwire worker
-    whose ``samples_per_step``, ``per_block`` or ``gradient_length`` differs
-    is refused at the join; where one is None the first worker sets it.
-    The other keywords are :class:`~ddpwire.options.CoordinatorOptions`,
-    documented there (the join's timeouts, topology, compression, shared
-    memory, the coordinator's share, the receive window, ``balance``:
-    :attr:`shards`, and ``elastic``: :attr:`membership`). What a failure
-    leaves is in docs/sessions.md ("When a session fails").
+    Takes a :class:`~ddpwire.options.SessionOptions` (``options``, the object
+    :meth:`Worker.connect` takes too) or its fields as keywords, not both;
+    the other keywords are :class:`~ddpwire.options.CoordinatorOptions`,
+    documented there. ``timeout`` bounds every wait on a worker: one silent
+    that long raises :class:`~ddpwire.WorkerLost` naming it and the step.
+    What a failure leaves: docs/sessions.md ("When a session fails").
     """
 
     def __init__(
@@ -116,18 +109,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         min_workers: Optional[int] = None,
         resume: bool = False,
     ) -> None:
-        opts = options_from(options, dict(
-            timeout=timeout, max_frame=max_frame, heartbeat=heartbeat,
-            heartbeat_timeout=heartbeat_timeout, socket_threads=socket_threads, token=token,
-            samples_per_step=samples_per_step, per_block=per_block,
-            gradient_length=gradient_length))
-        config = CoordinatorOptions(
-            join_timeout=join_timeout, handshake_timeout=handshake_timeout,
-            ring_bytes=ring_bytes, node_id=node_id, extensions=extensions, topology=topology,
-            compression=compression, shared_memory=shared_memory,
-            coordinator_share=coordinator_share, receive_window=receive_window,
-            balance=balance, elastic=elastic, min_workers=min_workers, resume=resume)
-        config.check(expect_workers, opts.per_block)
+        opts, config = CoordinatorOptions.split(options, expect_workers, dict(locals()))
         #: the session's options and the coordinator's, as checked: the one
         #: home of every option (``coord.options.timeout``, ``coord.config.topology``)
         self.options, self.config = opts, config
@@ -139,9 +121,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         self._star = Star(self._roster, config.ring_bytes, opts.socket_threads)
         self._mesh = MeshControl(self._roster, self._star, config)
         self._members = Membership(self._roster, self._star, config)
-        self.total_samples = 0
-        if opts.samples_per_step is not None:
-            self.set_total_samples(opts.samples_per_step)
+        self.total_samples = opts.samples_per_step or 0  # checked >= 0 by SessionOptions
         self._intake = Intake(bind, expect_workers, opts, config)
 
     # ---- what the session shows ----
@@ -202,8 +182,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     # ---- the session's state ----
 
     def _check_ready(self) -> None:
-        """Before a step's call: the session's failure, or that it is
-        closed, or that the join is not done."""
+        """Before a step's call: the session's failure, its close, an unfinished join."""
         self._life.check()
         if self._life.state is CoordinatorState.JOINING:
             raise DdpwireError(
@@ -212,20 +191,15 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
 
     def wait_for_workers(self, timeout: Optional[float] = None, *,
                          count: Optional[int] = None) -> List[WorkerInfo]:
-        """Admit workers until ``expect_workers`` have joined (or, with
-        ``count``, return once that many have: call again for the rest).
-
-        Every handshake runs at once, each within ``handshake_timeout``; the
-        join as a whole ends at ``timeout`` (default: ``join_timeout``) from
-        this call, with :class:`~ddpwire.JoinTimeout` naming who is missing.
-        worker_id is the order of admission; a worker that disconnects
-        before the join completes frees its id for the next. Afterwards
-        every new connection is refused at once (a ddpwire worker hears that
-        training has started), but in an elastic session, where a late
-        worker takes a free slot between steps.
+        """Admit workers until ``expect_workers`` have joined (with ``count``,
+        return once that many have; call again for the rest): every
+        handshake at once, each within ``handshake_timeout``, the whole by
+        ``timeout`` (default ``join_timeout``), else :class:`~ddpwire.JoinTimeout`
+        naming who is missing. Later connections are refused but in an
+        elastic session, where a late worker takes a free slot between steps
+        (docs/sessions.md, "The join").
         """
-        config = self.config
-        limit = config.join_timeout if timeout is None else check_timeout("timeout", timeout)
+        limit = self.config.join_timeout if timeout is None else check_timeout("timeout", timeout)
         want = self.expect_workers if count is None else min(count, self.expect_workers)
         self._life.check()
         if self._members.late is not None:
@@ -238,8 +212,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         return self.workers
 
     def _seat(self, admitted: List[Admitted]) -> None:
-        """The join is complete: the workers' connections, their shards and
-        the topology they are told; then steps may run."""
+        """The join is complete: connections, shards, the topology told; steps may run."""
         self._roster.seat(admitted)
         late = self._intake.complete()
         if late is not None:
@@ -252,8 +225,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         self._roster.start_heartbeats(self.config.node_id)
 
     def close(self) -> None:
-        """Close every connection and the listening socket. After a failure,
-        the failure stays what every call raises."""
+        """Close every connection and the listener (a failure stays what every call raises)."""
         self._members.close_dropped()
         with self._life.lock:
             if self._life.state is CoordinatorState.CLOSED:
@@ -262,12 +234,6 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
             self._roster.release()
         self._members.close_late()
         self._intake.close()
-
-    def __enter__(self) -> "Coordinator":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     # ---- shards ----
 
@@ -288,10 +254,9 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         return shards.bounds(worker_id)
 
     def send_shard_assignments(self, step: int) -> None:
-        """Send every worker its ShardAssignment for ``step`` (and a timed
-        worker its ShardScale: docs/extensions.md, "Shards by measured speed");
-        in an elastic session, take in the workers that joined since the
-        last step first, and call the step off for a worker lost here."""
+        """Send every worker its ShardAssignment for ``step`` (a timed worker its
+        ShardScale too); in an elastic session, first take in the workers that
+        joined since the last step, calling the step off for one lost here."""
         self._check_ready()
         self._members.assign(step, self.total_samples, self.expect_workers)
 
@@ -300,21 +265,15 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
     def allreduce(self, step: int, out: Optional[np.ndarray] = None, *,
                   reply: bool = True) -> ReduceResult:
         """Average every worker's GradientPayload for ``step`` into ``out``
-        (float32, the gradient length; allocated when None; in a mesh
-        session the average stays on the workers and ``avg_gradients`` is
-        None).
+        (float32, the gradient length; allocated when None; None in a mesh
+        session, where the average stays on the workers).
 
-        With ``reply`` (the default) the AveragedGradient streams back while
-        the gradients still arrive, global_loss last, once every loss and
-        count is in. Without it nothing is sent: send the result with
-        :meth:`broadcast_averaged` (the reference's collect_and_reduce).
-        Any error ends the session and is raised again by every later call
-        (docs/sessions.md, "Halting" and "When a session fails"): errors in
-        the heads (GradientMismatch, UnexpectedMessage) come before any byte
-        of the average; a NaN or +/-inf found later raises
-        NonFiniteGradient, and no worker holds a complete average to apply.
-        ``reduce_time`` covers the pass after the heads, ``wait_time`` the
-        wait for them.
+        With ``reply`` (the default) the AveragedGradient streams back as
+        the gradients arrive, global_loss last; without it nothing is sent
+        before :meth:`broadcast_averaged` (the reference's collect_and_reduce).
+        Any error ends the session (docs/sessions.md, "Halting"): one in the
+        heads comes before any byte of the average, and a NaN or +/-inf
+        raises NonFiniteGradient before any worker can apply it.
         """
         if self._mesh.on:
             if out is not None:
@@ -334,9 +293,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         """:meth:`allreduce` for one block's BlockGradientPayload (the
         reply carries worker 0's component sizes). With ``step`` or
         ``block_idx`` None, the block is whichever worker 0 sends next, and
-        every other worker must send the same (the order is the workers'
-        to choose, as with DDP's buckets, whose sizes may change from one
-        step to the next: a followed block's length is not pinned)."""
+        every other worker must send the same (the workers' order, as with
+        DDP's buckets, whose lengths may change between steps)."""
         return self._average(BLOCK, step, block_idx, out, reply)  # type: ignore[return-value]
 
     def allreduce_non_block(self, step: int, component: int, out: Optional[np.ndarray] = None, *,
@@ -396,17 +354,14 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
 
     @property
     def mid_frame(self) -> bool:
-        """Whether some worker connection is inside a frame this coordinator
-        sends (or one that an exception cut short): no other frame, a
-        Shutdown included, may go there before it ends. So is a step whose
-        ShardAssignments are going out: a Shutdown then would reach some
-        workers after their shard and the others before theirs, and in a
-        mesh the first would wait on the others inside the step."""
+        """Whether a Shutdown must wait: some worker connection is inside a
+        frame this coordinator sends (or one an exception cut short), or a
+        step's ShardAssignments are going out (a Shutdown among them would
+        leave a mesh's workers waiting on each other inside the step)."""
         return self._roster.assigning or any(c.frame_open for c in self._roster.channels)
 
     def stop_workers(self, grace: float = 10.0) -> int:
-        """End the run before its last step (the caller was interrupted):
-        send Shutdown to every worker whose connection is between two frames,
-        then give each up to ``grace`` seconds to hang up. Returns how many
-        were told (:meth:`ddpwire.roster.Roster.stop`)."""
+        """End the run before its last step (the caller was interrupted): a
+        Shutdown to every worker between two frames, then up to ``grace``
+        seconds each to hang up. Returns how many were told."""
         return self._roster.stop(check_timeout("grace", grace))

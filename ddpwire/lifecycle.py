@@ -21,6 +21,7 @@ from .errors import DdpwireError, MembershipChanged
 __all__ = ["Lifecycle", "LifecycleOwner"]
 
 S = TypeVar("S", bound=enum.Enum)
+_Owner = TypeVar("_Owner", bound="LifecycleOwner")  # type: ignore[type-arg]
 
 
 class Lifecycle(Generic[S]):
@@ -147,6 +148,16 @@ class LifecycleOwner(Generic[S]):
         """The error that ended the session (None while none has): every
         call after it raises it again, naming the same worker and step."""
         return self._life.failure
+
+    def close(self) -> None:
+        """Each side's own: closes everything; ``with`` calls it on the way out."""
+        raise NotImplementedError
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _set_state(self, new: S) -> None:
         """The one place the state changes (:meth:`Lifecycle.move`: forward

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from . import incast as _incast
 from . import mesh as _mesh
@@ -219,6 +219,22 @@ class CoordinatorOptions:
         put(self, "elastic", bool(self.elastic))
         put(self, "resume", bool(self.resume))
         put(self, "shared_memory", bool(self.shared_memory))
+
+    @classmethod
+    def split(cls, options: Optional[SessionOptions], expect_workers: int,
+              parameters: Dict[str, Any]) -> Tuple[SessionOptions, CoordinatorOptions]:
+        """A Coordinator's parameters (its ``locals()`` on entry) made into
+        the session's options and its own, each checked once, then checked
+        together: its keywords are the two objects' fields
+        (tests/test_options.py), beside ``bind``, ``expect_workers`` and
+        ``options``."""
+        keywords = {k: v for k, v in parameters.items()
+                    if k not in ("self", "__class__", "bind", "expect_workers", "options")}
+        shared = {k: keywords.pop(k) for k in list(keywords) if k in _FIELDS}
+        session = options_from(options, shared)
+        config = cls(**keywords)
+        config.check(expect_workers, session.per_block)
+        return session, config
 
     def grants(self, per_block: Optional[bool]) -> Dict[int, bytes]:
         """The extensions a ddpwire worker that offers them is granted."""

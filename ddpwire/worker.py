@@ -331,8 +331,3 @@ class Worker(LifecycleOwner[WorkerState]):
         what every call raises."""
         self._up.close()
 
-    def __enter__(self) -> "Worker":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
