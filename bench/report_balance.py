@@ -116,12 +116,18 @@ def report(path: str) -> str:
         if info.get("kind") == "rounds":
             head += (f", ratio median {info['ratio_median']:.3f} "
                      f"(min {info['ratio_min']:.3f}, max {info['ratio_max']:.3f})")
+            if "ratio_bracketed_median" in info:
+                head += (f", against the solos before and after: median "
+                         f"{info['ratio_bracketed_median']:.3f}")
         out.append(head)
         for r, rnd in enumerate(info.get("rounds", [])):
             out.append(f"  round {r}: solos " +
                        " + ".join(f"{x:.0f}" for x in rnd["solo_samples_per_s"]) +
                        f" samples/s, together {rnd['samples_per_s']:.0f}, ratio {rnd['ratio']:.3f},"
-                       f" median step {_ms(rnd['step_time_median_s'])} ms")
+                       f" median step {_ms(rnd['step_time_median_s'])} ms" +
+                       ("" if "ratio_bracketed" not in rnd else
+                        "; solos after " + " + ".join(f"{x:.0f}" for x in rnd["solo_after_samples_per_s"]) +
+                        f", ratio {rnd['ratio_bracketed']:.3f}"))
         out.extend(session_lines(info))
     return "\n".join(out)
 

@@ -412,7 +412,11 @@ def test_rounds(benchmark, setup):
     solo differs by 15% from one minute to the next), so one solo run and
     one together run minutes apart give a ratio that moves with it. Here
     each of :data:`ROUNDS` rounds runs every solo and then the balanced
-    set-up back to back; the ratio of each round, and their median."""
+    set-up back to back; the ratio of each round, and their median. One
+    more set of solos closes the run, so that every together run also has
+    a ratio against the mean of the solos just before and just after it
+    (``ratio_bracketed``), which a steady drift of the machine's speed
+    moves less."""
     speeds = SETUPS[setup]
     benchmark.group = f"rounds {setup} " + "+".join(_percent(s) for s in speeds)
     steps = WARMUP + MEASURED
@@ -431,12 +435,23 @@ def test_rounds(benchmark, setup):
                                worker_speeds={str(k): v for k, v in
                                               sorted(check_ended(together).items())}))
 
+    def close() -> List[float]:
+        return [run_plain([s], False, steps, tag="close").throughput() for s in speeds]
+
     benchmark.pedantic(run, rounds=1, iterations=1)
+    after = [x["solo_samples_per_s"] for x in rounds[1:]] + [close()]
+    for x, later in zip(rounds, after):
+        x["solo_after_samples_per_s"] = later
+        x["ratio_bracketed"] = x["samples_per_s"] / statistics.mean(
+            [sum(x["solo_samples_per_s"]), sum(later)])
+    bracketed = [x["ratio_bracketed"] for x in rounds]
     ratios = [x["ratio"] for x in rounds]
     benchmark.extra_info.update(kind="rounds", setup=setup, speeds=list(speeds), balance=True,
                                 cfs_period_us=PERIOD_US, samples_per_step=SAMPLES,
                                 warmup=WARMUP, measured=MEASURED, rounds=rounds,
                                 ratios=ratios, ratio_median=statistics.median(ratios),
+                                ratios_bracketed=bracketed,
+                                ratio_bracketed_median=statistics.median(bracketed),
                                 ratio_min=min(ratios), ratio_max=max(ratios))
 
 

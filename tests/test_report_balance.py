@@ -47,7 +47,10 @@ def test_the_report_splits_the_wait_by_who_arrived_last(tmp_path):
         "kind": "rounds", "cfs_period_us": 10000, "ratio_median": 0.81, "ratio_min": 0.7,
         "ratio_max": 0.9, "rounds": [{"solo_samples_per_s": [40000.0, 9000.0],
                                       "samples_per_s": 39690.0, "ratio": 0.81,
-                                      "step_time_median_s": 0.05}]}}
+                                      "step_time_median_s": 0.05,
+                                      "solo_after_samples_per_s": [36000.0, 9000.0],
+                                      "ratio_bracketed": 39690.0 / 47000.0}],
+        "ratio_bracketed_median": 39690.0 / 47000.0}}
     path = tmp_path / "balance.json"
     path.write_text(json.dumps({"commit_info": {"id": "0123456789", "dirty": False},
                                 "benchmarks": [_pair(25), rounds]}))
@@ -61,3 +64,5 @@ def test_the_report_splits_the_wait_by_who_arrived_last(tmp_path):
     assert "allreduce cpu 1.6" in text
     assert "ratio median 0.810 (min 0.700, max 0.900)" in text
     assert "round 0: solos 40000 + 9000 samples/s, together 39690, ratio 0.810" in text
+    assert "against the solos before and after: median 0.844" in text
+    assert "; solos after 36000 + 9000, ratio 0.844" in text
