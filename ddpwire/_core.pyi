@@ -1,5 +1,6 @@
 """Stubs for ddpwire._core, the compiled core: the wire codec (_wire.pxi),
-the float32 kernels (_reduce.pxi) and the socket layer (_net.pxi)."""
+the float32 kernels (_reduce.pxi), the socket layer (_net.pxi) and the
+shared-memory allreduce (_shm.pxi)."""
 import socket
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
 
@@ -157,7 +158,7 @@ class FrameHead:
 
 def send_many(conns: List[Connection], parts: Iterable[Optional[_Buffer]], timeout: float, *,
               step: Optional[int] = ..., what: str = ...) -> None: ...
-def exchange_many(conns: Sequence[Optional[Connection]],
+def exchange_many(conns: List[Optional[Connection]],
                   sends: Sequence[Optional[Sequence[Optional[_Buffer]]]],
                   recvs: Sequence[Optional[Sequence[_Buffer]]], timeout: float, *,
                   deadline: Optional[float] = ..., step: Optional[int] = ...,

@@ -182,7 +182,8 @@ def _balance(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", choices=["auto", "on", "off"], default="auto",
                    help="size each step's shards by the workers' measured speeds, so a faster "
                         "machine computes more of each step and nobody waits: auto (default: when "
-                        "every worker is a ddpwire worker), on (refuse a session where one is not) "
+                        "every worker is a ddpwire worker), on (any session: a reference worker's speed "
+                        "is seen from when its gradient arrives) "
                         "or off (equal shards, T // n)")
     p.add_argument("--metrics", default=None, metavar="FILE",
                    help="write one JSON line per step to FILE: the loss, step and allreduce "

@@ -5,7 +5,7 @@ lost: the step is called off on every survivor before any of them applies
 any of it (StepAborted, docs/extensions.md) and redone by the survivors with
 all of its samples; a worker that joins later, into a free slot, is handed
 the model's state by a worker in the session and takes part from the next
-step (docs/sessions.md, "Elastic sessions").
+step (docs/sessions.md, "Membership that follows the machines").
 """
 from __future__ import annotations
 

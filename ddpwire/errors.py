@@ -218,7 +218,7 @@ class MembershipChanged(DdpwireError):
     session goes on, and the next ShardAssignment is the same step's. The
     coordinator's :meth:`~ddpwire.Coordinator.allreduce` and every
     survivor's raise it; :class:`~ddpwire.torch.DataParallelTrainer` and
-    :func:`ddpwire.serve` redo the step themselves."""
+    :func:`ddpwire.serve.serve` redo the step themselves."""
 
     def __init__(self, lost: "list[int]", workers: int, *, step: int,
                  worker_id: Optional[int] = None, why: str = "") -> None:

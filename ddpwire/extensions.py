@@ -47,10 +47,12 @@ class _DTypeCodes(IntEnum):
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one element on the wire."""
         return _DTYPE_SIZES[int(self)]
 
     @property
     def numpy(self) -> np.dtype:
+        """A numpy dtype with the wire layout (``<u2`` for bfloat16)."""
         return np.dtype(_NUMPY[self.name])
 
 
@@ -58,6 +60,7 @@ class _DTypeCodes(IntEnum):
 # properties from the class above.
 DType = _DTypeCodes(  # type: ignore[call-overload]
     "DType", [(label.upper(), value) for label, value in _FAMILIES["DType"]], module=__name__)
+DType.__doc__ = _DTypeCodes.__doc__
 
 
 # Entry values that are one integer (the samples entry's u64, the

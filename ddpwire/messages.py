@@ -1,4 +1,4 @@
-"""The eleven messages of the DDP wire protocol and ddpwire's twelve extension
+"""The eleven messages of the DDP wire protocol and ddpwire's extension
 messages (docs/extensions.md), as plain Python objects.
 
 Field names and order follow the wire layout (see docs/protocol-notes.md),
@@ -351,7 +351,8 @@ class JoinRefused(Message):
 
 @dataclass(eq=False)
 class CollectiveRequest(Message):
-    """Worker to coordinator: one collective operation (0x43).
+    """One collective operation (0x43): worker to coordinator on the
+    collective service, and worker to worker on a mesh or rank link.
 
     ``kind``, ``op`` and ``dtype`` are codes of
     :mod:`ddpwire.extensions`; ``data`` holds ``count`` elements of ``dtype``.
@@ -383,8 +384,9 @@ class CollectiveResult(Message):
 
 @dataclass(eq=False)
 class CollectiveError(Message):
-    """Coordinator to worker: collective ``seq`` failed (0x45); ``worker_id``
-    is the worker at fault, 0xFFFFFFFF for none."""
+    """Collective ``seq`` failed (0x45): coordinator to worker, and, in a
+    mesh step, worker to coordinator; ``worker_id`` is the worker at fault,
+    0xFFFFFFFF for none."""
 
     __slots__ = ("seq", "worker_id", "detail")
     TAG: ClassVar[int] = 0x45

@@ -154,11 +154,12 @@ class CoordinatorOptions:
     ``balance`` sizes each step's shards in proportion to the workers'
     measured speeds (:mod:`ddpwire.balance`), so a machine four times
     faster computes four times the samples and nobody waits, and averages
-    the sample-weighted mean ``sum(c_i * g_i) / sum(c_i)``. It needs every
-    worker to report its compute time (a ddpwire worker does; the
-    reference does not): True refuses a session where one cannot, "auto"
-    keeps the reference's ``T // n`` for it; False (the default) always
-    keeps ``T // n`` and the plain mean.
+    the sample-weighted mean ``sum(c_i * g_i) / sum(c_i)``. A ddpwire
+    worker reports its compute time; the reference does not: True balances
+    any session (a reference worker's speed seen from when its gradient
+    arrives, its weight applied in the star's sum), "auto" only one where
+    every worker reports and keeps the reference's ``T // n`` otherwise;
+    False (the default) always keeps ``T // n`` and the plain mean.
 
     ``elastic`` keeps the session going when a worker is lost (it
     disconnects, or stays silent past ``timeout`` or ``heartbeat_timeout``):

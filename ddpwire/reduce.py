@@ -4,7 +4,9 @@ The mean of k buffers is the float32 sum in input order, ((x0 + x1) + x2) + ...,
 divided by k: exactly the reference coordinator's arithmetic, whatever the
 instruction-set path or thread count the compiled kernels pick; :func:`total`
 is the same sum without the division (the SUM collective). Every kernel
-runs without the GIL and checks its inputs for NaN and +/-inf in the same pass,
+runs without the GIL; the sums (:func:`mean`, :func:`total`,
+:func:`accumulate`, :func:`mean_half`) check their inputs for NaN and +/-inf
+in the same pass,
 raising :class:`ddpwire.NonFiniteGradient` with the input number and element
 index of the first one (lowest input, then lowest index).
 

@@ -32,6 +32,7 @@ class MembershipEvent:
     joined: bool = False
 
     def as_json(self) -> Dict[str, Any]:
+        """The event as one JSON object (in a ``--metrics`` line's membership list)."""
         return {"step": self.step, "worker": self.worker_id, "why": self.why,
                 "workers": self.workers, "committed": self.committed, "joined": self.joined}
 

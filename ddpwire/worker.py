@@ -206,7 +206,10 @@ class Worker(LifecycleOwner[WorkerState]):
         CoordinatorLost. Any of them ends the session (docs/sessions.md,
         "When a session fails"): the connection closes, since it leaves a
         frame cut short in one direction or the other, and every later call
-        raises the same error.
+        raises the same error. Calling it again while an earlier average is
+        still owed is a DdpwireError; in an elastic session a step the
+        coordinator called off raises MembershipChanged (not a failure: the
+        session goes on).
 
         In a mesh session (:mod:`ddpwire.mesh`) the same call averages with
         the other workers directly, with the same result bits and errors,

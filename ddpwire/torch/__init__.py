@@ -36,12 +36,6 @@ if _dist.is_available():
     register()
 
 __all__ = [
-    "BACKEND",
-    "BalancedBatchSampler",
-    "balanced_hook",
-    "DdpwireProcessGroup",
-    "DdpwireWork",
-    "register",
     "BLOCK_COMPONENTS",
     "NON_BLOCK_COMPONENTS",
     "Component",
@@ -69,3 +63,6 @@ __all__ = [
     "classification_batch",
     "evaluate",
 ]
+if _dist.is_available():
+    __all__ += ["BACKEND", "BalancedBatchSampler", "balanced_hook", "DdpwireProcessGroup",
+                "DdpwireWork", "register"]

@@ -28,7 +28,7 @@ from .links import RankLinks, form_links, ports_from_env
 from .rendezvous import Rendezvous, join_group, timings
 from .staging import Staging
 
-__all__ = ["BACKEND", "DdpwireProcessGroup", "register"]
+__all__ = ["BACKEND", "DdpwireProcessGroup", "DdpwireWork", "register"]
 
 BACKEND = "ddpwire"
 
@@ -125,6 +125,9 @@ class DdpwireWork(dist._Work):
             self._done.set()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Block until done (at most ``timeout``, default the group's):
+        True, or the collective's error raised; CollectiveAborted when no
+        answer came in time."""
         limit = self._limit
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             limit = timeout.total_seconds()
@@ -136,15 +139,19 @@ class DdpwireWork(dist._Work):
         return True
 
     def is_completed(self) -> bool:
+        """Whether the collective ended (either way)."""
         return self._done.is_set()
 
     def is_success(self) -> bool:
+        """Whether it ended without an error."""
         return self._done.is_set() and self._error is None
 
     def exception(self) -> Optional[BaseException]:
+        """Its error (None while running or after a success)."""
         return self._error
 
     def get_future(self) -> torch.futures.Future:
+        """A future holding the outputs once done (DDP's comm hooks chain on it)."""
         self._future_taken = True
         return self._future
 
@@ -245,6 +252,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     # ---- identity ----
 
     def getBackendName(self) -> str:
+        """ "ddpwire" """
         return BACKEND
 
     def __repr__(self) -> str:
@@ -265,9 +273,11 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                 links.close()
 
     def shutdown(self) -> None:
+        """:meth:`close` (torch's name on destroy_process_group)."""
         self.close()
 
     def abort(self) -> None:
+        """:meth:`close`: nothing here outlives the links it closes."""
         self.close()
 
     def _report(self, error: BaseException) -> None:
@@ -385,6 +395,9 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     # ---- collectives ----
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
+        """``all_reduce`` of one tensor in place (float32/16-bit SUM and AVG
+        of a large one on the rank links or shared memory; the rest on the
+        service)."""
         t = _one(tensors, "allreduce")
         dtype = _dtype_of([t], "allreduce")
         op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
@@ -392,6 +405,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         return self._issue("allreduce", Kind.ALLREDUCE, op, dtype, 0, [t], [t], tensors)
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
+        """``broadcast`` of one tensor from ``opts.rootRank`` (default 0)."""
         t = _one(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
         if not 0 <= root < self._world:
@@ -401,6 +415,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts: Any = None) -> DdpwireWork:
+        """``all_gather``: one input, one list of world-size outputs of its size."""
         t = _one(input_tensors, "allgather")
         outs = _one(output_tensors, "allgather")
         if len(outs) != self._world or any(o.numel() != t.numel() for o in outs):
@@ -428,11 +443,13 @@ class DdpwireProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> DdpwireWork:
+        """``all_gather_into_tensor`` of a single pair (more: a ValueError)."""
         return self._allgather_base(_one(outputs, "allgather_into_tensor_coalesced"),
                                     _one(inputs, "allgather_into_tensor_coalesced"), opts)
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
                        opts: Any = None) -> DdpwireWork:
+        """``reduce_scatter``: one output, world-size inputs of its size."""
         out = _one(output_tensors, "reduce_scatter")
         ins = _one(input_tensors, "reduce_scatter")
         if len(ins) != self._world or any(i.numel() != out.numel() for i in ins):
@@ -456,6 +473,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                            [output], [output])
 
     def barrier(self, opts: Any = None) -> DdpwireWork:
+        """Done once every rank has called it."""
         return self._issue("barrier", Kind.BARRIER, Op.SUM, DType.UINT8, 0, [], [], None)
 
     def allreduce_16bit(self, tensor: torch.Tensor, codec: str = "bf16") -> DdpwireWork:
@@ -505,6 +523,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         def method(self: "DdpwireProcessGroup", *args: Any, **kwargs: Any) -> Any:
             raise NotImplementedError(f"the ddpwire backend does not implement {name}")
         method.__name__ = name
+        method.__doc__ = f"Not implemented: raises NotImplementedError ({name})."
         return method
 
     for _name in ("send", "recv", "recv_anysource", "reduce", "gather", "scatter", "alltoall",

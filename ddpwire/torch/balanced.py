@@ -49,7 +49,8 @@ class BalancedBatchSampler:
     measured speeds (module docstring). ``drop_last`` as for torch's
     samplers (a last short batch is split too when False); the permutation
     is drawn from ``seed`` and the epoch (:meth:`set_epoch`), as
-    DistributedSampler does. ``group``: the process group (default the
+    DistributedSampler does; ``shuffle=False`` keeps the dataset's order.
+    ``group``: the process group (default the
     world); ``rank`` and ``world_size`` default to it, asked when the first
     batch is drawn, so the sampler may be built before the group (as a
     Lightning strategy's ``ddp_comm_state`` is).
@@ -84,12 +85,15 @@ class BalancedBatchSampler:
 
     @property
     def rank(self) -> int:
+        """This rank (the group's, asked once)."""
         if self._rank is None:
             self._rank = dist.get_rank(self.group)
         return self._rank
 
     @property
     def world_size(self) -> int:
+        """The ranks sharing each batch (the group's, asked once); a
+        ``batch_size`` below it is a ValueError: every rank needs a sample."""
         if self._world_size is None:
             self._world_size = dist.get_world_size(self.group)
             if self.batch_size < self._world_size:

@@ -92,6 +92,8 @@ class DiLoCo:
     when None) as a pseudo-gradient applied by ``outer`` (default
     :func:`nesterov_outer`). Call :meth:`step` where ``inner.step()`` was
     called; :meth:`sync` averages at once (at the end of training, say).
+    ``wire`` (None: float32, "bf16", "fp16", "int8") is how the
+    pseudo-gradient travels (module docstring).
     """
 
     def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, *, sync_every: int,
@@ -183,12 +185,13 @@ class DiLoCo:
         self.rounds += 1
 
     def state_dict(self) -> dict:
-        """The outer optimizer's state and the round counters (the inner
-        optimizer and the model keep their own)."""
+        """The outer optimizer's state, the round counters and the round's
+        starting parameters (the inner optimizer and the model keep their own)."""
         return {"outer": self.outer.state_dict(), "local_steps": self.local_steps,
                 "rounds": self.rounds, "anchor": [a.clone() for a in self._anchor]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self.outer.load_state_dict(state["outer"])
         self.local_steps = state["local_steps"]
         self.rounds = state["rounds"]

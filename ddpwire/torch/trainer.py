@@ -338,7 +338,8 @@ class DataParallelTrainer:
         session late (``Worker.state_source``): the model's weights and
         buffers, the optimizer's state and, with local steps, the outer
         optimizer's and the round's start. Taken between two steps, so
-        every worker's is the same."""
+        every worker's is the same; ``step`` (the joiner's, which
+        ``Worker.state_source`` passes) does not change it."""
         out = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "outer": None if self.outer_optimizer is None
