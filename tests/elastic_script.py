@@ -20,6 +20,10 @@ from ddpwire import CoordinatorLost, Worker, WorkerDropped
 from ddpwire.torch import DataParallelTrainer, DigitsMLP, digits_split
 
 TOTAL = 96  # samples per step
+# A sanitizer's runtime preloaded (.ci/sanitize) makes every process several
+# times slower, the GIL-holding work that the heartbeat thread waits behind
+# included: 1.5 s of silence is then a busy worker, not a stopped one.
+SLOWER = 4 if any(lib in os.environ.get("LD_PRELOAD", "") for lib in ("libasan", "libtsan")) else 1
 
 
 def trainer(worker):
@@ -36,7 +40,7 @@ def main():
     def connect(resume_step=None):
         # heartbeats: a stopped process falls silent, a slow one does not
         return Worker.connect((host, port), timeout=30, samples_per_step=TOTAL, heartbeat=0.2,
-                              heartbeat_timeout=2.0, resume_step=resume_step)
+                              heartbeat_timeout=2.0 * SLOWER, resume_step=resume_step)
     w = connect()
     t = trainer(w)
     indices = t.sampler.indices
