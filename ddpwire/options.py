@@ -47,7 +47,8 @@ class SessionOptions:
     are the same either way. ``token`` (str or bytes) authenticates both
     ways (docs/security.md). ``samples_per_step``, ``per_block`` and
     ``gradient_length`` describe the training, so that a worker set up for
-    another is refused at the join. Frozen: checked values stay checked.
+    another is refused at the join (where one is None on the coordinator,
+    the first worker's sets it). Frozen: checked values stay checked.
     """
 
     timeout: float = 120.0
