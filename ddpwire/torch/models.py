@@ -112,6 +112,8 @@ class TinyTransformer(nn.Module):
         _seeded_init(self, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, t, vocab) for int64 ``tokens`` (batch, t); a ``t``
+        over ``max_len`` is a ValueError."""
         t = tokens.shape[1]
         if t > self.max_len:
             raise ValueError(f"sequence of {t} tokens exceeds max_len {self.max_len}")
