@@ -27,14 +27,6 @@ from .trainer import (
 
 import torch.distributed as _dist
 
-# torch builds without distributed support (some mobile and minimal wheels)
-# still get the trainer; the backend needs torch.distributed
-if _dist.is_available():
-    from .backend import BACKEND, DdpwireProcessGroup, DdpwireWork, register
-    from .balanced import BalancedBatchSampler, balanced_hook
-
-    register()
-
 __all__ = [
     "BLOCK_COMPONENTS",
     "NON_BLOCK_COMPONENTS",
@@ -63,6 +55,13 @@ __all__ = [
     "classification_batch",
     "evaluate",
 ]
+
+# torch builds without distributed support (some mobile and minimal wheels)
+# still get the trainer; the backend needs torch.distributed
 if _dist.is_available():
+    from .backend import BACKEND, DdpwireProcessGroup, DdpwireWork, register
+    from .balanced import BalancedBatchSampler, balanced_hook
+
+    register()
     __all__ += ["BACKEND", "BalancedBatchSampler", "balanced_hook", "DdpwireProcessGroup",
                 "DdpwireWork", "register"]
