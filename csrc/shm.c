@@ -263,28 +263,15 @@ int64_t ddpw_shm_agree(const void *base, uint32_t world)
     return -1;
 }
 
-void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size_t *count)
-{
-    size_t lines = (n + 15) / 16;
-    size_t a = lines * rank / world * 16, b = lines * (rank + 1) / world * 16;
-    if (a > n)
-        a = n;
-    if (b > n)
-        b = n;
-    *start = a;
-    *count = b - a;
-}
-
 int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, size_t n,
-                   uint32_t op)
+                   uint32_t op, size_t own_start, size_t own_count)
 {
-    size_t start = 0, count = 0;
+    size_t start = own_start, count = own_count;
     float *in;
     if (world == 0 || world > DDPW_SHM_MAX_WORLD || rank >= world ||
-        n > (size_t)(head_of(base)->region_bytes / 4))
+        n > (size_t)(head_of(base)->region_bytes / 4) || start > n || count > n - start)
         return -1;
     in = ddpw_shm_input(base, rank);
-    ddpw_shm_slice(n, world, rank, &start, &count);
     if (start > 0)
         memcpy(in, src, start * sizeof(float));
     if (start + count < n)
@@ -301,8 +288,9 @@ int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, 
     size_t bad_input = 0;
     int64_t bad;
     uint32_t r;
+    size_t elements = (size_t)(head_of(base)->region_bytes / 4);
     if ((op != DDPW_SHM_AVG && op != DDPW_SHM_SUM) || world == 0 || world > DDPW_SHM_MAX_WORLD ||
-        (own != NULL && own_rank >= world))
+        (own != NULL && own_rank >= world) || start > elements || count > elements - start)
         return -2;
     if (count == 0)
         return -1;

@@ -12,7 +12,8 @@
  * One allreduce of n float32 elements (n * 4 <= region_bytes):
  *
  *   1. rank r copies its elements into input region r, all but its own
- *      slice (ddpw_shm_slice), and posts (n, op): ddpw_shm_stage;
+ *      slice (the caller's cut: ddpwire.plan's, any fractions, an empty
+ *      slice included), and posts (n, op): ddpw_shm_stage;
  *   2. barrier g: every input is in place;
  *   3. rank r reduces element slice r across the inputs, in rank order,
  *      into the output region, reading input r's slice from its own private
@@ -39,8 +40,14 @@
  * again (step 3 of the next one) only after passing the next barrier g + 2,
  * which every rank reaches only after its step 5, the only reads of the
  * output. The posted (n, op) line follows the input rule. Slices move with
- * n, so the slice a rank skipped last time may be another's to read this
- * time: every element another rank reads is staged afresh in step 1.
+ * n (and with the fractions), so the slice a rank skipped last time may be
+ * another's to read this time: every element another rank reads is staged
+ * afresh in step 1.
+ *
+ * The slices must tile [0, n) alike on every rank; nothing here can check
+ * that, so every rank computes them from the same inputs (ddpwire.plan,
+ * the same rule as the links), and DDPW_SHM_VERSION changes whenever the
+ * rule does: a rank of another version cannot attach.
  *
  * The arithmetic is reduce.h's: AVG is ddpw_mean (float32 sum in rank
  * order, then a true division by (float)world), SUM is ddpw_total (the same
@@ -54,7 +61,7 @@
 #include <stdint.h>
 
 #define DDPW_SHM_MAGIC 0x6d6873777064646eULL /* "nddpwshm" little-endian */
-#define DDPW_SHM_VERSION 1u
+#define DDPW_SHM_VERSION 2u /* 2: the caller's cut (1: 16-element lines) */
 #define DDPW_SHM_NONCE 16
 #define DDPW_SHM_MAX_WORLD 1024
 
@@ -137,18 +144,14 @@ int64_t ddpw_shm_aborted(const void *base);
 void ddpw_shm_post(void *base, uint32_t rank, uint64_t count, uint32_t op);
 int64_t ddpw_shm_agree(const void *base, uint32_t world);
 
-/* Element slice [*start, *start + *count) of n that rank reduces: world
- * contiguous near-equal slices, boundaries on 16 elements (64 bytes, one
- * cache line) so no two ranks write one line of the output. */
-void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size_t *count);
-
 /* Step 1: copy src[0..n) into rank's input region except rank's own slice
- * of n (which no other rank reads), then post (n, op). Returns 0, or -1
- * (nothing copied or posted) when rank is not below world, world is over
- * DDPW_SHM_MAX_WORLD or n elements do not fit a region. src must not
- * overlap the mapping's input region. */
+ * [own_start, own_start + own_count) (which no other rank reads), then post
+ * (n, op). Returns 0, or -1 (nothing copied or posted) when rank is not
+ * below world, world is over DDPW_SHM_MAX_WORLD, n elements do not fit a
+ * region or the slice does not lie within n. src must not overlap the
+ * mapping's input region. */
 int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, size_t n,
-                   uint32_t op);
+                   uint32_t op, size_t own_start, size_t own_count);
 
 /* Reduce elements [start, start + count) of every rank's input into the
  * output region: op DDPW_SHM_AVG or DDPW_SHM_SUM. Rank r's input is input
@@ -158,8 +161,8 @@ int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, 
  * not copy. The whole slice is always written; when result is not NULL it
  * is written there too (result[start..start + count), in the same pass),
  * and result may be own: each element is stored after it is read. Returns
- * -1 when every input element of the slice is finite, -2 for another op or an own_rank not
- * below world, else the element (of the whole vector) of the first
+ * -1 when every input element of the slice is finite, -2 for another op, an
+ * own_rank not below world or a slice past the region, else the element (of the whole vector) of the first
  * non-finite value of the lowest rank holding one, that rank in *bad_rank
  * (which may be NULL): the report the mesh halts a step on. */
 int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,

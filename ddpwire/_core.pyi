@@ -259,16 +259,16 @@ class ShmArena:
         """(SHM_OK, -1), (SHM_TIMEOUT, first missing rank) or (SHM_ABORTED, rank blamed)."""
     def abort(self, rank: int) -> None: ...
     def aborted(self) -> int: ...
-    def slice(self, n: int, rank: int) -> Tuple[int, int]: ...
-    def stage(self, buf: _Buffer, op: int = ...) -> None:
-        """Copy float32 bytes, all but this rank's own slice, into its input
-        region and post their count and ``op`` (SUM 0, AVG 1); ``buf`` must
-        not change until :meth:`reduce`."""
+    def stage(self, buf: _Buffer, op: int, start: int, count: int) -> None:
+        """Copy float32 bytes, all but this rank's own slice (elements
+        [start, start + count): ddpwire.plan's cut, alike on every rank),
+        into its input region and post their count and ``op`` (SUM 0, AVG
+        1); ``buf`` must not change until :meth:`reduce`."""
     def agree(self) -> int: ...
     def reduce(self, buf: _Buffer, into_own: bool = ...) -> Tuple[int, int, int, int, float]:
-        """This rank's slice reduced with the staged op into the output (and,
+        """This rank's slice (the staged one) reduced with the staged op into the output (and,
         with ``into_own``, into ``buf``), its own input read from ``buf``
         (the buffer :meth:`stage` was given): (start, count, bad rank or -1,
         bad element, its value)."""
     def gather(self, buf: _Buffer, skip_own: bool = ...) -> None:
-        """The output into ``buf`` (with ``skip_own``, all but this rank's slice)."""
+        """The output into ``buf`` (with ``skip_own``, all but this rank's staged slice)."""

@@ -73,10 +73,13 @@ cdef class ShmArena:
     cdef readonly uint32_t world
     cdef readonly uint64_t region_bytes
     # what stage() was given: reduce() reads this rank's slice from it (only
-    # its address and length, to refuse another buffer), and the op posted
+    # its address and length, to refuse another buffer), the op posted and
+    # this rank's slice, which reduce() and gather(skip_own) take
     cdef const void *_staged
     cdef Py_ssize_t _staged_len
     cdef uint32_t _staged_op
+    cdef size_t _own_start
+    cdef size_t _own_count
 
     def __cinit__(self):
         self._held = False
@@ -85,6 +88,8 @@ cdef class ShmArena:
         self._staged = NULL
         self._staged_len = -1
         self._staged_op = DDPW_SHM_AVG
+        self._own_start = 0
+        self._own_count = 0
 
     def __init__(self, mapping, world, rank, region_bytes):
         if not 0 < world <= DDPW_SHM_MAX_WORLD or not 0 <= rank < world:
@@ -163,12 +168,6 @@ cdef class ShmArena:
         """The rank blamed by an abort, or -1."""
         return ddpw_shm_aborted(self._base())
 
-    def slice(self, n, rank):
-        """(start, count) of the elements ``rank`` reduces out of ``n``."""
-        cdef size_t start = 0, count = 0
-        ddpw_shm_slice(n, self.world, rank, &start, &count)
-        return start, count
-
     # ---- one allreduce, cut at its barriers (csrc/shm.h's steps 1, 3 and
     # 5), so that a caller may act between them: the mesh hears the
     # coordinator's verdict between the reduce and the copy out ----
@@ -188,27 +187,35 @@ cdef class ShmArena:
         if self._busy == 0 and self._close_pending:
             self.close()
 
-    def stage(self, buf, op=DDPW_SHM_AVG):
+    def stage(self, buf, op, Py_ssize_t start, Py_ssize_t count):
         """Copy ``buf`` (float32 bytes) into this rank's input region, all
-        but this rank's own slice, and post its element count and ``op``
-        (SUM 0, AVG 1) for :meth:`agree`. :meth:`reduce` reads the own slice
-        from ``buf`` itself: it must not change until then."""
+        but this rank's own slice (elements [start, start + count), the
+        cut every rank computes alike: ddpwire.plan), and post its element
+        count and ``op`` (SUM 0, AVG 1) for :meth:`agree`. :meth:`reduce`
+        reduces that slice, reading it from ``buf`` itself: it must not
+        change until then."""
         cdef Py_buffer view
         cdef void *base = self._base()
         cdef int staged
         cdef uint32_t cop = op
+        cdef size_t n
         if cop != DDPW_SHM_SUM and cop != DDPW_SHM_AVG:
             raise ValueError(f"op {op} is neither SUM (0) nor AVG (1)")
         self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE)
         try:
             self._staged = NULL
             self._staged_len = -1
+            n = <size_t>view.len // 4
+            if start < 0 or count < 0 or <size_t>start > n or <size_t>count > n - <size_t>start:
+                raise ValueError(f"slice [{start}, {start + count}) is not within the "
+                                 f"{n} elements staged")
             with nogil:
                 staged = ddpw_shm_stage(base, self.rank, self.world, <const float *>view.buf,
-                                        <size_t>view.len // 4, cop)
+                                        n, cop, <size_t>start, <size_t>count)
             if staged != 0:
-                raise ValueError(f"{view.len // 4} elements cannot be staged in this arena")
+                raise ValueError(f"{n} elements cannot be staged in this arena")
             self._staged, self._staged_len, self._staged_op = view.buf, view.len, cop
+            self._own_start, self._own_count = <size_t>start, <size_t>count
         finally:
             self._leave(&view)
 
@@ -218,8 +225,8 @@ cdef class ShmArena:
         return ddpw_shm_agree(self._base(), self.world)
 
     def reduce(self, buf, bint into_own=False):
-        """Reduce this rank's slice of the vector with the op :meth:`stage`
-        posted, into the output region and, with ``into_own``, into
+        """Reduce this rank's slice of the vector (the one :meth:`stage` was
+        given) with the op it posted, into the output region and, with ``into_own``, into
         ``buf``'s own slice too (in the same pass); ``buf`` is the vector
         :meth:`stage` was given (unchanged since: its own slice, never
         staged, is read from it). Returns (start, count, the lowest rank
@@ -227,7 +234,7 @@ cdef class ShmArena:
         index in the vector, its value)."""
         cdef Py_buffer view
         cdef void *base = self._base()
-        cdef size_t start = 0, count = 0, n
+        cdef size_t start = self._own_start, count = self._own_count
         cdef uint32_t bad_rank = 0
         cdef int64_t bad
         cdef const float *own
@@ -241,9 +248,7 @@ cdef class ShmArena:
             own = <const float *>view.buf
             if into_own:
                 result = <float *>view.buf
-            n = <size_t>view.len // 4
             with nogil:
-                ddpw_shm_slice(n, self.world, self.rank, &start, &count)
                 bad = ddpw_shm_reduce(base, self.world, start, count, self._staged_op, own,
                                       self.rank, result, &bad_rank)
             if bad < 0:
@@ -259,17 +264,20 @@ cdef class ShmArena:
 
     def gather(self, buf, bint skip_own=False):
         """Copy the output region's first len(buf) bytes into ``buf``; with
-        ``skip_own``, all but this rank's own slice of them (which
-        :meth:`reduce` wrote into it already)."""
+        ``skip_own``, all but this rank's own slice of them (the one
+        :meth:`stage` was given, which :meth:`reduce` wrote into it
+        already)."""
         cdef Py_buffer view
         cdef void *base = self._base()
-        cdef size_t n, start = 0, count = 0
+        cdef size_t n, start = self._own_start, count = self._own_count
         self._enter(buf, &view, self.region_bytes, PyBUF_SIMPLE | PyBUF_WRITABLE)
         try:
             n = <size_t>view.len // 4
+            if skip_own and (start > n or count > n - start):
+                raise ValueError(f"the staged slice [{start}, {start + count}) is not within "
+                                 f"the {n} elements to gather")
             with nogil:
                 if skip_own:
-                    ddpw_shm_slice(n, self.world, self.rank, &start, &count)
                     memcpy(view.buf, ddpw_shm_output(base), start * 4)
                     memcpy(<float *>view.buf + start + count,
                            ddpw_shm_output(base) + start + count, (n - start - count) * 4)

@@ -438,13 +438,8 @@ class Mesh:
         self._part: Optional[np.ndarray] = None  # the coordinator's averaged part
         # The coordinator saw every worker on one host: the first step
         # tries to set up a shared segment, and steps use it once every
-        # worker has attached. The segment's kernels (csrc/shm.c) cut equal
-        # slices only, so unequal fractions keep the links. No worker asks
-        # the others: all were given the same fractions, so all decide
-        # alike (one that tried the segment alone would wait for set-up
-        # answers that never come).
-        self._want_shared = (bool(shared_memory) and self.codec == Codec.FLOAT32
-                             and Plan(0, self.world, self.fractions).equal)
+        # worker has attached, cut by the same plan as the links.
+        self._want_shared = bool(shared_memory) and self.codec == Codec.FLOAT32
         self.plane: Optional[_shm.SharedPlane] = None
 
     @classmethod
@@ -725,7 +720,9 @@ class Mesh:
             self._want_shared = False
             self.plane = self._share(step, len(gradients), deadline)
         if self.plane is not None:
-            bad = self.plane.reduce_scatter(step, gradients, deadline, op)
+            bad = self.plane.reduce_scatter(step, gradients, deadline, op,
+                                            bounds=self.plan_for(len(gradients)).slice(
+                                                self.worker_id))
             return SliceOutcome() if bad is None else SliceOutcome(*bad)
         n, me = self.world, self.worker_id
         plan = self.plan_for(len(gradients))

@@ -32,6 +32,7 @@ import numpy as np
 from . import _core
 from .errors import CollectiveAborted
 from .extensions import CollectiveKind as Kind, DType, ReduceOp as Op
+from .plan import slice_bounds
 
 __all__ = ["SHM_ENV", "REGION_BYTES", "Segment", "SharedPlane", "host_id", "enabled",
            "negotiate", "rank_plane", "share_segment"]
@@ -237,19 +238,24 @@ class SharedPlane:
     # ---- the two halves ----
 
     def reduce_scatter(self, seq: int, data: np.ndarray, deadline: float, op: int = Op.AVG, *,
-                       into_own: bool = False) -> Optional[Tuple[int, int, float]]:
+                       into_own: bool = False,
+                       bounds: Optional[Tuple[int, int]] = None) -> Optional[Tuple[int, int, float]]:
         """Stage float32 ``data``, wait for every member's, and reduce this
         member's slice with ``op`` into the output (with ``into_own`` into
-        ``data``'s own slice too). Returns None, or (member, index, value) of
-        the slice's first non-finite element in member order."""
+        ``data``'s own slice too). ``bounds`` is that slice, [start, end),
+        from the :class:`ddpwire.plan.Plan` every member computes alike (any
+        fractions, an empty slice included); None: equal fractions. Returns
+        None, or (member, index, value) of the slice's first non-finite
+        element in member order."""
         me, n = self.segment.rank, len(data)
+        lo, hi = slice_bounds(n, self.segment.world)[me] if bounds is None else bounds
         self._check()
         try:
             if n * 4 > self.region_bytes:
                 raise self._mismatch("vector length (the shared segment holds at most)",
                                      self.region_bytes // 4, n, me, seq)
             self._pending = (seq, n)
-            self._arena.stage(data, int(op))
+            self._arena.stage(data, int(op), lo, hi - lo)
             self._wait(self._generation + 1, seq, deadline, "every vector in place")
             bad = self._arena.agree()
             if bad >= 0:

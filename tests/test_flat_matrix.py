@@ -9,7 +9,8 @@ and the result rounded once to 16 bits). The paths:
   shared segment; 1 to 4 workers; a coordinator share of 0 or 0.25 (which
   float32 over the links allows); and unequal or zero fractions handed to
   each worker's Mesh (MeshPeers carries none: only a Mesh made with
-  fractions cuts unequally, so the test hands them to Mesh.connect);
+  fractions cuts unequally, so the test hands them to Mesh.connect), on the
+  links and on the shared segment alike;
 * Mesh runners on links made here: unequal and zero fractions, SUM and
   AVG in float32, AVG in bf16 and fp16, the exchange's kernels in their
   default ranges and in ranges of a few elements;
@@ -59,11 +60,10 @@ class Case(NamedTuple):
     @property
     def shared_plane(self) -> bool:
         """Whether the steps go through the shared segment: float32 on the
-        mesh of 2+ workers with it on, and no unequal fractions (whose
-        slices the segment cannot cut)."""
-        equal = self.fractions is None or len(set(self.fractions)) == 1
+        mesh of 2+ workers with it on (any fractions: the segment is cut by
+        the same plan as the links)."""
         return (self.topology == "mesh" and self.transport == "shm" and self.codec is None
-                and self.n >= 2 and equal)
+                and self.n >= 2)
 
 
 def _session_cases() -> List[Case]:
@@ -84,9 +84,10 @@ def _session_cases() -> List[Case]:
         Case("mesh", None, "links", 2, 0.0, (3.0, 1.0)),
         Case("mesh", "bf16", "links", 3, 0.0, (1.0, 0.0, 1.0)),
         Case("mesh", "fp16", "links", 2, 0.0, (0.0, 1.0)),
-        # shared memory granted, but unequal fractions keep the links
+        # the segment with unequal and zero fractions
         Case("mesh", None, "shm", 3, 0.0, (1.0, 2.0, 3.0)),
         Case("mesh", None, "shm", 2, 0.0, (0.0, 1.0)),
+        Case("mesh", None, "shm", 4, 0.0, (0.0, 1.0, 0.0, 3.0)),
         # equal fractions given explicitly: the segment, as with none
         Case("mesh", None, "shm", 3, 0.0, (2.0, 2.0, 2.0)),
     ]
@@ -130,11 +131,11 @@ def test_a_session_s_flat_steps_give_the_reference_bits(case, monkeypatch, made_
     if case.topology == "mesh":
         assert len(made_meshes) == case.n
         assert all(m.fractions == case.fractions for m in made_meshes)
-        if not case.shared_plane:
-            # the steps were cut by the plan of these fractions and share
-            want_plan = planmod.Plan(COUNT, case.n, case.fractions, made_meshes[0].codec,
-                                     s.coord.share)
-            assert all(m._plans[COUNT].bounds == want_plan.bounds for m in made_meshes)
+        # the steps were cut by the plan of these fractions and share, on
+        # the links and on the segment alike
+        want_plan = planmod.Plan(COUNT, case.n, case.fractions, made_meshes[0].codec,
+                                 s.coord.share)
+        assert all(m._plans[COUNT].bounds == want_plan.bounds for m in made_meshes)
     want = reference_allreduce(grads, codec=case.codec)
     losses = set()
     for i in range(case.n):

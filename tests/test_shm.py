@@ -22,6 +22,7 @@ import pytest
 
 from ddpwire import _core, shm
 from ddpwire.collectives import CollectiveAborted, Op
+from ddpwire.plan import Plan, slice_bounds
 
 from session_helpers import reference_allreduce
 
@@ -89,13 +90,15 @@ def test_segment_allreduce_is_bit_exact_in_rank_order():
                 assert got[r][i].tobytes() == want.tobytes(), (world, i, r)
 
 
-def test_slices_cover_the_buffer_in_whole_lines():
+def test_stage_refuses_a_slice_outside_the_vector():
     arena = _core.ShmArena(bytearray(_core.shm_size(3, 4096)), 3, 0, 4096)
-    for n in (0, 1, 15, 16, 47, 48, 1000, 1001):
-        slices = [arena.slice(n, r) for r in range(3)]
-        assert slices[0][0] == 0 and sum(c for _, c in slices) == n
-        for (a, c), (b, _) in zip(slices, slices[1:]):
-            assert a + c == b and b % 16 == 0
+    arena.init(NONCE)
+    x = np.zeros(100, dtype=np.float32)
+    for start, count in ((-1, 1), (0, -1), (101, 0), (100, 1), (50, 51)):
+        with pytest.raises(ValueError, match="not within"):
+            arena.stage(x, Op.AVG, start, count)
+    for start, count in ((0, 0), (100, 0), (0, 100), (30, 40)):
+        arena.stage(x, Op.AVG, start, count)
 
 
 def test_attach_refuses_another_nonce():
@@ -272,7 +275,8 @@ def test_allreduce_reads_each_rank_s_own_slice_from_its_buffer(world):
             x = inputs_of(rank, i, n)
             # only this rank reads this slice of its region: once the last
             # allreduce has returned, nobody else is reading it at all
-            start, count = plane.segment.arena.slice(n, rank)
+            start, end = slice_bounds(n, world)[rank]
+            count = end - start
             inputs[rank][start:start + count] = np.nan
             plane.allreduce(x, op_of(i), LIMIT)
             assert np.isnan(inputs[rank][start:start + count]).all()  # never staged
@@ -307,15 +311,16 @@ def test_allreduce_writes_the_own_slice_from_the_sum_itself(world, op):
     for r in range(world):
         assert got[r].tobytes() == want.tobytes(), (world, op, r)
 
-def split_step(arena, rank, x, scribble, inputs, generation=0):
+def split_step(arena, rank, x, scribble, inputs, generation=0, fractions=None):
     """A plane's arena calls for one vector, the whole result copied out as
-    the mesh copies it, with this rank's own slice of its input region
-    scribbled over between stage and reduce: (reduce's report, the gathered
-    average)."""
-    arena.stage(x)
+    the mesh copies it, with this rank's own slice (the plan's of
+    ``fractions``) of its input region scribbled over between stage and
+    reduce: (reduce's report, the gathered average)."""
+    start, end = Plan(len(x), arena.world, fractions).slice(rank)
+    count = end - start
+    arena.stage(x, Op.AVG, start, count)
     assert arena.barrier(generation + 1, LIMIT) == (_core.SHM_OK, -1)
     assert arena.agree() == -1
-    start, count = arena.slice(len(x), rank)
     inputs[rank][start:start + count] = scribble
     report = arena.reduce(x)
     assert report[:2] == (start, count)
@@ -339,6 +344,27 @@ def test_the_mesh_s_split_calls_read_the_own_slice_from_the_buffer(world):
         for r in range(world):
             report, out = got[r][i]
             assert report == (-1, 0, 0.0) and out.tobytes() == want.tobytes(), (world, i, r)
+
+
+@pytest.mark.parametrize("fractions", [(1.0, 3.0), (0.0, 1.0), (0.5, 0.0, 0.25, 0.25),
+                                       (0.0, 0.0, 1.0)])
+def test_the_split_calls_take_any_fractions_an_empty_slice_included(fractions):
+    # the same plan as the links: unequal slices, and a member that reduces
+    # nothing still stages its vector for the others and gathers the result
+    world = len(fractions)
+    sizes = [1, 16 * 4 + 3, 12000]
+
+    def body(arena, rank, inputs):
+        return [split_step(arena, rank, inputs_of(rank, 20 + i, n), np.float32(1e30), inputs,
+                           2 * i, fractions)
+                for i, n in enumerate(sizes)]
+
+    got = in_process(world, body)
+    for i, n in enumerate(sizes):
+        want = reference(Op.AVG, [inputs_of(r, 20 + i, n) for r in range(world)])
+        for r in range(world):
+            report, out = got[r][i]
+            assert report == (-1, 0, 0.0) and out.tobytes() == want.tobytes(), (fractions, i, r)
 
 
 def test_a_non_finite_value_in_the_own_slice_is_reported_from_the_buffer():
@@ -375,8 +401,8 @@ def test_reduce_takes_the_staged_buffer_only():
     with pytest.raises(ValueError, match="stage"):
         arena.reduce(x)  # nothing staged
     with pytest.raises(ValueError, match="neither SUM"):
-        arena.stage(x, 7)
-    arena.stage(x)
+        arena.stage(x, 7, 0, 8)
+    arena.stage(x, Op.AVG, 0, 8)
     for other in (x.copy(), x[:4]):
         with pytest.raises(ValueError, match="stage"):
             arena.reduce(other)
@@ -387,7 +413,7 @@ def test_reduce_takes_the_staged_buffer_only():
     arena.gather(out)
     assert out.tobytes() == x.tobytes()  # a world of one: its own slice is everything
     with pytest.raises(ValueError):
-        arena.stage(np.zeros(1025, dtype=np.float32))  # over the region
+        arena.stage(np.zeros(1025, dtype=np.float32), Op.AVG, 0, 1025)  # over the region
 
 
 def test_ctrl_c_interrupts_a_barrier(tmp_path):

@@ -38,9 +38,8 @@ cdef extern from "shm.h" nogil:
     int64_t ddpw_shm_aborted(const void *base)
     void ddpw_shm_post(void *base, uint32_t rank, uint64_t count, uint32_t op)
     int64_t ddpw_shm_agree(const void *base, uint32_t world)
-    void ddpw_shm_slice(size_t n, uint32_t world, uint32_t rank, size_t *start, size_t *count)
     int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, size_t n,
-                       uint32_t op)
+                       uint32_t op, size_t own_start, size_t own_count)
     int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
                             const float *own, uint32_t own_rank, float *result,
                             uint32_t *bad_rank)
