@@ -9,7 +9,8 @@ called its allreduce the last one got the average back, split by whether
 the slowest worker or another was the last to arrive. For test_rounds,
 every round's solos, together throughput and ratio. A run with
 DDPWIRE_BALANCE_TRACE=1 adds each traced call's (bench/balance_trace.py)
-median start and end against the step's last arrival.
+median start and end against the step's last arrival, the coordinator's
+among them.
 
     python bench/report_balance.py docs/bench-balance.json
 
@@ -79,22 +80,29 @@ def trace_lines(info: dict, order: List[str], called: int, arrivals: List[float]
     slowest worker arrived last and over the others (``slow_last``)."""
     phases, traces, speeds = info["worker_phases_s"], info["worker_traces"], info["worker_speeds"]
     steps = len(arrivals)
+    # a worker's call goes with the step of its last allreduce called before
+    # the call started; the coordinator's (timed in the benchmark's process)
+    # with the step whose last arrival came before the call ended (its wait
+    # for the reports starts before any worker of the step has called)
+    sources = [(f"worker {w} at {int(speeds[w] * 100)}%", traces[w],
+                [phases[w][k][called] for k in range(steps)], 1) for w in order]
+    if info.get("coordinator_trace"):
+        sources.append(("the coordinator", info["coordinator_trace"], arrivals, 2))
     lines = []
     for case, want in (("slowest arrived last", True), ("another arrived last", False)):
         lines.append(f"  traced calls, {case} (ms from the last arrival: start, end; thread CPU):")
         cases = max(1, sum(1 for k in range(WARMUP, steps) if slow_last[k] == want))
-        for w in order:
-            calls = phases[w]
+        for who, events, calls, at in sources:
             per: Dict[str, List[Tuple[float, float, float]]] = {}
-            for name, start, end, cpu in traces[w]:
-                # the step whose allreduce this worker had called last
-                k = max((j for j in range(steps) if calls[j][called] <= start), default=None)
+            for event in events:
+                name, start, end, cpu = event
+                k = max((j for j in range(steps) if calls[j] <= event[at]), default=None)
                 if k is None or k < WARMUP or slow_last[k] != want:
                     continue
                 per.setdefault(name, []).append((start - arrivals[k], end - arrivals[k], cpu))
             for name, rows in sorted(per.items(), key=lambda kv: statistics.median(
                     r[0] for r in kv[1])):
-                lines.append(f"    worker {w} at {int(speeds[w] * 100)}%, {name}: "
+                lines.append(f"    {who}, {name}: "
                              f"{_ms(statistics.median(r[0] for r in rows))}, "
                              f"{_ms(statistics.median(r[1] for r in rows))}; "
                              f"{_ms(statistics.median(r[2] for r in rows))} "

@@ -44,7 +44,9 @@ DDPWIRE_BALANCE_SAMPLES (default 2048) the samples per step,
 DDPWIRE_BALANCE_PIN=0 leaves the processes where the scheduler puts
 them (by default each emulated machine is pinned: ``placement``),
 DDPWIRE_BALANCE_TRACE=1 runs the workers through bench/balance_trace.py
-(each exchange's calls timed, ``worker_traces`` in the JSON),
+(each exchange's calls timed, ``worker_traces`` in the JSON) and times the
+coordinator's wait for the StepReports and its StepCommit in this process
+(``coordinator_trace``),
 DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
 with it; another period's slowdown lines go to
 docs/balance-slowdown-<period>us.jsonl). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
@@ -65,6 +67,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
+import balance_trace  # bench/, beside this file
 from ddpwire import Coordinator
 from ddpwire.metrics import MetricsFile
 from ddpwire.serve import serve
@@ -218,6 +221,8 @@ class Session:
         self.phases: Dict[int, List[List[float]]] = {}
         #: worker id -> its traced calls (with DDPWIRE_BALANCE_TRACE=1)
         self.traces: Dict[int, list] = {}
+        #: the coordinator's traced calls (with DDPWIRE_BALANCE_TRACE=1)
+        self.coordinator_trace: list = []
         #: each worker's CPU, by position (placement()); this thread's affinity before
         self.cpus: List[Optional[int]] = []
         self._affinity: Optional[set] = None
@@ -266,7 +271,14 @@ class Session:
     def serve(self) -> None:
         """pedantic's target (timed): the whole run."""
         assert self.coord is not None
-        serve(self.coord, steps=self.steps, total_samples=SAMPLES, on_step=self._step)
+        if not TRACE:
+            serve(self.coord, steps=self.steps, total_samples=SAMPLES, on_step=self._step)
+            return
+        with balance_trace.traced_here() as events:
+            try:
+                serve(self.coord, steps=self.steps, total_samples=SAMPLES, on_step=self._step)
+            finally:
+                self.coordinator_trace = events
 
     def close(self) -> None:
         if self.coord is not None:
@@ -346,8 +358,8 @@ def session_info(session: "Session") -> dict:
         final_loss=session.reports[-1].global_loss,
         cgroup_stats=session.cgroup_stats, worker_phases=list(PHASES),
         worker_phases_s={str(k): v for k, v in sorted(session.phases.items())},
-        **({"worker_traces": {str(k): v for k, v in sorted(session.traces.items())}}
-           if TRACE else {}))
+        **({"worker_traces": {str(k): v for k, v in sorted(session.traces.items())},
+            "coordinator_trace": session.coordinator_trace} if TRACE else {}))
 
 
 def run_plain(speeds, balance, steps, tag="") -> "Session":

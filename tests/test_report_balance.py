@@ -66,3 +66,55 @@ def test_the_report_splits_the_wait_by_who_arrived_last(tmp_path):
     assert "round 0: solos 40000 + 9000 samples/s, together 39690, ratio 0.810" in text
     assert "against the solos before and after: median 0.844" in text
     assert "; solos after 36000 + 9000, ratio 0.844" in text
+
+
+def test_traced_calls_line_up_against_the_last_arrival_the_coordinator_s_too(tmp_path):
+    bench = _pair(25)
+    info = bench["extra_info"]
+    phases = info["worker_phases_s"]
+    traces = {"0": [], "1": []}
+    coordinator = []
+    for k in range(25):
+        last = max(phases[w][k][4] for w in ("0", "1"))
+        for w in ("0", "1"):
+            call = phases[w][k][4]
+            # each worker's StepReport leaves 1 ms after the last arrival
+            traces[w].append(["send a frame", last + 0.001, last + 0.0011, 0.0001])
+            assert call <= last + 0.001
+        # the coordinator waits from before any arrival to 1.5 ms after the
+        # last, and its go-ahead takes 0.2 ms from there
+        coordinator.append(["coordinator: every StepReport", last - 0.030, last + 0.0015, 0.0003])
+        coordinator.append(["coordinator: StepCommit to all", last + 0.0016, last + 0.0018, 0.0002])
+    info["worker_traces"] = traces
+    info["coordinator_trace"] = coordinator
+    path = tmp_path / "balance.json"
+    path.write_text(json.dumps({"commit_info": {"id": "0123456789", "dirty": False},
+                                "benchmarks": [bench]}))
+    text = report_balance.report(str(path))
+    assert "worker 1 at 25%, send a frame: 1.0, 1.1; 0.1 (per step: 1)" in text
+    # matched by their ends: the wait began before the step's first arrival
+    assert "the coordinator, coordinator: every StepReport: -30.0, 1.5; 0.3 (per step: 1)" in text
+    assert "the coordinator, coordinator: StepCommit to all: 1.6, 1.8; 0.2 (per step: 1)" in text
+
+
+def test_the_tracer_s_targets_are_ddpwire_s_methods_today():
+    # bench/balance_trace.py wraps methods by name: one that moved would
+    # end every traced worker at its start
+    sys.path.insert(0, _BENCH)
+    try:
+        import balance_trace
+    finally:
+        sys.path.remove(_BENCH)
+    for traced in (balance_trace.TRACED, balance_trace.COORDINATOR_TRACED):
+        found = balance_trace.targets(traced)
+        assert [name for _, _, name in found] == [name for _, _, name in traced]
+        for owner, method, _ in found:
+            assert callable(getattr(owner, method)), (owner, method)
+    # traced_here puts every method back
+    before = [getattr(o, m) for o, m, _ in balance_trace.targets(balance_trace.COORDINATOR_TRACED)]
+    with balance_trace.traced_here() as events:
+        assert events == []
+        assert [getattr(o, m) for o, m, _ in balance_trace.targets(
+            balance_trace.COORDINATOR_TRACED)] != before
+    assert [getattr(o, m) for o, m, _ in balance_trace.targets(
+        balance_trace.COORDINATOR_TRACED)] == before
