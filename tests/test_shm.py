@@ -330,12 +330,20 @@ def split_step(arena, rank, x, scribble, inputs, generation=0, fractions=None):
     return report[2:], out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_the_mesh_s_split_calls_read_the_own_slice_from_the_buffer(world):
+#: equal fractions (None) for 2 to 4 members, then the same plan as the
+#: links with unequal ones: a member with an empty slice still stages its
+#: vector for the others and gathers the result
+SPLITS = [(2, None), (3, None), (4, None), (2, (1.0, 3.0)), (2, (0.0, 1.0)),
+          (4, (0.5, 0.0, 0.25, 0.25)), (3, (0.0, 0.0, 1.0))]
+
+
+@pytest.mark.parametrize("world,fractions", SPLITS)
+def test_the_mesh_s_split_calls_read_the_own_slice_from_the_buffer(world, fractions):
     sizes = [1, 16 * 4 + 3, 12000]
 
     def body(arena, rank, inputs):
-        return [split_step(arena, rank, inputs_of(rank, 10 + i, n), np.float32(1e30), inputs, 2 * i)
+        return [split_step(arena, rank, inputs_of(rank, 10 + i, n), np.float32(1e30), inputs,
+                           2 * i, fractions)
                 for i, n in enumerate(sizes)]
 
     got = in_process(world, body)
@@ -344,27 +352,6 @@ def test_the_mesh_s_split_calls_read_the_own_slice_from_the_buffer(world):
         for r in range(world):
             report, out = got[r][i]
             assert report == (-1, 0, 0.0) and out.tobytes() == want.tobytes(), (world, i, r)
-
-
-@pytest.mark.parametrize("fractions", [(1.0, 3.0), (0.0, 1.0), (0.5, 0.0, 0.25, 0.25),
-                                       (0.0, 0.0, 1.0)])
-def test_the_split_calls_take_any_fractions_an_empty_slice_included(fractions):
-    # the same plan as the links: unequal slices, and a member that reduces
-    # nothing still stages its vector for the others and gathers the result
-    world = len(fractions)
-    sizes = [1, 16 * 4 + 3, 12000]
-
-    def body(arena, rank, inputs):
-        return [split_step(arena, rank, inputs_of(rank, 20 + i, n), np.float32(1e30), inputs,
-                           2 * i, fractions)
-                for i, n in enumerate(sizes)]
-
-    got = in_process(world, body)
-    for i, n in enumerate(sizes):
-        want = reference(Op.AVG, [inputs_of(r, 20 + i, n) for r in range(world)])
-        for r in range(world):
-            report, out = got[r][i]
-            assert report == (-1, 0, 0.0) and out.tobytes() == want.tobytes(), (fractions, i, r)
 
 
 def test_a_non_finite_value_in_the_own_slice_is_reported_from_the_buffer():
