@@ -1,15 +1,16 @@
 """Ranks of a torch.distributed job driven step by step from the benchmark
 process, and the parent's handle on them (:class:`Ranks`).
 
-    python bench/ddp_procs.py BACKEND [train | allreduce MIB]
+    python bench/ddp_procs.py BACKEND [train | allreduce SIZE]
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 
 "train" (the default): each rank builds the same ~25M-parameter model,
 wraps it in DDP on BACKEND and, for every "step" line on stdin, runs one
 training step (forward, backward with DDP's bucketed allreduce, optimizer
-step). "allreduce MIB": every "step" is one ``dist.all_reduce`` (SUM) of
-MIB MiB of float32. Each step is answered "done"; "quit" ends it. The
-parent times each step from its command to the last rank's answer.
+step). "allreduce SIZE": every "step" is one ``dist.all_reduce`` (SUM) of
+SIZE MiB of float32, or SIZE bytes with a "B" after it ("4B": a scalar).
+Each step is answered "done"; "quit" ends it. The parent times each step
+from its command to the last rank's answer.
 """
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ def training_step() -> "tuple[int, object]":
     return sum(p.numel() for p in ddp.parameters()), step
 
 
-def allreduce_step(mib: int) -> "tuple[int, object]":
-    """One all_reduce of ``mib`` MiB of float32 per step: (elements, step)."""
-    t = torch.randn(mib << 18, generator=torch.Generator().manual_seed(dist.get_rank()))
+def allreduce_step(size: str) -> "tuple[int, object]":
+    """One all_reduce of ``size`` (MiB, or bytes ending in "B") of float32
+    per step: (elements, step)."""
+    elements = int(size[:-1]) // 4 if size.endswith("B") else int(size) << 18
+    t = torch.randn(elements, generator=torch.Generator().manual_seed(dist.get_rank()))
     return t.numel(), lambda: dist.all_reduce(t)
 
 
@@ -67,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(1)  # ranks share the cores: one thread each, both backends alike
     dist.init_process_group(sys.argv[1])
     job = sys.argv[2] if len(sys.argv) > 2 else "train"
-    size, step = allreduce_step(int(sys.argv[3])) if job == "allreduce" else training_step()
+    size, step = allreduce_step(sys.argv[3]) if job == "allreduce" else training_step()
     print("ready", size, flush=True)
     for line in sys.stdin:
         if line.strip() != "step":
@@ -85,16 +88,28 @@ def main() -> None:
 BACKENDS = ("gloo", "ddpwire")
 #: another built checkout of ddpwire: its ranks are the case "ddpwire-baseline"
 BASELINE_ENV = "DDPWIRE_BASELINE"
+#: cases that are ddpwire with settings of their own (named in
+#: DDPWIRE_BENCH_BACKENDS): "ddpwire-service" keeps every allreduce on the
+#: service, as the group does without shared memory or links
+VARIANTS = {"ddpwire-service": {"DDPWIRE_SHM_MIN_BYTES": str(1 << 60),
+                                "DDPWIRE_LINKS_MIN_BYTES": str(1 << 60)}}
 
 
 def cases() -> List[Tuple[str, int]]:
     """(backend, world) for each case of a rank benchmark, gloo first per
-    world; DDPWIRE_BENCH_RANKS ("2,3,4") picks the worlds. With
-    $DDPWIRE_BASELINE, "ddpwire-baseline" runs that checkout's ranks (its
-    own copy of this script) beside this one's, in the same run."""
+    world; DDPWIRE_BENCH_RANKS ("2,3,4") picks the worlds and
+    DDPWIRE_BENCH_BACKENDS (default "gloo,ddpwire") the cases, among them
+    the :data:`VARIANTS`. With $DDPWIRE_BASELINE, "ddpwire-baseline" runs
+    that checkout's ranks (its own copy of this script) beside this one's,
+    in the same run."""
     worlds = [int(x) for x in os.environ.get("DDPWIRE_BENCH_RANKS", "2,3,4").split(",")
               if x.strip()]
-    backends = BACKENDS + (("ddpwire-baseline",) if os.environ.get(BASELINE_ENV) else ())
+    backends = tuple(x.strip() for x in os.environ.get(
+        "DDPWIRE_BENCH_BACKENDS", ",".join(BACKENDS)).split(",") if x.strip())
+    for name in backends:
+        if name not in BACKENDS and name not in VARIANTS:
+            raise ValueError(f"DDPWIRE_BENCH_BACKENDS: unknown case {name!r}")
+    backends += ("ddpwire-baseline",) if os.environ.get(BASELINE_ENV) else ()
     return [(backend, n) for n in worlds for backend in backends]
 
 
@@ -110,6 +125,9 @@ class Ranks:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         here = Path(__file__).resolve()
+        variant = VARIANTS.get(backend, {})
+        if variant:
+            backend = "ddpwire"
         if backend == "ddpwire-baseline":
             # the older checkout's script puts its own tree first on sys.path
             here = Path(os.environ[BASELINE_ENV]).resolve() / "bench" / here.name
@@ -117,8 +135,8 @@ class Ranks:
         root = str(here.parent.parent)
         self.procs = []
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+            env = dict(os.environ, **variant, RANK=str(rank), WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                        PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
             self.procs.append(subprocess.Popen([sys.executable, str(here), backend, *job],
                                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -28,9 +28,13 @@ In one run, in this order:
   worker's shard is within 10% of its new steady value, and stays there.
 
 - the same MLP through a plain DDP script on backend ddpwire
-  (``test_ddp_solo``, ``test_ddp_pair``; bench/balance_ddp_rank.py): the
-  100% and 25% ranks alone, then together with an even split (what
-  DistributedSampler gives) and with BalancedBatchSampler + balanced_hook.
+  (``test_ddp_solo``, ``test_ddp_together``; bench/balance_ddp_rank.py):
+  each speed's rank alone, then each set-up together with an even split
+  (what DistributedSampler gives) and with BalancedBatchSampler +
+  balanced_hook; ``test_ddp_together_small_on_service`` runs the balanced
+  set-ups again with their small allreduces on the service (the path
+  before shared memory took every float32 allreduce), the baseline in the
+  same run.
 
 Throughput is samples per second over the measured steps (after
 :data:`WARMUP` steps), from the coordinator's end-of-step times; the
@@ -542,9 +546,11 @@ def free_port() -> int:
 DDP_SOLO: Dict[float, float] = {}
 
 
-def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
+def run_ddp(benchmark, tmp_path, speeds, balance: bool,
+            env: Optional[Dict[str, str]] = None) -> float:
     """One DDP run on backend ddpwire, one rank per speed, each in its
-    cgroup; samples/s over the steps after WARMUP, from rank 0's step ends."""
+    cgroup (with ``env`` added to its environment); samples/s over the
+    steps after WARMUP, from rank 0's step ends."""
     steps = WARMUP + MEASURED
     groups = [Cgroup(f"ddp{i}", s) for i, s in enumerate(speeds)]
     cpus, _ = placement(speeds)  # rank 0, the fastest, hosts the coordinator
@@ -554,15 +560,16 @@ def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
 
     def start():
         for rank, group in enumerate(groups):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(speeds)),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            rank_env = dict(os.environ, **(env or {}), RANK=str(rank),
+                            WORLD_SIZE=str(len(speeds)), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port), OMP_NUM_THREADS="1")
             cpu = cpus[rank]
             procs.append(subprocess.Popen(
                 [sys.executable, str(DDP_RANK), "--balance", "on" if balance else "off",
                  "--steps", str(steps), "--samples", str(SAMPLES), "--cgroup", str(group.path),
                  *(["--cpus", str(cpu)] if cpu is not None else []),
                  "--report", str(tmp_path / f"ddp{rank}.json")],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         return (), {}
 
     def wait():
@@ -583,7 +590,7 @@ def run_ddp(benchmark, tmp_path, speeds, balance: bool) -> float:
     rate = (len(ends) - WARMUP) * SAMPLES / (ends[-1] - ends[WARMUP - 1])
     benchmark.extra_info.update(
         kind="ddp", speeds=list(speeds), balance=balance, samples_per_step=SAMPLES,
-        pinned=PIN, rank_cpus=cpus,
+        pinned=PIN, rank_cpus=cpus, rank_env=env or {},
         steps=steps, cfs_period_us=PERIOD_US, loadavg_1min_before=load, samples_per_s=rate,
         batch_sizes=[r["sizes"] for r in reports])
     return rate
@@ -601,6 +608,24 @@ def test_ddp_together(benchmark, tmp_path, setup, balance):
     speeds = SETUPS[setup]
     benchmark.group = f"ddp {setup} " + "+".join(_percent(s) for s in speeds)
     rate = run_ddp(benchmark, tmp_path, speeds, balance)
+    solos = [DDP_SOLO.get(s) for s in speeds]
+    solo_sum = sum(solos) if all(x is not None for x in solos) else None
+    benchmark.extra_info.update(setup=setup, solo_samples_per_s=solos, solo_sum=solo_sum,
+                                ratio=None if solo_sum is None else rate / solo_sum)
+
+
+#: the balanced runs' small allreduces (the hook's per-step timings) on the
+#: service, as every float32 allreduce under 64 KiB went before shared
+#: memory took them all (DDPWIRE_SHM_MIN_BYTES's default of 4 bytes): the
+#: baseline of test_ddp_together's balanced cases, in the same run
+SMALL_ON_SERVICE = {"DDPWIRE_SHM_MIN_BYTES": str(64 << 10)}
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_ddp_together_small_on_service(benchmark, tmp_path, setup):
+    speeds = SETUPS[setup]
+    benchmark.group = f"ddp {setup} " + "+".join(_percent(s) for s in speeds)
+    rate = run_ddp(benchmark, tmp_path, speeds, True, SMALL_ON_SERVICE)
     solos = [DDP_SOLO.get(s) for s in speeds]
     solo_sum = sum(solos) if all(x is not None for x in solos) else None
     benchmark.extra_info.update(setup=setup, solo_samples_per_s=solos, solo_sum=solo_sum,

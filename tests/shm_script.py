@@ -89,7 +89,8 @@ def main() -> None:
         torch.save(record, f"{out}.rank{rank}.pt")
         sys.stdout.flush()
         os._exit(3)
-    record.update(order=order, results=results)
+    record.update(order=order, results=results,
+                  shm_collectives=None if plane is None else plane.collectives)
     torch.save(record, f"{out}.rank{rank}.pt")
     dist.destroy_process_group()
 

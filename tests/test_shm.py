@@ -495,6 +495,8 @@ def test_backend_allreduces_in_shared_memory_in_issue_order(tmp_path):
     for r in range(world):
         rec = load(out, r)
         assert rec["shared_memory"]
+        # every allreduce went through the segment, the 5-element one too
+        assert rec["shm_collectives"] == 3 * 3
         if r == 0:  # rank 0 unlinks the name before its init returns
             assert rec["linked_after_init"] is False
         assert rec["order"] == list(range(len(want)))
@@ -556,12 +558,12 @@ def test_stalled_rank_is_named_by_the_barrier_deadline(tmp_path):
 @pytest.mark.slow
 def test_unmodified_ddp_script_in_shared_memory_matches_gloo(tmp_path):
     # every float32 SUM/AVG allreduce of the script through shared memory
+    # (the default: a scalar's too)
     torch = _torch()
     import test_torch_backend as tb
 
     out, world = tmp_path / "run", 3
-    codes, outputs = tb.finish(tb.start_ranks(world, out, ["ddpwire", "gloo"], torchrun_env=False,
-                                              extra={"DDPWIRE_SHM_MIN_BYTES": "4"}))
+    codes, outputs = tb.finish(tb.start_ranks(world, out, ["ddpwire", "gloo"], torchrun_env=False))
     assert codes == [0] * world, "\n".join(outputs)
     gloo = [tb.load(out, "gloo", r) for r in range(world)]
     wire = [tb.load(out, "ddpwire", r) for r in range(world)]

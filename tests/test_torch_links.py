@@ -26,8 +26,8 @@ from session_helpers import reference_allreduce  # noqa: E402
 
 # loopback ranks on the links: no shared memory, every float32 bucket large
 # enough; or through the service, every bucket too small for the links
-ON_LINKS = {"DDPWIRE_SHM": "0", "DDPWIRE_SHM_MIN_BYTES": "4"}
-ON_SERVICE = {"DDPWIRE_SHM": "0", "DDPWIRE_SHM_MIN_BYTES": str(1 << 40)}
+ON_LINKS = {"DDPWIRE_SHM": "0", "DDPWIRE_LINKS_MIN_BYTES": "4"}
+ON_SERVICE = {"DDPWIRE_SHM": "0", "DDPWIRE_LINKS_MIN_BYTES": str(1 << 40)}
 
 
 def _linked(world, per_rank):

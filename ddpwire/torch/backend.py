@@ -35,10 +35,14 @@ BACKEND = "ddpwire"
 #: largest piece of an allreduce or broadcast in one CollectiveRequest
 PIECE_BYTES = 8 << 20
 
-#: smallest float32 SUM/AVG allreduce that goes through shared memory or the
-#: rank links when the group has them (DDP's buckets); smaller ones, and
-#: everything else, go through the service
-SHM_MIN_BYTES = int(os.environ.get("DDPWIRE_SHM_MIN_BYTES") or 64 << 10)
+#: smallest float32 SUM/AVG allreduce that goes through shared memory when
+#: the group has it: any with an element (even a scalar's two barriers
+#: answer in about half the service's round trip, docs/benchmarks.md "Small
+#: allreduces on one host"); everything else goes through the service
+SHM_MIN_BYTES = int(os.environ.get("DDPWIRE_SHM_MIN_BYTES") or 4)
+#: smallest float32 SUM/AVG allreduce that goes on the rank links when the
+#: group has them (DDP's buckets): below it the service answers as fast
+LINKS_MIN_BYTES = int(os.environ.get("DDPWIRE_LINKS_MIN_BYTES") or 64 << 10)
 
 _DTYPES = {
     torch.float32: DType.FLOAT32,
@@ -296,13 +300,12 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             np.empty(0, dtype=np.uint8), None, _nothing)
         work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
                            self._report)
-        if (kind is Kind.ALLREDUCE and dtype is DType.FLOAT32 and op in (Op.SUM, Op.AVG)
-                and data.nbytes >= SHM_MIN_BYTES):
+        if kind is Kind.ALLREDUCE and dtype is DType.FLOAT32 and op in (Op.SUM, Op.AVG):
             seg, links, timeout = self._shm, self._links, self._seconds
-            if seg is not None:
+            if seg is not None and data.nbytes >= SHM_MIN_BYTES:
                 return self._issue_local(work, lambda d: seg.allreduce(d, op, timeout), data,
                                          ready, release, inputs, outputs, value)
-            if links is not None:
+            if links is not None and data.nbytes >= LINKS_MIN_BYTES:
                 return self._issue_local(work, lambda d: links.allreduce(d.view(np.float32), op), data, ready,
                                          release, inputs, outputs, value)
         # element-wise collectives travel in pieces: the service reduces one
@@ -492,7 +495,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             raise TypeError(f"ddpwire allreduce_16bit: a float32 tensor is narrowed on the wire, "
                             f"got {tensor.dtype}")
         links = self._links
-        if links is not None and tensor.numel() * 4 >= SHM_MIN_BYTES:
+        if links is not None and tensor.numel() * 4 >= LINKS_MIN_BYTES:
             data, ready, release = self._staging.outgoing([tensor])
             work = DdpwireWork(torch.futures.Future(), self._limit, -1,
                                f"allreduce_16bit (rank {self._rank})", self._report)
