@@ -162,9 +162,10 @@ int ddpw_shm_stage(void *base, uint32_t rank, uint32_t world, const float *src, 
  * is written there too (result[start..start + count), in the same pass),
  * and result may be own: each element is stored after it is read. Returns
  * -1 when every input element of the slice is finite, -2 for another op, an
- * own_rank not below world or a slice past the region, else the element (of the whole vector) of the first
- * non-finite value of the lowest rank holding one, that rank in *bad_rank
- * (which may be NULL): the report the mesh halts a step on. */
+ * own_rank not below world or a slice past the region, else the element
+ * (of the whole vector) of the first non-finite value of the lowest rank
+ * holding one, that rank in *bad_rank (which may be NULL): the report the
+ * mesh halts a step on. */
 int64_t ddpw_shm_reduce(void *base, uint32_t world, size_t start, size_t count, uint32_t op,
                         const float *own, uint32_t own_rank, float *result, uint32_t *bad_rank);
 

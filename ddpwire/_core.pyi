@@ -266,8 +266,8 @@ class ShmArena:
         1); ``buf`` must not change until :meth:`reduce`."""
     def agree(self) -> int: ...
     def reduce(self, buf: _Buffer, into_own: bool = ...) -> Tuple[int, int, int, int, float]:
-        """This rank's slice (the staged one) reduced with the staged op into the output (and,
-        with ``into_own``, into ``buf``), its own input read from ``buf``
+        """This rank's slice (the staged one) reduced with the staged op into
+        the output (and, with ``into_own``, into ``buf``), its own input read from ``buf``
         (the buffer :meth:`stage` was given): (start, count, bad rank or -1,
         bad element, its value)."""
     def gather(self, buf: _Buffer, skip_own: bool = ...) -> None:

@@ -226,8 +226,8 @@ cdef class ShmArena:
 
     def reduce(self, buf, bint into_own=False):
         """Reduce this rank's slice of the vector (the one :meth:`stage` was
-        given) with the op it posted, into the output region and, with ``into_own``, into
-        ``buf``'s own slice too (in the same pass); ``buf`` is the vector
+        given) with the op it posted, into the output region and, with
+        ``into_own``, into ``buf``'s own slice too (in the same pass); ``buf`` is the vector
         :meth:`stage` was given (unchanged since: its own slice, never
         staged, is read from it). Returns (start, count, the lowest rank
         holding a non-finite element of the slice or -1, that element's
