@@ -605,9 +605,15 @@ def test_ddp_solo(benchmark, tmp_path, speed):
 @pytest.mark.parametrize("setup,balance", CASES,
                          ids=[f"{s}-{'on' if b else 'off'}" for s, b in CASES])
 def test_ddp_together(benchmark, tmp_path, setup, balance):
+    ddp_together(benchmark, tmp_path, setup, balance)
+
+
+def ddp_together(benchmark, tmp_path, setup: str, balance: bool,
+                 env: Optional[Dict[str, str]] = None) -> None:
+    """A set-up's DDP run, with its ratio to the solos of this run."""
     speeds = SETUPS[setup]
     benchmark.group = f"ddp {setup} " + "+".join(_percent(s) for s in speeds)
-    rate = run_ddp(benchmark, tmp_path, speeds, balance)
+    rate = run_ddp(benchmark, tmp_path, speeds, balance, env)
     solos = [DDP_SOLO.get(s) for s in speeds]
     solo_sum = sum(solos) if all(x is not None for x in solos) else None
     benchmark.extra_info.update(setup=setup, solo_samples_per_s=solos, solo_sum=solo_sum,
@@ -623,10 +629,4 @@ SMALL_ON_SERVICE = {"DDPWIRE_SHM_MIN_BYTES": str(64 << 10)}
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_ddp_together_small_on_service(benchmark, tmp_path, setup):
-    speeds = SETUPS[setup]
-    benchmark.group = f"ddp {setup} " + "+".join(_percent(s) for s in speeds)
-    rate = run_ddp(benchmark, tmp_path, speeds, True, SMALL_ON_SERVICE)
-    solos = [DDP_SOLO.get(s) for s in speeds]
-    solo_sum = sum(solos) if all(x is not None for x in solos) else None
-    benchmark.extra_info.update(setup=setup, solo_samples_per_s=solos, solo_sum=solo_sum,
-                                ratio=None if solo_sum is None else rate / solo_sum)
+    ddp_together(benchmark, tmp_path, setup, True, SMALL_ON_SERVICE)
