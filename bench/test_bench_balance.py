@@ -58,6 +58,7 @@ otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -275,10 +276,8 @@ class Session:
     def serve(self) -> None:
         """pedantic's target (timed): the whole run."""
         assert self.coord is not None
-        if not TRACE:
-            serve(self.coord, steps=self.steps, total_samples=SAMPLES, on_step=self._step)
-            return
-        with balance_trace.traced_here() as events:
+        tracing = balance_trace.traced_here() if TRACE else contextlib.nullcontext([])
+        with tracing as events:
             try:
                 serve(self.coord, steps=self.steps, total_samples=SAMPLES, on_step=self._step)
             finally:
