@@ -127,6 +127,10 @@ def report(path: str) -> str:
             if "ratio_bracketed_median" in info:
                 head += (f", against the solos before and after: median "
                          f"{info['ratio_bracketed_median']:.3f}")
+            if "vs_baseline_median" in info:
+                head += (f"; baseline {info['baseline_commit'][:7]}: ratios " +
+                         ", ".join(f"{x:.3f}" for x in info["baseline_ratios"]) +
+                         f", this / baseline median {info['vs_baseline_median']:.3f}")
         out.append(head)
         for r, rnd in enumerate(info.get("rounds", [])):
             out.append(f"  round {r}: solos " +
@@ -135,7 +139,11 @@ def report(path: str) -> str:
                        f" median step {_ms(rnd['step_time_median_s'])} ms" +
                        ("" if "ratio_bracketed" not in rnd else
                         "; solos after " + " + ".join(f"{x:.0f}" for x in rnd["solo_after_samples_per_s"]) +
-                        f", ratio {rnd['ratio_bracketed']:.3f}"))
+                        f", ratio {rnd['ratio_bracketed']:.3f}") +
+                       ("" if "vs_baseline" not in rnd else
+                        f"; baseline ({'first' if rnd['baseline_first'] else 'second'}) "
+                        f"{rnd['baseline_samples_per_s']:.0f}, ratio {rnd['baseline_ratio']:.3f},"
+                        f" this / baseline {rnd['vs_baseline']:.3f}"))
         out.extend(session_lines(info))
     return "\n".join(out)
 

@@ -53,7 +53,11 @@ coordinator's wait for the StepReports and its StepCommit in this process
 (``coordinator_trace``),
 DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
 with it; another period's slowdown lines go to
-docs/balance-slowdown-<period>us.jsonl). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
+docs/balance-slowdown-<period>us.jsonl), and DDPWIRE_BALANCE_BASELINE a
+commit whose shard rules (its ddpwire/balance.py's Balancer, read with
+``git show``) ``test_rounds`` runs the set-up with too, in every round
+beside the rules of this checkout, in alternating order (``baseline_*`` in
+each round). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
 otherwise.
 """
 from __future__ import annotations
@@ -105,6 +109,34 @@ ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_ROUNDS", "3"))
 TRACE = os.environ.get("DDPWIRE_BALANCE_TRACE") == "1"
 #: pin the emulated machines to CPUs of their own where there are enough (placement())
 PIN = os.environ.get("DDPWIRE_BALANCE_PIN", "1") == "1"
+#: a commit whose Balancer test_rounds runs beside this checkout's
+BASELINE = os.environ.get("DDPWIRE_BALANCE_BASELINE")
+
+
+def baseline_balancer(commit: str):
+    """A factory of ``commit``'s Balancer (n workers -> one), its
+    ddpwire/balance.py loaded on its own (it is arithmetic only), taking
+    what this checkout's Shards tell a Balancer and dropping what it did
+    not know (the lags: before / ended)."""
+    source = subprocess.run(["git", "show", f"{commit}:ddpwire/balance.py"], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout
+    module = type(sys)(f"ddpwire_balance_{commit}")
+    exec(compile(source, f"{commit}:ddpwire/balance.py", "exec"), module.__dict__)
+    old = module.Balancer
+    lags = "ended" in old.__dict__
+
+    class Baseline(old):  # type: ignore[misc,valid-type]
+        def observe(self, worker, samples, seconds, before=None):
+            if lags:
+                super().observe(worker, samples, seconds, before)
+            else:
+                super().observe(worker, samples, seconds)
+
+        def ended(self, worker, seconds):
+            if lags:
+                super().ended(worker, seconds)
+
+    return Baseline
 
 
 def placement(speeds: Sequence[float]) -> Tuple[List[Optional[int]], Optional[int]]:
@@ -205,9 +237,11 @@ class Session:
     """A coordinator here and one worker process per speed, each in its cgroup."""
 
     def __init__(self, speeds: Sequence[float], balance: bool, steps: int,
-                 on_step=None, tag: str = "") -> None:
+                 on_step=None, tag: str = "", balancer=None) -> None:
         self.speeds = list(speeds)
         self.balance = balance
+        #: the shard rules' class, n workers -> a Balancer (None: the checkout's)
+        self.balancer = balancer
         self.steps = steps
         self.on_step = on_step
         self.tmp = tempfile.TemporaryDirectory(prefix="ddpwire-balance-")
@@ -265,6 +299,9 @@ class Session:
                      "--report", str(Path(self.tmp.name) / f"report-{i}.json")],
                     stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)))
         self.coord.wait_for_workers()
+        if self.balancer is not None:
+            assert self.coord.shards is not None
+            self.coord.shards.balancer = self.balancer(len(self.speeds))
         return (), {}
 
     def _step(self, report) -> None:
@@ -365,9 +402,9 @@ def session_info(session: "Session") -> dict:
             "coordinator_trace": session.coordinator_trace} if TRACE else {}))
 
 
-def run_plain(speeds, balance, steps, tag="") -> "Session":
+def run_plain(speeds, balance, steps, tag="", balancer=None) -> "Session":
     """One session outside pytest-benchmark's timing (test_rounds times its own)."""
-    session = Session(speeds, balance, steps, tag=tag)
+    session = Session(speeds, balance, steps, tag=tag, balancer=balancer)
     try:
         session.start()
         session.serve()
@@ -431,8 +468,12 @@ def test_rounds(benchmark, setup):
     more set of solos closes the run, so that every together run also has
     a ratio against the mean of the solos just before and just after it
     (``ratio_bracketed``), which a steady drift of the machine's speed
-    moves less."""
+    moves less. With :data:`BASELINE` every round also runs the set-up
+    with that commit's Balancer, before this checkout's in odd rounds and
+    after it in even ones (``baseline_*``, and ``vs_baseline``: this
+    checkout's samples/s over the baseline's)."""
     speeds = SETUPS[setup]
+    baseline = None if BASELINE is None else baseline_balancer(BASELINE)
     benchmark.group = f"rounds {setup} " + "+".join(_percent(s) for s in speeds)
     steps = WARMUP + MEASURED
     rounds: List[dict] = []
@@ -440,15 +481,31 @@ def test_rounds(benchmark, setup):
     def run():
         for r in range(ROUNDS):
             solos = [run_plain([s], False, steps, tag=f"r{r}").throughput() for s in speeds]
+            old = {}
+            if baseline is not None and r % 2:
+                old = against(baseline, r)
             together = run_plain(speeds, True, steps, tag=f"{setup}r{r}")
             rate = together.throughput()
-            rounds.append(dict(solo_samples_per_s=solos, samples_per_s=rate,
+            if baseline is not None and not r % 2:
+                old = against(baseline, r)
+            if old:
+                old.update(baseline_ratio=old["baseline_samples_per_s"] / sum(solos),
+                           vs_baseline=rate / old["baseline_samples_per_s"],
+                           baseline_first=bool(r % 2))
+            rounds.append(dict(solo_samples_per_s=solos, samples_per_s=rate, **old,
                                ratio=rate / sum(solos),
                                step_time_median_s=statistics.median(
                                    x.step_time for x in together.reports[WARMUP:]),
                                shards=[[w.samples for w in x.workers] for x in together.reports],
                                worker_speeds={str(k): v for k, v in
                                               sorted(check_ended(together).items())}))
+
+    def against(rules, r: int) -> dict:
+        x = run_plain(speeds, True, steps, tag=f"{setup}b{r}", balancer=rules)
+        return dict(baseline_samples_per_s=x.throughput(),
+                    baseline_shards=[[w.samples for w in y.workers] for y in x.reports],
+                    baseline_step_time_median_s=statistics.median(
+                        y.step_time for y in x.reports[WARMUP:]))
 
     def close() -> List[float]:
         return [run_plain([s], False, steps, tag="close").throughput() for s in speeds]
@@ -467,7 +524,13 @@ def test_rounds(benchmark, setup):
                                 ratios=ratios, ratio_median=statistics.median(ratios),
                                 ratios_bracketed=bracketed,
                                 ratio_bracketed_median=statistics.median(bracketed),
-                                ratio_min=min(ratios), ratio_max=max(ratios))
+                                ratio_min=min(ratios), ratio_max=max(ratios),
+                                **({} if baseline is None else dict(
+                                    baseline_commit=BASELINE,
+                                    vs_baseline=[x["vs_baseline"] for x in rounds],
+                                    vs_baseline_median=statistics.median(
+                                        x["vs_baseline"] for x in rounds),
+                                    baseline_ratios=[x["baseline_ratio"] for x in rounds]))))
 
 
 # ---- mid-run slowdown ----

@@ -19,12 +19,21 @@ The rules, and why:
   speed, on the same side and within :data:`JUMP` of each other, replace
   it: a machine that really slowed down (throttled, another job) is
   followed in two steps, while noise, however large, is only smoothed.
+- A step ends when the last worker's part is in, not when its compute
+  ends: each worker has a lag outside its compute that a shard's size does
+  not change (its optimizer step before the shard came, a stop before its
+  upload, and, when it is the last one in, the rest of its part of the
+  exchange, which a slow machine or a slow link pays at its own speed).
+  The shards are sized so that compute plus lag ends alike for every
+  worker: ``c_i = r_i * (t - lag_i)``, ``t`` set by ``sum(c_i) = T``.
+  Each lag is smoothed like the speeds; one never measured counts as 0.
 - The shards change only when the new split is predicted to shorten the
   step by more than :data:`TOLERANCE`: a difference of a sample or two is
   noise, and shards that flap cost more than they save. Nor do they change
-  while the last compute times are within :data:`SETTLED` of each other:
-  where a step is mostly a fixed cost, the speeds per sample mislead. A
-  step whose slowest compute is under :data:`MIN_COMPUTE` is left alone.
+  while the last step's predicted ends are within :data:`SETTLED` of each
+  other: where a step is mostly a fixed cost, the speeds per sample
+  mislead. A step whose slowest compute is under :data:`MIN_COMPUTE` is
+  left alone.
 - A worker's first measurement (its warm-up) is left out.
 - Until every worker has been timed once, the split is the reference's
   (``T // n``, the rest to the last), which is also the split of a
@@ -58,8 +67,9 @@ JUMP = 0.2
 #: the smallest predicted saving (a fraction of the step's compute time)
 #: worth changing the shards for
 TOLERANCE = 0.03
-#: compute times within this fraction of each other are balanced already
-SETTLED = 0.15
+#: a step whose workers' predicted ends (compute plus lag) are within this
+#: fraction of each other is balanced already
+SETTLED = 0.05
 #: seconds of compute below which a step is left as it is (the shards the
 #: reference splits stay, and with them its bits)
 MIN_COMPUTE = 0.005
@@ -109,14 +119,19 @@ class WorkerTiming:
     compute: Optional[float]
     #: smoothed samples per second of compute (None until measured)
     rate: Optional[float]
+    #: seconds from the step's shards going out to its part coming in (None: not measured)
+    arrival: Optional[float] = None
 
 
 class Balancer:
-    """Shard sizes for ``workers`` workers, in proportion to their speeds.
+    """Shard sizes for ``workers`` workers, in proportion to their speeds
+    and net of their lags.
 
-    :meth:`observe` feeds one worker's compute time for a shard;
-    :meth:`shards` returns the next step's sizes. ``smoothing`` and
-    ``tolerance`` are :data:`SMOOTHING` and :data:`TOLERANCE` by default.
+    :meth:`observe` feeds one worker's compute time for a shard (and the
+    lag before its part came in), :meth:`ended` the rest of a step after
+    its last worker's part came in; :meth:`shards` returns the next step's
+    sizes. ``smoothing`` and ``tolerance`` are :data:`SMOOTHING` and
+    :data:`TOLERANCE` by default.
     """
 
     def __init__(self, workers: int, *, smoothing: float = SMOOTHING,
@@ -132,6 +147,12 @@ class Balancer:
         self.tolerance = tolerance
         #: smoothed samples per second of compute, per worker (None: not yet timed)
         self.rates: List[Optional[float]] = [None] * workers
+        #: smoothed seconds from a shard going out to the worker's part coming
+        #: in, outside its compute (None: not yet measured)
+        self.before: List[Optional[float]] = [None] * workers
+        #: smoothed seconds a step went on after its part came in, when it
+        #: was the last one in (None: not yet measured)
+        self.after: List[Optional[float]] = [None] * workers
         self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
         self._prev: List[Optional[float]] = [None] * workers  # the last raw speed
         self._seconds: List[Optional[float]] = [None] * workers  # the last compute time
@@ -140,15 +161,21 @@ class Balancer:
     def forget(self, worker: int) -> None:
         """Forget what was measured of ``worker``: it is timed afresh."""
         self.rates[worker] = self._prev[worker] = self._seconds[worker] = None
+        self.before[worker] = self.after[worker] = None
         self._warm[worker] = False
         self._last = None
 
-    def observe(self, worker: int, samples: int, seconds: float) -> None:
-        """Worker ``worker`` computed ``samples`` samples in ``seconds``. A
-        shard of no samples, or a time too short to measure, says nothing
-        about the speed and is ignored."""
-        if not 0 <= worker < self.workers:
-            raise ValueError(f"worker {worker} is not one of the {self.workers} workers")
+    def lag(self, worker: int) -> float:
+        """Seconds ``worker`` adds to a step besides its compute (0 until measured)."""
+        return (self.before[worker] or 0.0) + (self.after[worker] or 0.0)
+
+    def observe(self, worker: int, samples: int, seconds: float,
+                before: Optional[float] = None) -> None:
+        """Worker ``worker`` computed ``samples`` samples in ``seconds``;
+        its part came in ``before`` seconds of other time after its shard
+        went out (None: not measured). A shard of no samples, or a time too
+        short to measure, says nothing about the speed and is ignored."""
+        self._check(worker)
         if samples <= 0 or not seconds > 1e-6:
             return
         if not self._warm[worker]:
@@ -156,6 +183,8 @@ class Balancer:
             # caches filled): its time says little about the next ones
             self._warm[worker] = True
             return
+        if before is not None:
+            self.before[worker] = self._smooth(self.before[worker], max(0.0, before))
         rate = samples / seconds
         self._seconds[worker] = seconds
         old = self.rates[worker]
@@ -171,7 +200,22 @@ class Balancer:
                 (rate > old) == (prev > old) and not _far(rate, prev):
             self.rates[worker] = (rate + prev) / 2
         else:
-            self.rates[worker] = (1.0 - self.smoothing) * old + self.smoothing * rate
+            self.rates[worker] = self._smooth(old, rate)
+
+    def ended(self, worker: int, seconds: float) -> None:
+        """A step went on ``seconds`` after the part of ``worker``, its
+        last one in, came in: the rest of that worker's part of the
+        exchange, at its speed (and over its link)."""
+        self._check(worker)
+        if self._warm[worker] and seconds >= 0.0:
+            self.after[worker] = self._smooth(self.after[worker], seconds)
+
+    def _check(self, worker: int) -> None:
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"worker {worker} is not one of the {self.workers} workers")
+
+    def _smooth(self, old: Optional[float], new: float) -> float:
+        return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new
 
     def shards(self, total: int, active: Optional[Sequence[int]] = None) -> List[int]:
         """The next step's shard sizes, one per worker: they add up to
@@ -186,7 +230,8 @@ class Balancer:
         if any(r is None for r in rates):
             sub = equal_shards(total, len(ids))
         else:
-            sub = self._proportional(total, [float(r) for r in rates])  # type: ignore[arg-type]
+            sub = self._proportional(total, [float(r) for r in rates],  # type: ignore[arg-type]
+                                     [self.lag(i) for i in ids])
             last = self._last
             if last is not None and last[0] == ids and sum(last[1]) == total and (
                     self._settled(ids) or
@@ -199,36 +244,57 @@ class Balancer:
         return split
 
     def _settled(self, ids: Sequence[int]) -> bool:
-        """The workers' last compute times are within :data:`SETTLED` of
-        each other: nobody waits long, so nothing should move. Where a step's
-        time is mostly a fixed cost (a tiny model), a worker given fewer
-        samples looks slower per sample, and the proportional rule alone
-        would take its samples away step after step, however equal the
-        times already are."""
+        """The workers' last compute times plus their lags are within
+        :data:`SETTLED` of each other: nobody waits long, so nothing should
+        move. Where a step's time is mostly a fixed cost (a tiny model), a
+        worker given fewer samples looks slower per sample, and the
+        proportional rule alone would take its samples away step after
+        step, however equal the times already are."""
         times = [self._seconds[i] for i in ids]
         if any(t is None for t in times):
             return False
-        slowest = max(times)  # type: ignore[type-var]
         # a step whose compute is this short is all latency: whatever moves
         # saves next to nothing, and the times are mostly scheduling noise
-        return slowest < MIN_COMPUTE or slowest <= (1.0 + SETTLED) * min(times)  # type: ignore[operator,type-var]
+        if max(times) < MIN_COMPUTE:  # type: ignore[type-var]
+            return True
+        ends = [t + self.lag(i) for t, i in zip(times, ids)]  # type: ignore[operator]
+        return max(ends) <= (1.0 + SETTLED) * min(ends)
 
     def _time(self, split: Sequence[int], ids: Sequence[int]) -> float:
-        """The step's predicted compute time under ``split`` (one count per
-        id in ``ids``): its slowest worker's."""
-        return max(c / self.rates[i] for c, i in zip(split, ids))  # type: ignore[operator]
+        """The step's predicted time under ``split`` (one count per id in
+        ``ids``): its last worker's compute plus lag."""
+        return max(c / self.rates[i] + self.lag(i)  # type: ignore[operator]
+                   for c, i in zip(split, ids))
 
     @staticmethod
-    def _proportional(total: int, rates: List[float]) -> List[int]:
+    def _proportional(total: int, rates: List[float], lags: List[float]) -> List[int]:
+        """Whole shards that end alike: ``rates[i] * (t - lags[i])``, at
+        least one sample each when there are enough (a worker whose lag
+        alone outlasts the others' compute keeps that one)."""
         n = len(rates)
-        whole = sum(rates)
-        ideal = [total * r / whole for r in rates]
+        least = 1 if total >= n else 0
+        share = list(range(n))  # the workers above the least
+        while True:
+            whole = sum(rates[i] for i in share)
+            left = total - least * (n - len(share))
+            t = (left + sum(rates[i] * lags[i] for i in share)) / whole
+            keep = [i for i in share if rates[i] * (t - lags[i]) > least]
+            if len(keep) == len(share) or not keep:
+                break
+            share = keep
+        ideal = [float(least)] * n
+        for i in share:
+            ideal[i] = max(0.0, rates[i] * (t - lags[i]))
+        if not keep:  # nobody above the least: plain proportion
+            ideal = [total * r / sum(rates) for r in rates]
+        scale = total / sum(ideal) if sum(ideal) > 0 else 0.0
+        ideal = [x * scale for x in ideal]
         split = [int(x) for x in ideal]
         # largest remainder; ties go to the lower worker id, so every run splits alike
         order = sorted(range(n), key=lambda i: (split[i] - ideal[i], i))
         for i in order[:total - sum(split)]:
             split[i] += 1
-        if total >= n:
+        if least:
             # a sample for every worker, taken from the largest shards
             for i in range(n):
                 if split[i] == 0:
@@ -270,6 +336,11 @@ class Shards:
         self.split: List[int] = [0] * len(self.timed)
         self._starts: List[int] = [0] * len(self.timed)
         self._compute: List[Optional[float]] = [None] * len(self.timed)
+        #: seconds from the shards going out to each worker's part coming in
+        self._arrival: List[Optional[float]] = [None] * len(self.timed)
+        #: ... and to each worker's part of the exchange being done (a mesh's StepReport)
+        self._reported: List[Optional[float]] = [None] * len(self.timed)
+        self._planned_at: Optional[float] = None  # when the planned step's shards went out
 
     @property
     def workers(self) -> int:
@@ -290,9 +361,13 @@ class Shards:
         self.timed[worker] = timed
         self.balancer.forget(worker)
 
-    def plan(self, step: int, total: int) -> List[int]:
+    def plan(self, step: int, total: int, now: Optional[float] = None) -> List[int]:
         """The shard sizes of ``step``, one per worker id (the timings of
-        every earlier step are in; a dropped worker's is 0)."""
+        every earlier step are in; a dropped worker's is 0). ``now``
+        (time.perf_counter()) is when they go out, which also ends the
+        step before: without it no lag is measured."""
+        if now is not None:
+            self._ended(step, now)
         if self.balance:
             self.split = self.balancer.shards(total, self.active)
         else:
@@ -301,8 +376,28 @@ class Shards:
                 self.split[w] = count
         self._starts = shard_starts(self.split)
         self.step = step
+        self._planned_at = now
         self._compute = [None] * len(self.timed)
+        self._arrival = [None] * len(self.timed)
+        self._reported = [None] * len(self.timed)
         return list(self.split)
+
+    def _ended(self, step: int, now: float) -> None:
+        """The planned step ended by ``now``: the rest of its last worker's
+        part after it came in, until that worker's StepReport (in a mesh,
+        where the others' parts of the exchange go on beside it) or the
+        step's end, is that worker's. Not for a step called off and redone
+        (``step`` is the same), nor one a worker's part of was not timed."""
+        if self._planned_at is None or self.step is None or step != self.step + 1:
+            return
+        arrivals = [(self._arrival[w], w) for w in self.active if self.split[w] > 0]
+        if not arrivals or any(a is None for a, _ in arrivals):
+            return
+        arrival, last = max(arrivals)  # type: ignore[type-var]
+        done = self._reported[last]
+        if done is None:
+            done = now - self._planned_at
+        self.balancer.ended(last, done - arrival)  # type: ignore[operator]
 
     def bounds(self, worker: int) -> Tuple[int, int]:
         """[start, end) of ``worker``'s shard in the planned step."""
@@ -324,16 +419,41 @@ class Shards:
         be measured here (they report none)."""
         return [w for w in self.active if not self.timed[w] and self._compute[w] is None]
 
-    def observe(self, worker: int, step: int, compute_us: int) -> Optional[str]:
-        """A StepTiming from ``worker``; returns why it is refused, or None."""
+    def observe(self, worker: int, step: int, compute_us: Optional[int],
+                now: Optional[float] = None) -> Optional[str]:
+        """A StepTiming from ``worker``, read at ``now`` (time.perf_counter());
+        ``compute_us`` None: a worker that reports none, whose compute is
+        taken to end when its gradient starts to come in, at ``now``.
+        Returns why it is refused, or None."""
         if step != self.step:
             return f"StepTiming for step {step} during step {self.step}"
         if self._compute[worker] is not None:
             return f"a second StepTiming for step {step}"
+        self.arrived(worker, now)
+        arrival = self._arrival[worker]
+        if compute_us is None:
+            if arrival is None:
+                return "an untimed worker's arrival without the time its shard went out"
+            compute_us = int(arrival * 1e6)
         seconds = compute_us / 1e6
         self._compute[worker] = seconds
-        self.balancer.observe(worker, self.split[worker], seconds)
+        self.balancer.observe(worker, self.split[worker], seconds,
+                              None if arrival is None else arrival - seconds)
         return None
+
+    def arrived(self, worker: int, now: Optional[float]) -> None:
+        """``worker``'s part of the planned step started to come in at
+        ``now`` (time.perf_counter()), if nothing said so earlier: a
+        coordinator that reads the workers one after the other sees when
+        each socket turned readable before it reads the StepTiming there."""
+        if now is not None and self._planned_at is not None and self._arrival[worker] is None:
+            self._arrival[worker] = now - self._planned_at
+
+    def reported(self, worker: int, step: int, now: float) -> None:
+        """``worker``'s StepReport for ``step`` came in at ``now``
+        (time.perf_counter()): its part of a mesh step's exchange is done."""
+        if step == self.step and self._planned_at is not None:
+            self._reported[worker] = now - self._planned_at
 
     def check_totals(self, totals: Sequence[int]) -> Optional[Tuple[int, int, int]]:
         """With unequal shards every worker's count (GradientPayload.total,
@@ -355,7 +475,8 @@ class Shards:
 
     def timings(self) -> List[WorkerTiming]:
         """Each active worker's part of the planned step, as far as it is known."""
-        return [WorkerTiming(w, self.split[w], self._compute[w], self.balancer.rates[w])
+        return [WorkerTiming(w, self.split[w], self._compute[w], self.balancer.rates[w],
+                             self._arrival[w])
                 for w in self.active]
 
 

@@ -95,7 +95,7 @@ class Membership:
         if self.late is not None:
             with roster.talking(step):
                 self.admit(step, 0.0, expect_workers)
-        roster.shards.plan(step, total)
+        roster.shards.plan(step, total, time.perf_counter())
         with roster.talking(step):
             sent, lost = roster.assign(step, elastic=self.elastic)
             if lost:

@@ -348,6 +348,9 @@ class MeshControl:
                     heard[w] = time.monotonic()
                     if not isinstance(msg, SIDE_MESSAGES):
                         settle(w, msg)
+                        if isinstance(msg, StepReport) and self.roster.shards is not None:
+                            self.roster.shards.reported(chans[w].peer_id, msg.step,
+                                                        time.perf_counter())
                 now = time.monotonic()
                 for key in list(sel.get_map().values()):
                     w, chan = key.data, chans[key.data]

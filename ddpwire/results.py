@@ -107,13 +107,25 @@ class StepReport:
     #: the workers an elastic session lost during this step, or took in before it
     membership: List[MembershipEvent] = field(default_factory=list)
 
-    @property
-    def waited_for(self) -> Optional[int]:
-        """The worker whose compute the step waited for (the longest), or
+    def _ends(self) -> Optional[List[float]]:
+        """When each worker's part came in, from the shards going out (its
+        arrival, or its compute where some arrival is not measured), or
         None when some worker's time is unknown."""
         if not self.workers or any(w.compute is None for w in self.workers):
             return None
-        return max(self.workers, key=lambda w: (w.compute, -w.worker_id)).worker_id
+        if all(w.arrival is not None for w in self.workers):
+            return [w.arrival for w in self.workers]  # type: ignore[misc]
+        return [w.compute for w in self.workers]  # type: ignore[misc]
+
+    @property
+    def waited_for(self) -> Optional[int]:
+        """The worker the step waited for (the last whose part came in;
+        the longest compute where arrivals are not measured), or None when
+        some worker's time is unknown."""
+        ends = self._ends()
+        if ends is None:
+            return None
+        return max(zip(ends, self.workers), key=lambda e: (e[0], -e[1].worker_id))[1].worker_id
 
     @property
     def exchange_time(self) -> Optional[float]:
@@ -127,11 +139,11 @@ class StepReport:
         return max(0.0, self.step_time - compute)  # type: ignore[operator]
 
     def waits(self) -> List[Optional[float]]:
-        """Each worker's seconds idle waiting for the slowest one's compute."""
-        known = [w.compute for w in self.workers if w.compute is not None]
-        longest = max(known) if len(known) == len(self.workers) else None
-        return [None if longest is None or w.compute is None else longest - w.compute
-                for w in self.workers]
+        """Each worker's seconds idle waiting for the last one's part."""
+        ends = self._ends()
+        if ends is None:
+            return [None] * len(self.workers)
+        return [max(ends) - end for end in ends]
 
     def as_json(self) -> Dict[str, Any]:
         """The step as one JSON object (a line of ``--metrics``)."""
@@ -141,7 +153,7 @@ class StepReport:
             "allreduce_time_s": self.allreduce_time, "exchange_s": self.exchange_time,
             "waited_for": self.waited_for,
             "workers": [{"worker": w.worker_id, "shard": w.samples, "compute_s": w.compute,
-                         "wait_s": wait, "samples_per_s": w.rate}
+                         "wait_s": wait, "samples_per_s": w.rate, "arrival_s": w.arrival}
                         for w, wait in zip(self.workers, self.waits())],
             "membership": [e.as_json() for e in self.membership],
         }

@@ -51,7 +51,6 @@ class Roster:
         # Vector lengths are fixed by the first step that sees them: a worker
         # whose model differs is caught on its first gradient.
         self.lengths: Dict[Tuple[object, Optional[int]], int] = {}
-        self.assigned_at = 0.0  # time.perf_counter() when the last step's shards went out
         self.assigning = False  # while a step's ShardAssignments go out, one after another
         self.timeout = options.timeout
         self.max_frame = options.max_frame
@@ -101,7 +100,7 @@ class Roster:
 
         def on_timing(msg: StepTiming) -> None:
             assert self.shards is not None
-            why = self.shards.observe(worker_id, msg.step, msg.compute_us)
+            why = self.shards.observe(worker_id, msg.step, msg.compute_us, time.perf_counter())
             if why is not None:
                 raise ProtocolError(why, worker_id=worker_id, step=msg.step)
         chan.on_timing = on_timing
@@ -168,7 +167,6 @@ class Roster:
         in an ``elastic`` session, those lost on the way (else the first
         loss raises)."""
         assert self.shards is not None
-        self.assigned_at = time.perf_counter()
         sent: List[Channel] = []
         lost: Dict[int, WorkerLost] = {}
         self.assigning = True

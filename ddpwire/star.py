@@ -185,7 +185,8 @@ class Star:
         sees which were read when one fails)."""
         roster = self.roster
         deadline = time.monotonic() + roster.timeout
-        if roster.shards is not None and roster.shards.step == step and roster.shards.untimed():
+        if roster.shards is not None and roster.shards.step == step and \
+                (roster.shards.balance or roster.shards.untimed()):
             self._time_arrivals(step, deadline)  # type: ignore[arg-type]
         heads = [] if into is None else into
         for chan in roster.channels:
@@ -233,15 +234,18 @@ class Star:
         return heads, step, key  # type: ignore[return-value]
 
     def _time_arrivals(self, step: int, deadline: float) -> None:
-        """A worker that reports no compute time (a reference worker) sends
-        nothing between its ShardAssignment and its gradient: the moment its
-        socket turns readable, watched for all of them at once, ends its
-        compute. One that is late, or closed, is left to the reads after."""
+        """When each worker's part of the step starts to come in, watched
+        for all of them at once (the reads after take them in worker
+        order). A worker that reports no compute time (a reference worker)
+        sends nothing between its ShardAssignment and its gradient, so that
+        moment also ends its compute; a timed worker's StepTiming comes
+        first. One that is late, or closed, is left to the reads after."""
         shards = self.roster.shards
         assert shards is not None
+        untimed = set(shards.untimed())
         poller = select.poll()
         waiting = {}
-        for w in shards.untimed():
+        for w in shards.active:
             chan = self.roster.channel(w)
             waiting[chan.conn.fileno()] = w
             poller.register(chan.conn.fileno(), select.POLLIN)
@@ -252,7 +256,10 @@ class Star:
             for fd, _ in poller.poll(max(1, int(left * 1000))):
                 w = waiting.pop(fd)
                 poller.unregister(fd)
-                shards.observe(w, step, int((time.perf_counter() - self.roster.assigned_at) * 1e6))
+                if w in untimed:
+                    shards.observe(w, step, None, time.perf_counter())
+                else:
+                    shards.arrived(w, time.perf_counter())
 
     def check_totals(self, step: int, totals: List[int]) -> None:
         """Unequal shards: every count must match its worker's shard."""

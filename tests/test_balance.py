@@ -174,3 +174,108 @@ def test_steps_of_a_few_milliseconds_keep_the_reference_split():
         assert split == [128, 128]
         b.observe(0, 128, MIN_COMPUTE * 0.2)
         b.observe(1, 128, MIN_COMPUTE * (0.3 if step % 3 else 0.9))
+
+
+def run_lagged(balancer: Balancer, speeds, lags, tails, total: int, steps: int):
+    """As :func:`run`, each worker also ``lags[i]`` seconds outside its
+    compute before its part comes in, and the step going on ``tails[i]``
+    after the last one's part."""
+    history = []
+    for _ in range(steps):
+        split = balancer.shards(total)
+        history.append(split)
+        arrivals = []
+        for w, (count, speed) in enumerate(zip(split, speeds)):
+            balancer.observe(w, count, count / speed, lags[w])
+            arrivals.append((count / speed + lags[w], w))
+        balancer.ended(max(arrivals)[1], tails[max(arrivals)[1]])
+    return history
+
+
+def test_a_lag_outside_the_compute_is_net_of_the_shards():
+    """Two machines of one speed, one with 40 ms of its step outside its
+    compute (an optimizer step on a slow CPU, a slow link): the shards make
+    compute plus lag end alike, c = r * (t - lag), not compute alone."""
+    history = run_lagged(Balancer(2), [1000.0, 1000.0], [0.0, 0.040], [0.0, 0.0], 1000, 8)
+    # t = (1000 + 1000 * 0.04) / 2000 = 0.52 s: 520 and 480 samples
+    assert history[-1] == [520, 480], history
+    assert history[0] == [500, 500]
+
+
+def test_the_rest_of_the_exchange_is_counted_for_the_last_worker():
+    """A 4x slower worker whose part of the exchange, when it comes in
+    last, keeps the step 20 ms longer than the fast one's (2 ms): its share
+    shrinks until it is no longer the one waited for."""
+    b = Balancer(2)
+    history = run_lagged(b, [4000.0, 1000.0], [0.0, 0.0], [0.002, 0.020], 2000, 12)
+    assert b.after[1] == pytest.approx(0.020) and b.after[0] == pytest.approx(0.002)
+    # proportional alone: 1600 / 400 (0.4 s each), then 0.42 s with its rest;
+    # net of it: 4000 * (t - 0.002) + 1000 * (t - 0.020) = 2000, t = 0.4056
+    # (384 first, with only the slow one's rest measured; the 2 samples
+    # the fast one's rest then moves are under the tolerance)
+    assert abs(history[-1][1] - 386) <= 2 and history[-1][1] < 400, history
+    assert b._time(history[-1], [0, 1]) < b._time([1600, 400], [0, 1])
+
+
+def test_a_lag_of_the_unmeasured_counts_as_nothing():
+    b = Balancer(2)
+    run(b, [1000.0, 1000.0], 1000, 3)
+    assert b.before == [None, None] and b.lag(0) == 0.0
+    assert b.shards(1000) == [500, 500]
+    b.ended(0, 0.5)
+    assert b.after[0] == 0.5 and b.lag(0) == 0.5
+    b.forget(0)
+    assert b.before[0] is None and b.after[0] is None
+
+
+def test_a_lag_longer_than_the_step_keeps_one_sample():
+    b = Balancer(3)
+    history = run_lagged(b, [1000.0, 1000.0, 1000.0], [0.0, 0.0, 1.0], [0.0] * 3, 300, 6)
+    assert history[-1] == [150, 149, 1], history
+
+
+def test_shards_measure_each_arrival_and_the_last_ones_rest():
+    """Shards on the coordinator's clock: an arrival is counted from when
+    the shards went out, the rest of the step from the last arrival to the
+    next plan; a step redone (the same number) measures no rest."""
+    from ddpwire.balance import Shards
+
+    shards = Shards([True, True], True)
+    now = 100.0
+    for step in range(3):
+        shards.plan(step, 1000, now)
+        shards.observe(0, step, 200_000, now + 0.201)
+        shards.arrived(1, now + 0.230)  # its socket turned readable then:
+        shards.observe(1, step, 200_000, now + 0.300)  # its StepTiming read later
+        now += 0.250
+    timing = shards.timings()
+    assert [t.arrival for t in timing] == pytest.approx([0.201, 0.230])
+    shards.plan(3, 1000, now)  # step 2 ended 20 ms after worker 1's part came in
+    b = shards.balancer
+    assert b.after == [None, pytest.approx(0.020)]
+    assert b.before == [pytest.approx(0.001), pytest.approx(0.030)]
+    assert shards.split[0] > shards.split[1]
+    after = b.after[1]
+    shards.plan(3, 1000, now + 5.0)  # step 3 redone: no rest measured
+    assert b.after[1] == after
+    assert shards.observe(0, 2, 1, now) == "StepTiming for step 2 during step 3"
+    assert shards.observe(0, 3, None, None) is not None  # untimed, and no clock
+
+
+def test_in_a_mesh_the_rest_is_the_last_ones_until_its_report():
+    """A mesh step goes on after its last part came in while every worker
+    averages its slice: only the last one's time to its StepReport is its
+    own (the others' is the same whoever came last)."""
+    from ddpwire.balance import Shards
+
+    shards = Shards([True, True], True)
+    for step in range(3):
+        now = 10.0 * step
+        shards.plan(step, 1000, now)
+        shards.observe(0, step, 100_000, now + 0.100)
+        shards.observe(1, step, 100_000, now + 0.110)
+        shards.reported(1, step, now + 0.112)
+        shards.reported(0, step, now + 0.125)  # a slow slice of its own
+        shards.reported(0, step + 1, now + 0.5)  # another step's: ignored
+    shards.plan(3, 1000, 30.0)
+    assert shards.balancer.after == [None, pytest.approx(0.002)]

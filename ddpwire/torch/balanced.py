@@ -18,10 +18,14 @@ be the mean over the rank's batch, as it usually is.
 
 A rank's speed is its samples over its compute: from the end of the
 previous step's last allreduce to the moment its last bucket is ready
-(loading, optimizer step, forward and backward). The hook shares every
-rank's time with a small allreduce issued after the last bucket's, so all
-ranks feed the same figures to the same rules and agree on every split
-without a word more. With a DataLoader that prefetches (``num_workers`` >
+(loading, optimizer step, forward and backward). Its wait, from then to the
+end of the step's last allreduce, is the rest of the exchange when it is
+the last rank ready (the one that waits least): that part a slow rank pays
+at its own speed whatever its batch, and the split is net of it
+(:class:`ddpwire.balance.Balancer`'s lags). The hook shares every rank's
+compute and its previous step's wait with a small allreduce issued after
+the last bucket's, so all ranks feed the same figures to the same rules and
+agree on every split without a word more. With a DataLoader that prefetches (``num_workers`` >
 0), pass ``lag``: the batches the loader samples ahead of the step being
 trained (``num_workers * prefetch_factor``); the split of a step then
 follows the timings ``lag`` steps older.
@@ -79,8 +83,11 @@ class BalancedBatchSampler:
         self._sampled = 0   # steps sampled (the next batch's step)
         self._fed = 0       # steps whose timings the balancer has had
         self._trained = 0   # steps whose last bucket reached the hook
-        self._timings: Dict[int, np.ndarray] = {}  # step -> every rank's compute seconds
+        #: step -> every rank's compute seconds, then every rank's wait in the step before
+        self._timings: Dict[int, np.ndarray] = {}
         self._ready_at: Optional[float] = None     # the previous step's last allreduce ended
+        self._bucket_at: Optional[float] = None    # this step's last bucket was ready
+        self._waited: float = -1.0                 # the previous step's wait (-1: none)
         self._lock = threading.Lock()
 
     @property
@@ -140,8 +147,14 @@ class BalancedBatchSampler:
                         f"BalancedBatchSampler: step {step} is sampled before step {self._fed} "
                         f"was trained: the DataLoader samples ahead; pass lag= (its num_workers * "
                         f"prefetch_factor)")
-                for r, seconds in enumerate(times.tolist()):
+                world = self.world_size
+                for r, seconds in enumerate(times[:world].tolist()):
                     self.balancer.observe(r, self.splits[self._fed][r], seconds)
+                waits = times[world:]
+                if self._fed > 0 and waits.min() >= 0.0:
+                    # the step before's last rank ready waited least: the rest was its
+                    last = int(waits.argmin())
+                    self.balancer.ended(last, float(waits[last]))
                 self.splits.pop(self._fed, None)
                 self._fed += 1
             split = self.balancer.shards(total) if total >= self.world_size else \
@@ -161,16 +174,22 @@ class BalancedBatchSampler:
         return sample_scale(split[self.rank], sum(split), self.world_size)
 
     def _timing(self, now: float) -> torch.Tensor:
-        """This rank's compute time in its slot, zeros elsewhere: summed over
-        the ranks it is every rank's (-1: the first step, not timed)."""
-        times = torch.zeros(self.world_size, dtype=torch.float32)
+        """This rank's compute time, then its wait in the step before, in its
+        slots, zeros elsewhere: summed over the ranks they are every rank's
+        (-1: not timed, the first step's)."""
+        world = self.world_size
+        times = torch.zeros(2 * world, dtype=torch.float32)
         times[self.rank] = -1.0 if self._ready_at is None else now - self._ready_at
+        times[world + self.rank] = self._waited
+        self._bucket_at = now
         return times
 
     def _trained_step(self, step: int, times: torch.Tensor) -> None:
         with self._lock:
             self._timings[step] = times.numpy().copy()
             self._ready_at = time.perf_counter()
+            if self._bucket_at is not None:
+                self._waited = self._ready_at - self._bucket_at
 
 
 def balanced_hook(state: BalancedBatchSampler,
