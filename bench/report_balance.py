@@ -128,15 +128,16 @@ def report(path: str) -> str:
                 head += (f", against the solos before and after: median "
                          f"{info['ratio_bracketed_median']:.3f}")
             if "vs_baseline_median" in info:
-                head += (f"; baseline {info['baseline_commit'][:7]}: ratios " +
+                head += (f"; baseline {info['baseline_commit']}: ratios " +
                          ", ".join(f"{x:.3f}" for x in info["baseline_ratios"]) +
                          f", this / baseline median {info['vs_baseline_median']:.3f}")
         out.append(head)
         for r, rnd in enumerate(info.get("rounds", [])):
             out.append(f"  round {r}: solos " +
                        " + ".join(f"{x:.0f}" for x in rnd["solo_samples_per_s"]) +
-                       f" samples/s, together {rnd['samples_per_s']:.0f}, ratio {rnd['ratio']:.3f},"
-                       f" median step {_ms(rnd['step_time_median_s'])} ms" +
+                       f" samples/s, together {rnd['samples_per_s']:.0f}, ratio {rnd['ratio']:.3f}" +
+                       ("" if "step_time_median_s" not in rnd else
+                        f", median step {_ms(rnd['step_time_median_s'])} ms") +
                        ("" if "ratio_bracketed" not in rnd else
                         "; solos after " + " + ".join(f"{x:.0f}" for x in rnd["solo_after_samples_per_s"]) +
                         f", ratio {rnd['ratio_bracketed']:.3f}") +

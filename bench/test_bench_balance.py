@@ -53,11 +53,12 @@ coordinator's wait for the StepReports and its StepCommit in this process
 (``coordinator_trace``),
 DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
 with it; another period's slowdown lines go to
-docs/balance-slowdown-<period>us.jsonl), and DDPWIRE_BALANCE_BASELINE a
-commit whose shard rules (its ddpwire/balance.py's Balancer, read with
-``git show``) ``test_rounds`` runs the set-up with too, in every round
-beside the rules of this checkout, in alternating order (``baseline_*`` in
-each round). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
+docs/balance-slowdown-<period>us.jsonl), and DDPWIRE_BASELINE another
+checkout (built, as bench/ddp_procs.py takes it): ``test_rounds`` runs
+each round's set-up with its shard rules too (the Balancer of its
+ddpwire/balance.py, the coordinator staying this checkout's), and
+``test_ddp_rounds`` each round's DDP set-up with its ddpwire, beside this
+checkout's, in alternating order (``baseline_*`` in each round). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
 otherwise.
 """
 from __future__ import annotations
@@ -109,19 +110,29 @@ ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_ROUNDS", "3"))
 TRACE = os.environ.get("DDPWIRE_BALANCE_TRACE") == "1"
 #: pin the emulated machines to CPUs of their own where there are enough (placement())
 PIN = os.environ.get("DDPWIRE_BALANCE_PIN", "1") == "1"
-#: a commit whose Balancer test_rounds runs beside this checkout's
-BASELINE = os.environ.get("DDPWIRE_BALANCE_BASELINE")
+#: another built checkout, whose shard rules the rounds run beside this one's
+BASELINE = os.environ.get("DDPWIRE_BASELINE")
 
 
-def baseline_balancer(commit: str):
-    """A factory of ``commit``'s Balancer (n workers -> one), its
+def baseline_commit(checkout: str) -> str:
+    """The commit another checkout is at (with "+" when it has changes)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", checkout, *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain") else "")
+
+
+def baseline_balancer(checkout: str):
+    """A factory of another checkout's Balancer (n workers -> one), its
     ddpwire/balance.py loaded on its own (it is arithmetic only), taking
     what this checkout's Shards tell a Balancer and dropping what it did
     not know (the lags: before / ended)."""
-    source = subprocess.run(["git", "show", f"{commit}:ddpwire/balance.py"], cwd=ROOT,
-                            check=True, capture_output=True, text=True).stdout
-    module = type(sys)(f"ddpwire_balance_{commit}")
-    exec(compile(source, f"{commit}:ddpwire/balance.py", "exec"), module.__dict__)
+    spec = importlib.util.spec_from_file_location(
+        "ddpwire_baseline_balance", Path(checkout) / "ddpwire" / "balance.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
     old = module.Balancer
     lags = "ended" in old.__dict__
 
@@ -526,11 +537,11 @@ def test_rounds(benchmark, setup):
                                 ratio_bracketed_median=statistics.median(bracketed),
                                 ratio_min=min(ratios), ratio_max=max(ratios),
                                 **({} if baseline is None else dict(
-                                    baseline_commit=BASELINE,
+                                    baseline_commit=baseline_commit(BASELINE),
                                     vs_baseline=[x["vs_baseline"] for x in rounds],
                                     vs_baseline_median=statistics.median(
                                         x["vs_baseline"] for x in rounds),
-                                    baseline_ratios=[x["baseline_ratio"] for x in rounds]))))
+                                    baseline_ratios=[x["baseline_ratio"] for x in rounds])))
 
 
 # ---- mid-run slowdown ----
@@ -608,53 +619,85 @@ def free_port() -> int:
 DDP_SOLO: Dict[float, float] = {}
 
 
-def run_ddp(benchmark, tmp_path, speeds, balance: bool,
-            env: Optional[Dict[str, str]] = None) -> float:
+class DdpRun:
     """One DDP run on backend ddpwire, one rank per speed, each in its
-    cgroup (with ``env`` added to its environment); samples/s over the
-    steps after WARMUP, from rank 0's step ends."""
-    steps = WARMUP + MEASURED
-    groups = [Cgroup(f"ddp{i}", s) for i, s in enumerate(speeds)]
-    cpus, _ = placement(speeds)  # rank 0, the fastest, hosts the coordinator
-    port = free_port()
-    procs = []
-    load = os.getloadavg()[0]
+    cgroup (with ``env`` added to its environment): :meth:`start`, then
+    :meth:`wait`, then :meth:`finish` for samples/s over the steps after
+    WARMUP, from rank 0's step ends."""
 
-    def start():
-        for rank, group in enumerate(groups):
-            rank_env = dict(os.environ, **(env or {}), RANK=str(rank),
-                            WORLD_SIZE=str(len(speeds)), MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            cpu = cpus[rank]
-            procs.append(subprocess.Popen(
-                [sys.executable, str(DDP_RANK), "--balance", "on" if balance else "off",
-                 "--steps", str(steps), "--samples", str(SAMPLES), "--cgroup", str(group.path),
-                 *(["--cpus", str(cpu)] if cpu is not None else []),
-                 "--report", str(tmp_path / f"ddp{rank}.json")],
+    def __init__(self, tmp_path: Path, speeds: Sequence[float], balance: bool,
+                 env: Optional[Dict[str, str]] = None, tag: str = "") -> None:
+        self.tmp_path, self.speeds, self.balance, self.env = tmp_path, list(speeds), balance, env
+        self.steps = WARMUP + MEASURED
+        self.groups = [Cgroup(f"ddp{tag}{i}", s) for i, s in enumerate(speeds)]
+        self.cpus, _ = placement(speeds)  # rank 0, the fastest, hosts the coordinator
+        self.port = free_port()
+        self.procs: List[subprocess.Popen] = []
+        self.load = os.getloadavg()[0]
+        self.tag = tag
+
+    def start(self):
+        for rank, group in enumerate(self.groups):
+            rank_env = dict(os.environ, **(self.env or {}), RANK=str(rank),
+                            WORLD_SIZE=str(len(self.speeds)), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(self.port), OMP_NUM_THREADS="1")
+            cpu = self.cpus[rank]
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(DDP_RANK), "--balance", "on" if self.balance else "off",
+                 "--steps", str(self.steps), "--samples", str(SAMPLES),
+                 "--cgroup", str(group.path), *(["--cpus", str(cpu)] if cpu is not None else []),
+                 "--report", str(self.tmp_path / f"ddp{self.tag}{rank}.json")],
                 env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         return (), {}
 
-    def wait():
-        for p in procs:
+    def wait(self) -> None:
+        for p in self.procs:
             p.wait(RUN_TIMEOUT)
+
+    def finish(self) -> Tuple[float, dict]:
+        """(samples/s, what the JSON keeps of the run); every process is
+        gone and every cgroup removed after it, whatever happened."""
+        try:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+            logs = "\n".join(p.stdout.read() for p in self.procs if p.stdout is not None)
+        finally:
+            for group in self.groups:
+                group.remove()
+        assert [p.returncode for p in self.procs] == [0] * len(self.speeds), logs
+        reports = [json.loads((self.tmp_path / f"ddp{self.tag}{r}.json").read_text())
+                   for r in range(len(self.speeds))]
+        ends = reports[0]["ends"]
+        rate = (len(ends) - WARMUP) * SAMPLES / (ends[-1] - ends[WARMUP - 1])
+        return rate, dict(
+            kind="ddp", speeds=self.speeds, balance=self.balance, samples_per_step=SAMPLES,
+            pinned=PIN, rank_cpus=self.cpus, rank_env=self.env or {}, steps=self.steps,
+            cfs_period_us=PERIOD_US, loadavg_1min_before=self.load, samples_per_s=rate,
+            batch_sizes=[r["sizes"] for r in reports])
+
+
+def run_ddp(benchmark, tmp_path, speeds, balance: bool,
+            env: Optional[Dict[str, str]] = None) -> float:
+    """A :class:`DdpRun` timed by pytest-benchmark; returns its samples/s."""
+    run = DdpRun(tmp_path, speeds, balance, env)
     try:
-        benchmark.pedantic(wait, setup=start, rounds=1, iterations=1)
+        benchmark.pedantic(run.wait, setup=run.start, rounds=1, iterations=1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        logs = "\n".join(p.stdout.read() for p in procs if p.stdout is not None)
-        for group in groups:
-            group.remove()
-    assert [p.returncode for p in procs] == [0] * len(speeds), logs
-    reports = [json.loads((tmp_path / f"ddp{r}.json").read_text()) for r in range(len(speeds))]
-    ends = reports[0]["ends"]
-    rate = (len(ends) - WARMUP) * SAMPLES / (ends[-1] - ends[WARMUP - 1])
-    benchmark.extra_info.update(
-        kind="ddp", speeds=list(speeds), balance=balance, samples_per_step=SAMPLES,
-        pinned=PIN, rank_cpus=cpus, rank_env=env or {},
-        steps=steps, cfs_period_us=PERIOD_US, loadavg_1min_before=load, samples_per_s=rate,
-        batch_sizes=[r["sizes"] for r in reports])
+        rate, info = run.finish()
+    benchmark.extra_info.update(info)
+    return rate
+
+
+def ddp_plain(tmp_path, speeds, balance: bool, env: Optional[Dict[str, str]] = None,
+              tag: str = "") -> float:
+    """A :class:`DdpRun` outside pytest-benchmark's timing (test_ddp_rounds times its own)."""
+    run = DdpRun(tmp_path, speeds, balance, env, tag)
+    try:
+        run.start()
+        run.wait()
+    finally:
+        rate, _ = run.finish()
     return rate
 
 
@@ -692,3 +735,45 @@ SMALL_ON_SERVICE = {"DDPWIRE_SHM_MIN_BYTES": str(64 << 10)}
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_ddp_together_small_on_service(benchmark, tmp_path, setup):
     ddp_together(benchmark, tmp_path, setup, True, SMALL_ON_SERVICE)
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_ddp_rounds(benchmark, tmp_path, setup):
+    """test_rounds through the DDP script: each of :data:`ROUNDS` rounds
+    runs every speed's rank alone and then the balanced set-up; with
+    :data:`BASELINE` also the set-up on that checkout's ddpwire (its
+    sampler, hook and rules: PYTHONPATH), before this checkout's in odd
+    rounds and after it in even ones."""
+    speeds = SETUPS[setup]
+    benchmark.group = f"ddp rounds {setup} " + "+".join(_percent(s) for s in speeds)
+    rounds: List[dict] = []
+    old_env = None if BASELINE is None else {"PYTHONPATH": str(Path(BASELINE).resolve())}
+
+    def run():
+        for r in range(ROUNDS):
+            solos = [ddp_plain(tmp_path, [s], False, tag=f"s{r}{i}")
+                     for i, s in enumerate(speeds)]
+            old = None
+            if old_env is not None and r % 2:
+                old = ddp_plain(tmp_path, speeds, True, old_env, tag=f"b{r}")
+            rate = ddp_plain(tmp_path, speeds, True, tag=f"t{r}")
+            if old_env is not None and not r % 2:
+                old = ddp_plain(tmp_path, speeds, True, old_env, tag=f"b{r}")
+            rounds.append(dict(solo_samples_per_s=solos, samples_per_s=rate,
+                               ratio=rate / sum(solos),
+                               **({} if old is None else dict(
+                                   baseline_samples_per_s=old, baseline_ratio=old / sum(solos),
+                                   vs_baseline=rate / old, baseline_first=bool(r % 2)))))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    ratios = [x["ratio"] for x in rounds]
+    benchmark.extra_info.update(
+        kind="rounds", setup=setup, speeds=list(speeds), balance=True, ddp=True,
+        cfs_period_us=PERIOD_US, samples_per_step=SAMPLES, warmup=WARMUP, measured=MEASURED,
+        rounds=rounds, ratios=ratios, ratio_median=statistics.median(ratios),
+        ratio_min=min(ratios), ratio_max=max(ratios),
+        **({} if BASELINE is None else dict(
+            baseline_commit=baseline_commit(BASELINE),
+            vs_baseline=[x["vs_baseline"] for x in rounds],
+            vs_baseline_median=statistics.median(x["vs_baseline"] for x in rounds),
+            baseline_ratios=[x["baseline_ratio"] for x in rounds])))

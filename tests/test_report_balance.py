@@ -118,3 +118,25 @@ def test_the_tracer_s_targets_are_ddpwire_s_methods_today():
             balance_trace.COORDINATOR_TRACED)] != before
     assert [getattr(o, m) for o, m, _ in balance_trace.targets(
         balance_trace.COORDINATOR_TRACED)] == before
+
+
+def test_rounds_beside_a_baseline_and_through_ddp(tmp_path):
+    """test_rounds and test_ddp_rounds with DDPWIRE_BASELINE: each round's
+    baseline run, which came first, and the ratio of the two; a DDP round
+    has no step times of its own."""
+    rounds = [{"solo_samples_per_s": [40000.0, 9000.0], "samples_per_s": 44100.0,
+               "ratio": 0.9, "baseline_samples_per_s": 39200.0, "baseline_ratio": 0.8,
+               "vs_baseline": 1.125, "baseline_first": r % 2 == 1} for r in range(2)]
+    bench = {"name": "test_ddp_rounds[pair]", "extra_info": {
+        "kind": "rounds", "ddp": True, "cfs_period_us": 10000, "ratio_median": 0.9,
+        "ratio_min": 0.9, "ratio_max": 0.9, "rounds": rounds, "baseline_commit": "a97ce3a",
+        "baseline_ratios": [0.8, 0.8], "vs_baseline": [1.125, 1.125], "vs_baseline_median": 1.125}}
+    path = tmp_path / "balance.json"
+    path.write_text(json.dumps({"commit_info": {"id": "0123456789", "dirty": True},
+                                "benchmarks": [bench]}))
+    text = report_balance.report(str(path))
+    assert "; baseline a97ce3a: ratios 0.800, 0.800, this / baseline median 1.125" in text
+    assert ("round 0: solos 40000 + 9000 samples/s, together 44100, ratio 0.900; "
+            "baseline (second) 39200, ratio 0.800, this / baseline 1.125") in text
+    assert "round 1: solos 40000 + 9000 samples/s, together 44100, ratio 0.900; " \
+           "baseline (first)" in text
