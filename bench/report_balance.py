@@ -6,7 +6,10 @@ median shard and the medians of each phase its own report times (waiting
 for the shard, computing, inside the allreduce, applying the average);
 for sessions of more than one worker, how long after the last worker
 called its allreduce the last one got the average back, split by whether
-the slowest worker or another was the last to arrive. For test_rounds,
+the slowest worker or another was the last to arrive, and how long after
+the mean of the workers' calls the last one came (what their jitter costs
+a step, however well the shards are sized), with each worker's standard
+deviation of its compute. For test_rounds,
 every round's solos, together throughput and ratio. A run with
 DDPWIRE_BALANCE_TRACE=1 adds each traced call's (bench/balance_trace.py)
 median start and end against the step's last arrival, the coordinator's
@@ -68,6 +71,15 @@ def session_lines(info: dict) -> List[str]:
             tails[slow_last[k]].append(max(phases[w][k][done] for w in order) - arrivals[k])
         lines.append(f"  last arrival to last average, slowest arrived last: {_spread(tails[True])}")
         lines.append(f"  last arrival to last average, another arrived last: {_spread(tails[False])}")
+        # what noise costs a balanced step: it waits for the last call, not
+        # the average one, and each worker's compute jitters step to step
+        late = [max(phases[w][k][called] for w in order) -
+                statistics.mean(phases[w][k][called] for w in order) for k in range(WARMUP, steps)]
+        compute = names.index("compute_s")
+        jitter = ", ".join(
+            f"{int(speeds[w] * 100)}% {_ms(statistics.pstdev(r[compute] for r in phases[w][WARMUP:]))}"
+            for w in order)
+        lines.append(f"  last call after the mean call: {_spread(late)}; compute sd, ms: {jitter}")
         if info.get("worker_traces"):
             lines.extend(trace_lines(info, order, called, arrivals, slow_last))
     return lines

@@ -282,13 +282,10 @@ class Balancer:
             if len(keep) == len(share) or not keep:
                 break
             share = keep
+        # (with nobody above the least, every one of them is at it)
         ideal = [float(least)] * n
         for i in share:
             ideal[i] = max(0.0, rates[i] * (t - lags[i]))
-        if not keep:  # nobody above the least: plain proportion
-            ideal = [total * r / sum(rates) for r in rates]
-        scale = total / sum(ideal) if sum(ideal) > 0 else 0.0
-        ideal = [x * scale for x in ideal]
         split = [int(x) for x in ideal]
         # largest remainder; ties go to the lower worker id, so every run splits alike
         order = sorted(range(n), key=lambda i: (split[i] - ideal[i], i))
@@ -433,7 +430,7 @@ class Shards:
         arrival = self._arrival[worker]
         if compute_us is None:
             if arrival is None:
-                return "an untimed worker's arrival without the time its shard went out"
+                return None  # no clock to measure it on
             compute_us = int(arrival * 1e6)
         seconds = compute_us / 1e6
         self._compute[worker] = seconds

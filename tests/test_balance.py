@@ -259,7 +259,8 @@ def test_shards_measure_each_arrival_and_the_last_ones_rest():
     shards.plan(3, 1000, now + 5.0)  # step 3 redone: no rest measured
     assert b.after[1] == after
     assert shards.observe(0, 2, 1, now) == "StepTiming for step 2 during step 3"
-    assert shards.observe(0, 3, None, None) is not None  # untimed, and no clock
+    shards.plan(4, 1000)  # no clock: an untimed worker's arrival measures nothing
+    assert shards.observe(0, 4, None, None) is None and shards.timings()[0].compute is None
 
 
 def test_in_a_mesh_the_rest_is_the_last_ones_until_its_report():

@@ -39,10 +39,12 @@ def shard_mean(start: int, end: int) -> np.ndarray:
 
 class Run:
     """A coordinator and worker threads training ``steps`` steps, each
-    worker taking ``seconds_per_sample[i]`` per sample of its shard."""
+    worker taking ``seconds_per_sample[i]`` per sample of its shard (and
+    ``after[i]`` seconds after each average, outside its compute: a slow
+    optimizer step)."""
 
     def __init__(self, seconds_per_sample, steps, *, per_block=False, lie=None,
-                 coordinator=None, worker=None):
+                 coordinator=None, worker=None, after=None):
         n = len(seconds_per_sample)
         self.coord = Coordinator(ADDR, n, timeout=TIMEOUT, join_timeout=TIMEOUT,
                                  per_block=per_block or None, **(coordinator or {}))
@@ -52,6 +54,7 @@ class Run:
         self.threads = []
         self.per_block = per_block
         self.lie = lie
+        self.after = after or [0.0] * n
         for i in range(n):
             t = threading.Thread(target=self._worker, args=(seconds_per_sample, worker or {}),
                                  daemon=True)
@@ -95,6 +98,7 @@ class Run:
                         avg = w.allreduce(shard.step, g, 1.0, 0, total).gradients
                     self.shards[w.worker_id, shard.step] = (start, end)
                     self.averages[w.worker_id, shard.step] = np.array(avg, copy=True)
+                    time.sleep(self.after[w.worker_id])
         except BaseException as exc:  # handed to the test
             self.errors[threading.current_thread().name] = exc
 
@@ -133,6 +137,27 @@ def test_shards_follow_speed_and_the_average_is_the_full_batch_s(name, coordinat
     # and unequal ones are not the plain mean of the shard means
     last = [shard_mean(*run.shards[w, steps - 1]) for w in (0, 1)]
     assert not np.allclose(reference_allreduce(last), FULL_BATCH, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("topology", ["star", "mesh"])
+def test_a_worker_s_time_outside_its_compute_is_taken_off_its_shard(topology):
+    """Two workers of one speed (0.2 ms a sample), one spending 20 ms after
+    every average outside its compute (a slow optimizer step): the shards
+    end alike net of it, r * (t - 0.02) against r * t, 70 and 170 samples
+    of 240, where compute times alone would keep 120 each."""
+    run = Run([2e-4, 2e-4], 14, coordinator=dict(balance=True, topology=topology,
+                                                  shared_memory=False),
+              after=[0.0, 0.020])
+    assert not run.errors, run.errors
+    late = [run.shards[1, step][1] - run.shards[1, step][0] for step in range(10, 14)]
+    assert max(late) < 100, late
+    b = run.coord.shards.balancer
+    assert b.before[1] > b.before[0] + 0.010, (b.before, b.after)
+    for step in range(14):
+        np.testing.assert_allclose(run.averages[0, step], FULL_BATCH, rtol=1e-6, atol=1e-6)
+    # the step waited for the worker whose part came in last
+    report = run.reports[-1]
+    assert report.waited_for == max(report.workers, key=lambda w: w.arrival).worker_id
 
 
 def test_per_block_and_non_block_steps_are_weighted_too():

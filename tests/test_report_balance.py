@@ -60,6 +60,9 @@ def test_the_report_splits_the_wait_by_who_arrived_last(tmp_path):
     # 20 steps after the 5 of warm-up: 10 with the slow worker last, 10 with the fast
     assert "slowest arrived last: median 9.0 ms, p10 9.0, p90 9.0 (n=10)" in text
     assert "another arrived last: median 2.0 ms, p10 2.0, p90 2.0 (n=10)" in text
+    # the calls 1 ms apart: the last comes 0.5 ms after their mean; no jitter
+    assert "last call after the mean call: median 0.5 ms, p10 0.5, p90 0.5 (n=20); " \
+           "compute sd, ms: 100% 0.0, 25% 0.0" in text
     assert "worker 1 at 25%: shard 348, ms: shard wait 0.1, compute 40.0" in text
     assert "allreduce cpu 1.6" in text
     assert "ratio median 0.810 (min 0.700, max 0.900)" in text

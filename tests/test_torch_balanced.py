@@ -3,6 +3,7 @@ two CPU processes, one held back; the split follows the speeds, the ranks
 stay bit-identical, and the weights are those of one process training on
 the whole batch, on backend ddpwire and on gloo, and under Lightning."""
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,26 @@ def test_a_loader_that_samples_ahead_without_lag_is_told_what_to_pass():
     assert len(next(batches)) == 5
     with pytest.raises(RuntimeError, match="pass lag="):
         next(batches)
+
+
+def test_the_rank_ready_last_pays_the_rest_of_the_exchange():
+    """The hook's small allreduce carries each rank's compute and its wait
+    in the step before: the rank that waited least was the last one ready,
+    and the rest of the step is its lag (ddpwire.balance.Balancer.ended)."""
+    from ddpwire.torch.balanced import BalancedBatchSampler
+
+    sampler = BalancedBatchSampler(1000, 100, rank=0, world_size=2, shuffle=False)
+    batches = iter(sampler)
+    for step in range(5):
+        next(batches)  # this step's split, from the timings of the steps before
+        sampler._trained += 1
+        times = sampler._timing(time.perf_counter())
+        assert times.shape == (4,)
+        assert (times[2] == -1.0) == (step == 0)  # rank 0's wait: none before the first
+        # every rank's compute (-1: the first step), then their waits in the step before
+        summed = torch.tensor([-1.0, -1.0, -1.0, -1.0] if step == 0 else
+                              [0.05, 0.05, 0.010, 0.002])
+        sampler._trained_step(step, summed)
+    b = sampler.balancer
+    assert b.after[0] is None and b.after[1] == pytest.approx(0.002)
+    assert 0.0 <= sampler._timing(time.perf_counter())[2] < 1.0  # its own wait rides along
