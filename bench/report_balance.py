@@ -128,11 +128,21 @@ def report(path: str) -> str:
     out = [f"{path}: commit {commit.get('id', '?')[:7]}{' (dirty)' if commit.get('dirty') else ''}"]
     for bench in data["benchmarks"]:
         info = bench["extra_info"]
-        head = f"{bench['name']}: period {info.get('cfs_period_us')} us"
-        if "samples_per_s" in info:
-            head += f", {info['samples_per_s']:.0f} samples/s"
+        head = f"{bench['name']}: " + ", ".join(
+            ([f"period {info['cfs_period_us']} us"] if "cfs_period_us" in info else []) +
+            ([f"{info['samples_per_s']:.0f} samples/s"] if "samples_per_s" in info else []))
         if info.get("ratio") is not None:
             head += f", ratio {info['ratio']:.3f}"
+        if info.get("kind") == "link":
+            head += (f", {info['case']}" + (f", topology {info['topology']}" if "topology" in info
+                                            else "") +
+                     f": median step {_ms(info['step_time_median_s'])} ms, mean shards " +
+                     " / ".join(f"{x:.0f}" for x in info["mean_shards"]) +
+                     ("" if info.get("vs_alone") is None else
+                      f", {info['vs_alone']:.3f} of worker 0 alone") +
+                     ("" if info.get("balanced_vs_baseline") is None else
+                      f"; this checkout's balanced / baseline {info['baseline_commit']}: "
+                      f"{info['balanced_vs_baseline']:.3f}"))
         if info.get("kind") == "rounds":
             head += (f", ratio median {info['ratio_median']:.3f} "
                      f"(min {info['ratio_min']:.3f}, max {info['ratio_max']:.3f})")

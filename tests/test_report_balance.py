@@ -143,3 +143,17 @@ def test_rounds_beside_a_baseline_and_through_ddp(tmp_path):
             "baseline (second) 39200, ratio 0.800, this / baseline 1.125") in text
     assert "round 1: solos 40000 + 9000 samples/s, together 44100, ratio 0.900; " \
            "baseline (first)" in text
+
+
+def test_the_slow_uplink_cases(tmp_path):
+    """bench/cluster/test_bench_balance_link.py: no CFS period; each case's
+    step, shards, and its throughput against the fast worker alone."""
+    bench = {"name": "test_slow_uplink[baseline]", "extra_info": {
+        "kind": "link", "case": "baseline", "topology": "star", "samples_per_s": 29166.0,
+        "step_time_median_s": 0.069, "mean_shards": [1015.2, 1032.8], "vs_alone": 0.846,
+        "balanced_vs_baseline": 1.019, "baseline_commit": "a97ce3a"}}
+    path = tmp_path / "link.json"
+    path.write_text(json.dumps({"commit_info": {"id": "0123456789"}, "benchmarks": [bench]}))
+    assert ("test_slow_uplink[baseline]: 29166 samples/s, baseline, topology star: median "
+            "step 69.0 ms, mean shards 1015 / 1033, 0.846 of worker 0 alone; this checkout's "
+            "balanced / baseline a97ce3a: 1.019") in report_balance.report(str(path))
