@@ -77,8 +77,8 @@ def session_lines(info: dict) -> List[str]:
                 statistics.mean(phases[w][k][called] for w in order) for k in range(WARMUP, steps)]
         compute = names.index("compute_s")
         jitter = ", ".join(
-            f"{int(speeds[w] * 100)}% {_ms(statistics.pstdev(r[compute] for r in phases[w][WARMUP:]))}"
-            for w in order)
+            f"{int(speeds[w] * 100)}% "
+            f"{_ms(statistics.pstdev(r[compute] for r in phases[w][WARMUP:]))}" for w in order)
         lines.append(f"  last call after the mean call: {_spread(late)}; compute sd, ms: {jitter}")
         if info.get("worker_traces"):
             lines.extend(trace_lines(info, order, called, arrivals, slow_last))
@@ -157,7 +157,8 @@ def report(path: str) -> str:
         for r, rnd in enumerate(info.get("rounds", [])):
             out.append(f"  round {r}: solos " +
                        " + ".join(f"{x:.0f}" for x in rnd["solo_samples_per_s"]) +
-                       f" samples/s, together {rnd['samples_per_s']:.0f}, ratio {rnd['ratio']:.3f}" +
+                       f" samples/s, together {rnd['samples_per_s']:.0f}, "
+                       f"ratio {rnd['ratio']:.3f}" +
                        ("" if "step_time_median_s" not in rnd else
                         f", median step {_ms(rnd['step_time_median_s'])} ms") +
                        ("" if "ratio_bracketed" not in rnd else

@@ -58,8 +58,8 @@ checkout (built, as bench/ddp_procs.py takes it): ``test_rounds`` runs
 each round's set-up with its shard rules too (the Balancer of its
 ddpwire/balance.py, the coordinator staying this checkout's), and
 ``test_ddp_rounds`` each round's DDP set-up with its ddpwire, beside this
-checkout's, in alternating order (``baseline_*`` in each round). Needs root (a writable /sys/fs/cgroup/cpu) and torch; skips
-otherwise.
+checkout's, in alternating order (``baseline_*`` in each round). Needs
+root (a writable /sys/fs/cgroup/cpu) and torch; skips otherwise.
 """
 from __future__ import annotations
 

@@ -25,10 +25,11 @@ at its own speed whatever its batch, and the split is net of it
 (:class:`ddpwire.balance.Balancer`'s lags). The hook shares every rank's
 compute and its previous step's wait with a small allreduce issued after
 the last bucket's, so all ranks feed the same figures to the same rules and
-agree on every split without a word more. With a DataLoader that prefetches (``num_workers`` >
-0), pass ``lag``: the batches the loader samples ahead of the step being
-trained (``num_workers * prefetch_factor``); the split of a step then
-follows the timings ``lag`` steps older.
+agree on every split without a word more. With a DataLoader that
+prefetches (``num_workers`` > 0), pass ``lag``: the batches the loader
+samples ahead of the step being trained (``num_workers *
+prefetch_factor``); the split of a step then follows the timings ``lag``
+steps older.
 
 Not for ``no_sync()`` gradient accumulation: the hook counts steps by the
 backward passes that reach it.
@@ -152,7 +153,8 @@ class BalancedBatchSampler:
                     self.balancer.observe(r, self.splits[self._fed][r], seconds)
                 waits = times[world:]
                 if self._fed > 0 and waits.min() >= 0.0:
-                    # the step before's last rank ready waited least: the rest was its
+                    # the rank that waited least in the step before was the
+                    # last one ready: the rest of that step was its own
                     last = int(waits.argmin())
                     self.balancer.ended(last, float(waits[last]))
                 self.splits.pop(self._fed, None)
