@@ -144,7 +144,10 @@ def test_slow_uplink(benchmark, link_plan, case):
     measured = out["steps"][WARMUP:]
     rate = len(measured) * SAMPLES / sum(s["step_time_s"] for s in measured)
     RATES[case] = rate
-    shards = [[w["shard"] for w in s["workers"]] for s in out["steps"]]
+    # worker ids follow the order of the joins: each machine's report names its own
+    ids = [r["worker"] for r in out["reports"]]
+    shards = [[{w["worker"]: w["shard"] for w in s["workers"]}[i] for i in ids]
+              for s in out["steps"]]
     alone = RATES.get("alone")
     baseline = RATES.get("balanced") if case == "baseline" else None
     benchmark.extra_info.update(
@@ -154,10 +157,14 @@ def test_slow_uplink(benchmark, link_plan, case):
         balanced_vs_baseline=None if baseline is None else baseline / rate,
         baseline_commit=None if case != "baseline" else _commit(BASELINE),
         step_time_median_s=statistics.median(s["step_time_s"] for s in measured),
+        # shards, arrivals and compute by machine: the fast link's first
         shards=shards, mean_shards=[statistics.mean(x[i] for x in shards[WARMUP:])
                                     for i in range(len(shards[0]))],
-        arrivals_s=[[w.get("arrival_s") for w in s["workers"]] for s in out["steps"]],
-        compute_s=[[w["compute_s"] for w in s["workers"]] for s in out["steps"]])
+        machine_worker_ids=ids,
+        arrivals_s=[[{w["worker"]: w.get("arrival_s") for w in s["workers"]}[i] for i in ids]
+                    for s in out["steps"]],
+        compute_s=[[{w["worker"]: w["compute_s"] for w in s["workers"]}[i] for i in ids]
+                   for s in out["steps"]])
 
 
 def _commit(checkout: Optional[str]) -> Optional[str]:
