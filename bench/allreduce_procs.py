@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import resource
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -188,6 +189,14 @@ def use_baseline(path: Optional[str]) -> None:
     """Import ddpwire from ``path`` in this (spawned) process, not from here."""
     if path:
         sys.path.insert(0, path)
+
+
+def baseline_commit(checkout: str) -> str:
+    """The commit another checkout is at (with "+" when it has changes)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", checkout, *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain") else "")
 
 
 @dataclass(frozen=True)

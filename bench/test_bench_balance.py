@@ -78,6 +78,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pytest
 
 import balance_trace  # bench/, beside this file
+from allreduce_procs import BASELINE_ENV, baseline_commit
 from ddpwire import Coordinator
 from ddpwire.metrics import MetricsFile
 from ddpwire.serve import serve
@@ -111,15 +112,7 @@ TRACE = os.environ.get("DDPWIRE_BALANCE_TRACE") == "1"
 #: pin the emulated machines to CPUs of their own where there are enough (placement())
 PIN = os.environ.get("DDPWIRE_BALANCE_PIN", "1") == "1"
 #: another built checkout, whose shard rules the rounds run beside this one's
-BASELINE = os.environ.get("DDPWIRE_BASELINE")
-
-
-def baseline_commit(checkout: str) -> str:
-    """The commit another checkout is at (with "+" when it has changes)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", checkout, *args], check=True, capture_output=True,
-                              text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain") else "")
+BASELINE = os.environ.get(BASELINE_ENV)
 
 
 def baseline_balancer(checkout: str):
@@ -148,6 +141,28 @@ def baseline_balancer(checkout: str):
                 super().ended(worker, seconds)
 
     return Baseline
+
+
+def in_turn(r: int, this, baseline):
+    """(this(), baseline()) of round ``r``, the baseline first in odd rounds
+    so that neither always runs second; (this(), None) without one."""
+    if baseline is None:
+        return this(), None
+    if r % 2:
+        old = baseline()
+        return this(), old
+    new = this()
+    return new, baseline()
+
+
+def baseline_summary(rounds: List[dict]) -> dict:
+    """What a rounds test adds to its JSON with :data:`BASELINE` (none without)."""
+    if BASELINE is None:
+        return {}
+    return dict(baseline_commit=baseline_commit(BASELINE),
+                vs_baseline=[x["vs_baseline"] for x in rounds],
+                vs_baseline_median=statistics.median(x["vs_baseline"] for x in rounds),
+                baseline_ratios=[x["baseline_ratio"] for x in rounds])
 
 
 def placement(speeds: Sequence[float]) -> Tuple[List[Optional[int]], Optional[int]]:
@@ -492,13 +507,11 @@ def test_rounds(benchmark, setup):
     def run():
         for r in range(ROUNDS):
             solos = [run_plain([s], False, steps, tag=f"r{r}").throughput() for s in speeds]
-            old = {}
-            if baseline is not None and r % 2:
-                old = against(baseline, r)
-            together = run_plain(speeds, True, steps, tag=f"{setup}r{r}")
+            together, old = in_turn(
+                r, lambda: run_plain(speeds, True, steps, tag=f"{setup}r{r}"),
+                None if baseline is None else lambda: against(baseline, r))
             rate = together.throughput()
-            if baseline is not None and not r % 2:
-                old = against(baseline, r)
+            old = old or {}
             if old:
                 old.update(baseline_ratio=old["baseline_samples_per_s"] / sum(solos),
                            vs_baseline=rate / old["baseline_samples_per_s"],
@@ -536,12 +549,7 @@ def test_rounds(benchmark, setup):
                                 ratios_bracketed=bracketed,
                                 ratio_bracketed_median=statistics.median(bracketed),
                                 ratio_min=min(ratios), ratio_max=max(ratios),
-                                **({} if baseline is None else dict(
-                                    baseline_commit=baseline_commit(BASELINE),
-                                    vs_baseline=[x["vs_baseline"] for x in rounds],
-                                    vs_baseline_median=statistics.median(
-                                        x["vs_baseline"] for x in rounds),
-                                    baseline_ratios=[x["baseline_ratio"] for x in rounds])))
+                                **baseline_summary(rounds))
 
 
 # ---- mid-run slowdown ----
@@ -753,12 +761,10 @@ def test_ddp_rounds(benchmark, tmp_path, setup):
         for r in range(ROUNDS):
             solos = [ddp_plain(tmp_path, [s], False, tag=f"s{r}{i}")
                      for i, s in enumerate(speeds)]
-            old = None
-            if old_env is not None and r % 2:
-                old = ddp_plain(tmp_path, speeds, True, old_env, tag=f"b{r}")
-            rate = ddp_plain(tmp_path, speeds, True, tag=f"t{r}")
-            if old_env is not None and not r % 2:
-                old = ddp_plain(tmp_path, speeds, True, old_env, tag=f"b{r}")
+            rate, old = in_turn(
+                r, lambda: ddp_plain(tmp_path, speeds, True, tag=f"t{r}"),
+                None if old_env is None else
+                lambda: ddp_plain(tmp_path, speeds, True, old_env, tag=f"b{r}"))
             rounds.append(dict(solo_samples_per_s=solos, samples_per_s=rate,
                                ratio=rate / sum(solos),
                                **({} if old is None else dict(
@@ -771,9 +777,4 @@ def test_ddp_rounds(benchmark, tmp_path, setup):
         kind="rounds", setup=setup, speeds=list(speeds), balance=True, ddp=True,
         cfs_period_us=PERIOD_US, samples_per_step=SAMPLES, warmup=WARMUP, measured=MEASURED,
         rounds=rounds, ratios=ratios, ratio_median=statistics.median(ratios),
-        ratio_min=min(ratios), ratio_max=max(ratios),
-        **({} if BASELINE is None else dict(
-            baseline_commit=baseline_commit(BASELINE),
-            vs_baseline=[x["vs_baseline"] for x in rounds],
-            vs_baseline_median=statistics.median(x["vs_baseline"] for x in rounds),
-            baseline_ratios=[x["baseline_ratio"] for x in rounds])))
+        ratio_min=min(ratios), ratio_max=max(ratios), **baseline_summary(rounds))

@@ -37,9 +37,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
+
+from allreduce_procs import BASELINE_ENV, baseline_commit
 
 from . import net, params, plan, shaping
 
@@ -53,7 +55,7 @@ WARMUP = 5
 MEASURED = int(os.environ.get("DDPWIRE_BALANCE_STEPS", "40"))
 FAST = params.parse_rate(os.environ.get("DDPWIRE_LINK_FAST", "10gbit"))
 SLOW = params.parse_rate(os.environ.get("DDPWIRE_LINK_SLOW", "400mbit"))
-BASELINE = os.environ.get("DDPWIRE_BASELINE")
+BASELINE = os.environ.get(BASELINE_ENV)
 TOPOLOGY = os.environ.get("DDPWIRE_LINK_TOPOLOGY", "mesh")
 TIMEOUT = 300.0
 CASES = ["alone", "equal", "balanced"] + (["baseline"] if BASELINE else [])
@@ -155,7 +157,7 @@ def test_slow_uplink(benchmark, link_plan, case):
         samples_per_step=SAMPLES, warmup=WARMUP, measured=MEASURED, samples_per_s=rate,
         vs_alone=None if alone is None else rate / alone,
         balanced_vs_baseline=None if baseline is None else baseline / rate,
-        baseline_commit=None if case != "baseline" else _commit(BASELINE),
+        baseline_commit=baseline_commit(BASELINE) if case == "baseline" and BASELINE else None,
         step_time_median_s=statistics.median(s["step_time_s"] for s in measured),
         # shards, arrivals and compute by machine: the fast link's first
         shards=shards, mean_shards=[statistics.mean(x[i] for x in shards[WARMUP:])
@@ -166,9 +168,3 @@ def test_slow_uplink(benchmark, link_plan, case):
         compute_s=[[{w["worker"]: w["compute_s"] for w in s["workers"]}[i] for i in ids]
                    for s in out["steps"]])
 
-
-def _commit(checkout: Optional[str]) -> Optional[str]:
-    if not checkout:
-        return None
-    return subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip() or None
