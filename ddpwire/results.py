@@ -129,7 +129,7 @@ class StepReport:
 
     @property
     def exchange_time(self) -> Optional[float]:
-        """The step's seconds past its slowest worker's compute: the
+        """The step's seconds past the compute of the worker it waited for: the
         exchange as every worker waits on it, on the star or the mesh (None
         when some worker's time is unknown)."""
         slowest = self.waited_for
