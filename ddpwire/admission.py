@@ -59,6 +59,10 @@ class Admitted:
     granted: Dict[int, bytes]
     worker_id: int = -1
 
+    def name(self) -> str:
+        """The worker as a user knows it: its node id at its host."""
+        return f"{self.join.node_id}@{self.address[0]}"
+
     def info(self) -> WorkerInfo:
         return WorkerInfo(worker_id=self.worker_id, node_id=self.join.node_id,
                           gpu_count=self.join.gpu_count, backend=self.join.backend,
@@ -328,7 +332,7 @@ class Admission:
         self.handshakes.close_all()
 
     def _describe_joined(self) -> str:
-        joined = [f"worker {s.worker_id} {s.join.node_id}@{s.address[0]}" for s in self.slots if s]
+        joined = [f"worker {s.worker_id} {s.name()}" for s in self.slots if s]
         return f" ({', '.join(joined)})" if joined else ""
 
     def _describe_pending(self) -> str:

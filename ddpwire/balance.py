@@ -1,43 +1,50 @@
-"""Each step's shards sized by the workers' measured speeds.
+"""Each step's shards sized by the workers' measured step times.
 
 Arithmetic only (no I/O): the coordinator feeds :class:`Balancer` each
 worker's compute time for its shard, as the worker reported it
-(StepTiming, docs/extensions.md "Shards by measured speed"), and asks it
-for the next step's shard sizes.
+(StepTiming, docs/extensions.md "Shards by measured speed"), the lags
+outside its compute, and each step's measured time end to end; it asks for
+the next step's shard sizes.
 
 The rules, and why:
 
-- A worker's speed is samples per second of compute, smoothed over the
-  steps (an exponential average, weight :data:`SMOOTHING` on the newest):
-  one step's time is noisy (a page fault, a collection, another process),
-  and a shard sized from it alone would swing from step to step.
-- The shards are in proportion to the smoothed speeds, in whole samples,
-  by largest remainder, so they add up to the step's total exactly; every
-  worker keeps at least one sample (when there are enough), or its speed
-  could never be measured again.
-- Two measurements in a row more than :data:`JUMP` away from the smoothed
-  speed, on the same side and within :data:`JUMP` of each other, replace
-  it: a machine that really slowed down (throttled, another job) is
-  followed in two steps, while noise, however large, is only smoothed.
-- A step ends when the last worker's part is in, not when its compute
-  ends: each worker has a lag outside its compute that a shard's size does
-  not change (its optimizer step before the shard came, a stop before its
-  upload, and, when it is the last one in, the rest of its part of the
-  exchange, which a slow machine or a slow link pays at its own speed).
-  The shards are sized so that compute plus lag ends alike for every
-  worker: ``c_i = r_i * (t - lag_i)``, ``t`` set by ``sum(c_i) = T``.
-  Each lag is smoothed like the speeds; one never measured counts as 0.
-- The shards change only when the new split is predicted to shorten the
-  step by more than :data:`TOLERANCE`: a difference of a sample or two is
-  noise, and shards that flap cost more than they save. Nor do they change
-  while the last step's predicted ends are within :data:`SETTLED` of each
-  other: where a step is mostly a fixed cost, the speeds per sample
-  mislead. A step whose slowest compute is under :data:`MIN_COMPUTE` is
-  left alone.
-- A worker's first measurement (its warm-up) is left out.
-- Until every worker has been timed once, the split is the reference's
-  (``T // n``, the rest to the last), which is also the split of a
-  coordinator that does not balance.
+- A worker's compute is a fixed part plus a part per sample
+  (:class:`ddpwire.step_model.StepModel`, fitted robustly over its recent
+  steps): the fixed part (Python, kernel launches, the optimizer) does not
+  shrink with the shard, and a rule that takes samples per second of the
+  whole compute as the speed starves a worker given few samples for good.
+- A step ends when the last worker's part is in: each worker also has a
+  lag outside its compute (its optimizer step before the shard came, a stop
+  before its upload, and, when it is the last one in, the rest of its part
+  of the exchange). The lags are medians of their last :data:`LAGS`
+  measurements; one never measured counts as 0.
+- The shards minimise the predicted step, ``max(fixed_i + lag_i +
+  per_sample_i * c_i)``, over whole samples adding up to the step's total,
+  with none below :data:`FLOOR` of an equal share (at least one sample):
+  a worker keeps enough samples that its time per sample can be measured,
+  and so can win its share back. No worker gets 0: it would still compute,
+  send and wait for every step, so a shard of none saves only the floor's
+  samples.
+- The split moves only when the predicted step is shorter by more than the
+  model's own error (twice the largest worker's robust scale of a step
+  around its fit, and at least :data:`TOLERANCE` of the step), and away
+  from equal shards only when equal shards are predicted to lose by as
+  much. Identical workers stay at equal shards; noise moves nothing.
+- A move is at most a halving or a doubling of any shard, and half the
+  way while a worker's fixed and per-sample parts are not told apart (one
+  shard size measured): a wrong model costs a step or two, not a run.
+- The guard (``guard=True``, ``--balance auto``): once the shards left
+  equal, the split's measured step times (not predicted ones) are now and
+  then compared with :data:`PROBE_STEPS` steps of equal shards, after
+  :data:`GUARD_FIRST` steps and then twice as long each time balancing
+  wins (at most :data:`GUARD_LAST`). When it does not win by
+  :data:`GUARD_WIN`, the shards go back to equal for :data:`HOLD` steps
+  (twice as long each time), and :attr:`Balancer.notes` says why. The
+  equal steps also measure every worker at an equal shard again.
+- A worker's first measurement (its warm-up) is left out. Until every
+  worker has been timed once, the split is the reference's (``T // n``,
+  the rest to the last), which is also the split of a coordinator that
+  does not balance.
 
 The average over unequal shards is the sample-weighted mean
 ``sum(c_i * g_i) / sum(c_i)``: each worker multiplies its mean gradient by
@@ -47,36 +54,43 @@ shards the scale is exactly 1 and the bits are the reference's.
 """
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["CHOICES", "JUMP", "MIN_COMPUTE", "SETTLED", "SMOOTHING", "TOLERANCE", "Balancer",
-           "ShardClock", "Shards", "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
+from .step_model import StepModel
+
+__all__ = ["CHOICES", "FLOOR", "GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "HOLD", "LAGS",
+           "PROBE_STEPS", "TOLERANCE", "Balancer", "ShardClock", "Shards", "WorkerTiming",
+           "equal_shards", "sample_scale", "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
-CHOICES = {"auto": "auto", "on": True, "off": False}
-#: weight of the newest measurement in a worker's smoothed speed (a real
-#: change of speed is followed sooner, by the JUMP rule)
-SMOOTHING = 0.3
-#: how far (a fraction of the smoothed speed) a measurement must fall from
-#: it, twice in a row, alike, for the speed to jump there
-JUMP = 0.2
-#: the smallest predicted saving (a fraction of the step's compute time)
-#: worth changing the shards for
+CHOICES: Dict[str, Union[bool, str]] = {"auto": "auto", "on": True, "off": False}
+#: lag measurements whose median is a worker's lag
+LAGS = 9
+#: the smallest predicted saving (a fraction of the step) worth a move
 TOLERANCE = 0.03
-#: a step whose workers' predicted ends (compute plus lag) are within this
-#: fraction of each other is balanced already
-SETTLED = 0.05
-#: seconds of compute below which a step is left as it is (the shards the
-#: reference splits stay, and with them its bits)
-MIN_COMPUTE = 0.005
+#: the smallest shard, a fraction of an equal share (at least one sample)
+FLOOR = 0.1
+#: equal steps of a guard's comparison (the first, a change of split, is not timed)
+PROBE_STEPS = 5
+#: balanced steps before the first comparison, and the most between two
+GUARD_FIRST = 20
+GUARD_LAST = 640
+#: by how much (a fraction of the equal shards' step) balancing must win
+GUARD_WIN = 0.02
+#: steps of equal shards after balancing lost (twice as many each time)
+HOLD = 200
+#: balanced step times the comparison takes (the most recent, past a change)
+_WINDOW = 16
 
-
-def _far(rate: float, reference: float) -> bool:
-    return abs(rate - reference) > JUMP * reference
+#: the guard's states (Balancer.state)
+EQUAL, BALANCED, PROBE, HELD = "equal", "balanced", "probe", "held"
 
 
 def equal_shards(total: int, workers: int) -> List[int]:
@@ -117,64 +131,111 @@ class WorkerTiming:
     samples: int
     #: seconds of compute the worker reported (None: it reports none)
     compute: Optional[float]
-    #: smoothed samples per second of compute (None until measured)
+    #: samples per second of its per-sample part (None until measured)
     rate: Optional[float]
     #: seconds from the step's shards going out to its part coming in (None: not measured)
     arrival: Optional[float] = None
+    #: fitted seconds of its compute whatever its shard (None until measured)
+    fixed: Optional[float] = None
+    #: fitted seconds of its compute per sample (None until measured)
+    per_sample: Optional[float] = None
+    #: the worker as a user knows it: its node id and host
+    name: str = ""
+
+
+def _largest_remainder(ideal: Sequence[float], total: int) -> List[int]:
+    """Whole counts adding up to ``total`` nearest ``ideal`` (which adds up
+    to it); ties go to the lower index, so every run splits alike."""
+    split = [int(math.floor(x)) for x in ideal]
+    order = sorted(range(len(ideal)), key=lambda i: (split[i] - ideal[i], i))
+    for i in order[:total - sum(split)]:
+        split[i] += 1
+    return split
 
 
 class Balancer:
-    """Shard sizes for ``workers`` workers, in proportion to their speeds
-    and net of their lags.
+    """Shard sizes for ``workers`` workers that minimise the predicted step.
 
     :meth:`observe` feeds one worker's compute time for a shard (and the
     lag before its part came in), :meth:`ended` the rest of a step after
-    its last worker's part came in; :meth:`shards` returns the next step's
-    sizes. ``smoothing`` and ``tolerance`` are :data:`SMOOTHING` and
-    :data:`TOLERANCE` by default.
+    its last worker's part came in, :meth:`stepped` a step's measured time
+    end to end; :meth:`shards` returns a step's sizes. ``guard`` (``--balance
+    auto``) compares balanced steps with equal ones now and then and goes
+    back to equal shards where balancing does not win (module docstring).
     """
 
-    def __init__(self, workers: int, *, smoothing: float = SMOOTHING,
+    def __init__(self, workers: int, *, guard: bool = True,
                  tolerance: float = TOLERANCE) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
         if not 0.0 <= tolerance < 1.0:
             raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
         self.workers = workers
-        self.smoothing = smoothing
+        self.guard = guard
         self.tolerance = tolerance
-        #: smoothed samples per second of compute, per worker (None: not yet timed)
-        self.rates: List[Optional[float]] = [None] * workers
-        #: smoothed seconds from a shard going out to the worker's part coming
-        #: in, outside its compute (None: not yet measured)
-        self.before: List[Optional[float]] = [None] * workers
-        #: smoothed seconds a step went on after its part came in, when it
-        #: was the last one in (None: not yet measured)
-        self.after: List[Optional[float]] = [None] * workers
-        self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
-        self._prev: List[Optional[float]] = [None] * workers  # the last raw speed
-        self._seconds: List[Optional[float]] = [None] * workers  # the last compute time
+        #: each worker's fitted compute time (ddpwire.step_model.StepModel)
+        self.models = [StepModel() for _ in range(workers)]
+        self._before: List[Deque[float]] = [deque(maxlen=LAGS) for _ in range(workers)]
+        self._after: List[Deque[float]] = [deque(maxlen=LAGS) for _ in range(workers)]
         self._warm = [False] * workers  # a worker's first measurement is its warm-up
+        self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
+        #: the guard's state: equal, balanced, probe (equal steps to compare) or held
+        self.state = EQUAL
+        #: why the shards went back to equal, newest last (the caller logs them)
+        self.notes: List[str] = []
+        self._planned: Dict[int, Tuple[str, bool]] = {}  # step -> (state, split changed)
+        self._times: Dict[str, Deque[float]] = {BALANCED: deque(maxlen=_WINDOW),
+                                                PROBE: deque(maxlen=PROBE_STEPS)}
+        self._steps_in_state = 0
+        self._interval = GUARD_FIRST
+        self._hold = HOLD
+        self._fallbacks = 0
+        self._resume: Optional[Tuple[List[int], List[int]]] = None  # the split a probe left
+        self._jumps = 0        # the models' jumps seen (a jump is re-measured at equal shards)
+        self._measuring = False  # the probe under way only measures (after a jump)
+
+    # ---- what is measured ----
+
+    @property
+    def rates(self) -> List[Optional[float]]:
+        """Each worker's samples per second of its per-sample part (None
+        until measured; inf where no time per sample shows)."""
+        return [None if m.per_sample is None else
+                (1.0 / m.per_sample if m.per_sample > 0 else math.inf) for m in self.models]
+
+    @property
+    def before(self) -> List[Optional[float]]:
+        """Each worker's seconds from a shard going out to its part coming
+        in, outside its compute (median; None: not yet measured)."""
+        return [statistics.median(d) if d else None for d in self._before]
+
+    @property
+    def after(self) -> List[Optional[float]]:
+        """Each worker's seconds a step went on after its part came in,
+        when it was the last one in (median; None: not yet measured)."""
+        return [statistics.median(d) if d else None for d in self._after]
 
     def forget(self, worker: int) -> None:
         """Forget what was measured of ``worker``: it is timed afresh."""
-        self.rates[worker] = self._prev[worker] = self._seconds[worker] = None
-        self.before[worker] = self.after[worker] = None
+        self._check(worker)
+        self.models[worker] = StepModel()
+        self._before[worker].clear()
+        self._after[worker].clear()
         self._warm[worker] = False
         self._last = None
 
     def lag(self, worker: int) -> float:
         """Seconds ``worker`` adds to a step besides its compute (0 until measured)."""
-        return (self.before[worker] or 0.0) + (self.after[worker] or 0.0)
+        before, after = self._before[worker], self._after[worker]
+        return (statistics.median(before) if before else 0.0) + \
+            (statistics.median(after) if after else 0.0)
 
     def observe(self, worker: int, samples: int, seconds: float,
                 before: Optional[float] = None) -> None:
         """Worker ``worker`` computed ``samples`` samples in ``seconds``;
         its part came in ``before`` seconds of other time after its shard
         went out (None: not measured). A shard of no samples, or a time too
-        short to measure, says nothing about the speed and is ignored."""
+        short to measure, says nothing and is ignored."""
         self._check(worker)
         if samples <= 0 or not seconds > 1e-6:
             return
@@ -184,23 +245,8 @@ class Balancer:
             self._warm[worker] = True
             return
         if before is not None:
-            self.before[worker] = self._smooth(self.before[worker], max(0.0, before))
-        rate = samples / seconds
-        self._seconds[worker] = seconds
-        old = self.rates[worker]
-        if old is None:
-            self.rates[worker] = rate
-            return
-        # two measurements in a row far off the same way, and close to each
-        # other, are a machine that changed speed (throttled, another job):
-        # follow it at once. Bursty noise (a CPU quota's period longer than
-        # a step) is far off too, but not twice alike: it is only smoothed.
-        prev, self._prev[worker] = self._prev[worker], rate
-        if prev is not None and _far(rate, old) and _far(prev, old) and \
-                (rate > old) == (prev > old) and not _far(rate, prev):
-            self.rates[worker] = (rate + prev) / 2
-        else:
-            self.rates[worker] = self._smooth(old, rate)
+            self._before[worker].append(max(0.0, before))
+        self.models[worker].add(samples, seconds)
 
     def ended(self, worker: int, seconds: float) -> None:
         """A step went on ``seconds`` after the part of ``worker``, its
@@ -208,96 +254,182 @@ class Balancer:
         exchange, at its speed (and over its link)."""
         self._check(worker)
         if self._warm[worker] and seconds >= 0.0:
-            self.after[worker] = self._smooth(self.after[worker], seconds)
+            self._after[worker].append(seconds)
+
+    def stepped(self, step: int, seconds: float) -> None:
+        """``step`` (as :meth:`shards` planned it) took ``seconds`` end to
+        end: what the guard compares. A step whose split changed is left
+        out (it carries the change's own cost)."""
+        planned = self._planned.pop(step, None)
+        if planned is None or not seconds > 0.0:
+            return
+        state, changed = planned
+        if state in self._times and not changed:
+            self._times[state].append(seconds)
 
     def _check(self, worker: int) -> None:
         if not 0 <= worker < self.workers:
             raise ValueError(f"worker {worker} is not one of the {self.workers} workers")
 
-    def _smooth(self, old: Optional[float], new: float) -> float:
-        return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new
+    # ---- the split ----
 
-    def shards(self, total: int, active: Optional[Sequence[int]] = None) -> List[int]:
-        """The next step's shard sizes, one per worker: they add up to
+    def shards(self, total: int, active: Optional[Sequence[int]] = None,
+               step: Optional[int] = None) -> List[int]:
+        """The shard sizes of ``step``, one per worker: they add up to
         ``total``. ``active`` (worker ids; default all) are the workers
-        that take part; every other one gets 0 and its speed is kept."""
+        that take part; every other one gets 0 and its model is kept.
+        ``step`` names the step for :meth:`stepped` (None: not timed)."""
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
         ids = list(range(self.workers)) if active is None else sorted(active)
         if not ids:
             raise ValueError("no active worker to give the samples to")
-        rates = [self.rates[i] for i in ids]
-        if any(r is None for r in rates):
-            sub = equal_shards(total, len(ids))
+        last = self._last
+        current = last[1] if last is not None and last[0] == ids and sum(last[1]) == total \
+            else None
+        equal = equal_shards(total, len(ids))
+        if current is None and self.state != HELD:
+            self._enter(EQUAL)  # another set of workers or total: start over
+        if total < len(ids) or any(not self.models[i].measured for i in ids):
+            sub = equal
         else:
-            sub = self._proportional(total, [float(r) for r in rates],  # type: ignore[arg-type]
-                                     [self.lag(i) for i in ids])
-            last = self._last
-            if last is not None and last[0] == ids and sum(last[1]) == total and (
-                    self._settled(ids) or
-                    self._time(sub, ids) >= (1.0 - self.tolerance) * self._time(last[1], ids)):
-                sub = last[1]
+            sub = self._decide(total, ids, equal, current if current is not None else equal)
+        if step is not None:
+            self._planned[step] = (self.state, current is not None and sub != current)
+            for old in [k for k in self._planned if k < step - 64]:
+                del self._planned[old]
         self._last = (ids, sub)
         split = [0] * self.workers
         for i, count in zip(ids, sub):
             split[i] = count
         return split
 
-    def _settled(self, ids: Sequence[int]) -> bool:
-        """The workers' last compute times plus their lags are within
-        :data:`SETTLED` of each other: nobody waits long, so nothing should
-        move. Where a step's time is mostly a fixed cost (a tiny model), a
-        worker given fewer samples looks slower per sample, and the
-        proportional rule alone would take its samples away step after
-        step, however equal the times already are."""
-        times = [self._seconds[i] for i in ids]
-        if any(t is None for t in times):
-            return False
-        # a step whose compute is this short is all latency: whatever moves
-        # saves next to nothing, and the times are mostly scheduling noise
-        if max(times) < MIN_COMPUTE:  # type: ignore[type-var]
-            return True
-        ends = [t + self.lag(i) for t, i in zip(times, ids)]  # type: ignore[operator]
-        return max(ends) <= (1.0 + SETTLED) * min(ends)
+    def _enter(self, state: str) -> None:
+        if state != self.state:
+            self.state, self._steps_in_state = state, 0
+            if state in self._times:
+                self._times[state].clear()
 
-    def _time(self, split: Sequence[int], ids: Sequence[int]) -> float:
-        """The step's predicted time under ``split`` (one count per id in
+    def _decide(self, total: int, ids: List[int], equal: List[int],
+                current: List[int]) -> List[int]:
+        """The guard's state, then the model's split within it."""
+        self._steps_in_state += 1
+        if self.state == HELD:
+            if self._steps_in_state <= self._hold:
+                return equal
+            self._enter(EQUAL)
+        jumps = sum(m.jumps for m in self.models)
+        if jumps != self._jumps:
+            # a worker changed speed: one shard size cannot say whether its
+            # fixed or its per-sample part did, so every worker is measured
+            # at an equal shard too before the split moves on
+            self._jumps = jumps
+            if current != equal and self.state != PROBE:
+                self._enter(PROBE)
+                self._measuring = True
+                return equal
+        if self.state == PROBE and self._measuring:
+            if self._steps_in_state <= PROBE_STEPS - 1:
+                return equal
+            self._measuring = False
+            self._resume = None
+            self._enter(EQUAL)
+            current = equal
+        if self.state == PROBE:
+            # the probe's first step changes the split: it is not timed (nor,
+            # for a caller whose timings come steps late, are the next ones yet)
+            if len(self._times[PROBE]) < PROBE_STEPS - 1 and \
+                    self._steps_in_state <= 4 * PROBE_STEPS:
+                return equal
+            if not self._balancing_wins():
+                return equal
+            self._enter(BALANCED)
+            resume, self._resume = self._resume, None
+            if resume is not None and resume[0] == ids and sum(resume[1]) == total:
+                return resume[1]  # where balancing was, not a walk back to it
+        if self.state == BALANCED and self.guard and self._steps_in_state > self._interval:
+            self._resume = (ids, current)
+            self._enter(PROBE)
+            return equal
+        sub = self._model_split(total, ids, equal, current)
+        if sub == equal:
+            self._enter(EQUAL)
+        elif self.state == EQUAL:
+            self._enter(BALANCED)
+        return sub
+
+    def _balancing_wins(self) -> bool:
+        """Compare the balanced steps' measured times with the probe's."""
+        balanced, probe = self._times[BALANCED], self._times[PROBE]
+        if not balanced or not probe:
+            return True  # nothing to compare (a caller that times no step)
+        with_, without = statistics.median(balanced), statistics.median(probe)
+        if with_ < (1.0 - GUARD_WIN) * without:
+            self._interval = min(2 * self._interval, GUARD_LAST)
+            return True
+        self._fallbacks += 1
+        if self._fallbacks == 1:
+            self.notes.append(
+                f"balancing is not winning: a step took {1000 * with_:.2f} ms with shards by "
+                f"speed against {1000 * without:.2f} ms with equal shards (medians); back to "
+                f"equal shards for {self._hold} steps")
+        self._enter(HELD)
+        self._steps_in_state = 1
+        self._hold = 2 * self._hold
+        self._interval = GUARD_FIRST
+        return False
+
+    def predict(self, split: Sequence[int], ids: Sequence[int]) -> float:
+        """The step's predicted seconds under ``split`` (one count per id in
         ``ids``): its last worker's compute plus lag."""
-        return max(c / self.rates[i] + self.lag(i)  # type: ignore[operator]
-                   for c, i in zip(split, ids))
+        return max(self.models[i].predict(c) + self.lag(i) for c, i in zip(split, ids))
+
+    def _model_split(self, total: int, ids: List[int], equal: List[int],
+                     current: List[int]) -> List[int]:
+        target = self._best(total, ids)
+        now = self.predict(current, ids)
+        error = 2.0 * max(self.models[i].error for i in ids)
+        margin = max(self.tolerance * now, error)
+        if self.predict(equal, ids) - self.predict(target, ids) <= \
+                max(self.tolerance * self.predict(equal, ids), error):
+            return equal  # not worth leaving equal shards
+        if now - self.predict(target, ids) <= margin:
+            return current
+        provisional = any(self.models[i].provisional for i in ids)
+        return self._toward(current, target, total, 0.5 if provisional else 1.0)
+
+    def _best(self, total: int, ids: List[int]) -> List[int]:
+        """Whole shards, none below the floor, that minimise the predicted
+        step: every shard above the floor ends at one time ``t``."""
+        n = len(ids)
+        floor = max(1, math.ceil(FLOOR * total / n)) if total >= n else 0
+        floor = min(floor, total // n)
+        base = [self.models[i].fixed + self.lag(i) for i in ids]  # type: ignore[operator]
+        slope = [max(self.models[i].per_sample, 1e-12) for i in ids]  # type: ignore[type-var]
+
+        def count(t: float) -> float:
+            return sum(max(floor, (t - a) / b) for a, b in zip(base, slope))
+        lo, hi = min(base), max(base) + max(slope) * total
+        for _ in range(100):  # bisect the common end time
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if count(mid) < total else (lo, mid)
+        ideal = [max(floor, (hi - a) / b) for a, b in zip(base, slope)]
+        scale = (total - floor * n) / max(sum(x - floor for x in ideal), 1e-12)
+        ideal = [floor + (x - floor) * scale for x in ideal]
+        return _largest_remainder(ideal, total)
 
     @staticmethod
-    def _proportional(total: int, rates: List[float], lags: List[float]) -> List[int]:
-        """Whole shards that end alike: ``rates[i] * (t - lags[i])``, at
-        least one sample each when there are enough (a worker whose lag
-        alone outlasts the others' compute keeps that one)."""
-        n = len(rates)
-        least = 1 if total >= n else 0
-        share = list(range(n))  # the workers above the least
-        while True:
-            whole = sum(rates[i] for i in share)
-            left = total - least * (n - len(share))
-            t = (left + sum(rates[i] * lags[i] for i in share)) / whole
-            keep = [i for i in share if rates[i] * (t - lags[i]) > least]
-            if len(keep) == len(share) or not keep:
-                break
-            share = keep
-        # (with nobody above the least, every one of them is at it)
-        ideal = [float(least)] * n
-        for i in share:
-            ideal[i] = max(0.0, rates[i] * (t - lags[i]))
-        split = [int(x) for x in ideal]
-        # largest remainder; ties go to the lower worker id, so every run splits alike
-        order = sorted(range(n), key=lambda i: (split[i] - ideal[i], i))
-        for i in order[:total - sum(split)]:
-            split[i] += 1
-        if least:
-            # a sample for every worker, taken from the largest shards
-            for i in range(n):
-                if split[i] == 0:
-                    split[max(range(n), key=lambda j: (split[j], -j))] -= 1
-                    split[i] = 1
-        return split
+    def _toward(current: List[int], target: List[int], total: int, most: float) -> List[int]:
+        """A step from ``current`` toward ``target``: at most ``most`` of
+        the way, and no shard more than halved or doubled."""
+        alpha = most
+        for c, t in zip(current, target):
+            if t > 2 * c:
+                alpha = min(alpha, c / (t - c))
+            elif 2 * t < c:
+                alpha = min(alpha, (c / 2) / (c - t))
+        ideal = [c + alpha * (t - c) for c, t in zip(current, target)]
+        return _largest_remainder(ideal, total)
 
 
 class Shards:
@@ -321,17 +453,23 @@ class Shards:
     :meth:`timings`) are over :attr:`active` only, in id order.
     """
 
-    def __init__(self, timed: Sequence[bool], balance: bool, *, weighted: bool = False,
-                 smoothing: float = SMOOTHING, tolerance: float = TOLERANCE) -> None:
+    def __init__(self, timed: Sequence[bool], balance: Union[bool, str], *,
+                 weighted: bool = False, tolerance: float = TOLERANCE,
+                 names: Optional[Sequence[str]] = None) -> None:
         self.timed = list(timed)
-        self.balance = balance
-        self.weighted = weighted or balance
-        self.balancer = Balancer(len(self.timed), smoothing=smoothing, tolerance=tolerance)
+        #: "auto" (shards by speed where they win: the guard), True or False
+        self.mode = balance
+        self.balance = balance is True or balance == "auto"
+        self.weighted = weighted or self.balance
+        self.balancer = Balancer(len(self.timed), guard=balance == "auto", tolerance=tolerance)
+        #: each worker's name as a user knows it (its node id and host)
+        self.names: List[str] = list(names) if names is not None else [""] * len(self.timed)
         #: the ids of the workers that take part, in id order
         self.active: List[int] = list(range(len(self.timed)))
         self.step: Optional[int] = None
         self.split: List[int] = [0] * len(self.timed)
         self._starts: List[int] = [0] * len(self.timed)
+        self._noted = 0  # the balancer's notes already handed out
         self._compute: List[Optional[float]] = [None] * len(self.timed)
         #: seconds from the shards going out to each worker's part coming in
         self._arrival: List[Optional[float]] = [None] * len(self.timed)
@@ -349,13 +487,14 @@ class Shards:
         if worker in self.active:
             self.active.remove(worker)
 
-    def add(self, worker: int, timed: bool) -> None:
+    def add(self, worker: int, timed: bool, name: str = "") -> None:
         """Put ``worker`` (joining between steps) in every later plan, its
         speed still to be measured (it may be another machine than the one
         that had its id)."""
         if worker not in self.active:
             self.active = sorted(self.active + [worker])
         self.timed[worker] = timed
+        self.names[worker] = name
         self.balancer.forget(worker)
 
     def plan(self, step: int, total: int, now: Optional[float] = None) -> List[int]:
@@ -366,7 +505,7 @@ class Shards:
         if now is not None:
             self._ended(step, now)
         if self.balance:
-            self.split = self.balancer.shards(total, self.active)
+            self.split = self.balancer.shards(total, self.active, step)
         else:
             self.split = [0] * len(self.timed)
             for w, count in zip(self.active, equal_shards(total, len(self.active))):
@@ -387,6 +526,8 @@ class Shards:
         (``step`` is the same), nor one a worker's part of was not timed."""
         if self._planned_at is None or self.step is None or step != self.step + 1:
             return
+        if self.balance:
+            self.balancer.stepped(self.step, now - self._planned_at)
         arrivals = [(self._arrival[w], w) for w in self.active if self.split[w] > 0]
         if not arrivals or any(a is None for a, _ in arrivals):
             return
@@ -472,9 +613,24 @@ class Shards:
 
     def timings(self) -> List[WorkerTiming]:
         """Each active worker's part of the planned step, as far as it is known."""
-        return [WorkerTiming(w, self.split[w], self._compute[w], self.balancer.rates[w],
-                             self._arrival[w])
+        rates, models = self.balancer.rates, self.balancer.models
+        return [WorkerTiming(w, self.split[w], self._compute[w], rates[w], self._arrival[w],
+                             models[w].fixed, models[w].per_sample, self.names[w])
                 for w in self.active]
+
+    @property
+    def state(self) -> str:
+        """Where the shards stand: "off" (equal, not balancing), or the
+        balancer's "equal", "balanced", "probe" (equal steps the guard
+        compares with) or "held" (back to equal: balancing did not win)."""
+        return self.balancer.state if self.balance else "off"
+
+    def notes(self) -> List[str]:
+        """What the balancer said since the last call (why it went back to
+        equal shards): for the caller to log."""
+        new = self.balancer.notes[self._noted:]
+        self._noted = len(self.balancer.notes)
+        return new
 
 
 class ShardClock:

@@ -96,6 +96,8 @@ class Membership:
             with roster.talking(step):
                 self.admit(step, 0.0, expect_workers)
         roster.shards.plan(step, total, time.perf_counter())
+        for note in roster.shards.notes():
+            log.warning("%s", note)
         with roster.talking(step):
             sent, lost = roster.assign(step, elastic=self.elastic)
             if lost:
@@ -285,14 +287,14 @@ class Membership:
             roster.channels = sorted(roster.channels + [chan], key=lambda c: c.peer_id)
             roster.workers = sorted(roster.workers + [a.info()], key=lambda i: i.worker_id)
             timed = Extension.BALANCE in a.granted
-            roster.shards.add(a.worker_id, timed)
+            roster.shards.add(a.worker_id, timed, a.name())
             if timed:
                 roster.watch_timing(chan)
             self.events.append(MembershipEvent(
-                step, a.worker_id, f"joined from {a.join.node_id}@{a.address[0]}",
+                step, a.worker_id, f"joined from {a.name()}",
                 len(roster.channels), False, joined=True))
-            log.warning("worker %d (%s@%s) joined before step %d: going on with %s",
-                        a.worker_id, a.join.node_id, a.address[0], step,
+            log.warning("worker %d (%s) joined before step %d: going on with %s",
+                        a.worker_id, a.name(), step,
                         counted(len(roster.channels), "worker"))
 
     def _hand_state(self, step: int, joiner: Channel) -> None:

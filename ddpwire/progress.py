@@ -141,16 +141,18 @@ def _ms(seconds: Optional[float]) -> str:
 
 def worker_rows(report: StepReport) -> List[str]:
     """The step's per-worker table (empty when no worker reports its
-    time): each worker's shard, speed, compute and wait, and which worker
-    the step waited for."""
+    time): each worker's name, shard, fitted fixed and per-sample time,
+    compute and wait, and which worker the step waited for (the last
+    whose part came in, never one merely given few samples)."""
     if not any(w.compute is not None for w in report.workers):
         return []
     slowest = report.waited_for
     rows = []
     for w, wait in zip(report.workers, report.waits()):
-        rate = "-" if w.rate is None else f"{w.rate:,.0f}"
-        rows.append(f"  worker {w.worker_id:<3} shard {w.samples:>7}  {rate:>9} samples/s  "
-                    f"compute {_ms(w.compute):>10}  wait {_ms(wait):>10}"
+        per = "-" if w.per_sample is None else f"{1e6 * w.per_sample:.1f} us"
+        rows.append(f"  worker {w.worker_id:<3} {w.name:<24} shard {w.samples:>7}  "
+                    f"fixed {_ms(w.fixed):>9}  per sample {per:>9}  "
+                    f"compute {_ms(w.compute):>9}  wait {_ms(wait):>9}"
                     + ("  <- the step waited for it" if w.worker_id == slowest else ""))
     return rows
 

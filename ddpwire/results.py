@@ -104,6 +104,9 @@ class StepReport:
     step_time: float
     #: each worker's shard and compute time (:class:`ddpwire.balance.WorkerTiming`)
     workers: List[WorkerTiming] = field(default_factory=list)
+    #: where the shards stood (ddpwire.balance.Shards.state: "off", "equal",
+    #: "balanced", "probe" or "held"; None: not known)
+    balance: Optional[str] = None
     #: the workers an elastic session lost during this step, or took in before it
     membership: List[MembershipEvent] = field(default_factory=list)
 
@@ -152,7 +155,9 @@ class StepReport:
             "samples": self.samples, "step_time_s": self.step_time,
             "allreduce_time_s": self.allreduce_time, "exchange_s": self.exchange_time,
             "waited_for": self.waited_for,
-            "workers": [{"worker": w.worker_id, "shard": w.samples, "compute_s": w.compute,
+            "balance": self.balance,
+            "workers": [{"worker": w.worker_id, "name": w.name, "shard": w.samples,
+                         "compute_s": w.compute, "fixed_s": w.fixed, "per_sample_s": w.per_sample,
                          "wait_s": wait, "samples_per_s": w.rate, "arrival_s": w.arrival}
                         for w, wait in zip(self.workers, self.waits())],
             "membership": [e.as_json() for e in self.membership],

@@ -75,7 +75,7 @@ class Roster:
     def open_channel(self, a: Admitted) -> Channel:
         """The channel of a worker that completed the join."""
         return Channel(a.sock, timeout=self.timeout, lost=WorkerLost, peer_id=a.worker_id,
-                       peer_name=f"worker {a.worker_id} ({a.join.node_id}@{a.address[0]})",
+                       peer_name=f"worker {a.worker_id} ({a.name()})",
                        max_frame=self.max_frame, heartbeat_timeout=self.heartbeat_timeout)
 
     def start_shards(self, admitted: Sequence[Admitted], balance: Union[bool, str], *,
@@ -86,13 +86,17 @@ class Roster:
         timed = [Extension.BALANCE in a.granted for a in admitted]
         # "auto" stays off beside a reference worker: its speed is only seen
         # from when its gradient arrives, its weight applied here
-        self.shards = _balance.Shards(timed, balance is True or (balance == "auto" and all(timed)),
-                                      weighted=weighted)
+        mode = balance if balance is True or all(timed) else False
+        self.shards = _balance.Shards(timed, mode, weighted=weighted,
+                                      names=[a.name() for a in admitted])
         for chan, on in zip(self.channels, timed):
             if on:
                 self.watch_timing(chan)
-        if self.shards.balance:
+        if mode is True:
             log.info("shards follow each worker's measured speed")
+        elif mode == "auto":
+            log.info("shards follow each worker's measured speed where that is measured "
+                     "to shorten the steps (--balance on: always, off: never)")
 
     def watch_timing(self, chan: Channel) -> None:
         """Feed the StepTiming a timed worker sends to the shards."""

@@ -61,6 +61,7 @@ def serve(
         report.membership, seen = coord.membership[seen:], len(coord.membership)
         if coord.shards is not None:
             report.workers = coord.shards.timings()
+            report.balance = coord.shards.state
         reports.append(report)
         if on_step is not None:
             on_step(report)

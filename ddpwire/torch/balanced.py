@@ -37,7 +37,7 @@ backward passes that reach it.
 # no `from __future__ import annotations`: DDP checks the hook's annotations as objects
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import numpy as np
 import torch
@@ -63,7 +63,10 @@ class BalancedBatchSampler:
 
     def __init__(self, dataset_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = True, lag: int = 0, group: Optional[Any] = None,
-                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 balance: Union[bool, str] = "auto") -> None:
+        if balance not in (True, False, "auto"):
+            raise ValueError(f"balance must be True, False or 'auto', got {balance!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if lag < 0:
@@ -77,6 +80,8 @@ class BalancedBatchSampler:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.lag = lag
+        #: "auto" (the coordinator's default: by speed where that wins), True or False
+        self.balance = balance
         self.epoch = 0
         self._balancer: Optional[Balancer] = None
         #: the split of every step sampled so far that is still to be trained
@@ -89,6 +94,7 @@ class BalancedBatchSampler:
         self._ready_at: Optional[float] = None     # the previous step's last allreduce ended
         self._bucket_at: Optional[float] = None    # this step's last bucket was ready
         self._waited: float = -1.0                 # the previous step's wait (-1: none)
+        self._computed: float = -1.0               # rank 0's compute in the step fed last
         self._lock = threading.Lock()
 
     @property
@@ -113,7 +119,7 @@ class BalancedBatchSampler:
     def balancer(self) -> Balancer:
         """The rules every rank applies alike (:class:`ddpwire.balance.Balancer`)."""
         if self._balancer is None:
-            self._balancer = Balancer(self.world_size)
+            self._balancer = Balancer(self.world_size, guard=self.balance == "auto")
         return self._balancer
 
     def set_epoch(self, epoch: int) -> None:
@@ -157,10 +163,17 @@ class BalancedBatchSampler:
                     # last one ready: the rest of that step was its own
                     last = int(waits.argmin())
                     self.balancer.ended(last, float(waits[last]))
+                    if self._computed >= 0.0:
+                        # that step end to end, as rank 0 lived it (every rank
+                        # has the same figures, so every rank's guard agrees)
+                        self.balancer.stepped(self._fed - 1, self._computed + float(waits[0]))
+                self._computed = float(times[0])
                 self.splits.pop(self._fed, None)
                 self._fed += 1
-            split = self.balancer.shards(total) if total >= self.world_size else \
-                [total // self.world_size] * self.world_size
+            if self.balance and total >= self.world_size:
+                split = self.balancer.shards(total, step=step)
+            else:
+                split = [total // self.world_size] * self.world_size
             split[-1] += total - sum(split)
             self.splits[step] = split
         self._sampled += 1
