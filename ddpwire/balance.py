@@ -8,16 +8,19 @@ the next step's shard sizes.
 
 The rules, and why:
 
-- A worker's compute is a fixed part plus a part per sample
+- A worker's time to deliver its part (from the shards going out to its
+  part coming in: its compute, and what it does outside it, an optimizer
+  step, a stop before its upload, a CPU quota's stall wherever it falls)
+  is a fixed part plus a part per sample
   (:class:`ddpwire.step_model.StepModel`, fitted robustly over its recent
-  steps): the fixed part (Python, kernel launches, the optimizer) does not
-  shrink with the shard, and a rule that takes samples per second of the
-  whole compute as the speed starves a worker given few samples for good.
-- A step ends when the last worker's part is in: each worker also has a
-  lag outside its compute (its optimizer step before the shard came, a stop
-  before its upload, and, when it is the last one in, the rest of its part
-  of the exchange). The lags are medians of their last :data:`LAGS`
-  measurements; one never measured counts as 0.
+  steps): the fixed part does not shrink with the shard, and a rule that
+  takes samples per second of the whole time as the speed starves a worker
+  given few samples for good. Where only the compute is known (a worker's
+  own report, without the coordinator's clock), the model is of that.
+- A step ends when the last worker's part is in and the rest of the
+  exchange is done: when a worker is the last one in, that rest is its lag
+  (a slow machine or link pays it at its own speed whatever its shard),
+  the median of its last :data:`LAGS` measurements; 0 until measured.
 - The shards minimise the predicted step, ``max(fixed_i + lag_i +
   per_sample_i * c_i)``, over whole samples adding up to the step's total,
   with none below :data:`FLOOR` of an equal share (at least one sample):
@@ -26,8 +29,8 @@ The rules, and why:
   send and wait for every step, so a shard of none saves only the floor's
   samples.
 - The split moves only when the predicted step is shorter by more than the
-  model's own error (twice the largest worker's robust scale of a step
-  around its fit, and at least :data:`TOLERANCE` of the step), and away
+  model's own error (two standard errors of the noisiest worker's time at
+  its shard, and at least :data:`TOLERANCE` of the step), and away
   from equal shards only when equal shards are predicted to lose by as
   much. Identical workers stay at equal shards; noise moves nothing.
 - A move is at most a halving or a doubling of any shard, and half the
@@ -55,7 +58,6 @@ shards the scale is exactly 1 and the bits are the reference's.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
@@ -63,7 +65,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .step_model import StepModel
+from .step_model import StepModel, median, trimmed_mean
 
 __all__ = ["CHOICES", "FLOOR", "GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "HOLD", "LAGS",
            "PROBE_STEPS", "TOLERANCE", "Balancer", "ShardClock", "Shards", "WorkerTiming",
@@ -88,6 +90,8 @@ GUARD_WIN = 0.02
 HOLD = 200
 #: balanced step times the comparison takes (the most recent, past a change)
 _WINDOW = 16
+#: the most steps a split the model said to keep stays before it is asked again
+QUIET_MOST = 16
 
 #: the guard's states (Balancer.state)
 EQUAL, BALANCED, PROBE, HELD = "equal", "balanced", "probe", "held"
@@ -143,6 +147,14 @@ class WorkerTiming:
     name: str = ""
 
 
+def _spread(values: Sequence[float]) -> float:
+    """The standard deviation of a few step times (0 for one)."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
 def _largest_remainder(ideal: Sequence[float], total: int) -> List[int]:
     """Whole counts adding up to ``total`` nearest ``ideal`` (which adds up
     to it); ties go to the lower index, so every run splits alike."""
@@ -177,6 +189,7 @@ class Balancer:
         self.models = [StepModel() for _ in range(workers)]
         self._before: List[Deque[float]] = [deque(maxlen=LAGS) for _ in range(workers)]
         self._after: List[Deque[float]] = [deque(maxlen=LAGS) for _ in range(workers)]
+        self._lags = [0.0] * workers  # each worker's after, kept as it comes
         self._warm = [False] * workers  # a worker's first measurement is its warm-up
         self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
         #: the guard's state: equal, balanced, probe (equal steps to compare) or held
@@ -184,8 +197,12 @@ class Balancer:
         #: why the shards went back to equal, newest last (the caller logs them)
         self.notes: List[str] = []
         self._planned: Dict[int, Tuple[str, bool]] = {}  # step -> (state, split changed)
+        # measured step times: the balanced ones of this spell, the equal
+        # ones of the last few probes (kept across probes: noisy steps need
+        # more than one probe's to tell a small difference)
         self._times: Dict[str, Deque[float]] = {BALANCED: deque(maxlen=_WINDOW),
-                                                PROBE: deque(maxlen=PROBE_STEPS)}
+                                                PROBE: deque(maxlen=_WINDOW)}
+        self._probed = 0  # the probe under way's times so far
         self._steps_in_state = 0
         self._interval = GUARD_FIRST
         self._hold = HOLD
@@ -193,6 +210,8 @@ class Balancer:
         self._resume: Optional[Tuple[List[int], List[int]]] = None  # the split a probe left
         self._jumps = 0        # the models' jumps seen (a jump is re-measured at equal shards)
         self._measuring = False  # the probe under way only measures (after a jump)
+        self._quiet = 0          # steps the split stays before the model is asked again
+        self._backoff = 1
 
     # ---- what is measured ----
 
@@ -207,13 +226,13 @@ class Balancer:
     def before(self) -> List[Optional[float]]:
         """Each worker's seconds from a shard going out to its part coming
         in, outside its compute (median; None: not yet measured)."""
-        return [statistics.median(d) if d else None for d in self._before]
+        return [median(d) if d else None for d in self._before]
 
     @property
     def after(self) -> List[Optional[float]]:
         """Each worker's seconds a step went on after its part came in,
         when it was the last one in (median; None: not yet measured)."""
-        return [statistics.median(d) if d else None for d in self._after]
+        return [median(d) if d else None for d in self._after]
 
     def forget(self, worker: int) -> None:
         """Forget what was measured of ``worker``: it is timed afresh."""
@@ -221,14 +240,19 @@ class Balancer:
         self.models[worker] = StepModel()
         self._before[worker].clear()
         self._after[worker].clear()
+        self._update_lag(worker)
         self._warm[worker] = False
         self._last = None
 
     def lag(self, worker: int) -> float:
-        """Seconds ``worker`` adds to a step besides its compute (0 until measured)."""
-        before, after = self._before[worker], self._after[worker]
-        return (statistics.median(before) if before else 0.0) + \
-            (statistics.median(after) if after else 0.0)
+        """Seconds ``worker`` adds to a step after its part came in, when
+        it is the last one in (0 until measured): the time before is in
+        its model."""
+        return self._lags[worker]
+
+    def _update_lag(self, worker: int) -> None:
+        after = self._after[worker]
+        self._lags[worker] = median(after) if after else 0.0
 
     def observe(self, worker: int, samples: int, seconds: float,
                 before: Optional[float] = None) -> None:
@@ -245,7 +269,13 @@ class Balancer:
             self._warm[worker] = True
             return
         if before is not None:
-            self._before[worker].append(max(0.0, before))
+            # the model is of the whole time to the part coming in: what a
+            # worker does outside its compute (its optimizer step, a stop
+            # before its upload, a CPU quota's stall wherever it falls) is
+            # part of the step it delivers, and may grow with its shard too
+            before = max(0.0, before)
+            self._before[worker].append(before)
+            seconds += before
         self.models[worker].add(samples, seconds)
 
     def ended(self, worker: int, seconds: float) -> None:
@@ -255,6 +285,7 @@ class Balancer:
         self._check(worker)
         if self._warm[worker] and seconds >= 0.0:
             self._after[worker].append(seconds)
+            self._update_lag(worker)
 
     def stepped(self, step: int, seconds: float) -> None:
         """``step`` (as :meth:`shards` planned it) took ``seconds`` end to
@@ -266,6 +297,8 @@ class Balancer:
         state, changed = planned
         if state in self._times and not changed:
             self._times[state].append(seconds)
+            if state == PROBE:
+                self._probed += 1
 
     def _check(self, worker: int) -> None:
         if not 0 <= worker < self.workers:
@@ -296,8 +329,7 @@ class Balancer:
             sub = self._decide(total, ids, equal, current if current is not None else equal)
         if step is not None:
             self._planned[step] = (self.state, current is not None and sub != current)
-            for old in [k for k in self._planned if k < step - 64]:
-                del self._planned[old]
+            self._planned.pop(step - 64, None)  # a step never timed
         self._last = (ids, sub)
         split = [0] * self.workers
         for i, count in zip(ids, sub):
@@ -307,8 +339,11 @@ class Balancer:
     def _enter(self, state: str) -> None:
         if state != self.state:
             self.state, self._steps_in_state = state, 0
-            if state in self._times:
-                self._times[state].clear()
+            self._quiet, self._backoff = 0, 1
+            if state == PROBE:
+                self._probed = 0
+            elif state == BALANCED and self._resume is None:
+                self._times[BALANCED].clear()  # a new spell (not the end of a probe)
 
     def _decide(self, total: int, ids: List[int], equal: List[int],
                 current: List[int]) -> List[int]:
@@ -324,6 +359,7 @@ class Balancer:
             # fixed or its per-sample part did, so every worker is measured
             # at an equal shard too before the split moves on
             self._jumps = jumps
+            self._quiet, self._backoff = 0, 1
             if current != equal and self.state != PROBE:
                 self._enter(PROBE)
                 self._measuring = True
@@ -338,7 +374,7 @@ class Balancer:
         if self.state == PROBE:
             # the probe's first step changes the split: it is not timed (nor,
             # for a caller whose timings come steps late, are the next ones yet)
-            if len(self._times[PROBE]) < PROBE_STEPS - 1 and \
+            if self._probed < PROBE_STEPS - 1 and \
                     self._steps_in_state <= 4 * PROBE_STEPS:
                 return equal
             if not self._balancing_wins():
@@ -351,7 +387,17 @@ class Balancer:
             self._resume = (ids, current)
             self._enter(PROBE)
             return equal
+        if self._quiet > 0:
+            # the model said stay: it is asked again after 1, 2, 4 ... 16
+            # steps (a jump asks at once), so a settled step costs the
+            # coordinator next to nothing on its way to the next one
+            self._quiet -= 1
+            return current
         sub = self._model_split(total, ids, equal, current)
+        if sub == current:
+            self._quiet, self._backoff = self._backoff - 1, min(2 * self._backoff, QUIET_MOST)
+        else:
+            self._quiet, self._backoff = 0, 1
         if sub == equal:
             self._enter(EQUAL)
         elif self.state == EQUAL:
@@ -359,24 +405,35 @@ class Balancer:
         return sub
 
     def _balancing_wins(self) -> bool:
-        """Compare the balanced steps' measured times with the probe's."""
+        """Compare the balanced steps' measured times with the probes':
+        True to go on balancing (it wins, or the steps are too noisy yet to
+        tell: the next probe comes sooner), False when it measurably does
+        not win (the shards go back to equal)."""
         balanced, probe = self._times[BALANCED], self._times[PROBE]
         if not balanced or not probe:
             return True  # nothing to compare (a caller that times no step)
-        with_, without = statistics.median(balanced), statistics.median(probe)
+        # means without the longest (not medians): a stall that comes back
+        # every few steps costs its share of the run
+        with_, without = trimmed_mean(balanced), trimmed_mean(probe)
         if with_ < (1.0 - GUARD_WIN) * without:
             self._interval = min(2 * self._interval, GUARD_LAST)
+            return True
+        noise = 2.0 * math.sqrt(_spread(balanced) ** 2 / len(balanced) +
+                                _spread(probe) ** 2 / len(probe))
+        if with_ - (1.0 - GUARD_WIN) * without <= noise:
+            self._interval = GUARD_FIRST
             return True
         self._fallbacks += 1
         if self._fallbacks == 1:
             self.notes.append(
                 f"balancing is not winning: a step took {1000 * with_:.2f} ms with shards by "
-                f"speed against {1000 * without:.2f} ms with equal shards (medians); back to "
+                f"speed against {1000 * without:.2f} ms with equal shards (means); back to "
                 f"equal shards for {self._hold} steps")
         self._enter(HELD)
         self._steps_in_state = 1
         self._hold = 2 * self._hold
         self._interval = GUARD_FIRST
+        self._times[PROBE].clear()
         return False
 
     def predict(self, split: Sequence[int], ids: Sequence[int]) -> float:
@@ -386,8 +443,12 @@ class Balancer:
 
     def _model_split(self, total: int, ids: List[int], equal: List[int],
                      current: List[int]) -> List[int]:
+        if not all(self.models[i].ready for i in ids):
+            return current
         target = self._best(total, ids)
         now = self.predict(current, ids)
+        # two standard errors of the noisiest worker's time: a gain smaller
+        # than that is as likely the noise of a few steps as a real one
         error = 2.0 * max(self.models[i].error for i in ids)
         margin = max(self.tolerance * now, error)
         if self.predict(equal, ids) - self.predict(target, ids) <= \
@@ -400,22 +461,29 @@ class Balancer:
 
     def _best(self, total: int, ids: List[int]) -> List[int]:
         """Whole shards, none below the floor, that minimise the predicted
-        step: every shard above the floor ends at one time ``t``."""
+        step: every shard above the floor ends at one time ``t``,
+        ``(t - base_i) / per_sample_i`` samples each (water-filling: a
+        worker whose share at ``t`` is under the floor keeps the floor, and
+        ``t`` is found again for the others)."""
         n = len(ids)
-        floor = max(1, math.ceil(FLOOR * total / n)) if total >= n else 0
-        floor = min(floor, total // n)
+        floor = min(max(1, math.ceil(FLOOR * total / n)), total // n)
         base = [self.models[i].fixed + self.lag(i) for i in ids]  # type: ignore[operator]
         slope = [max(self.models[i].per_sample, 1e-12) for i in ids]  # type: ignore[type-var]
-
-        def count(t: float) -> float:
-            return sum(max(floor, (t - a) / b) for a, b in zip(base, slope))
-        lo, hi = min(base), max(base) + max(slope) * total
-        for _ in range(100):  # bisect the common end time
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if count(mid) < total else (lo, mid)
-        ideal = [max(floor, (hi - a) / b) for a, b in zip(base, slope)]
-        scale = (total - floor * n) / max(sum(x - floor for x in ideal), 1e-12)
-        ideal = [floor + (x - floor) * scale for x in ideal]
+        above = list(range(n))
+        while True:
+            weight = sum(1.0 / slope[k] for k in above)
+            left = total - floor * (n - len(above))
+            t = (left + sum(base[k] / slope[k] for k in above)) / weight
+            keep = [k for k in above if (t - base[k]) / slope[k] > floor]
+            if len(keep) == len(above) or not keep:
+                break
+            above = keep
+        ideal = [float(floor)] * n
+        if len(keep) == len(above):
+            for k in above:
+                ideal[k] = (t - base[k]) / slope[k]
+        else:
+            ideal = [total / n] * n  # (nobody above the floor: the floor is an equal share)
         return _largest_remainder(ideal, total)
 
     @staticmethod

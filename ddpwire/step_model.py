@@ -1,51 +1,80 @@
-"""One worker's compute time for a shard: a fixed part plus a part per sample.
+"""One worker's time for a shard: a fixed part plus a part per sample.
 
-Arithmetic only (no I/O). A step's compute has a part that does not shrink
-with the shard (Python, kernel launches, the optimizer, the copy out) and a
-part that does. Taking a worker's speed as samples over seconds folds the
-first into the second: a worker given one sample then looks a thousand
-times slower per sample than it is, and never gets work back. So
+Arithmetic only (no I/O). A step has a part that does not shrink with the
+shard (Python, kernel launches, the optimizer, the copy out) and a part
+that does. Taking a worker's speed as samples over seconds folds the first
+into the second: a worker given one sample then looks a thousand times
+slower per sample than it is, and never gets work back. So
 :class:`StepModel` fits ``seconds = fixed + per_sample * samples`` to the
 worker's recent steps, robustly:
 
-- each shard size keeps the median of its last :data:`PER_SIZE` times, and
-  the :data:`SIZES` most recent sizes are kept: one noisy step moves no
-  median;
-- the slope is the median of the slopes between those sizes' medians
-  (Theil-Sen), over pairs :data:`SPREAD` apart at least (two sizes a
-  sample apart say nothing of the slope but their noise); the fixed part
-  the median of what each size leaves over;
-- until two sizes that far apart are known the model is *provisional*:
-  fixed 0, all of the time per sample (the old rule), and whoever acts on
-  it moves only part of the way;
+- each shard size keeps its last :data:`PER_SIZE` times, and its time is
+  their mean without the longest (:func:`trimmed_mean`): one outlier (a
+  collection, a page fault) is dropped whole, while stalls that come back
+  (a CPU quota whose period is longer than a step) count as much as they
+  cost, which a median would hide;
+- the :data:`SIZES` most recent sizes are kept; the slope is the median of
+  the slopes between them (Theil-Sen), over sizes measured
+  :data:`MIN_POINT` times at least and pairs :data:`SPREAD` apart at least
+  (two sizes a sample apart say nothing of the slope but their noise); the
+  fixed part the median of what each size leaves over;
+- until two such sizes are known the model is *provisional*: fixed 0, all
+  of the time per sample (the old rule), and whoever acts on it moves only
+  part of the way;
 - :data:`JUMP_STEPS` times in a row more than :data:`JUMP` off the model,
-  the same way and alike, are a machine that changed speed (throttled,
-  another job): both parts are scaled by their median ratio and the older
-  times are dropped, so a real change is followed in that many steps while
-  noise, however large, moves only medians. Whether the fixed or the
+  the same way, alike, and each outside every time its size had shown (a
+  worker whose steps swing between two speeds has shown both), are a
+  machine that changed speed (throttled, another job): both parts are
+  scaled by their median ratio and the older times are dropped, so a real
+  change is followed in that many steps. Whether the fixed or the
   per-sample part changed one shard size cannot tell: the caller measures
   the worker at another size after a jump (:attr:`StepModel.jumps`).
 """
 from __future__ import annotations
 
-import statistics
 from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ["JUMP", "JUMP_STEPS", "PER_SIZE", "SIZES", "SPREAD", "StepModel"]
+__all__ = ["JUMP", "JUMP_STEPS", "MIN_POINT", "PER_SIZE", "SIZES",
+           "SPREAD", "StepModel", "median", "trimmed_mean"]
 
-#: times kept per shard size (their median is the size's time)
-PER_SIZE = 5
+#: times kept per shard size
+PER_SIZE = 9
 #: shard sizes kept, the most recent ones
 SIZES = 4
 #: two sizes give a slope when they differ by this fraction of the larger
 SPREAD = 0.1
+#: times a size needs before it takes part in a slope, or the model moves
+#: a split (one or two steps at a size a split passed through are noise,
+#: not a point)
+MIN_POINT = 3
 #: how far (a fraction of the prediction) a time must fall from the model,
 #: JUMP_STEPS times in a row, alike, for the model to move there at once
 JUMP = 0.2
 JUMP_STEPS = 3
-#: the robust scale of a normal's median absolute deviation
-_MAD = 1.4826
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of a few values (statistics.median's answer, without its
+    type checks: the coordinator plans each step on this)."""
+    v = sorted(values)
+    n = len(v)
+    if n == 0:
+        raise ValueError("median of no values")
+    half = n // 2
+    return v[half] if n % 2 else (v[half - 1] + v[half]) / 2
+
+
+def trimmed_mean(values: Iterable[float]) -> float:
+    """The mean without the largest value (of three or more): a step time's
+    expectation, robust to one outlier, where a median would ignore stalls
+    that come back every few steps."""
+    v = list(values)
+    if not v:
+        raise ValueError("mean of no values")
+    if len(v) >= 3:
+        v.remove(max(v))
+    return sum(v) / len(v)
 
 
 class StepModel:
@@ -54,19 +83,37 @@ class StepModel:
 
     def __init__(self) -> None:
         self._times: Dict[int, Deque[float]] = {}
+        self._medians: Dict[int, float] = {}       # each size's time (trimmed mean)
         self._sizes: Deque[int] = deque()          # most recent last
-        self._recent: Deque[Tuple[int, float]] = deque(maxlen=JUMP_STEPS)
+        self._recent: Deque[Tuple[int, float, bool]] = deque(maxlen=JUMP_STEPS)  # novel?
         #: seconds per step whatever its shard (None: nothing measured yet)
         self.fixed: Optional[float] = None
         #: seconds per sample (None: nothing measured yet)
         self.per_sample: Optional[float] = None
         #: True while the two parts are not told apart (one size measured)
         self.provisional = True
-        #: robust scale of one step's time around the model (seconds)
-        self.error = 0.0
         self._prior: Optional[Tuple[float, float]] = None  # a fit scaled by a jump
         #: how many times the model jumped (a caller re-measures after one)
         self.jumps = 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether the newest shard size was measured often enough to act
+        on the model (its error known)."""
+        return bool(self._sizes) and len(self._times[self._sizes[-1]]) >= MIN_POINT
+
+    @property
+    def error(self) -> float:
+        """The standard error of the newest size's time (seconds): the
+        spread of its steps over the root of their number."""
+        if not self._sizes:
+            return 0.0
+        times = self._times[self._sizes[-1]]
+        n = len(times)
+        if n < 2:
+            return 0.0
+        mean = sum(times) / n
+        return (sum((t - mean) ** 2 for t in times) / (n - 1) / n) ** 0.5
 
     @property
     def measured(self) -> bool:
@@ -84,24 +131,30 @@ class StepModel:
         """A shard of ``samples`` took ``seconds`` of compute."""
         if samples <= 0 or not seconds > 0.0:
             return
-        self._recent.append((samples, seconds))
+        # what the size showed before the streak a jump would be made of
+        seen = list(self._times.get(samples, ()))[:-(JUMP_STEPS - 1) or None]
+        novel = len(seen) < MIN_POINT or not min(seen) <= seconds <= max(seen)
+        self._recent.append((samples, seconds, novel))
         if self.measured and self._jumped():
-            ratio = statistics.median(t / self.predict(s) for s, t in self._recent)
+            ratio = median(t / self.predict(s) for s, t, _ in self._recent)
             assert self.fixed is not None and self.per_sample is not None
             self.jumps += 1
             self._prior = (self.fixed * ratio, self.per_sample * ratio)
             self._times.clear()
+            self._medians.clear()
             self._sizes.clear()
-            for s, t in self._recent:
+            for s, t, _ in self._recent:
                 self._keep(s, t)
+            self._fit()
+            return
         else:
             self._keep(samples, seconds)
         self._fit()
 
     def _jumped(self) -> bool:
-        if len(self._recent) < JUMP_STEPS:
+        if len(self._recent) < JUMP_STEPS or not all(n for _, _, n in self._recent):
             return False
-        ratios = [t / max(self.predict(s), 1e-12) for s, t in self._recent]
+        ratios = [t / max(self.predict(s), 1e-12) for s, t, _ in self._recent]
         up = all(r > 1.0 + JUMP for r in ratios)
         down = all(r < 1.0 - JUMP for r in ratios)
         return (up or down) and max(ratios) <= (1.0 + JUMP) * min(ratios)
@@ -112,31 +165,31 @@ class StepModel:
         else:
             self._times[samples] = deque(maxlen=PER_SIZE)
             if len(self._sizes) == SIZES:
-                del self._times[self._sizes.popleft()]
+                gone = self._sizes.popleft()
+                del self._times[gone], self._medians[gone]
         self._sizes.append(samples)
         self._times[samples].append(seconds)
+        self._medians[samples] = trimmed_mean(self._times[samples])
 
     def _points(self) -> List[Tuple[int, float]]:
-        return [(s, statistics.median(self._times[s])) for s in self._sizes]
+        return [(s, self._medians[s]) for s in self._sizes if len(self._times[s]) >= MIN_POINT]
 
     def _fit(self) -> None:
         points = self._points()
         slopes = [(t2 - t1) / (s2 - s1) for i, (s1, t1) in enumerate(points)
                   for s2, t2 in points[i + 1:] if abs(s2 - s1) >= SPREAD * max(s1, s2)]
         if slopes:
-            per_sample = max(statistics.median(slopes), 0.0)
-            fixed = statistics.median(t - per_sample * s for s, t in points)
+            per_sample = max(median(slopes), 0.0)
+            fixed = median(t - per_sample * s for s, t in points)
             if fixed < 0.0:
                 # a negative fixed part is noise around none: all per sample
                 fixed = 0.0
-                per_sample = statistics.median(t / s for s, t in points)
+                per_sample = median(t / s for s, t in points)
             self.fixed, self.per_sample, self.provisional = fixed, per_sample, False
         elif self._prior is not None:
             # one size since a jump: the fit before it, scaled by the jump
             self.fixed, self.per_sample = self._prior
             self.provisional = False
         else:
-            s, t = points[-1]
-            self.fixed, self.per_sample, self.provisional = 0.0, t / s, True
-        residuals = [abs(t - self.predict(s)) for s in self._sizes for t in self._times[s]]
-        self.error = _MAD * statistics.median(residuals)
+            s = self._sizes[-1]
+            self.fixed, self.per_sample, self.provisional = 0.0, self._medians[s] / s, True

@@ -108,7 +108,7 @@ def test_the_count_check_names_the_worker_out_of_proportion():
     shards = Shards([True] * 3, True)
     shards.plan(0, 300)
     assert shards.check_totals([100, 100, 100]) is None  # equal shards: nothing to check
-    for _ in range(2):  # a warm-up, then a measurement
+    for _ in range(4):  # a warm-up, then measurements
         for w, c in enumerate([200, 60, 40]):
             shards.balancer.observe(w, 100, 100 / c)
     shards.plan(1, 300)
@@ -153,18 +153,21 @@ def test_identical_workers_with_a_large_fixed_part_stay_equal(workers, guard):
     history = machines.run(b, 256, 3000)
     equal = 256 / workers
     off = [max(abs(c - equal) for c in split) for split in history]
-    assert max(off[-1000:]) <= 0.05 * equal, history[-1]
-    assert sum(o > 0.05 * equal for o in off) <= 10, [h for h, o in zip(history, off) if o][:10]
+    # (an equal split of 256 in 3 is 85, 85 and 86: a sample is rounding)
+    assert max(off[-1000:]) <= 0.05 * equal + 1, history[-1]
+    assert sum(o > 0.05 * equal + 1 for o in off) <= 10, \
+        [h for h, o in zip(history, off) if o > 1][:10]
 
 
 def test_a_worker_four_times_slower_gets_a_fifth_net_of_the_fixed_part():
     """Compute 2 ms fixed plus 10 us (fast) or 40 us (slow) a sample: the
     best split of 1,000 ends both at one time, 790/210, not 800/200."""
     machines = Machines([2e-3, 2e-3], [10e-6, 40e-6], noise=0.02)
-    b = Balancer(2)
-    history = machines.run(b, 1000, 30)
+    b = Balancer(2, guard=False)
+    history = machines.run(b, 1000, 16)
     assert abs(history[-1][0] - 800) <= 15, history
-    assert history[2][0] < history[-1][0], history  # half way while the model was provisional
+    # half way while the model was provisional, then (the new size measured) the rest
+    assert 500 < history[6][0] < history[-1][0], history
     assert b.models[1].fixed == pytest.approx(2e-3, rel=0.2)
     assert b.models[1].per_sample == pytest.approx(40e-6, rel=0.1)
     # within the tolerance of the best split's step
@@ -198,8 +201,11 @@ def test_a_worker_that_slows_down_is_followed_within_a_few_steps():
     b = Balancer(2, guard=False)
     assert machines.run(b, 1000, 10)[-1] == [500, 500]
     machines.fixed[0], machines.per_sample[0] = 4e-3, 40e-6  # throttled to a quarter
-    history = machines.run(b, 1000, 8)
-    # the best split now: 1 + 0.01 c = 4 + 0.04 (1000 - c) ms -> c = 860
+    history = machines.run(b, 1000, 12)
+    # the best split now: 1 + 0.01 c = 4 + 0.04 (1000 - c) ms -> c = 860; the
+    # third slow step shows it (two could be noise), each move is measured
+    # before the next
+    assert history[3][1] > 600, history
     assert abs(history[-1][1] - 860) <= 20, history
 
 
@@ -223,7 +229,7 @@ def test_the_guard_falls_back_to_equal_shards_where_balancing_does_not_win():
     machines = Misled([1e-3, 1e-3], [3e-6, 9e-6])
     b = Balancer(2)
     history = machines.run(b, 256, GUARD_FIRST + 2 * PROBE_STEPS + 4)
-    assert history[3] != [128, 128]  # the model moved
+    assert history[8] != [128, 128]  # the model moved
     assert b.state == "held" and history[-1] == [128, 128], (b.state, history)
     assert len(b.notes) == 1 and "not winning" in b.notes[0], b.notes
     assert "11.00 ms with shards by speed against 10.00 ms with equal shards" in b.notes[0]
@@ -302,7 +308,9 @@ def test_shards_measure_each_arrival_and_the_last_ones_rest():
     b = shards.balancer
     assert b.after == [None, pytest.approx(0.020)]
     assert b.before == [pytest.approx(0.001), pytest.approx(0.030)]
-    assert shards.split[0] > shards.split[1]
+    # the time before a part came in is in the worker's model, with its compute
+    assert b.models[1].predict(500) == pytest.approx(0.230) and \
+        b.models[0].predict(500) == pytest.approx(0.201)
     after = b.after[1]
     shards.plan(3, 1000, now + 5.0)  # step 3 redone: no rest measured
     assert b.after[1] == after

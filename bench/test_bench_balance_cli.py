@@ -1,0 +1,206 @@
+"""Shards by speed as a user meets them (issue 38): the ``ddpwire`` command
+with its defaults, real processes on this host, against ``--balance off``
+in the same run.
+
+- ``test_identical``: two and three identical workers, the demo MLP and
+  the demo transformer, 64, 512 and 4096 samples a step. Each round runs
+  ``--balance auto`` (the default) and ``--balance off`` back to back, in
+  alternating order; the ratio is auto's throughput over off's, and the
+  shards at the end are compared with equal ones.
+- ``test_held``: two workers, one (``--node-id held``) held to a quarter of
+  a core by a cgroup v1 cpu quota with a 10 ms period, the same models and
+  sizes: ``--balance auto``, ``off``, and a sweep of fixed splits (the held
+  worker's share, through bench/fixed_split_coordinator.py: the oracle a
+  user could not know). The ratios are auto over the best fixed split and
+  auto over off.
+
+Throughput is the coordinator's own figure (``done: ... samples/s``: every
+sample over the run's wall time, as the user reads it). A run is
+``DDPWIRE_BALANCE_CLI_STEPS`` steps (default 3000), fewer where that would
+be more than the model's sample budget (12 M samples for the MLP, 2 M for
+the transformer), and never under 300.
+
+    PYTHONPATH=$PWD python -m pytest bench/test_bench_balance_cli.py \\
+        --benchmark-json bench/results/balance-cli.json -q
+
+DDPWIRE_BALANCE_CLI_ROUNDS (default 2) sets the rounds of test_identical,
+DDPWIRE_BALANCE_CLI_SIZES (default 64,512,4096) the sizes,
+DDPWIRE_BALANCE_CLI_MODELS (default mlp,transformer) the models.
+test_held needs root (a writable /sys/fs/cgroup/cpu) and skips otherwise;
+both need torch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FIXED = HERE / "fixed_split_coordinator.py"
+CGROUP = Path("/sys/fs/cgroup/cpu/ddpwire-bench-cli-held")
+PERIOD_US = 10_000
+HELD_SPEED = 0.25
+
+STEPS = int(os.environ.get("DDPWIRE_BALANCE_CLI_STEPS", "3000"))
+ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_CLI_ROUNDS", "2"))
+SIZES = [int(x) for x in os.environ.get("DDPWIRE_BALANCE_CLI_SIZES", "64,512,4096").split(",")]
+MODELS = os.environ.get("DDPWIRE_BALANCE_CLI_MODELS", "mlp,transformer").split(",")
+#: samples a run may take, per model (the transformer is ~8x slower a sample)
+BUDGET = {"mlp": 12_000_000, "transformer": 2_000_000}
+#: the held worker's shares swept for the oracle
+SHARES = (0.35, 0.3, 0.25, 0.2, 0.15, 0.1)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                reason="the workers train a torch model")
+
+
+def steps_for(model: str, samples: int) -> int:
+    return max(300, min(STEPS, BUDGET[model] // samples))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
+            held: bool = False, share: Optional[float] = None) -> dict:
+    """One run of ``ddpwire coordinator`` and ``workers`` ``ddpwire worker``
+    processes on loopback; ``held``: the first worker joins as ``held``
+    inside the quota's cgroup; ``share``: the coordinator pins that
+    worker's share (bench/fixed_split_coordinator.py)."""
+    port = _port()
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        args = ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
+                "--steps", str(steps), "--samples", str(samples), "--balance", balance,
+                "--metrics", str(metrics), "--join-timeout", "120"]
+        cmd = [sys.executable, str(FIXED), str(share)] + args if share is not None else \
+            [sys.executable, "-m", "ddpwire"] + args
+        env = _env()
+        coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env=env)
+        procs = []
+        for i in range(workers):
+            w = [sys.executable, "-m", "ddpwire", "worker", "--connect", f"127.0.0.1:{port}",
+                 "--samples", str(samples), "--model", model, "--log-level", "WARNING",
+                 "--timeout", "120"]
+            if held and i == 0:
+                w += ["--node-id", "held"]
+                # the quota holds the worker from its first instruction on
+                w = ["sh", "-c", f'echo $$ > {CGROUP}/tasks && exec "$@"', "sh"] + w
+            procs.append(subprocess.Popen(w, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True, env=env))
+        try:
+            out, _ = coord.communicate(timeout=1800)
+            errs = [p.communicate(timeout=120)[1] for p in procs]
+        finally:
+            for p in [coord] + procs:
+                if p.poll() is None:
+                    p.kill()
+        if coord.returncode != 0 or any(p.returncode != 0 for p in procs):
+            raise RuntimeError(f"run failed ({cmd}): {out[-2000:]} {[e[-500:] for e in errs]}")
+        # the done line is logged at INFO: read the throughput off the metrics' clock
+        # as well, and the wall clock from the bar's own line where it shows
+        lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    done = re.search(r"done: .*?, ([0-9.]+) samples/s", out)
+    step_s = sum(x["step_time_s"] for x in lines)
+    last = lines[-1]["workers"]
+    return {
+        "balance": balance, "share": share, "steps": steps,
+        "throughput": float(done.group(1)) if done else
+        sum(x["samples"] for x in lines) / step_s,
+        "throughput_steps": sum(x["samples"] for x in lines) / step_s,
+        "final_shards": [w["shard"] for w in last],
+        "names": [w.get("name", "") for w in last],
+        "states": {s: sum(1 for x in lines if x.get("balance") == s)
+                   for s in {x.get("balance") for x in lines}},
+        "fixed_s": [w.get("fixed_s") for w in last],
+        "per_sample_s": [w.get("per_sample_s") for w in last],
+    }
+
+
+def _median(values: List[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+@pytest.mark.parametrize("samples", SIZES)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_identical(benchmark, workers, model, samples):
+    steps = steps_for(model, samples)
+    rounds = []
+
+    def run():
+        for r in range(ROUNDS):
+            order = ("auto", "off") if r % 2 == 0 else ("off", "auto")
+            got = {b: run_cli(workers, model, samples, steps, b) for b in order}
+            rounds.append(got)
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    ratios = [g["auto"]["throughput"] / g["off"]["throughput"] for g in rounds]
+    equal = samples / workers
+    off_equal = [max(abs(c - equal) for c in g["auto"]["final_shards"]) / equal for g in rounds]
+    benchmark.extra_info.update(
+        workers=workers, model=model, samples=samples, steps=steps, ratios=ratios,
+        ratio_median=_median(ratios), final_off_equal=off_equal, rounds=rounds)
+    assert all(g["auto"]["final_shards"] for g in rounds)
+
+
+@pytest.fixture(scope="module")
+def held_cgroup():
+    if not (CGROUP.parent / "cpu.cfs_quota_us").exists():
+        pytest.skip("no cgroup v1 cpu controller")
+    try:
+        CGROUP.mkdir(exist_ok=True)
+        (CGROUP / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (CGROUP / "cpu.cfs_quota_us").write_text(str(int(HELD_SPEED * PERIOD_US)))
+    except OSError as exc:
+        pytest.skip(f"cannot make a cpu cgroup ({exc}); run as root")
+    yield CGROUP
+    for _ in range(50):
+        try:
+            CGROUP.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("samples", SIZES)
+@pytest.mark.parametrize("model", MODELS)
+def test_held(benchmark, held_cgroup, model, samples):
+    steps = steps_for(model, samples)
+    runs: Dict[str, dict] = {}
+
+    def run():
+        runs["auto"] = run_cli(2, model, samples, steps, "auto", held=True)
+        runs["off"] = run_cli(2, model, samples, steps, "off", held=True)
+        for share in SHARES:
+            runs[f"share {share}"] = run_cli(2, model, samples, steps, "on", held=True,
+                                             share=share)
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    fixed = {k: v["throughput"] for k, v in runs.items() if k.startswith("share")}
+    best = max(fixed, key=fixed.get)  # type: ignore[arg-type]
+    auto = runs["auto"]["throughput"]
+    benchmark.extra_info.update(
+        model=model, samples=samples, steps=steps, best_fixed=best,
+        auto_over_best=auto / fixed[best], auto_over_off=auto / runs["off"]["throughput"],
+        runs=runs)
