@@ -116,7 +116,8 @@ PATHS = [
 
 @pytest.mark.parametrize("name,coordinator,tol", PATHS, ids=[p[0] for p in PATHS])
 def test_shards_follow_speed_and_the_average_is_the_full_batch_s(name, coordinator, tol):
-    steps = 6
+    # each move waits for its new size to be measured 3 times: two moves
+    steps = 12
     run = Run([1e-4, 4e-4], steps, coordinator=dict(balance=True, **coordinator))
     assert not run.errors, run.errors
     first = run.shards[0, 0], run.shards[1, 0]
@@ -161,7 +162,7 @@ def test_a_worker_s_time_outside_its_compute_is_taken_off_its_shard(topology):
 
 
 def test_per_block_and_non_block_steps_are_weighted_too():
-    steps = 5
+    steps = 12
     run = Run([1e-4, 4e-4], steps, per_block=True, coordinator=dict(balance=True))
     assert not run.errors, run.errors
     size = run.shards[0, steps - 1][1] - run.shards[0, steps - 1][0]
@@ -171,12 +172,12 @@ def test_per_block_and_non_block_steps_are_weighted_too():
 
 
 def test_three_workers_at_full_half_and_quarter_speed():
-    run = Run([1e-4, 2e-4, 4e-4], 6, coordinator=dict(balance=True, topology="mesh",
-                                                       shared_memory=False))
+    run = Run([1e-4, 2e-4, 4e-4], 12, coordinator=dict(balance=True, topology="mesh",
+                                                        shared_memory=False))
     assert not run.errors, run.errors
-    sizes = [run.shards[w, 5][1] - run.shards[w, 5][0] for w in range(3)]
+    sizes = [run.shards[w, 11][1] - run.shards[w, 11][0] for w in range(3)]
     assert sizes[0] > sizes[1] > sizes[2] > 0, sizes
-    np.testing.assert_allclose(run.averages[2, 5], FULL_BATCH, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(run.averages[2, 11], FULL_BATCH, rtol=1e-6, atol=1e-6)
 
 
 def test_without_balance_the_shards_and_bits_are_the_reference_s():
@@ -193,10 +194,10 @@ def test_without_balance_the_shards_and_bits_are_the_reference_s():
 @pytest.mark.parametrize("topology", ["star", "mesh"])
 def test_a_count_that_disagrees_with_its_shard_is_named(topology):
     with pytest.raises(GradientMismatch) as info:
-        Run([1e-4, 4e-4], 6, lie=(1, 3),
+        Run([1e-4, 4e-4], 12, lie=(1, 10),
             coordinator=dict(balance=True, topology=topology, shared_memory=False))
     err = info.value
-    assert err.worker_id == 1 and err.step == 3
+    assert err.worker_id == 1 and err.step == 10
     assert "total (for a shard of" in str(err)
 
 
@@ -204,7 +205,7 @@ def test_a_reference_worker_is_timed_by_arrival_and_weighted_in_the_star():
     """balance=True beside a worker that speaks only the reference protocol
     (a bare socket here): its speed is seen from when its gradient arrives,
     its weight applied as the coordinator sums, and it needs no change."""
-    steps = 6
+    steps = 12
     coord = Coordinator(ADDR, 2, timeout=TIMEOUT, join_timeout=TIMEOUT, balance=True)
     got = {}
 
