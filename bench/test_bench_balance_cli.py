@@ -159,6 +159,8 @@ def test_identical(benchmark, workers, model, samples):
     ratios = [g["auto"]["throughput"] / g["off"]["throughput"] for g in rounds]
     equal = samples / workers
     off_equal = [max(abs(c - equal) for c in g["auto"]["final_shards"]) / equal for g in rounds]
+    print(f"\nidentical {workers} {model} {samples}: auto/off {ratios}, shards "
+          f"{[g['auto']['final_shards'] for g in rounds]}", flush=True)
     benchmark.extra_info.update(
         workers=workers, model=model, samples=samples, steps=steps, ratios=ratios,
         ratio_median=_median(ratios), final_off_equal=off_equal, rounds=rounds)
@@ -200,6 +202,8 @@ def test_held(benchmark, held_cgroup, model, samples):
     fixed = {k: v["throughput"] for k, v in runs.items() if k.startswith("share")}
     best = max(fixed, key=fixed.get)  # type: ignore[arg-type]
     auto = runs["auto"]["throughput"]
+    print(f"\nheld {model} {samples}: auto/best {auto / fixed[best]:.3f} ({best}), auto/off "
+          f"{auto / runs['off']['throughput']:.3f}", flush=True)
     benchmark.extra_info.update(
         model=model, samples=samples, steps=steps, best_fixed=best,
         auto_over_best=auto / fixed[best], auto_over_off=auto / runs["off"]["throughput"],

@@ -180,14 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _balance(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", choices=["auto", "on", "off"], default="auto",
-                   help="size each step's shards by the workers' measured speeds, so a faster "
-                        "machine computes more of each step and nobody waits: auto (default: when "
-                        "every worker is a ddpwire worker), on (any session: a reference worker's speed "
-                        "is seen from when its gradient arrives) "
-                        "or off (equal shards, T // n)")
+                   help="size each step's shards by a fitted model of each worker's step "
+                        "(fixed part plus per sample), so a faster machine computes more of "
+                        "each step and nobody waits: auto (default: when every worker is a "
+                        "ddpwire worker, and only while measured steps show it wins against "
+                        "equal shards), on (always, any session: a reference worker's speed "
+                        "is seen from when its gradient arrives) or off (equal shards, T // n)")
     p.add_argument("--metrics", default=None, metavar="FILE",
                    help="write one JSON line per step to FILE: the loss, step and allreduce "
-                        "times, and each worker's shard, compute, wait and speed")
+                        "times, and each worker's name, shard, compute, wait, fitted fixed and "
+                        "per-sample time")
 
 
 def _positive(text: str) -> int:

@@ -152,15 +152,18 @@ class CoordinatorOptions:
     mesh sessions; an int sets that window on every worker connection;
     None leaves every connection to the kernel.
 
-    ``balance`` sizes each step's shards in proportion to the workers'
-    measured speeds (:mod:`ddpwire.balance`), so a machine four times
-    faster computes four times the samples and nobody waits, and averages
-    the sample-weighted mean ``sum(c_i * g_i) / sum(c_i)``. A ddpwire
-    worker reports its compute time; the reference does not: True balances
-    any session (a reference worker's speed seen from when its gradient
-    arrives, its weight applied in the star's sum), "auto" only one where
-    every worker reports and keeps the reference's ``T // n`` otherwise;
-    False (the default) always keeps ``T // n`` and the plain mean.
+    ``balance`` sizes each step's shards by a fitted model of each
+    worker's step, a fixed part plus a part per sample
+    (:mod:`ddpwire.balance`), so a faster machine computes more of each
+    step and nobody waits, and averages the sample-weighted mean
+    ``sum(c_i * g_i) / sum(c_i)``. A ddpwire worker reports its compute
+    time; the reference does not: True balances any session (a reference
+    worker's speed seen from when its gradient arrives, its weight applied
+    in the star's sum); "auto" only one where every worker reports (the
+    reference's ``T // n`` otherwise), and with a guard that compares
+    measured steps with equal shards now and then and goes back to equal
+    shards where balancing does not win; False (the default) always keeps
+    ``T // n`` and the plain mean.
 
     ``elastic`` keeps the session going when a worker is lost (it
     disconnects, or stays silent past ``timeout`` or ``heartbeat_timeout``):

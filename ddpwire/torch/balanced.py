@@ -9,16 +9,19 @@ NCCL)::
     ddp.register_comm_hook(sampler, balanced_hook)
 
 Each step the ranks split one global batch of ``batch_size`` samples (a
-permutation every rank draws alike) in proportion to their measured speeds
-(:class:`ddpwire.balance.Balancer`, the rules the coordinator uses). The
+permutation every rank draws alike) by a fitted model of each rank's step,
+a fixed part plus a part per sample (:class:`ddpwire.balance.Balancer`, the
+rules the coordinator uses; ``balance="auto"``, the default, with the guard
+that goes back to an even split where measured steps show no gain). The
 hook multiplies each rank's bucket by ``world * c_r / batch_size`` (its
 share's weight, in float32) before the bucket is averaged, so the average
 is the sample-weighted mean, the gradient of the whole batch: the loss must
 be the mean over the rank's batch, as it usually is.
 
-A rank's speed is its samples over its compute: from the end of the
-previous step's last allreduce to the moment its last bucket is ready
-(loading, optimizer step, forward and backward). Its wait, from then to the
+A rank's model is fitted to its compute: from the end of the previous
+step's last allreduce to the moment its last bucket is ready (loading,
+optimizer step, forward and backward); a step's time for the guard is rank
+0's compute plus its wait, which every rank has alike. Its wait, from then to the
 end of the step's last allreduce, is the rest of the exchange when it is
 the last rank ready (the one that waits least): that part a slow rank pays
 at its own speed whatever its batch, and the split is net of it
