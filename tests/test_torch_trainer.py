@@ -373,7 +373,9 @@ def test_local_rounds_compose_with_shards_by_speed_and_an_elastic_session():
     from ddpwire import Coordinator, Worker
     from ddpwire.serve import serve
 
-    total, rounds = 256, 8  # a round's samples: local_trainer's samples_per_step
+    # rounds enough for the held-back worker to be measured at a size three
+    # times (after the leave and the join) before its share moves
+    total, rounds = 256, 14  # a round's samples: local_trainer's samples_per_step
     coord = Coordinator(("127.0.0.1", 0), 3, timeout=30, join_timeout=30, balance=True,
                         elastic=True, samples_per_step=total)
     trainers, errors, threads = {}, [], []
