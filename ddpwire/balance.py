@@ -446,15 +446,17 @@ class Balancer:
         if not all(self.models[i].ready for i in ids):
             return current
         target = self._best(total, ids)
-        now = self.predict(current, ids)
+        best = self.predict(target, ids)
         # two standard errors of the noisiest worker's time: a gain smaller
         # than that is as likely the noise of a few steps as a real one
         error = 2.0 * max(self.models[i].error for i in ids)
-        margin = max(self.tolerance * now, error)
-        if self.predict(equal, ids) - self.predict(target, ids) <= \
-                max(self.tolerance * self.predict(equal, ids), error):
+
+        def worth(leaving: List[int]) -> bool:
+            step = self.predict(leaving, ids)
+            return step - best > max(self.tolerance * step, error)
+        if not worth(equal):
             return equal  # not worth leaving equal shards
-        if now - self.predict(target, ids) <= margin:
+        if not worth(current):
             return current
         provisional = any(self.models[i].provisional for i in ids)
         return self._toward(current, target, total, 0.5 if provisional else 1.0)

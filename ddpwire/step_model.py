@@ -83,7 +83,7 @@ class StepModel:
 
     def __init__(self) -> None:
         self._times: Dict[int, Deque[float]] = {}
-        self._medians: Dict[int, float] = {}       # each size's time (trimmed mean)
+        self._means: Dict[int, float] = {}       # each size's time (trimmed mean)
         self._sizes: Deque[int] = deque()          # most recent last
         self._recent: Deque[Tuple[int, float, bool]] = deque(maxlen=JUMP_STEPS)  # novel?
         #: seconds per step whatever its shard (None: nothing measured yet)
@@ -141,7 +141,7 @@ class StepModel:
             self.jumps += 1
             self._prior = (self.fixed * ratio, self.per_sample * ratio)
             self._times.clear()
-            self._medians.clear()
+            self._means.clear()
             self._sizes.clear()
             for s, t, _ in self._recent:
                 self._keep(s, t)
@@ -166,13 +166,13 @@ class StepModel:
             self._times[samples] = deque(maxlen=PER_SIZE)
             if len(self._sizes) == SIZES:
                 gone = self._sizes.popleft()
-                del self._times[gone], self._medians[gone]
+                del self._times[gone], self._means[gone]
         self._sizes.append(samples)
         self._times[samples].append(seconds)
-        self._medians[samples] = trimmed_mean(self._times[samples])
+        self._means[samples] = trimmed_mean(self._times[samples])
 
     def _points(self) -> List[Tuple[int, float]]:
-        return [(s, self._medians[s]) for s in self._sizes if len(self._times[s]) >= MIN_POINT]
+        return [(s, self._means[s]) for s in self._sizes if len(self._times[s]) >= MIN_POINT]
 
     def _fit(self) -> None:
         points = self._points()
@@ -192,4 +192,4 @@ class StepModel:
             self.provisional = False
         else:
             s = self._sizes[-1]
-            self.fixed, self.per_sample, self.provisional = 0.0, self._medians[s] / s, True
+            self.fixed, self.per_sample, self.provisional = 0.0, self._means[s] / s, True
