@@ -20,7 +20,8 @@ import numpy as np
 
 from . import _core
 from ._core import encode_frame_parts
-from .errors import DdpwireError, GradientMismatch, PeerLost, ProtocolError, UnexpectedMessage
+from .errors import (DdpwireError, GradientMismatch, OptionError, PeerLost, ProtocolError,
+                     UnexpectedMessage)
 from .messages import GradientPayload, Heartbeat, ModelState, StepTiming
 
 from ._core import DEFAULT_MAX_FRAME
@@ -34,9 +35,11 @@ def check_timeout(name: str, value: float) -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+        raise OptionError(f"{{{name}}} must be a number of seconds, got {OptionError.literal(value)}",
+                          **{name: None}) from None
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        raise OptionError(f"{{{name}}} must be a finite number of seconds > 0, got "
+                          f"{OptionError.literal(value)}", **{name: None})
     return seconds
 
 

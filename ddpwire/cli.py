@@ -20,7 +20,7 @@ from ._version import __version__
 from .auth import TOKEN_ENV, load_token
 from .balance import CHOICES
 from .coordinator import Coordinator
-from .errors import DdpwireError, PeerLost
+from .errors import DdpwireError, OptionError, PeerLost
 from .extensions import Extension, encode_u64
 from .incast import FLOOR
 from .launch import from_environment, parse_addr
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "terminated (SIGTERM). Interrupted or terminated, it first sends "
                               "its workers Shutdown (once the frame it is sending them ends).")
     c.add_argument("--bind", default="0.0.0.0:29400", help="HOST:PORT to listen on (default 0.0.0.0:29400)")
-    c.add_argument("--workers", type=int, required=True, help="number of workers to wait for")
+    c.add_argument("--workers", type=_positive, required=True, help="number of workers to wait for")
     c.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds to wait for every worker to join (default 600)")
     c.add_argument("--socket-threads", choices=["auto", "on", "off"], default="auto",
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(w)
 
     d = sub.add_parser("demo", help="coordinator and N local worker processes training a real model")
-    d.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    d.add_argument("--workers", type=_positive, default=2, help="worker processes (default 2)")
     d.add_argument("--elastic", action="store_true",
                    help="go on when a worker process dies (killed, say): the others redo its "
                         "step and finish the run")
@@ -230,6 +230,34 @@ class UsageError(ValueError):
     stderr and exit status 2, as for argparse's own errors."""
 
 
+#: the flags of the options whose keyword is not the flag's name
+#: (OptionError.spelled: the checks are the Python API's, the words the command's)
+FLAGS = {"expect_workers": "--workers", "samples_per_step": "--samples", "token": "--token-file"}
+
+
+def writable(path: Optional[str], flag: str) -> None:
+    """Refuse, before anything listens or trains, a file the run could not
+    write at its end (a report) or at its first step (the metrics)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: that is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable by this user")
+
+
+def token_from(path: Optional[str]) -> Optional[bytes]:
+    """``--token-file``'s token (or $DDPWIRE_TOKEN), a file that cannot be
+    read being a bad command line."""
+    try:
+        return load_token(path)
+    except ValueError as exc:
+        raise UsageError(f"--token-file: {exc}") from None
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM in the coordinator command, raised in the main
     thread as Ctrl-C raises KeyboardInterrupt; ``signum`` says which."""
@@ -283,11 +311,12 @@ def run_coordinator(args: argparse.Namespace, bind=None,
                     stops: Optional[StopSignals] = None) -> List:
     host, port = bind or parse_addr(args.bind)
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
+    metrics_path = getattr(args, "metrics", None)
     with Coordinator((host, port), expect_workers=args.workers, timeout=args.timeout,
                      join_timeout=getattr(args, "join_timeout", 600.0),
                      handshake_timeout=getattr(args, "handshake_timeout", 10.0),
                      socket_threads=socket_threads, samples_per_step=args.samples,
-                     token=load_token(getattr(args, "token_file", None)),
+                     token=token_from(getattr(args, "token_file", None)),
                      topology=getattr(args, "topology", "auto"),
                      compression=getattr(args, "compression", None),
                      coordinator_share=getattr(args, "coordinator_share", "auto"),
@@ -307,7 +336,7 @@ def run_coordinator(args: argparse.Namespace, bind=None,
         if stops is not None:
             stops.coordinator = coord
         bar = ProgressBar(args.steps)
-        metrics = MetricsFile(args.metrics) if getattr(args, "metrics", None) else None
+        metrics = MetricsFile(metrics_path) if metrics_path else None
 
         def on_step(report: StepReport) -> None:
             bar.update(report)
@@ -340,6 +369,7 @@ def run_worker(args: argparse.Namespace) -> int:
         raise UsageError("--steps is for the coordinator: the coordinator's --steps sets how "
                          "long the run is, and a worker trains until the coordinator ends it "
                          "(under torchrun, rank 0 hosts the coordinator and takes --steps)")
+    token = token_from(args.token_file)
     require_torch("ddpwire worker")
     from .torch.job import train_worker  # torch only here
 
@@ -374,7 +404,7 @@ def run_worker(args: argparse.Namespace) -> int:
                           sync_every=args.sync_every,
                           device=args.device, node_id=node_id, timeout=args.timeout,
                           seed=args.seed, threads=args.threads, join_turn=join_turn,
-                          token=load_token(args.token_file),
+                          token=token,
                           mesh=not getattr(args, "no_mesh", False),
                           tcp_congestion=None if args.tcp_congestion == "system"
                           else args.tcp_congestion,
@@ -447,6 +477,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         rounds(args)
+        writable(getattr(args, "metrics", None), "--metrics")
+        writable(getattr(args, "report", None), "--report")
         if args.command == "coordinator":
             with StopSignals() as stops:
                 run_coordinator(args, stops=stops)
@@ -457,6 +489,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_demo(args, model=_model(args))
     except UsageError as exc:
         print(f"ddpwire: error: {exc}", file=sys.stderr)
+        return 2
+    except OptionError as exc:
+        print(f"ddpwire: error: {exc.spelled(FLAGS)}", file=sys.stderr)
         return 2
     except (DdpwireError, OSError, ValueError) as exc:
         break_line()

@@ -160,8 +160,6 @@ def _torch_default() -> str:
 def run_demo(args: argparse.Namespace, *, model: str) -> int:
     """Train for ``args.steps`` steps with ``args.workers`` local workers;
     0 when every worker finished with the same weights."""
-    if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {args.workers}")
     require_torch("ddpwire demo")
 
     threads = default_threads(args.workers) if args.threads is None else args.threads

@@ -6,10 +6,11 @@ needs to act on them: which worker, which step, and what differed.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 __all__ = [
     "DdpwireError",
+    "OptionError",
     "ProtocolError",
     "FrameTooLarge",
     "UnexpectedMessage",
@@ -81,6 +82,38 @@ class DdpwireError(Exception):
         if self.step is not None:
             context.append(f"step {self.step}")
         return f"{self.message} ({', '.join(context)})" if context else self.message
+
+
+class OptionError(DdpwireError, ValueError):
+    """Options that cannot go together, or a value out of range, found
+    before anything listens or connects.
+
+    The check is written once, with each option it names as a ``{field}``
+    of ``template``; ``spelled`` writes it in the caller's words: Python's
+    keywords (``str()``: ``resume``, ``elastic=True``) or, through a map of
+    flags, the command line's (``--resume``, ``--elastic``). ``options``
+    maps each field to the value it needs or holds (None: just its name).
+    """
+
+    def __init__(self, template: str, **options: object) -> None:
+        self.template = template
+        self.options = options
+        super().__init__(self.spelled(None))
+
+    @staticmethod
+    def literal(value: object) -> str:
+        """``repr(value)`` made safe to put in a template."""
+        return repr(value).replace("{", "{{").replace("}", "}}")
+
+    def spelled(self, flags: Optional[Mapping[str, str]]) -> str:
+        """The message with each option as a keyword (``flags`` None) or as
+        the flag ``flags`` maps it to (``--`` and its dashed name if absent)."""
+        def one(name: str, value: object) -> str:
+            if flags is None:
+                return name if value is None else f"{name}={value!r}"
+            flag = flags.get(name, "--" + name.replace("_", "-"))
+            return flag if value is None or value is True else f"{flag} {value}"
+        return self.template.format(**{k: one(k, v) for k, v in self.options.items()})
 
 
 class ProtocolError(DdpwireError, ValueError):

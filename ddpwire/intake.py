@@ -55,9 +55,12 @@ class Intake:
         self._admission: Optional[Admission] = None
         self._refuser: Optional[Refuser] = None
         if options.token is None and not is_loopback(bind[0]):
+            # $DDPWIRE_TOKEN is what both commands and torch.distributed read
+            # (a flag would exist under one of them only)
             log.warning("listening on %s:%d without a token: any host that reaches this port can "
-                        "join as a worker and change the averages (pass token=, --token-file or "
-                        "%s; see docs/security.md)", *self.local_addr, TOKEN_ENV)
+                        "join as a worker and change the averages (set %s to one secret on "
+                        "every machine, or pass token= in Python; see docs/security.md)",
+                        *self.local_addr, TOKEN_ENV)
 
     @property
     def local_addr(self) -> Tuple[str, int]:

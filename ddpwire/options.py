@@ -16,6 +16,7 @@ from . import incast as _incast
 from . import mesh as _mesh
 from .auth import normalize_token
 from .channel import DEFAULT_MAX_FRAME, check_timeout, heartbeat_limit
+from .errors import OptionError
 from .extensions import Extension
 
 __all__ = ["CoordinatorOptions", "SessionOptions", "UNSET", "options_from"]
@@ -71,7 +72,8 @@ class SessionOptions:
             raise ValueError(f"max_frame must be a positive number of bytes, got {self.max_frame!r}")
         put(self, "token", normalize_token(self.token))
         if self.samples_per_step is not None and self.samples_per_step < 0:
-            raise ValueError(f"samples_per_step must be >= 0, got {self.samples_per_step}")
+            raise OptionError(f"{{samples_per_step}} must be >= 0, got {self.samples_per_step}",
+                              samples_per_step=None)
         if self.gradient_length is not None and self.gradient_length < 1:
             raise ValueError(f"gradient_length must be at least 1, got {self.gradient_length}")
 
@@ -201,14 +203,17 @@ class CoordinatorOptions:
             raise ValueError(f"balance must be True, False or 'auto', got {self.balance!r}")
         if self.elastic:
             if self.topology == "mesh" or self.compression is not None:
-                raise ValueError("elastic sessions average on the star: topology 'mesh' and "
-                                 "compression are for sessions that end when a worker is lost")
+                raise OptionError("{elastic} averages on the star: {topology} and {compression} "
+                                  "are for sessions that end when a worker is lost",
+                                  elastic=True, topology="mesh", compression=None)
             put(self, "topology", "star")
         if self.resume and not self.elastic:
-            raise ValueError("resume picks up an elastic session's run: it needs elastic=True")
+            raise OptionError("{resume} picks up an elastic session's run: it needs {elastic}",
+                              resume=None, elastic=True)
         _mesh.codec_of(self.compression)
         if self.compression is not None and self.topology == "star":
-            raise ValueError("compression travels on the mesh: it needs topology 'auto' or 'mesh'")
+            raise OptionError("{compression} travels on the mesh: it cannot go with {topology}",
+                              compression=None, topology="star")
         if self.coordinator_share != "auto":
             _mesh.share_value(self.coordinator_share)  # type: ignore[arg-type]
         # below a few dozen segments TCP stalls on its own delayed ACKs
@@ -256,16 +261,20 @@ class CoordinatorOptions:
     def check(self, expect_workers: int, per_block: Optional[bool]) -> None:
         """What these options need of the session's size and steps."""
         if expect_workers < 1:
-            raise ValueError(f"expect_workers must be at least 1, got {expect_workers}")
+            raise OptionError(f"{{expect_workers}} must be at least 1, got {expect_workers}",
+                              expect_workers=None)
         if per_block and self.topology == "mesh":
-            raise ValueError("per-block steps always take the star: topology 'mesh' needs "
-                             "flat steps")
+            raise OptionError("{per_block} steps always take the star: {topology} needs "
+                              "flat steps", per_block=True, topology="mesh")
         if per_block and self.elastic:
-            raise ValueError("elastic sessions run flat steps: per_block must not be True")
+            raise OptionError("{elastic} runs flat steps: it cannot go with {per_block}",
+                              elastic=True, per_block=True)
         least = self.min_workers
-        if least is not None and (not self.elastic or isinstance(least, bool) or
-                                  not isinstance(least, int) or
+        if least is not None and not self.elastic:
+            raise OptionError("{min_workers} ends an elastic run early: it needs {elastic}",
+                              min_workers=None, elastic=True)
+        if least is not None and (isinstance(least, bool) or not isinstance(least, int) or
                                   not 1 <= least <= expect_workers):
-            raise ValueError(f"min_workers must be from 1 to expect_workers ({expect_workers}) "
-                             f"in an elastic session, got {least!r}"
-                             f"{'' if self.elastic else ' without elastic=True'}")
+            raise OptionError(f"{{min_workers}} must be from 1 to {{expect_workers}} "
+                              f"({expect_workers}), got {OptionError.literal(least)}",
+                              min_workers=None, expect_workers=None)

@@ -280,10 +280,10 @@ def test_a_worker_granted_elastic_knows_it():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(elastic=True, topology="mesh"), "average on the star"),
-    (dict(elastic=True, compression="bf16"), "average on the star"),
+    (dict(elastic=True, topology="mesh"), "averages on the star"),
+    (dict(elastic=True, compression="bf16"), "averages on the star"),
     (dict(elastic=True, per_block=True), "flat steps"),
-    (dict(min_workers=1), "without elastic=True"),
+    (dict(min_workers=1), "it needs elastic=True"),
     (dict(elastic=True, min_workers=3), "from 1 to expect_workers"),
     (dict(elastic=True, min_workers=0), "from 1 to expect_workers"),
 ])

@@ -72,8 +72,8 @@ def test_one_object_runs_both_sides_of_a_session():
 @pytest.mark.parametrize("bad,match", [
     (dict(topology="ring"), "topology must be"),
     (dict(balance="yes"), "balance must be"),
-    (dict(elastic=True, topology="mesh"), "elastic sessions average on the star"),
-    (dict(elastic=True, compression="bf16"), "elastic sessions average on the star"),
+    (dict(elastic=True, topology="mesh"), "elastic=True averages on the star"),
+    (dict(elastic=True, compression="bf16"), "elastic=True averages on the star"),
     (dict(resume=True), "resume picks up an elastic session"),
     (dict(compression="int4"), "compression must be"),
     (dict(compression="bf16", topology="star"), "compression travels on the mesh"),
@@ -93,10 +93,10 @@ def test_a_bad_coordinator_option_is_refused_naming_it(bad, match):
 
 @pytest.mark.parametrize("bad,per_block,match", [
     (dict(), None, "expect_workers must be at least 1"),
-    (dict(topology="mesh"), True, "per-block steps always take the star"),
-    (dict(elastic=True), True, "elastic sessions run flat steps"),
+    (dict(topology="mesh"), True, "per_block=True steps always take the star"),
+    (dict(elastic=True), True, "elastic=True runs flat steps"),
     (dict(elastic=True, min_workers=3), None, r"min_workers must be from 1 to expect_workers \(2\)"),
-    (dict(min_workers=1), None, "without elastic=True"),
+    (dict(min_workers=1), None, "it needs elastic=True"),
 ])
 def test_what_the_options_need_of_the_session_is_checked_with_it(bad, per_block, match):
     workers = 0 if not bad else 2
