@@ -26,7 +26,7 @@ from .incast import FLOOR
 from .launch import from_environment, parse_addr
 from .mesh import DEFAULT_CONGESTION
 from .metrics import MetricsFile
-from .progress import ProgressBar, break_line
+from .progress import ProgressBar, break_line, unit
 from .serve import StepReport, serve
 from .torch_check import require_torch
 
@@ -335,7 +335,7 @@ def run_coordinator(args: argparse.Namespace, bind=None,
         coord.wait_for_workers()
         if stops is not None:
             stops.coordinator = coord
-        bar = ProgressBar(args.steps)
+        bar = ProgressBar(args.steps, label=unit(args.sync_every))
         metrics = MetricsFile(metrics_path) if metrics_path else None
 
         def on_step(report: StepReport) -> None:
@@ -357,7 +357,7 @@ def run_coordinator(args: argparse.Namespace, bind=None,
             bar.close()
             if metrics is not None:
                 metrics.close()
-        log.info("done: %s, %.0f samples/s", counted(args.steps, "step"), bar.throughput)
+        log.info("done: %s", bar.summary())
         return []
 
 

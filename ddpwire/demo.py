@@ -21,7 +21,7 @@ from .balance import CHOICES
 from .coordinator import Coordinator
 from .errors import DdpwireError
 from .metrics import MetricsFile
-from .progress import ProgressBar
+from .progress import ProgressBar, unit
 from .results import StepReport
 from .serve import serve
 from .threads import default_threads
@@ -185,7 +185,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                                   stdout=subprocess.PIPE if args.per_block else None, text=True)
                  for r in reports]
         lines = _StepLines(procs, args.timeout) if args.per_block else None
-        bar = ProgressBar(args.steps, stream=out)
+        bar = ProgressBar(args.steps, stream=out, label=unit(args.sync_every))
         # an elastic run goes on without a worker that dies: nothing to stop
         watch = _Watch(procs) if not getattr(args, "elastic", False) else contextlib.nullcontext()
         try:
@@ -194,7 +194,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
                     coord.wait_for_workers()
                     for info in coord.workers:
                         log.info("worker %d: %s (%s)", info.worker_id, info.node_id, info.backend)
-                    bar = ProgressBar(args.steps, stream=out,
+                    bar = ProgressBar(args.steps, stream=out, label=unit(args.sync_every),
                                       pooled=lines.pooled if lines is not None else None)
                     with contextlib.ExitStack() as keep:
                         metrics = keep.enter_context(MetricsFile(args.metrics)) \

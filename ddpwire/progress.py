@@ -1,6 +1,7 @@
 """A one-line progress bar for the command line (no dependency)."""
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Callable, List, Optional, TextIO, Tuple
@@ -8,7 +9,9 @@ from typing import Callable, List, Optional, TextIO, Tuple
 from ._text import counted
 from .results import MembershipEvent, StepReport
 
-__all__ = ["ProgressBar", "break_line", "membership_line", "worker_rows", "worker_summary", "EVERY_S", "REDRAW_S"]
+__all__ = ["ProgressBar", "break_line", "duration", "membership_line", "unit",
+           "PaceLog", "PACE_S", "worker_rows",
+           "worker_summary", "EVERY_S", "REDRAW_S"]
 
 #: seconds between two progress lines off a terminal (a log, CI)
 EVERY_S = 2.0
@@ -24,6 +27,21 @@ _open_bar: Optional["ProgressBar"] = None
 Pooled = Callable[[int], Optional[Tuple[float, float]]]
 
 
+def duration(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour: a clock's reading, which a
+    user compares at a glance with the next line's."""
+    whole = max(0, int(round(seconds)))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def unit(sync_every: int) -> str:
+    """What one averaged step is to the user: a step, or a round of
+    ``sync_every`` local steps (DiLoCo)."""
+    return "round" if sync_every > 1 else "step"
+
+
 def break_line() -> None:
     """End the progress bar's unfinished terminal line, if there is one."""
     if _open_bar is not None:
@@ -36,8 +54,11 @@ class ProgressBar:
     ``every`` seconds; the first and the last step always show. However
     long the run, something shows within a few seconds.
 
-    Each line carries the step, the loss and accuracy of that step, the
-    throughput since the previous line and the step's allreduce time. A
+    Each line carries the step (``label``: "round" where one averaged step
+    is a round of local steps), the loss and accuracy of that step, the
+    throughput since the previous line, the step's allreduce time, the time
+    since the start and, until the last step, the time left at the mean
+    pace so far. A
     report without loss (per-block steps: block messages carry none) takes
     it from ``pooled`` where given, asked only for the steps that show.
     ``clock`` (seconds) is ``time.perf_counter`` but for tests.
@@ -46,8 +67,10 @@ class ProgressBar:
     def __init__(self, total: int, stream: Optional[TextIO] = None, width: int = 24, *,
                  every: float = EVERY_S, redraw: float = REDRAW_S,
                  clock: Callable[[], float] = time.perf_counter,
-                 pooled: Optional[Pooled] = None) -> None:
+                 pooled: Optional[Pooled] = None, label: str = "step") -> None:
         self.total = total
+        self.label = label
+        self.loss: Optional[float] = None  # the last line's
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
@@ -104,20 +127,32 @@ class ProgressBar:
     def _line(self, report: StepReport, done: int, now: float) -> str:
         filled = int(self.width * done / max(self.total, 1))
         bar = "#" * filled + "." * (self.width - filled)
-        parts = [f"step {done:>{len(str(self.total))}}/{self.total} [{bar}]"]
+        parts = [f"{self.label} {done:>{len(str(self.total))}}/{self.total} [{bar}]"]
         loss, accuracy = report.global_loss, report.accuracy
         if loss is None and self.pooled is not None:
             pooled = self.pooled(report.step)
             if pooled is not None:
                 loss, accuracy = pooled
         if loss is not None:
+            self.loss = loss
             parts.append(f"loss {loss:.4f}")
         if accuracy is not None:
             parts.append(f"acc {100 * accuracy:5.1f}%")
         since, samples = self._window
         parts.append(f"{(self.samples - samples) / max(now - since, 1e-9):,.0f} samples/s")
         parts.append(f"allreduce {1000 * report.allreduce_time:6.2f} ms")
+        elapsed = now - self.start
+        parts.append(f"elapsed {duration(elapsed)}")
+        if done < self.total:
+            parts.append(f"left {duration(elapsed / self.done * (self.total - done))}")
         return "  ".join(parts)
+
+    def summary(self) -> str:
+        """The run in one line, for its end: steps, time, throughput and
+        the last loss shown."""
+        loss = "" if self.loss is None else f", last loss {self.loss:.4f}"
+        return (f"{self.done:,} {self.label}{'' if self.done == 1 else 's'} in "
+                f"{duration(self.last - self.start)}, {self.throughput:,.0f} samples/s{loss}")
 
     def close(self) -> None:
         """End an unfinished terminal line (a run cut short); else nothing."""
@@ -133,6 +168,42 @@ class ProgressBar:
     def throughput(self) -> float:
         """Samples per second from the bar's start to its last step."""
         return self.samples / max(self.last - self.start, 1e-9)
+
+
+#: seconds between two of a worker's progress lines: a long run shows it
+#: is alive in its log without a line per step
+PACE_S = 30.0
+
+
+class PaceLog:
+    """A worker's progress in its log: a line every ``every`` seconds with
+    its step out of the run's (``total``; 0 where the coordinator did not
+    say), the last loss, what it computed per second and the time since it
+    joined, and the time left while the run's length is known."""
+
+    def __init__(self, log: logging.Logger, total: int, *, label: str = "step",
+                 every: float = PACE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.total, self.label, self.every, self.clock = log, total, label, every, clock
+        self.start = self._shown = clock()
+        self.samples = 0
+        self.done = 0
+
+    def update(self, step: int, samples: int, loss: Optional[float]) -> None:
+        """Count one finished step (``step`` counts from 0) and log when due."""
+        self.done += 1
+        self.samples += samples
+        now = self.clock()
+        if now - self._shown < self.every:
+            return
+        self._shown = now
+        elapsed = now - self.start
+        done = step + 1
+        of = f"/{self.total}" if self.total else ""
+        left = (f", left {duration(elapsed / self.done * (self.total - done))}"
+                if 0 < done < self.total else "")
+        self.log.info("%s %d%s%s, %s samples/s on this worker, elapsed %s%s", self.label, done,
+                      of, "" if loss is None else f", loss {loss:.4f}",
+                      f"{self.samples / max(elapsed, 1e-9):,.0f}", duration(elapsed), left)
 
 
 def _ms(seconds: Optional[float]) -> str:
@@ -172,6 +243,7 @@ def worker_summary(report: StepReport) -> str:
     """The per-worker table on one line, for a log."""
     if not any(w.compute is not None for w in report.workers):
         return ""
-    parts = [f"w{w.worker_id} {w.samples} in {_ms(w.compute)}" for w in report.workers]
+    parts = [f"w{w.worker_id}{f' ({w.name})' if w.name else ''} {w.samples} in {_ms(w.compute)}"
+             for w in report.workers]
     slowest = report.waited_for
     return ", ".join(parts) + ("" if slowest is None else f"; waited for worker {slowest}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ import pytest
 import ddpwire
 from ddpwire import cli
 from ddpwire.launch import Launch, from_environment, parse_addr
-from ddpwire.progress import ProgressBar
+from ddpwire.progress import PaceLog, ProgressBar, unit
 from ddpwire.serve import StepReport
 from ddpwire.threads import (connections_to, default_threads, threads_per_worker, usable_cores,
                              workers_here)
@@ -61,7 +62,7 @@ def test_local_steps_average_once_a_round_and_keep_the_workers_identical(tmp_pat
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "20 steps of 64 samples, averaged every 5 (local steps)" in out.splitlines()[0]
-    assert "step 4/4" in out and "weights identical on all 2 workers" in out
+    assert "round 4/4" in out and "weights identical on all 2 workers" in out
 
 
 @pytest.mark.parametrize("extra,why", [
@@ -402,6 +403,41 @@ def test_progress_off_a_terminal_shows_every_two_seconds_and_the_ends():
     assert all("loss " in line and "acc " in line and " 64 samples/s" in line
                and "allreduce   1.00 ms" in line for line in lines[1:-1])
     assert bar.done == 100 and bar.throughput == pytest.approx(64.0)
+
+
+def test_progress_says_the_time_since_the_start_and_the_time_left():
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(10000, stream=stream, clock=clock)
+    _run_bar(bar, clock, 2401, 0.125)  # lines every 16 steps: 2401 is one, 5:00 in
+    last = stream.getvalue().splitlines()[-1]
+    assert last.startswith("step  2401/10000") and "elapsed 5:00  left 15:50" in last
+    for step in range(2401, 10000):
+        clock.now += 0.5
+        bar.update(StepReport(step, 1.0 / (step + 1), 0.5, 32, 0.001, 0.5))
+    last = stream.getvalue().splitlines()[-1]
+    assert "elapsed 1:08:20" in last and "left" not in last  # the last step: nothing left
+    assert bar.summary() == "10,000 steps in 1:08:20, 78 samples/s, last loss 0.0001"
+
+
+def test_progress_of_local_steps_counts_rounds():
+    clock, stream = FakeClock(), io.StringIO()
+    bar = ProgressBar(20, stream=stream, clock=clock, label=unit(10))
+    _run_bar(bar, clock, 20, 0.5)
+    assert stream.getvalue().splitlines()[-1].startswith("round 20/20 [")
+    assert bar.summary().startswith("20 rounds in 0:10")
+
+
+def test_a_worker_logs_its_progress_every_half_minute(caplog):
+    clock = FakeClock()
+    pace = PaceLog(logging.getLogger("ddpwire.worker"), 1000, clock=clock)
+    with caplog.at_level(logging.INFO, logger="ddpwire.worker"):
+        for step in range(1000):
+            clock.now += 0.125
+            pace.update(step, 64, 1.0 / (step + 1))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4  # at 30, 60, 90 and 120 s of a 125 s run
+    assert lines[0] == ("step 240/1000, loss 0.0042, 512 samples/s on this worker, "
+                        "elapsed 0:30, left 1:35")
 
 
 def test_progress_of_a_long_run_shows_within_seconds():

@@ -17,6 +17,7 @@ from torch import nn
 from ..errors import CoordinatorLost, ShutdownDuringReduce, WorkerDropped
 from ..extensions import Extension, decode_u64
 from ..mesh import DEFAULT_CONGESTION
+from ..progress import PaceLog, unit
 from ..worker import Worker
 from .data import ArrayDataset, digits_split, token_sequences
 from .device import choose_device
@@ -200,6 +201,9 @@ def train_worker(
                                       samples_per_step=samples_per_step, seed=seed,
                                       per_block=per_block, sync_every=sync_every)
         results: List[StepResult] = []
+        granted = worker.extensions.get(Extension.STEPS)
+        pace = PaceLog(log, decode_u64(granted) if granted is not None else 0,
+                       label=unit(sync_every))
         inside_step = False
         try:
             while True:
@@ -227,6 +231,8 @@ def train_worker(
                 if result is None:
                     break
                 results.append(result)
+                pace.update(result.step, result.total, result.loss if result.global_loss is None
+                            else result.global_loss)
                 if on_step is not None:
                     on_step(result)
         except ShutdownDuringReduce as exc:
