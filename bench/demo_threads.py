@@ -2,7 +2,7 @@
 takes every core) against the default split (cores / workers), as the demo
 prints it. Writes the raw runs and the medians as JSON.
 
-    python bench/demo_threads.py --out docs/demo-threads.json
+    python bench/demo_threads.py --out bench/results/demo-threads.json
 """
 from __future__ import annotations
 

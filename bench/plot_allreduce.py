@@ -1,8 +1,8 @@
 """Table and plot of the allreduce benchmark, from pytest-benchmark's JSON.
 
-    python bench/plot_allreduce.py bench/allreduce.json [--png docs/allreduce.png]
+    python bench/plot_allreduce.py bench/allreduce.json [--png bench/results/allreduce.png]
 
-Prints a Markdown table (for docs/benchmarks.md) and the issue's targets at
+Prints a Markdown table (for bench/results/notebook.md) and the issue's targets at
 64 MiB, met or missed, and writes the plot of time per step against size.
 """
 from __future__ import annotations
@@ -159,7 +159,7 @@ def plot(rows: dict, png: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", help="pytest-benchmark JSON (--benchmark-json) of test_bench_allreduce.py")
-    parser.add_argument("--png", default="docs/allreduce.png", help="where to write the plot")
+    parser.add_argument("--png", default="bench/results/allreduce.png", help="where to write the plot")
     args = parser.parse_args(argv)
     rows, machine = load(args.json)
     if not rows:

@@ -1,6 +1,6 @@
 """Turn bench/test_bench_reduce.py's (the mean) or bench/test_bench_total.py's
 (the sum) --benchmark-json output into the markdown table of
-docs/benchmarks.md: median times, ratios, GB/s."""
+bench/results/notebook.md: median times, ratios, GB/s."""
 import json
 import sys
 from collections import defaultdict

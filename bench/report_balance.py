@@ -15,7 +15,7 @@ DDPWIRE_BALANCE_TRACE=1 adds each traced call's (bench/balance_trace.py)
 median start and end against the step's last arrival, the coordinator's
 among them.
 
-    python bench/report_balance.py docs/bench-balance.json
+    python bench/report_balance.py bench/results/bench-balance.json
 
 Phases and arrival times come from the workers' clocks (time.perf_counter:
 one clock for all the processes of one host); the first WARMUP steps of a

@@ -1,7 +1,7 @@
-"""Markdown tables for docs/benchmarks.md from the JSON of the torch benchmarks
+"""Markdown tables for bench/results/notebook.md from the JSON of the torch benchmarks
 (bench/test_bench_ddp.py, bench/test_bench_torch_allreduce.py):
 
-    python bench/report_ddp.py docs/ddp-bench.json [more.json ...]
+    python bench/report_ddp.py bench/results/ddp-bench.json [more.json ...]
 
 One row per rank count: gloo's and ddpwire's median (and spread) in ms and
 the ratio ddpwire / gloo, both measured in the same run, with the commit and

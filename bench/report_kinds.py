@@ -2,7 +2,7 @@
 worker count, every kind's median step (first worker's start to last
 worker's end, the workers' own clocks) and its ratio to gloo in the same run.
 
-    python bench/report_kinds.py docs/allreduce-shm.json
+    python bench/report_kinds.py bench/results/allreduce-shm.json
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Turn bench/test_bench_overlap.py's --benchmark-json output into the
-markdown table of docs/benchmarks.md: step times and where the communication
+markdown table of bench/results/notebook.md: step times and where the communication
 went, flat against per-block, as ratios."""
 import json
 import sys

@@ -1,6 +1,6 @@
-"""Markdown tables for docs/benchmarks.md from two pytest-benchmark JSON files:
+"""Markdown tables for bench/results/notebook.md from two pytest-benchmark JSON files:
 
-    python bench/report_session.py docs/engine-before-after.json docs/hostile.json
+    python bench/report_session.py bench/results/engine-before-after.json bench/results/hostile.json
 
 - engine: the median step time of the default path ("ddpwire") against the
   same path from the baseline checkout ("ddpwire-baseline"), the two-call path

@@ -23,7 +23,7 @@ In one run, in this order:
   minutes apart, which moves the ratio of ``test_together``);
 - a pair (100% + 50%) where the full-speed worker's quota drops to 25% after
   step 29 of 60 (``test_slowdown``): the coordinator's per-step JSON lines
-  go to docs/balance-slowdown.jsonl (bench/balance_plot.py draws them), and
+  go to bench/results/balance-slowdown.jsonl (bench/balance_plot.py draws them), and
   ``follow_steps`` counts the steps from the first slowed one until that
   worker's shard is within 10% of its new steady value, and stays there.
 
@@ -41,7 +41,7 @@ Throughput is samples per second over the measured steps (after
 benchmark's own time is the whole ``serve`` call (warm-up included).
 
     PYTHONPATH=$PWD python -m pytest bench/test_bench_balance.py \
-        --benchmark-json docs/bench-balance.json -q
+        --benchmark-json bench/results/bench-balance.json -q
 
 DDPWIRE_BALANCE_STEPS (default 40) sets the measured steps,
 DDPWIRE_BALANCE_SAMPLES (default 2048) the samples per step,
@@ -53,7 +53,7 @@ coordinator's wait for the StepReports and its StepCommit in this process
 (``coordinator_trace``),
 DDPWIRE_BALANCE_PERIOD_US (default 10000) the CFS period (the quotas scale
 with it; another period's slowdown lines go to
-docs/balance-slowdown-<period>us.jsonl), and DDPWIRE_BASELINE another
+bench/results/balance-slowdown-<period>us.jsonl), and DDPWIRE_BASELINE another
 checkout (built, as bench/ddp_procs.py takes it): ``test_rounds`` runs
 each round's set-up with its shard rules too (the Balancer of its
 ddpwire/balance.py, the coordinator staying this checkout's), and
@@ -102,8 +102,8 @@ SETUPS = {"pair": (1.0, 0.25), "trio": (1.0, 0.5, 0.25)}
 #: the slowdown run: the first worker drops from FROM to TO after step AT - 1
 SLOWDOWN = dict(speeds=(1.0, 0.5), frm=1.0, to=0.25, at=30, steps=60)
 #: another period's run keeps the default's file
-SLOWDOWN_JSONL = ROOT / "docs" / ("balance-slowdown.jsonl" if PERIOD_US == 10000 else
-                                  f"balance-slowdown-{PERIOD_US}us.jsonl")
+SLOWDOWN_JSONL = HERE / "results" / ("balance-slowdown.jsonl" if PERIOD_US == 10000 else
+                                     f"balance-slowdown-{PERIOD_US}us.jsonl")
 FOLLOW_WITHIN = 0.10
 #: test_rounds: rounds of (every solo, then the balanced set-up)
 ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_ROUNDS", "3"))

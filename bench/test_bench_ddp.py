@@ -2,8 +2,8 @@
 SGD step) of a ~25M-parameter model on backend "ddpwire" against "gloo",
 side by side in one run, 2 to 4 ranks on loopback.
 
-    python -m pytest -q bench/test_bench_ddp.py --benchmark-json=docs/ddp-bench.json
-    python bench/report_ddp.py docs/ddp-bench.json
+    python -m pytest -q bench/test_bench_ddp.py --benchmark-json=bench/results/ddp-bench.json
+    python bench/report_ddp.py bench/results/ddp-bench.json
 
 DDPWIRE_BENCH_RANKS="2" restricts the rank counts. Each round is one step
 of every rank at once, timed from the parent's "step" to the last rank's

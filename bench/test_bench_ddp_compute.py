@@ -5,7 +5,7 @@ the float32 -> bfloat16 -> float32 round trip of the whole gradient that a
 16-bit bucket pays in some form on every rank: torch's (``.to``) and
 ddpwire's C kernels (``to_half``, ``from_half``, as the rank links run them).
 
-    python -m pytest -q bench/test_bench_ddp_compute.py --benchmark-json=docs/ddp-compute.json
+    python -m pytest -q bench/test_bench_ddp_compute.py --benchmark-json=bench/results/ddp-compute.json
 
 It bounds what the network leaves: a cluster step can be no shorter than
 its ranks' compute plus the link's time for their bytes, whatever the

@@ -23,7 +23,7 @@ after 1 s of silence (``HEARTBEAT_TIMEOUT``), the step timeout 30 s.
   while the gradients arrive), median of 20 steps after 3.
 
     PYTHONPATH=$PWD python -m pytest bench/test_bench_elastic.py -p no:cacheprovider \\
-        --benchmark-json docs/bench-elastic.json -q
+        --benchmark-json bench/results/bench-elastic.json -q
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ workers, and the coordinator's peak RSS when a client's first frame is a
 run ("baseline" cases).
 
     DDPWIRE_BASELINE=/path/to/old/checkout \\
-        python -m pytest bench/test_bench_hostile.py --benchmark-json=docs/hostile.json
+        python -m pytest bench/test_bench_hostile.py --benchmark-json=bench/results/hostile.json
 
 The coordinator runs in a spawned process of its own (its RSS is its own);
 the workers are plain sockets that send a JoinRequest without extensions

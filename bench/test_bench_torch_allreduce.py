@@ -4,7 +4,7 @@ machine: with every rank on one host, ddpwire's float32 SUM/AVG allreduces
 go through shared memory (docs/ddp.md; DDPWIRE_SHM=0 measures its TCP path).
 
     python -m pytest -q bench/test_bench_torch_allreduce.py \
-        --benchmark-json=docs/torch-allreduce-shm.json
+        --benchmark-json=bench/results/torch-allreduce-shm.json
 
 DDPWIRE_BENCH_RANKS ("2,3,4"), DDPWIRE_BENCH_MIB (64), or
 DDPWIRE_BENCH_BYTES for a small one (e.g. 4: a scalar), and

@@ -8,7 +8,7 @@ emulated 1 Gbit/s cluster that kept the coordinator's link 87-91% busy
 with 4 workers. Bounding each connection's receive buffer bounds what each
 worker may have in flight, so the N flows together stay short of the
 port's buffer and no packet is lost: 95% busy, the link's payload rate
-(docs/benchmarks.md, "The star's receive windows").
+(bench/results/notebook.md, "The star's receive windows").
 
 A window must still cover the path: N windows together at least the
 bandwidth-delay product of the coordinator's link, or the link idles. The

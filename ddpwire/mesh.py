@@ -101,7 +101,7 @@ SCRATCH_SIZES = 8
 #: an algorithm that shares a bottleneck evenly among flows that start
 #: together. BBR (v1), some hosts' default, does not: on the emulated 1
 #: Gbit/s cluster with 4 workers its flows left each link 87% busy against
-#: 93% for cubic (docs/benchmarks.md). None keeps the system's choice.
+#: 93% for cubic (bench/results/notebook.md). None keeps the system's choice.
 DEFAULT_CONGESTION: Optional[str] = "cubic"
 
 
@@ -247,7 +247,7 @@ def auto_share(workers: int) -> float:
     whenever they share a link unevenly: three quarters of it keeps most of
     the gain with slack (on the emulated 1 Gbit/s cluster, 4 workers: 0.15
     of the vector as fast as 0.2 and steadier, 0.25 slower than none; see
-    docs/benchmarks.md). At N = 2 the floors are equal, so two workers keep
+    bench/results/notebook.md). At N = 2 the floors are equal, so two workers keep
     the plain mesh."""
     return 0.75 / (workers + 1) if workers >= 3 else 0.0
 

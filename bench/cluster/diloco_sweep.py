@@ -5,7 +5,7 @@ it), synchronous data parallel against DiLoCo at H inner steps for each
 outer learning rate and momentum.
 
     python bench/cluster/diloco_sweep.py --workers 2 4 --sync-every 50 \\
-        --lr 0.3 0.5 0.7 1.0 1.4 --momentum 0.0 0.5 0.9 --wire f32 -o docs/diloco-sweep.json
+        --lr 0.3 0.5 0.7 1.0 1.4 --momentum 0.0 0.5 0.9 --wire f32 -o bench/results/diloco-sweep.json
 
 Each replica r draws the batches rank r draws in the cluster run (its own
 generator, seeded alike); synchronous data parallel is one model stepping

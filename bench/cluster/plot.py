@@ -1,6 +1,6 @@
 """The figure of the cluster benchmark: median step per kind, with both floors.
 
-    python bench/cluster/plot.py docs/cluster.png docs/cluster-1g.json [more.json ...]
+    python bench/cluster/plot.py bench/results/cluster.png bench/results/cluster-1g.json [more.json ...]
 
 One panel per JSON file (one set of link rates); in each, a group of bars
 per (size, N) and, as marks, the star's and the ring's floor at those rates,

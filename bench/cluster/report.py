@@ -1,6 +1,6 @@
 """Markdown tables from the cluster benchmark's pytest-benchmark JSON.
 
-    python bench/cluster/report.py docs/cluster-1g.json [docs/cluster-10g-coord.json ...]
+    python bench/cluster/report.py bench/results/cluster-1g.json [bench/results/cluster-10g-coord.json ...]
 
 Per file: the shaping check (raw TCP goodput against the path's rate), then
 one table per vector size whose rows are (N, kind): the median step, its

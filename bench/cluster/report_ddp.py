@@ -1,13 +1,13 @@
 """A markdown table from the cluster DDP benchmark's JSON
 (bench/cluster/test_bench_ddp_cluster.py):
 
-    python bench/cluster/report_ddp.py docs/cluster-ddp-1g.json
+    python bench/cluster/report_ddp.py bench/results/cluster-ddp-1g.json
 
 One row per rank count: each kind's median step (from its rounds' spans,
 first rank's start to last rank's end) and its ratio to gloo's in the same
 file, with the commit and the link rate the run recorded.
 
-    python bench/cluster/report_ddp.py --trace docs/cluster-ddp-1g-trace4.json
+    python bench/cluster/report_ddp.py --trace bench/results/cluster-ddp-1g-trace4.json
 
 For a run with DDPWIRE_DDP_TRACE=1 (bench/ddp_step.py), the timed steps'
 timeline instead: per kind and bucket, medians in ms from the first rank's

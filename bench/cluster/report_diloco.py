@@ -1,8 +1,8 @@
 """The table and the plot of the local-steps benchmark's JSON
 (bench/cluster/test_bench_diloco.py):
 
-    python bench/cluster/report_diloco.py docs/cluster-diloco-100m.json \\
-        --svg docs/cluster-diloco-100m.svg
+    python bench/cluster/report_diloco.py bench/results/cluster-diloco-100m.json \\
+        --svg bench/results/cluster-diloco-100m.svg
 
 One row per configuration and rank count: the held-out loss at the end and
 its ratio to synchronous DDP's with the same ranks, the bytes each worker

@@ -7,12 +7,12 @@ worker (and gloo rank) one of its own. Needs root and iproute2; skips
 otherwise. Not part of the default test run (testpaths = tests):
 
     python -m pytest bench/cluster/test_bench_cluster.py \\
-        --benchmark-json=docs/cluster-1g.json
+        --benchmark-json=bench/results/cluster-1g.json
     DDPWIRE_CLUSTER_COORD_RATE=10gbit DDPWIRE_CLUSTER_SIZES=16 \\
         python -m pytest bench/cluster/test_bench_cluster.py \\
-        --benchmark-json=docs/cluster-10g-coord.json
-    python bench/cluster/report.py docs/cluster-1g.json docs/cluster-10g-coord.json
-    python bench/cluster/plot.py docs/cluster.png docs/cluster-1g.json docs/cluster-10g-coord.json
+        --benchmark-json=bench/results/cluster-10g-coord.json
+    python bench/cluster/report.py bench/results/cluster-1g.json bench/results/cluster-10g-coord.json
+    python bench/cluster/plot.py bench/results/cluster.png bench/results/cluster-1g.json bench/results/cluster-10g-coord.json
 
 Parameters (environment): DDPWIRE_CLUSTER_SIZES (MiB, default "16,64"),
 DDPWIRE_CLUSTER_WORKERS ("2,4"), DDPWIRE_CLUSTER_COORD_RATE and

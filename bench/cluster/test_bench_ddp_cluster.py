@@ -14,8 +14,8 @@ bench/ddp_step.py; its ranks' weights differ), for each N of
 DDPWIRE_CLUSTER_WORKERS. Needs root, iproute2 and torch:
 
     DDPWIRE_CLUSTER_WORKERS=2,4 python -m pytest bench/cluster/test_bench_ddp_cluster.py \\
-        --benchmark-json=docs/cluster-ddp-1g.json
-    python bench/cluster/report_ddp.py docs/cluster-ddp-1g.json
+        --benchmark-json=bench/results/cluster-ddp-1g.json
+    python bench/cluster/report_ddp.py bench/results/cluster-ddp-1g.json
 
 A step is from the first rank's start of forward to the last rank's end of
 optimizer.step (CLOCK_MONOTONIC stamps); every rank must end with the same

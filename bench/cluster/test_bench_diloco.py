@@ -27,9 +27,9 @@ and torch; skips otherwise. At 100 Mbit/s (about 5 minutes on 2 cores):
 
     DDPWIRE_CLUSTER_WORKER_RATE=100mbit DDPWIRE_CLUSTER_COORD_RATE=100mbit \\
     DDPWIRE_CLUSTER_WORKERS=2,4 python -m pytest -q bench/cluster/test_bench_diloco.py \\
-        --benchmark-json=docs/cluster-diloco-100m.json
-    python bench/cluster/report_diloco.py docs/cluster-diloco-100m.json \\
-        --svg docs/cluster-diloco-100m.svg
+        --benchmark-json=bench/results/cluster-diloco-100m.json
+    python bench/cluster/report_diloco.py bench/results/cluster-diloco-100m.json \\
+        --svg bench/results/cluster-diloco-100m.svg
 
 The coordinator's namespace is built (the shared fixture builds it) but not
 used: on this backend rank 0 hosts ddpwire's coordinator, on worker 0's
