@@ -1,12 +1,13 @@
 """The ``"ddpwire"`` torch.distributed backend.
 
-``import ddpwire.torch`` registers it for cpu, cuda and mps, after which
-``dist.init_process_group("ddpwire")`` works wherever ``"gloo"`` would
-(torchrun's environment, ``init_method="tcp://…"``, ``rank=``,
-``world_size=``, ``timeout=``). Collectives travel as the collectives
-extension to a coordinator hosted by rank 0; each returns a Work at once and
-completes from the transport's thread, so DDP overlaps its buckets with
-backward.
+It is registered for cpu, cuda and mps by ``import torch`` (torch >= 2.5
+loads the ``torch.backends`` entry point, _ddpwire_autoload) or by
+``import ddpwire.torch``. After that, ``dist.init_process_group("ddpwire")``
+works wherever ``"gloo"`` would (torchrun's environment,
+``init_method="tcp://…"``, ``rank=``, ``world_size=``, ``timeout=``).
+Collectives travel as the collectives extension to a coordinator hosted by
+rank 0; each returns a Work at once and completes from the transport's
+thread, so DDP overlaps its buckets with backward.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import _ddpwire_autoload as _autoload
+
 from .. import shm as _shm
 from ..collectives import CollectiveAborted, DType, Kind, Op, check_op
 from .links import RankLinks, form_links, ports_from_env
@@ -30,7 +33,7 @@ from .staging import Staging
 
 __all__ = ["BACKEND", "DdpwireProcessGroup", "DdpwireWork", "register"]
 
-BACKEND = "ddpwire"
+BACKEND = _autoload.BACKEND
 
 #: largest piece of an allreduce or broadcast in one CollectiveRequest
 PIECE_BYTES = 8 << 20
@@ -554,15 +557,9 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Ddpwi
     return DdpwireProcessGroup(store, rank, world_size, timeout)
 
 
-_registered = False
-
-
 def register() -> None:
-    """Register the backend ``"ddpwire"`` for cpu, cuda and mps (idempotent;
-    ``import ddpwire.torch`` calls it)."""
-    global _registered
-    if _registered or BACKEND.upper() in dist.Backend._plugins:
-        _registered = True
-        return
-    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda", "mps"])
-    _registered = True
+    """Register the backend ``"ddpwire"`` for cpu, cuda and mps. Calling it
+    again does nothing, and so does calling it after torch's autoload has
+    registered the backend. ``import ddpwire.torch`` calls it; the
+    registration itself lives in _ddpwire_autoload."""
+    _autoload.register(_create)
