@@ -16,7 +16,10 @@ every connection still handshaking:
   one pass of the loop) is refused as full right there;
 - once every slot is filled, :class:`Refuser` answers later connections on
   a thread of its own: a ddpwire worker gets JoinRefused saying why, anything
-  else is closed; the log names the refused address.
+  else is closed; the log names the refused address;
+- a client of another protocol (curl, an SSH client, a TLS ClientHello, a
+  port scanner's probe) is closed unanswered, logged in one line that names
+  the protocol its first bytes are, not the frame they do not make.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from . import auth
 from ._core import FrameReader, encode_frame, tag_max_payload
 from ._text import counted
 from .channel import still_open
-from .errors import JoinTimeout, ProtocolError
+from .errors import JoinTimeout, NotACoordinator, ProtocolError
 from .extensions import (Extension, RefusalReason, decode_u64, encode_u64, samples_mismatch,
                          steps_mismatch)
 from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
@@ -45,6 +48,8 @@ log = logging.getLogger("ddpwire.coordinator")
 # Connections handshaking at once; past this a new one is closed unread, so
 # a flood of idle clients costs a bounded amount of memory.
 MAX_PENDING = 64
+# the first bytes kept of each connection, to name a stranger's protocol
+HEAD_BYTES = 64
 PROGRESS_EVERY = 5.0
 
 
@@ -79,6 +84,7 @@ class _Pending:
     join: Optional[JoinRequest] = None
     coordinator_nonce: bytes = b""
     refusal: Optional[Tuple[int, str]] = None  # set on a Refuser: why it will be refused
+    head: bytes = b""  # its first bytes (HEAD_BYTES at most)
 
     @property
     def name(self) -> str:
@@ -89,6 +95,18 @@ def _reader_for(tag_type: type, max_frame: int) -> FrameReader:
     """A reader that takes only ``tag_type`` and refuses any longer frame
     than that message's own limit, before allocating."""
     return FrameReader(tag_max_payload(tag_type.TAG, max_frame), allowed_tags=(tag_type.TAG,))
+
+
+def _stranger(p: _Pending) -> Optional[str]:
+    """What a connection whose first bytes are no JoinRequest sent, where
+    they are another protocol's ("spoke HTTP") or text ("sent 'hello'"); None
+    for binary bytes of no protocol known (the frame error says more)."""
+    service = NotACoordinator.service_of(p.head)
+    if service is not None:
+        return f"spoke {service}"
+    if len(p.head) >= 4 and all(32 <= b < 127 or b in (9, 10, 13) for b in p.head[:4]):
+        return f"sent {NotACoordinator.shown(p.head)}"
+    return None
 
 
 def _send_small(sock: socket.socket, msg: object) -> bool:
@@ -164,10 +182,17 @@ class _Handshakes:
             else:
                 self.end(sel, p, "disconnected during the handshake")
             return []
+        if len(p.head) < HEAD_BYTES:
+            p.head += data[:HEAD_BYTES - len(p.head)]
         try:
             return p.reader.feed(data)
         except ProtocolError as exc:
-            self.end(sel, p, str(exc), (RefusalReason.PROTOCOL, str(exc)))
+            stranger = _stranger(p) if p.join is None else None
+            if stranger is not None:
+                log.warning("a connection from %s %s, not ddpwire: closed", p.name, stranger)
+                self.drop(sel, p)
+            else:
+                self.end(sel, p, str(exc), (RefusalReason.PROTOCOL, str(exc)))
             return []
 
     def end(self, sel: Optional[selectors.BaseSelector], p: _Pending, why: str,

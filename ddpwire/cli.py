@@ -9,7 +9,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -20,13 +19,14 @@ from ._version import __version__
 from .auth import TOKEN_ENV, load_token
 from .balance import CHOICES
 from .coordinator import Coordinator
-from .errors import DdpwireError, OptionError, PeerLost
+from .errors import DdpwireError, OptionError, PeerLost, WorkerLost, without_frame_progress
 from .extensions import Extension, encode_u64
 from .incast import FLOOR
 from .launch import from_environment, parse_addr
 from .mesh import DEFAULT_CONGESTION
 from .metrics import MetricsFile
-from .progress import ProgressBar, break_line, unit
+from .plot import add_parser as add_plot_parser, run_plot
+from .progress import ProgressBar, ShownByTheBar, break_line, unit
 from .serve import StepReport, serve
 from .torch_check import require_torch
 
@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_model(d, "--workers")
     _training(d)
     _common(d)
+    add_plot_parser(sub)
     return parser
 
 
@@ -470,8 +471,12 @@ def rounds(args: argparse.Namespace) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``ddpwire`` console script and ``python -m ddpwire``."""
     args = build_parser().parse_args(argv)
+    if args.command == "plot":  # reads a file: no logging, no session options
+        return run_plot(args)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s", datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(ShownByTheBar())
     if args.per_block and getattr(args, "model", None) == "mlp":
         print("ddpwire: error: --per-block needs the transformer model", file=sys.stderr)
         return 2
@@ -497,6 +502,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         break_line()
         log.debug("%s", exc, exc_info=True)
         print(f"ddpwire: error: {_one_line(exc)}", file=sys.stderr)
+        if isinstance(exc, WorkerLost) and not getattr(args, "elastic", False):
+            print("ddpwire: a run ends when one of its workers leaves (stopped, killed, cut off "
+                  "or silent past --timeout); the coordinator's --elastic lets the others go "
+                  "on without it", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
         break_line()
@@ -506,12 +515,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 128 + signum
 
 
-# How far into a frame a lost peer went ("(0 of 4 bytes)") is for the debug
-# log: the user needs who was lost, and while waiting for what.
-_FRAME_PROGRESS = re.compile(r" \(\d+ of \d+ bytes\)")
-
-
 def _one_line(exc: BaseException) -> str:
     """The error as the command's one line."""
     text = str(exc)
-    return _FRAME_PROGRESS.sub("", text) if isinstance(exc, PeerLost) else text
+    return without_frame_progress(text) if isinstance(exc, PeerLost) else text

@@ -36,8 +36,16 @@ class WorkerDied(DdpwireError):
     """A demo worker process exited with an error before training ended."""
 
 
-def _worker_command(args: argparse.Namespace, model: str, addr, report: str, threads: int) -> List[str]:
+def node_id(index: int) -> str:
+    """The demo's worker process ``index``'s node id: the coordinator's lines
+    name a worker by its id (join order) and node, the demo's by process."""
+    return f"demo{index}"
+
+
+def _worker_command(args: argparse.Namespace, model: str, addr, index: int, report: str,
+                    threads: int) -> List[str]:
     cmd = [sys.executable, "-m", "ddpwire", "worker", "--connect", f"{addr[0]}:{addr[1]}",
+           "--node-id", node_id(index),
            "--model", model, "--samples", str(args.inner_samples), "--blocks", str(args.blocks),
            "--sync-every", str(args.sync_every),
            "--lr", str(args.lr), "--seed", str(args.seed), "--timeout", str(args.timeout),
@@ -181,9 +189,10 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
               f"torch threads per worker: {threads or _torch_default()}", file=out, flush=True)
         # Own sessions: a Ctrl-C at the terminal reaches the demo alone, which
         # then stops its workers, instead of every process printing it.
-        procs = [subprocess.Popen(_worker_command(args, model, addr, r, threads), start_new_session=True,
+        procs = [subprocess.Popen(_worker_command(args, model, addr, i, r, threads),
+                                  start_new_session=True,
                                   stdout=subprocess.PIPE if args.per_block else None, text=True)
-                 for r in reports]
+                 for i, r in enumerate(reports)]
         lines = _StepLines(procs, args.timeout) if args.per_block else None
         bar = ProgressBar(args.steps, stream=out, label=unit(args.sync_every))
         # an elastic run goes on without a worker that dies: nothing to stop
@@ -231,8 +240,8 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
         if failed and not getattr(args, "elastic", False):
             raise DdpwireError(f"worker processes {failed} exited with an error")
         for i in failed:
-            print(f"worker process {i} ended mid-run (exit status {procs[i].returncode}): the "
-                  f"run went on without it", file=out)
+            print(f"worker process {i} (node {node_id(i)}) ended mid-run (exit status "
+                  f"{procs[i].returncode}): the run went on without it", file=out)
         if len(failed) == len(procs):
             raise DdpwireError("every worker process ended with an error")
         results = []

@@ -24,7 +24,7 @@ from .errors import DdpwireError, JoinTimeout, MembershipChanged, WorkerLost
 from .extensions import Extension, encode_u64
 from .messages import AveragedGradient, StateRequest, StepAborted
 from .options import CoordinatorOptions
-from .results import MembershipEvent, ReduceResult
+from .results import MEMBERSHIP_RECORD, MembershipEvent, ReduceResult
 from .roster import Roster, log
 from .star import FLAT, Star
 
@@ -209,11 +209,10 @@ class Membership:
         roster.shards.drop(worker_id)
         if self.late is not None:
             self.late.release(worker_id)
-        self.events.append(MembershipEvent(step, worker_id, exc.message, len(roster.channels),
-                                           committed))
-        log.warning("worker %d lost during step %d (%s): %s with %s", worker_id, step,
-                    exc.message, "the step stands, going on" if committed else "redoing it",
-                    counted(len(roster.channels), "worker"))
+        event = MembershipEvent(step, worker_id, exc.message, len(roster.channels), committed,
+                                name=roster.shards.names[worker_id])
+        self.events.append(event)
+        log.warning("%s", event.describe(), extra={MEMBERSHIP_RECORD: True})
         try:
             # a heartbeat may be going out: it is short, and a frame of its own
             told = chan.send_last(StepAborted(step=step, worker_id=worker_id,
@@ -290,12 +289,11 @@ class Membership:
             roster.shards.add(a.worker_id, timed, a.name())
             if timed:
                 roster.watch_timing(chan)
-            self.events.append(MembershipEvent(
-                step, a.worker_id, f"joined from {a.name()}",
-                len(roster.channels), False, joined=True))
-            log.warning("worker %d (%s) joined before step %d: going on with %s",
-                        a.worker_id, a.name(), step,
-                        counted(len(roster.channels), "worker"))
+            event = MembershipEvent(step, a.worker_id, f"joined from {a.name()}",
+                                    len(roster.channels), False, joined=True, name=a.name())
+            self.events.append(event)
+            # a join is the session doing what it is for: no warning
+            log.info("%s", event.describe(), extra={MEMBERSHIP_RECORD: True})
 
     def _hand_state(self, step: int, joiner: Channel) -> None:
         """Relay the model's state before ``step`` from a worker in the

@@ -6,6 +6,7 @@ needs to act on them: which worker, which step, and what differed.
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "DeviceUnavailable",
     "MembershipChanged",
     "WorkerDropped",
+    "NotACoordinator",
 ]
 
 
@@ -190,6 +192,16 @@ class PeerLost(DdpwireError, ConnectionError):
     """The peer disconnected, or stayed silent past the timeout."""
 
 
+#: how far into a frame a lost peer went ("(0 of 4 bytes)"): for the debug
+#: log; a user needs who was lost, and while waiting for what
+_FRAME_PROGRESS = re.compile(r" \(\d+ of \d+ bytes\)")
+
+
+def without_frame_progress(text: str) -> str:
+    """A PeerLost's text for a user: without how far into a frame it was."""
+    return _FRAME_PROGRESS.sub("", text)
+
+
 class WorkerLost(PeerLost):
     """A worker disconnected or stayed silent past the timeout."""
 
@@ -279,3 +291,83 @@ class ShutdownDuringReduce(DdpwireError):
 class DeviceUnavailable(DdpwireError, RuntimeError):
     """A device was asked for (argument or ``DDPWIRE_DEVICE``) that this machine
     cannot provide, such as ``cuda:1`` on a box with one GPU."""
+
+
+class NotACoordinator(ProtocolError):
+    """The peer a worker joined answered with bytes that cannot begin a
+    ddpwire frame: another service listens at ``address`` (a wrong port or
+    host). ``service`` names it where its first bytes say ("SSH", "HTTP",
+    "TLS", ...; None otherwise), ``head`` holds those bytes (at most 64).
+
+    Told apart from a coordinator's broken frame by the bytes alone: the
+    first frame of a coordinator (JoinAccepted, AuthChallenge, JoinRefused
+    or a Heartbeat) is at most 64 KiB, so its length prefix starts with a
+    zero byte, and its tag is one of the protocol's."""
+
+    #: first bytes -> the service that sends them first (a server's banner,
+    #: its answer to a JoinRequest, or a client's first request)
+    _SIGNATURES = (
+        (b"SSH-", "SSH"),
+        (b"HTTP/", "HTTP"),
+        (b"PRI * HTTP/2", "HTTP/2"),
+        (b"-ERR", "Redis"),
+        (b"-NOAUTH", "Redis"),
+        (b"-DENIED", "Redis"),
+        (b"* OK", "IMAP"),
+        (b"RFB ", "VNC"),
+    )
+    _HTTP_METHODS = (b"GET ", b"POST ", b"HEAD ", b"PUT ", b"DELETE ", b"OPTIONS ",
+                     b"PATCH ", b"CONNECT ", b"TRACE ")
+
+    def __init__(self, address: str, head: bytes, **context: Optional[int]) -> None:
+        self.address = address
+        self.head = bytes(head[:64])
+        self.service = self.service_of(self.head)
+        shown = self.shown(self.head)
+        what = (f"it answered like {self.service}: {shown}" if self.service
+                else f"it sent bytes that are not a ddpwire frame: {shown}")
+        super().__init__(f"{address} is not a ddpwire coordinator ({what})", **context)
+
+    @classmethod
+    def service_of(cls, head: bytes) -> Optional[str]:
+        """The protocol whose first bytes ``head`` are, or None."""
+        head = bytes(head)
+        for start, name in cls._SIGNATURES:
+            if head.startswith(start):
+                return name
+        if head.startswith(cls._HTTP_METHODS) or (len(head) >= 4 and any(
+                m.startswith(head) for m in cls._HTTP_METHODS)):
+            return "HTTP"
+        # a TLS record: handshake (a ClientHello, a ServerHello) or alert
+        # (a server's answer to bytes that are not TLS), version 3.x
+        if len(head) >= 3 and head[0] in (0x15, 0x16) and head[1] == 0x03 and head[2] <= 0x04:
+            return "TLS"
+        line = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0]
+        if head[:4] in (b"220 ", b"220-"):
+            upper = line.upper()
+            return "FTP" if b"FTP" in upper else "SMTP" if b"SMTP" in upper else "SMTP or FTP"
+        if head.startswith(b"+OK"):
+            return "POP3" if b"POP3" in line.upper() else "Redis"
+        if head.startswith(b"+") and b"\r\n" in head and _printable(line):
+            return "Redis"
+        # a MySQL server's greeting: a 3-byte length, sequence 0, protocol 10
+        if len(head) >= 5 and head[3] == 0 and head[4] == 0x0A and 0 < head[0] | head[1] << 8:
+            return "MySQL"
+        return None
+
+    @staticmethod
+    def shown(head: bytes, limit: int = 60) -> str:
+        """``head`` as a log or an error can show it, short and printable:
+        its first line quoted where it is text, else its first bytes in hex."""
+        head = bytes(head)
+        line = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0]
+        if line and _printable(line[:limit]):
+            text = line[:limit].decode("ascii")
+            return repr(text + ("..." if len(line) > limit else ""))
+        first = head[:12]
+        return " ".join(f"{b:02x}" for b in first) + (" ..." if len(head) > len(first) else "")
+
+
+def _printable(data: bytes) -> bool:
+    """Printable ASCII (tabs included), nothing else."""
+    return all(32 <= b < 127 or b == 9 for b in data)

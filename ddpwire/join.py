@@ -4,6 +4,13 @@ The coordinator's side is :mod:`ddpwire.admission`. Connecting is retried
 while the coordinator is not up yet, so workers may start first; the token
 handshake proves both ways that each side knows the token
 (docs/extensions.md, "Authentication"); a refusal says why.
+
+Once connected, the join has one deadline: the coordinator's first bytes,
+its answer and the token handshake all come by it, however the time is
+spent among them. A peer whose first bytes cannot begin a coordinator's
+frame is another service at a wrong address (NotACoordinator, naming it
+where its bytes say: SSH, HTTP, TLS, ...); one that accepts and stays
+silent is given up at the deadline, saying so.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import errno
 import logging
 import math
 import os
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -20,10 +28,11 @@ from . import auth
 from . import mesh as _mesh
 from . import shm as _shm
 from .channel import Channel, check_timeout
+from ._core import tag_max_payload
 from .errors import (AuthenticationFailed, CoordinatorLost, JoinRefusedError, JoinTimeout,
-                     ProtocolError)
+                     NotACoordinator, PeerLost, ProtocolError)
 from .extensions import Extension, RefusalReason, encode_flag, encode_u64, samples_mismatch
-from .messages import AuthChallenge, AuthProof, JoinAccepted, JoinRefused, JoinRequest
+from .messages import AuthChallenge, AuthProof, Heartbeat, JoinAccepted, JoinRefused, JoinRequest
 from .options import SessionOptions
 
 __all__ = ["Joined", "join"]
@@ -33,6 +42,18 @@ log = logging.getLogger("ddpwire.worker")
 
 _RETRYABLE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
               errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
+
+#: what a coordinator may send first: its answer, or a Heartbeat before it
+_FIRST_FRAMES = (JoinAccepted, AuthChallenge, JoinRefused, Heartbeat)
+#: the longest first frame a coordinator sends (each of those is a small
+#: message: 64 KiB at most, whatever max_frame is), so a length prefix
+#: over it is no coordinator's
+_FIRST_FRAME_MAX = max(tag_max_payload(t.TAG, 0) for t in _FIRST_FRAMES)
+#: the bytes kept from a peer's first answer, to tell which service it is
+_HEAD_BYTES = 64
+#: a connection made just before the connect deadline still gets this
+#: long (or the timeout, if shorter) for the coordinator's answer
+_ANSWER_FLOOR = 1.0
 
 
 def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> socket.socket:
@@ -68,12 +89,80 @@ def _dial(addr: Tuple[str, int], deadline: float, report_every: float = 5.0) -> 
         delay = min(delay * 2, 1.0)
 
 
+def _could_begin_a_frame(head: bytes) -> Optional[bool]:
+    """Whether ``head``, the first bytes a peer sent, can begin a
+    coordinator's first frame: False as soon as its length prefix is over
+    :data:`_FIRST_FRAME_MAX` (a first byte other than zero already says
+    16 MiB or more), True once the prefix is in and fits, None while too few
+    bytes are in to tell. Only the length decides: every first frame of a
+    coordinator fits, so none is taken for another protocol's bytes, and
+    bytes that fit are left to the frame reader and its errors."""
+    if head[:1] not in (b"", b"\x00"):
+        return False
+    if len(head) < 4:
+        return None
+    return int.from_bytes(head[:4], "big") <= _FIRST_FRAME_MAX
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has bytes (or its end, or an error) to read within
+    ``timeout`` seconds: poll(), which any descriptor number may use."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(max(0.0, timeout) * 1000.0))
+    return bool(select.select([sock], [], [], max(0.0, timeout))[0])
+
+
+def _peek(sock: socket.socket) -> bytes:
+    """The bytes waiting on ``sock`` (at most _HEAD_BYTES), left there; b""
+    at the end of the stream or when none are waiting. Never waits (a
+    socket with a timeout would wait for bytes before receiving)."""
+    try:
+        if not _readable(sock, 0.0):
+            return b""
+        return sock.recv(_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError, socket.timeout):
+        return b""
+    except OSError:  # reset: the reader that follows says so
+        return b""
+
+
+def _await_first_bytes(sock: socket.socket, deadline: float, where: str,
+                       waited_from: float) -> None:
+    """Wait, until ``deadline``, for the first bytes of the peer's answer
+    and look at them before the frame reader does: bytes that cannot begin
+    a coordinator's frame raise NotACoordinator; none at all by the
+    deadline, a CoordinatorLost saying the peer accepted and stayed silent.
+    Returns (the bytes left in the socket) when they may be a frame, and at
+    the end of the stream (the reader reports it)."""
+    while True:
+        ready = _readable(sock, deadline - time.monotonic())
+        head = _peek(sock) if ready else b""
+        if ready and not head:
+            return  # the end of the stream, or a reset: the reader says which
+        verdict = _could_begin_a_frame(head)
+        if verdict is False:
+            raise NotACoordinator(where, head)
+        if verdict:
+            return
+        if time.monotonic() >= deadline:
+            if head:  # a frame cut short: the reader reports it
+                return
+            raise CoordinatorLost(f"{where} accepted the connection but sent nothing within "
+                                  f"{max(deadline - waited_from, 0.0):.3g} s: is it a ddpwire "
+                                  f"coordinator?")
+        if head:  # the first bytes of a frame: the rest of its prefix is coming
+            time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+
+
 def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
-                     where: str) -> JoinAccepted:
+                     where: str, deadline: float) -> JoinAccepted:
     """The coordinator's answer to our JoinRequest, through the token
-    handshake when we have a token (docs/extensions.md, "Authentication").
-    ``where`` (host:port) names the coordinator when this worker gives up."""
-    reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused])
+    handshake when we have a token (docs/extensions.md, "Authentication"),
+    all by ``deadline`` (time.monotonic()). ``where`` (host:port) names the
+    coordinator when this worker gives up."""
+    reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused], deadline=deadline)
     if isinstance(reply, AuthChallenge):
         if token is None:
             raise AuthenticationFailed(
@@ -90,7 +179,7 @@ def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
                 f"not match): the tokens differ; check {auth.TOKEN_ENV} or --token-file on "
                 f"both sides", by_worker=True)
         chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
-        reply = chan.expect([JoinAccepted, JoinRefused])
+        reply = chan.expect([JoinAccepted, JoinRefused], deadline=deadline)
     elif token is not None and isinstance(reply, JoinAccepted):
         # a ddpwire coordinator without a token refuses the offer instead:
         # this is the reference coordinator, or an older ddpwire one
@@ -161,10 +250,18 @@ def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend
     nonce = auth.new_nonce() if secret is not None else b""
     if secret is not None:
         offer[Extension.AUTH] = nonce
-    dial_until = time.monotonic() + connect_limit
+    started = time.monotonic()
+    dial_until = started + connect_limit
+    # the whole join: connecting (retried until dial_until), then the
+    # answer, never more than the timeout after the connection is made
+    join_until = started + max(connect_limit, opts.timeout)
+    where = f"{addr[0]}:{addr[1]}"
     while True:
         sock = _dial(addr, dial_until)
-        chan = Channel(sock, timeout=opts.timeout, peer_name=f"coordinator {addr[0]}:{addr[1]}",
+        connected = time.monotonic()
+        answer_until = max(min(join_until, connected + opts.timeout),
+                           connected + min(opts.timeout, _ANSWER_FLOOR))
+        chan = Channel(sock, timeout=opts.timeout, peer_name=f"coordinator {where}",
                        lost=CoordinatorLost, max_frame=opts.max_frame)
         listener: Optional[socket.socket] = None
         try:
@@ -175,9 +272,17 @@ def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend
             # Always a block, empty when there is nothing to offer: the
             # reference coordinator ignores it, and a ddpwire one then knows
             # it may tell this worker why it is refused.
-            chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
-                                  extensions=offer))
-            accepted = _await_admission(chan, secret, nonce, f"{addr[0]}:{addr[1]}")
+            try:
+                chan.send(JoinRequest(node_id=node_id, gpu_count=gpu_count, backend=backend,
+                                      extensions=offer))
+            except PeerLost as exc:
+                # a service that spoke first and hung up (a banner) says which
+                head = _peek(sock)
+                if head and _could_begin_a_frame(head) is False:
+                    raise NotACoordinator(where, head) from exc
+                raise
+            _await_first_bytes(sock, answer_until, where, connected)
+            accepted = _await_admission(chan, secret, nonce, where, answer_until)
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
             _check_samples(granted, opts.samples_per_step)

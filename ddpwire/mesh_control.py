@@ -95,8 +95,9 @@ def culprit(answers: List[object], step: int, silent: AbstractSet[int] = frozens
     reporter = next((w for w, b in sorted(blamed.items()) if b == chosen), None)
     if reporter is not None:
         detail = answers[reporter].detail  # type: ignore[union-attr]
-        return WorkerLost(f"worker {reporter} could not finish its part of the mesh step: "
-                          f"{detail}", worker_id=chosen, step=step)
+        # the worker that left first, then how the one that saw it says so
+        return WorkerLost(f"worker {chosen} dropped out of the step (as worker {reporter} saw "
+                          f"it: {detail})", worker_id=chosen, step=step)
     exc = answers[chosen]
     assert isinstance(exc, WorkerLost)
     return exc
@@ -114,6 +115,7 @@ class MeshControl:
         self.roster = roster
         self.star = star
         self.topology = config.topology
+        self.elastic = config.elastic
         self.codec = _mesh.codec_of(config.compression)
         self.shared_memory = config.shared_memory
         self.coordinator_share = config.coordinator_share
@@ -170,11 +172,20 @@ class MeshControl:
                      f", {self.share / 65536:.1%} through the coordinator" if self.share else "")
         else:
             table = MeshPeers(key=bytes(32), codec=0, shared_memory=0, peers="")
-            log.info("flat steps run on the star: worker %d does not take part in a mesh",
-                     outsiders[0])
+            log.info("flat steps run on the star, through this coordinator: %s",
+                     self._why_star(next(a for a in admitted if a.worker_id == outsiders[0])))
         for chan, a in zip(self.roster.channels, admitted):
             if Extension.MESH in a.granted:
                 chan.send(table)
+
+    def _why_star(self, outsider: Admitted) -> str:
+        # the cause the user chose comes first: an elastic session grants
+        # no worker the mesh, and then each is an outsider
+        if self.elastic:
+            return "an elastic session averages there, so that a lost worker's step can be redone"
+        if self.topology == "star":
+            return "topology 'star' was chosen"
+        return f"worker {outsider.worker_id} ({outsider.name()}) does not take part in a mesh"
 
     def step(self, step: int, reply: bool) -> ReduceResult:
         """The coordinator's part of a mesh step: its share of the vector,

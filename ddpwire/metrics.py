@@ -1,8 +1,9 @@
 """``--metrics FILE``: one JSON line per step, as the coordinator saw it.
 
-A file to plot from (bench/balance_plot.py draws shards and step times from
-one) or to watch with ``tail -f``: each line is written and flushed when its
-step ends, so a run cut short keeps every step it finished.
+A file to plot from (``ddpwire plot FILE`` draws the loss, the throughput and
+each worker's shard, compute and wait) or to watch with ``tail -f``: each
+line is written and flushed when its step ends, so a run cut short keeps
+every step it finished.
 """
 from __future__ import annotations
 

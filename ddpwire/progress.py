@@ -7,9 +7,9 @@ import time
 from typing import Callable, List, Optional, TextIO, Tuple
 
 from ._text import counted
-from .results import MembershipEvent, StepReport
+from .results import MEMBERSHIP_RECORD, StepReport
 
-__all__ = ["ProgressBar", "break_line", "duration", "membership_line", "unit",
+__all__ = ["ProgressBar", "break_line", "duration", "unit", "ShownByTheBar",
            "PaceLog", "PACE_S", "worker_rows",
            "worker_summary", "EVERY_S", "REDRAW_S"]
 
@@ -34,6 +34,15 @@ def duration(seconds: float) -> str:
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class ShownByTheBar(logging.Filter):
+    """Leaves out the log records of the membership events that the bar
+    prints itself (:data:`ddpwire.results.MEMBERSHIP_RECORD`), so that a
+    worker lost or joined is one line, not two."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, MEMBERSHIP_RECORD, False)
 
 
 def unit(sync_every: int) -> str:
@@ -95,7 +104,7 @@ class ProgressBar:
         done = report.step + 1
         for event in report.membership:
             # each on a line of its own, above the bar
-            self.stream.write(("\n" if self._line_open else "") + membership_line(event) + "\n")
+            self.stream.write(("\n" if self._line_open else "") + event.describe() + "\n")
             self._line_open, self._rows = False, 0
         self.done += 1
         self.samples += report.samples
@@ -226,17 +235,6 @@ def worker_rows(report: StepReport) -> List[str]:
                     f"compute {_ms(w.compute):>9}  wait {_ms(wait):>9}"
                     + ("  <- the step waited for it" if w.worker_id == slowest else ""))
     return rows
-
-
-def membership_line(event: MembershipEvent) -> str:
-    """One line for a worker an elastic session lost or took in."""
-    if event.joined:
-        return (f"worker {event.worker_id} {event.why} before step {event.step}, with the "
-                f"model's state: going on with {counted(event.workers, 'worker')}")
-    then = ("its step stood (already averaged)" if event.committed
-            else f"step {event.step} computed again")
-    return (f"worker {event.worker_id} left during step {event.step} ({event.why}): {then}, "
-            f"going on with {counted(event.workers, 'worker')}")
 
 
 def worker_summary(report: StepReport) -> str:

@@ -6,10 +6,12 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from ._text import counted
 from .balance import WorkerTiming
+from .errors import without_frame_progress
 
 __all__ = ["ReduceResult", "BlockReduceResult", "NonBlockReduceResult", "MembershipEvent",
-           "StepReport"]
+           "MEMBERSHIP_RECORD", "StepReport"]
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,31 @@ class MembershipEvent:
     committed: bool
     #: True for a worker that joined (late, or back) before ``step``
     joined: bool = False
+    #: the worker's node id and host (``node@host``), where known
+    name: str = ""
 
     def as_json(self) -> Dict[str, Any]:
         """The event as one JSON object (in a ``--metrics`` line's membership list)."""
-        return {"step": self.step, "worker": self.worker_id, "why": self.why,
+        return {"step": self.step, "worker": self.worker_id, "name": self.name, "why": self.why,
                 "workers": self.workers, "committed": self.committed, "joined": self.joined}
+
+    def describe(self) -> str:
+        """The event in one line, the same in the coordinator's log and
+        under its progress bar."""
+        who = f"worker {self.worker_id}" + (f" ({self.name})" if self.name else "")
+        going_on = f"going on with {counted(self.workers, 'worker')}"
+        if self.joined:
+            return f"{who} joined before step {self.step}, with the model's state: {going_on}"
+        # the error named the worker already: say it once
+        why = without_frame_progress(self.why)
+        why = why[len(who) + 1:] if why.startswith(who + " ") else why
+        then = ("its step stood (already averaged)" if self.committed
+                else f"step {self.step} computed again")
+        return f"{who} left during step {self.step} ({why}): {then}, {going_on}"
+
+#: the attribute of a log record that says a MembershipEvent's line: the
+#: command's progress bar shows those events itself, and leaves the records out
+MEMBERSHIP_RECORD = "ddpwire_membership"
 
 
 @dataclass

@@ -126,7 +126,8 @@ class Uplink:
         """What the call a step was called off in raises: the step is to be
         computed again, by the workers left, on the shard that comes next."""
         self.total_workers = msg.workers
-        log.warning("worker %d: worker %d was lost during step %d; computing it again with %s",
+        # the session goes on as it should: news for this worker, not trouble
+        log.info("worker %d: worker %d was lost during step %d; computing it again with %s",
                     self.worker_id, msg.worker_id, msg.step, counted(msg.workers, "worker"))
         return MembershipChanged([msg.worker_id], msg.workers, step=msg.step,
                                  worker_id=self.worker_id)

@@ -764,9 +764,69 @@ def test_an_elastic_coordinator_goes_on_when_a_worker_process_is_killed(tmp_path
     changes = [e for x in lines for e in x["membership"]]
     assert len(changes) == 1 and changes[0]["workers"] == 2 and not changes[0]["joined"]
     lost = changes[0]["worker"]
-    assert f"worker {lost} left during step {changes[0]['step']}" in coord_log
+    name = changes[0]["name"]
+    assert name.endswith("@127.0.0.1")
+    assert f"worker {lost} ({name}) left during step {changes[0]['step']}" in coord_log
     assert "going on with 2 workers" in coord_log
+    # said once (the bar's line, not the log's too), and the star's reason is --elastic
+    assert coord_log.count("left during step") == 1, coord_log
+    assert "an elastic session averages there" in coord_log
+    assert "does not take part in a mesh" not in coord_log
+    # the survivors carry on: news, not a warning
+    for p in (workers[0], workers[2]):
+        err = p.stderr.read()
+        assert f"worker {lost} was lost during step" in err and "WARNING" not in err, err
     assert all(len(x["workers"]) == 2 for x in lines[changes[0]["step"]:])
+
+
+def sigint_default() -> None:
+    """In a child before exec: SIGINT as a terminal gives it, whatever this
+    process inherited (a background job's shell leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@needs_torch
+@pytest.mark.slow
+def test_a_worker_stopped_with_ctrl_c_is_named_first_with_what_to_do(tmp_path):
+    """Without --elastic, the run ends: the coordinator's line leads with
+    the worker that left (not the one that saw it go), and both sides say
+    what --elastic would have done."""
+    port = free_port()
+    metrics = tmp_path / "metrics.jsonl"
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
+                                   "--steps", "100000", "--samples", "64", "--timeout", "60",
+                                   "--metrics", str(metrics)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        for i in range(2):
+            workers.append(subprocess.Popen(
+                PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60",
+                      "--samples", "64", "--threads", "1", "--node-id", f"w{i}"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                preexec_fn=sigint_default))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.02)
+        workers[1].send_signal(signal.SIGINT)
+        for p in workers + [coord]:
+            p.wait(timeout=120)
+    finally:
+        for p in [coord] + workers:
+            p.kill()
+    coord_err, left_err, stays_err = (p.stderr.read() for p in (coord, workers[1], workers[0]))
+    assert workers[1].returncode == 130 and "ddpwire: interrupted" in left_err
+    assert coord.returncode == 1 and workers[0].returncode == 1
+    gone = json.loads(metrics.read_text().splitlines()[0])["workers"]
+    gone_id = next(w["worker"] for w in gone if w["name"].startswith("w1@"))
+    error = next(line for line in coord_err.splitlines() if line.startswith("ddpwire: error:"))
+    assert error.startswith(f"ddpwire: error: worker {gone_id} "), coord_err
+    assert "--elastic lets the others go on without it" in coord_err
+    # the survivor learns it from the mesh (the worker that left) or from the
+    # coordinator ending the run, by timing: one line either way
+    assert stays_err.count("ddpwire: error:") == 1 and "Traceback" not in stays_err
 
 
 def child_pids(pid: int) -> List[int]:
@@ -802,9 +862,13 @@ def test_the_elastic_demo_goes_on_when_one_of_its_workers_is_killed(tmp_path):
     finally:
         demo.kill()
     assert demo.returncode == 0, err
-    assert "ended mid-run (exit status -9): the run went on without it" in out
+    # the demo's process 1 is node demo1, whatever worker id its join gave it
+    assert "worker process 1 (node demo1) ended mid-run (exit status -9): the run went on " \
+           "without it" in out
     assert "weights identical on all 2 workers" in out
-    assert "going on with 2 workers" in out + err
+    assert "(demo1@127.0.0.1) left during step" in out
+    assert (out + err).count("left during step") == 1
+    assert "going on with 2 workers" in out
 
 
 def test_a_stop_signal_waits_while_a_steps_shards_go_out():
