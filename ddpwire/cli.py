@@ -42,6 +42,11 @@ EXIT_STOPPED = 3
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a peer may stay silent before it counts as lost (default 120)")
+    p.add_argument("--heartbeat", type=float, default=None, metavar="SECONDS",
+                   help="send a heartbeat on an idle connection every SECONDS, so that a peer "
+                        "frozen or cut off is named after three missed ones instead of after "
+                        "--timeout (default: off; every side needs it, and every peer must be "
+                        "a ddpwire one)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
@@ -314,6 +319,7 @@ def run_coordinator(args: argparse.Namespace, bind=None,
     socket_threads = {"auto": None, "on": True, "off": False}[getattr(args, "socket_threads", "auto")]
     metrics_path = getattr(args, "metrics", None)
     with Coordinator((host, port), expect_workers=args.workers, timeout=args.timeout,
+                     heartbeat=getattr(args, "heartbeat", None),
                      join_timeout=getattr(args, "join_timeout", 600.0),
                      handshake_timeout=getattr(args, "handshake_timeout", 10.0),
                      socket_threads=socket_threads, samples_per_step=args.samples,
@@ -404,6 +410,7 @@ def run_worker(args: argparse.Namespace) -> int:
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           sync_every=args.sync_every,
                           device=args.device, node_id=node_id, timeout=args.timeout,
+                          heartbeat=args.heartbeat,
                           seed=args.seed, threads=args.threads, join_turn=join_turn,
                           token=token,
                           mesh=not getattr(args, "no_mesh", False),

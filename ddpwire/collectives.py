@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +25,8 @@ import numpy as np
 from . import _core
 from . import reduce as _reduce
 # CollectiveAborted lives with the other errors; it stays importable from here
-from .errors import CollectiveAborted, DdpwireError, NonFiniteGradient, PeerLost, ProtocolError
+from .errors import (CollectiveAborted, DdpwireError, NonFiniteGradient, PeerLost, ProtocolError,
+                     without_frame_progress)
 from .extensions import CollectiveKind, DType, ReduceOp
 from .messages import NO_WORKER, CollectiveError, CollectiveRequest, CollectiveResult, Heartbeat
 
@@ -210,6 +212,23 @@ def disagreement(requests: Sequence[Any]) -> Optional[Tuple[int, str]]:
 
 # ---- the service (on the coordinator's machine) ----
 
+
+#: a lost connection's text as the coordinator words it ("worker 0 (node@host)
+#: disconnected while ..."): the service speaks of ranks, worker r-1 being rank r
+_WORKER_PREFIX = re.compile(r"worker \d+ (?:\((?P<name>[^)]*)\) )?")
+
+
+def rank_gone(rank: int, exc: BaseException) -> str:
+    """Why ``rank`` failed the group, in ranks alone: the rank, its node
+    where the error names it, and how it was lost (without how far into a
+    frame, and without the worker numbering of the session beneath)."""
+    text = without_frame_progress(getattr(exc, "message", None) or str(exc))
+    found = _WORKER_PREFIX.match(text)
+    if found is None:
+        return f"rank {rank} is gone: {text}"
+    name = found.group("name")
+    return f"rank {rank} is gone{f' ({name})' if name else ''}: {text[found.end():]}"
+
 class CollectiveService:
     """Answers collectives for ranks 0..n-1, one Channel each (rank = index).
 
@@ -288,7 +307,7 @@ class CollectiveService:
                     # a rank that left between collectives fails the group only
                     # once another rank needs it, so leaving at the end is clean
                     r = gone[0]
-                    self._fail(seq, r, f"rank {r} is gone: {self._lost[r]}")
+                    self._fail(seq, r, rank_gone(r, self._lost[r]))
                     return None
                 if arrived:
                     left = min(arrived) + self.timeout - time.monotonic()
@@ -334,7 +353,7 @@ class CollectiveService:
                             count=data.size, data=data), step=seq)
                     except (DdpwireError, OSError) as exc:
                         with self._cond:
-                            self._fail(seq, rank, f"rank {rank} is gone: {exc}")
+                            self._fail(seq, rank, rank_gone(rank, exc))
                         return
                 self.answered = seq = seq + 1
         finally:

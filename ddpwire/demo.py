@@ -50,6 +50,8 @@ def _worker_command(args: argparse.Namespace, model: str, addr, index: int, repo
            "--sync-every", str(args.sync_every),
            "--lr", str(args.lr), "--seed", str(args.seed), "--timeout", str(args.timeout),
            "--report", report, "--log-level", "WARNING", "--threads", str(threads)]
+    if args.heartbeat is not None:
+        cmd += ["--heartbeat", str(args.heartbeat)]
     if args.per_block:
         # block messages carry no loss: the progress reads the workers' own
         cmd += ["--per-block", "--step-lines"]
@@ -174,6 +176,7 @@ def run_demo(args: argparse.Namespace, *, model: str) -> int:
     out = sys.stdout
     with tempfile.TemporaryDirectory(prefix="ddpwire-demo-") as tmp, \
             Coordinator(("127.0.0.1", 0), expect_workers=args.workers, timeout=args.timeout,
+                        heartbeat=args.heartbeat,
                         join_timeout=max(args.timeout, 120.0), samples_per_step=args.samples,
                         per_block=args.per_block, balance=CHOICES[args.balance],
                         elastic=getattr(args, "elastic", False),

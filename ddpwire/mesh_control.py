@@ -369,6 +369,10 @@ class MeshControl:
                     if limit is not None and now - quiet_since(w) >= limit:
                         settle(w, WorkerLost(f"{chan.conn.peer_name} silent for {limit:g} s while "
                                              f"{what}", worker_id=chan.peer_id, step=step))
+                        # the step cannot end well: the live workers, waiting
+                        # on this one as long as the timeout, get the grace
+                        # to report, not the rest of the timeout
+                        end = min(end, now + grace)
                 # in the grace, stop as soon as the answers single out the culprit
                 if in_grace and sure(now):
                     break

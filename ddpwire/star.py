@@ -249,6 +249,10 @@ class Star:
             chan = self.roster.channel(w)
             waiting[chan.conn.fileno()] = w
             poller.register(chan.conn.fileno(), select.POLLIN)
+            if chan.heartbeat_timeout is not None:
+                # with heartbeats, a silent worker is the reads' to name
+                # after heartbeat_timeout: this watch must not outwait them
+                deadline = min(deadline, time.monotonic() + chan.heartbeat_timeout)
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpwire.torch  # noqa: F401  (registers "ddpwire")
+from ddpwire.collectives import CollectiveAborted
 
 STEPS = int(os.environ.get("DDP_STEPS", "6"))
 # a test that gives up on this rank asks it where every thread stands first
@@ -125,16 +126,27 @@ def run(backend: str, out: str, run_index: int) -> None:
         ddp.register_comm_hook(None, bf16_wire_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
-    for step in range(STEPS):
-        if kill and kill == f"{rank}:{step}":
-            os._exit(17)
-        if step == 2 and "DDP_MARK" in os.environ:  # tells a test that this rank is training
-            open(f"{os.environ['DDP_MARK']}.rank{rank}", "w").close()
-        x = torch.randn(16, 20, generator=gen).to(device)
-        y = torch.randint(0, 5, (16,), generator=gen).to(device)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    steps_taken = 0
+    try:
+        for step in range(STEPS):
+            if kill and kill == f"{rank}:{step}":
+                os._exit(17)
+            if step == 2 and "DDP_MARK" in os.environ:  # tells a test that this rank is training
+                open(f"{os.environ['DDP_MARK']}.rank{rank}", "w").close()
+            x = torch.randn(16, 20, generator=gen).to(device)
+            y = torch.randint(0, 5, (16,), generator=gen).to(device)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            steps_taken += 1
+    except CollectiveAborted as exc:
+        # docs/ddp.md: what a script catches when a rank is lost, and the
+        # optimizer steps it took (none of the step that failed)
+        print(f"caught CollectiveAborted (rank {exc.rank}) after {steps_taken} optimizer steps: "
+              f"{exc}", flush=True)
+        # a normal exit: the group closes (atexit), so rank 0's service
+        # tells the other ranks who was lost before it goes
+        raise SystemExit(23)
     gathered = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "name": f"r{rank}", "sq": [rank] * rank})
     objs = [f"from {rank}", {"k": rank}] if rank == 1 else [None, None]

@@ -829,6 +829,44 @@ def test_a_worker_stopped_with_ctrl_c_is_named_first_with_what_to_do(tmp_path):
     assert stays_err.count("ddpwire: error:") == 1 and "Traceback" not in stays_err
 
 
+@needs_torch
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["star", "mesh"])
+def test_with_heartbeats_a_frozen_worker_is_named_long_before_the_timeout(tmp_path, topology):
+    """--heartbeat 2 on every side: a worker stopped (SIGSTOP) is named as
+    silent for 6 s (three beats), where --timeout 600 alone would hold the
+    run for ten minutes."""
+    port = free_port()
+    metrics = tmp_path / "metrics.jsonl"
+    common = ["--timeout", "600", "--heartbeat", "2"]
+    coord = subprocess.Popen(PY + ["coordinator", "--bind", f"127.0.0.1:{port}", "--workers", "2",
+                                   "--steps", "100000", "--samples", "64", "--metrics",
+                                   str(metrics), "--topology", topology] + common,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [subprocess.Popen(PY + ["worker", "--connect", f"127.0.0.1:{port}", "--samples", "64",
+                                      "--threads", "1", "--node-id", f"w{i}"] + common,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.02)
+        os.kill(workers[1].pid, signal.SIGSTOP)
+        coord.wait(timeout=300)  # well inside --timeout: only the heartbeats can end it
+    finally:
+        for p in workers:
+            os.kill(p.pid, signal.SIGCONT)
+        for p in [coord] + workers:
+            p.kill()
+            p.wait()
+    err = coord.stderr.read()
+    assert coord.returncode == 1, err
+    error = next(line for line in err.splitlines() if line.startswith("ddpwire: error:"))
+    assert "(w1@127.0.0.1) silent for 6 s" in error, err
+
+
 def child_pids(pid: int) -> List[int]:
     """The processes whose parent is ``pid``, in pid order, from /proc (no tool to run)."""
     kids = []

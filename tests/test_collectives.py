@@ -17,6 +17,7 @@ from ddpwire.collectives import (
     Kind,
     Op,
     combine,
+    rank_gone,
 )
 from ddpwire import decode_frame, encode_frame
 from ddpwire.errors import CoordinatorLost, WorkerLost
@@ -206,6 +207,14 @@ def test_lost_rank_fails_the_others_at_once():
             result(box)
         assert info.value.rank == 2
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_lost_rank_is_told_in_ranks_not_in_the_sessions_worker_numbers():
+    lost = WorkerLost("worker 0 (rank1-457@127.0.0.1) disconnected while waiting for "
+                      "CollectiveRequest (0 of 4 bytes)", worker_id=0, step=12)
+    assert rank_gone(1, lost) == ("rank 1 is gone (rank1-457@127.0.0.1): disconnected while "
+                                  "waiting for CollectiveRequest")
+    assert rank_gone(2, OSError("Broken pipe")) == "rank 2 is gone: Broken pipe"
 
 
 def test_silent_rank_is_named_after_the_timeout():

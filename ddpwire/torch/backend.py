@@ -12,7 +12,6 @@ thread, so DDP overlaps its buckets with backward.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import threading
 import weakref
@@ -22,6 +21,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import _ddpwire_autoload as _autoload
 
@@ -99,9 +100,9 @@ class DdpwireWork(dist._Work):
     Its future is never failed: torch 2.13's DDP crashes the process
     (SIGSEGV) when a bucket's future completes with an exception during
     backward. A failed collective whose future was taken (DDP takes them)
-    completes it with the tensors unchanged and raises the error in the main
-    thread instead, which sees it as soon as backward returns, before the
-    optimizer can step.
+    completes it with the tensors unchanged, whatever else fails, and the
+    main thread gets the error at its next optimizer step or forward
+    (:class:`_Pending`), before any weights change.
     """
 
     def __init__(self, future: torch.futures.Future, limit: float, seq: int, what: str,
@@ -118,8 +119,13 @@ class DdpwireWork(dist._Work):
 
     def _finish(self, value: Any, error: Optional[BaseException]) -> None:
         self._error = error
-        if error is not None and self._future_taken:
-            self._on_error(error)
+        try:
+            if error is not None and self._future_taken:
+                self._on_error(error)
+        finally:
+            self._complete(value)
+
+    def _complete(self, value: Any) -> None:
         # The future's callbacks run inside set_result, in torch's C++, on a
         # daemon thread of ours. wait() returns only once they have: a
         # program that waits and exits must not leave that thread in C++
@@ -163,20 +169,47 @@ class DdpwireWork(dist._Work):
         return self._future
 
 
-def _raise_in_main_thread(error: BaseException) -> None:
-    """Make the main thread raise CollectiveAborted carrying ``error`` at its
-    next Python instruction (as Ctrl-C would)."""
-    main = threading.main_thread()
-    if main.ident is None or threading.get_ident() == main.ident:
-        return
-    rank, seq = getattr(error, "rank", None), getattr(error, "seq", None)
+class _Pending:
+    """A failure the main thread has yet to see, raised where Python is in
+    charge and before any weights change: at the next optimizer step
+    (torch.optim's global step pre-hook) or the next module forward,
+    whichever the script reaches first; a collective called meanwhile
+    raises it itself.
 
-    def init(self: CollectiveAborted) -> None:
-        CollectiveAborted.__init__(self, getattr(error, "detail", str(error)), rank=rank, seq=seq)
+    Never inside backward: an exception raised there (DDP's reducer runs
+    the buckets' Python from torch's C++) comes out of ``backward()`` as a
+    RuntimeError ("Cannot extract tensors from value: ..."), and
+    ``except CollectiveAborted`` would not match it. The hooks are
+    registered only once a group has failed, so a run that does not fail
+    pays nothing."""
 
-    # an asynchronous exception is raised from its class: this one fills itself in
-    cls = type("CollectiveAborted", (CollectiveAborted,), {"__init__": init, "__module__": __name__})
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident), ctypes.py_object(cls))
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
+        self._handles: List[Any] = []
+
+    def arm(self, error: BaseException) -> None:
+        """Raise ``error`` at the main thread's next optimizer step or forward."""
+        with self._lock:
+            if self._error is not None:
+                return  # the first failure is the cause
+            self._error = error
+            self._handles = [register_optimizer_step_pre_hook(self._fire),
+                             register_module_forward_pre_hook(self._fire)]
+
+    def _fire(self, *_args: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # another thread's model: the main thread is told
+        with self._lock:
+            error, self._error = self._error, None
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        if error is not None:
+            raise error.again() if isinstance(error, CollectiveAborted) else error
+
+
+_pending = _Pending()
 
 
 class DdpwireProcessGroup(dist.ProcessGroup):
@@ -291,7 +324,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         # once per group: the main thread learns of the failure a single time
         if not self._reported:
             self._reported = True
-            _raise_in_main_thread(error)
+            _pending.arm(error)
 
     # ---- the one path every collective takes ----
 

@@ -141,6 +141,7 @@ def train_worker(
     device: Optional[str] = None,
     node_id: Optional[str] = None,
     timeout: float = 120.0,
+    heartbeat: Optional[float] = None,
     seed: int = 0,
     threads: Optional[int] = 0,
     join_turn: Optional[RankOrder] = None,
@@ -158,6 +159,7 @@ def train_worker(
     OMP_NUM_THREADS is set).
     ``join_turn``: under torchrun, join only after the previous rank did.
     ``token``: authenticate both ways (docs/security.md).
+    ``heartbeat``: seconds between heartbeats on an idle connection (None: off).
     ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`.
     ``on_step``: called with each step's result as it ends.
     ``sync_every``: local steps (DataParallelTrainer); ``samples_per_step``
@@ -184,7 +186,7 @@ def train_worker(
 
     def connect(resume_step: Optional[int] = None) -> Worker:
         return Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
-                              node_id=node_id, timeout=timeout, token=token,
+                              node_id=node_id, timeout=timeout, heartbeat=heartbeat, token=token,
                               samples_per_step=samples_per_step, mesh=mesh,
                               tcp_congestion=tcp_congestion, per_block=per_block,
                               gradient_length=gradient_length, resume_step=resume_step,
