@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordinator HOST:PORT (default under torchrun: MASTER_ADDR, MASTER_PORT+1)")
     w.add_argument("--node-id", default=None, help="name reported to the coordinator")
     w.add_argument("--report", default=None, help="write the final report (JSON) to this file")
+    w.add_argument("--save", default=None, metavar="FILE",
+                   help="write the model's weights (torch state_dict) to FILE when training ends, "
+                        "however it ends")
     w.add_argument("--step-lines", action="store_true",
                    help="print each step's loss, correct and total samples of this worker's shard "
                         "on stdout as it ends, one JSON line per step (the per-block demo shows "
@@ -410,7 +413,7 @@ def run_worker(args: argparse.Namespace) -> int:
                           blocks=args.blocks, samples_per_step=args.samples, lr=args.lr,
                           sync_every=args.sync_every,
                           device=args.device, node_id=node_id, timeout=args.timeout,
-                          heartbeat=args.heartbeat,
+                          heartbeat=args.heartbeat, save=args.save,
                           seed=args.seed, threads=args.threads, join_turn=join_turn,
                           token=token,
                           mesh=not getattr(args, "no_mesh", False),
@@ -491,6 +494,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rounds(args)
         writable(getattr(args, "metrics", None), "--metrics")
         writable(getattr(args, "report", None), "--report")
+        writable(getattr(args, "save", None), "--save")
         if args.command == "coordinator":
             with StopSignals() as stops:
                 run_coordinator(args, stops=stops)

@@ -558,6 +558,24 @@ def _session(tmp_path, coordinator_args, worker_args=(), workers=2, env=None):
 
 
 @needs_torch
+def test_a_worker_saves_the_weights_it_ended_with(tmp_path):
+    import torch
+
+    from ddpwire.torch.job import build_task, weights_digest
+
+    saved = tmp_path / "model.pt"
+    coord, procs, outputs, reports = _session(
+        tmp_path, ["--steps", "5", "--samples", "64"], ["--samples", "64", "--save", str(saved)],
+        workers=1)
+    assert procs[0].returncode == 0, outputs[procs[0].pid][1]
+    assert "saved the model after 5 steps to" in outputs[procs[0].pid][1]
+    net = build_task("mlp")[0]
+    net.load_state_dict(torch.load(saved))
+    assert weights_digest(net) == json.loads(reports[0].read_text())["weights_sha256"]
+    assert not (tmp_path / "model.pt.part").exists()
+
+
+@needs_torch
 @pytest.mark.parametrize("topology", ["auto", "star"])
 def test_workers_on_one_host_share_its_cores_by_default(tmp_path, topology):
     # no --threads, no torchrun: each worker counts the workers of its session

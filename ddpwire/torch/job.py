@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -24,7 +25,6 @@ from .device import choose_device
 from .models import DigitsMLP, TinyTransformer
 from .rank_order import RankOrder
 from .._text import counted
-from ..threads import apply_threads, default_threads, usable_cores, workers_here
 from .trainer import DataParallelTrainer, StepResult, evaluate
 
 __all__ = ["WorkerReport", "build_task", "weights_digest", "train_worker"]
@@ -87,6 +87,15 @@ def build_task(model: str, *, seed: int = 0, blocks: int = 4) -> Tuple[nn.Module
     raise ValueError(f"unknown model {model!r}: expected 'mlp' or 'transformer'")
 
 
+def save_weights(model: nn.Module, path: str, steps: int) -> None:
+    """``model``'s state_dict to ``path`` through a file beside it renamed
+    over it: a run cut short while saving leaves the last file whole."""
+    part = f"{path}.part"
+    torch.save(model.state_dict(), part)
+    os.replace(part, path)
+    log.info("saved the model after %s to %s", counted(steps, "step"), path)
+
+
 def weights_digest(model: nn.Module) -> str:
     """SHA-256 of every parameter's bytes, in order: equal digests mean
     bit-identical weights."""
@@ -95,39 +104,6 @@ def weights_digest(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-class _ThreadsAtStart:
-    """The worker, for the trainer, setting torch's threads once the first
-    shard has come: only then has every worker of the session joined, so
-    only then can the workers sharing this machine be counted
-    (:func:`ddpwire.threads.workers_here`). Everything else is the worker's."""
-
-    def __init__(self, worker: Worker) -> None:
-        self._worker = worker
-        self.threads = 0  # in use, once set
-        self._decided = False
-
-    def receive_shard(self) -> Any:
-        shard = self._worker.receive_shard()
-        if not self._decided:
-            self._decided = True
-            here = workers_here(self._worker.channel.conn.sock)
-            self.threads = apply_threads(default_threads(here))
-            log.info("torch threads: %d (%d usable cores, %s of this session on this machine)",
-                     self.threads, usable_cores(), counted(here, "worker"))
-        return shard
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._worker, name)
-
-    @property
-    def state_source(self) -> Any:
-        return self._worker.state_source
-
-    @state_source.setter
-    def state_source(self, source: Any) -> None:
-        self._worker.state_source = source
 
 
 def train_worker(
@@ -150,6 +126,7 @@ def train_worker(
     tcp_congestion: Optional[str] = DEFAULT_CONGESTION,
     on_step: Optional[Callable[[StepResult], None]] = None,
     sync_every: int = 1,
+    save: Optional[str] = None,
 ) -> WorkerReport:
     """Join the coordinator at ``addr`` and train until it shuts training down.
 
@@ -160,6 +137,8 @@ def train_worker(
     ``join_turn``: under torchrun, join only after the previous rank did.
     ``token``: authenticate both ways (docs/security.md).
     ``heartbeat``: seconds between heartbeats on an idle connection (None: off).
+    ``save``: a file for the model's ``state_dict`` when training ends
+    (normally, stopped, or on an error), written whole or not at all.
     ``mesh``, ``tcp_congestion``: as :meth:`Worker.connect`.
     ``on_step``: called with each step's result as it ends.
     ``sync_every``: local steps (DataParallelTrainer); ``samples_per_step``
@@ -168,7 +147,6 @@ def train_worker(
     A Shutdown where an average was due, or before the run's length that a
     ddpwire coordinator announces at the join, ends training all the same:
     the report then says ``stopped_early``."""
-    used_threads = apply_threads(threads) if threads is not None else 0
     choice = choose_device(device)
     net, train, held = build_task(model, seed=seed, blocks=blocks)
     net = net.to(choice.device)
@@ -192,16 +170,13 @@ def train_worker(
                               gradient_length=gradient_length, resume_step=resume_step,
                               extensions={Extension.STEPS: b""})
 
-    def wrap(w: Worker) -> Any:
-        return _ThreadsAtStart(w) if threads is None else w
     worker = connect()
     if join_turn is not None:
         join_turn.joined()
     try:
-        session: Any = wrap(worker)
-        trainer = DataParallelTrainer(session, net, optimizer, train, device=choice.device,
+        trainer = DataParallelTrainer(worker, net, optimizer, train, device=choice.device,
                                       samples_per_step=samples_per_step, seed=seed,
-                                      per_block=per_block, sync_every=sync_every)
+                                      per_block=per_block, sync_every=sync_every, threads=threads)
         results: List[StepResult] = []
         granted = worker.extensions.get(Extension.STEPS)
         pace = PaceLog(log, decode_u64(granted) if granted is not None else 0,
@@ -227,8 +202,7 @@ def train_worker(
                         raise
                     worker.close()
                     worker = connect(resume_step=resume_step)
-                    session = wrap(worker)
-                    trainer.rejoin(session)
+                    trainer.rejoin(worker)
                     continue
                 if result is None:
                     break
@@ -244,6 +218,10 @@ def train_worker(
             inside_step = True
         finally:
             trainer.close()
+            if save is not None:
+                # whatever ended the run: a step is applied whole or not at
+                # all, so the weights are those after the last step applied
+                save_weights(net, save, len(results))
         granted = worker.extensions.get(Extension.STEPS)
         run_steps = decode_u64(granted) if granted is not None else 0
         loss, accuracy = evaluate(net, held, choice.device)
@@ -253,7 +231,7 @@ def train_worker(
             steps=len(results), held_out_loss=loss, held_out_accuracy=accuracy,
             weights_sha256=weights_digest(net),
             mean_exposed_comm_s=sum(exposed) / len(exposed) if exposed else 0.0,
-            threads=session.threads if threads is None else used_threads,
+            threads=trainer.threads or 0,
             run_steps=run_steps, stopped_early=inside_step or len(results) < run_steps,
             train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
             train_total=[r.total for r in results],

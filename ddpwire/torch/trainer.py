@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._text import counted
 from ..errors import CoordinatorLost, GradientMismatch, MembershipChanged
+from ..threads import apply_threads, default_threads, usable_cores, workers_here
 from .buffer import NON_BLOCK_COMPONENTS, GradientBuffer, Segment, block_segment
 from .data import ArrayDataset, ShardSampler
 from .local_steps import nesterov_outer
@@ -140,6 +142,21 @@ class StepResult:
     timings: StepTimings
 
 
+def _share_the_cores(worker: Any) -> int:
+    """Set torch's threads to this machine's share of the cores, the
+    session's workers here counted from the worker's connection to the
+    coordinator; the count in use. A worker with no connection to count
+    from (a stand-in) leaves torch's setting."""
+    channel = getattr(worker, "channel", None)
+    if channel is None:
+        return apply_threads(0)
+    here = workers_here(channel.conn.sock)
+    threads = apply_threads(default_threads(here))
+    logger.info("torch threads: %d (%d usable cores, %s of this session on this machine)",
+                threads, usable_cores(), counted(here, "worker"))
+    return threads
+
+
 class DataParallelTrainer:
     """Run the protocol's training steps for one worker.
 
@@ -150,6 +167,13 @@ class DataParallelTrainer:
     ``model.gradient_layout()``) must then consist of segments named
     ``block.<i>`` for ``i`` in ``0..N-1`` and any of lm_head, final_norm,
     embedding.
+
+    ``threads``: torch's intra-op threads. None (the default) splits the
+    usable cores between the session's workers on this machine, counted at
+    the first shard, when every worker has joined, as ``ddpwire worker``
+    does (torch's own default where OMP_NUM_THREADS is set): N workers on
+    one machine each taking every core run several times slower. 0 leaves
+    torch's setting; N sets N.
 
     Local steps (DiLoCo, for slow links): with ``sync_every=H`` (or an
     ``outer_optimizer``) each protocol step is a round: the worker's shard
@@ -178,6 +202,7 @@ class DataParallelTrainer:
         batch_fn: BatchFn = classification_batch,
         sync_every: int = 1,
         outer_optimizer: Optional[torch.optim.Optimizer] = None,
+        threads: Optional[int] = None,
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be at least 1, got {sync_every}")
@@ -187,6 +212,9 @@ class DataParallelTrainer:
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
+        #: torch's intra-op threads in use (None until the first shard, where
+        #: they are split between this machine's workers of the session)
+        self.threads: Optional[int] = None if threads is None else apply_threads(threads)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.sampler = ShardSampler(len(dataset), samples_per_step or len(dataset), seed)
         self.batch_fn = batch_fn
@@ -278,6 +306,8 @@ class DataParallelTrainer:
         self._joined = True
         while True:
             shard = self.worker.receive_shard()
+            if self.threads is None:
+                self.threads = _share_the_cores(self.worker)
             if shard is None:
                 logger.info("worker %s: shutdown received", self.worker.worker_id)
                 return None
