@@ -63,7 +63,15 @@ def _worker_command(args: argparse.Namespace, model: str, addr, index: int, repo
 class _Watch:
     """Watches the worker processes from a thread: the first one to exit with
     an error interrupts the main thread (blocked joining or in a step), so the
-    demo stops at once instead of waiting out its timeouts."""
+    demo stops at once instead of waiting out its timeouts.
+
+    The interruption is SIGUSR1 to the main thread, with a handler installed
+    here for the while: a blocking receive returns EINTR and the handler
+    raises the worker's death. Not SIGINT: a process started with SIGINT
+    ignored (a background job of a non-interactive shell, many service
+    managers) keeps it ignored, and the demo would wait out its timeouts."""
+
+    WAKE = signal.SIGUSR1
 
     def __init__(self, procs: List[subprocess.Popen]) -> None:
         self.procs = procs
@@ -74,6 +82,7 @@ class _Watch:
         self._thread = threading.Thread(target=self._run, name="ddpwire-demo-watch", daemon=True)
 
     def __enter__(self) -> "_Watch":
+        self._previous = signal.signal(self.WAKE, self._woken)
         self._thread.start()
         return self
 
@@ -81,6 +90,10 @@ class _Watch:
         with self._lock:
             self._stop.set()
         self._thread.join(5.0)
+        signal.signal(self.WAKE, self._previous)
+
+    def _woken(self, _signum: int, _frame: object) -> None:
+        raise self.failure()
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
@@ -90,9 +103,7 @@ class _Watch:
                         if self._stop.is_set():
                             return
                         self.dead = i
-                        # SIGINT to the main thread itself: its blocking receive
-                        # returns EINTR and raises KeyboardInterrupt, as on Ctrl-C
-                        signal.pthread_kill(self._main, signal.SIGINT)
+                        signal.pthread_kill(self._main, self.WAKE)
                     return
 
     def failure(self) -> WorkerDied:

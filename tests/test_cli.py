@@ -93,13 +93,16 @@ def test_per_block_demo_shows_loss_and_accuracy_as_it_trains():
 
 
 @needs_torch
-def test_demo_stops_when_a_worker_process_dies():
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint", "sigint-ignored"])
+def test_demo_stops_when_a_worker_process_dies(sigint):
     # no CUDA here: the workers exit at once; the demo must say so, not wait
-    # out its join timeout and then report that nobody joined
+    # out its join timeout and then report that nobody joined; also where it
+    # started with SIGINT ignored, as a background job of a script is
     import torch
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA, where --device cuda fails")
-    proc = run(["demo", "--workers", "2", "--steps", "3", "--device", "cuda", "--timeout", "3600"])
+    proc = run(["demo", "--workers", "2", "--steps", "3", "--device", "cuda", "--timeout", "3600"],
+               preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     assert proc.returncode == 1
     assert "ddpwire: error: worker process" in proc.stderr
     assert "before training ended" in proc.stderr
