@@ -16,6 +16,7 @@ import sys
 
 from ddpwire import Coordinator
 from ddpwire.serve import serve
+from elastic_script import SILENCE
 
 
 def main() -> int:
@@ -29,7 +30,7 @@ def main() -> int:
     args = p.parse_args()
     coord = Coordinator(("127.0.0.1", args.port), 3, elastic=True, resume=args.resume,
                         samples_per_step=args.total, timeout=30.0, heartbeat=0.2,
-                        heartbeat_timeout=1.5, join_timeout=60)
+                        heartbeat_timeout=SILENCE, join_timeout=60)
     coord.wait_for_workers()
     send = coord.send_shard_assignments
 

@@ -22,8 +22,14 @@ from ddpwire.torch import DataParallelTrainer, DigitsMLP, digits_split
 TOTAL = 96  # samples per step
 # A sanitizer's runtime preloaded (.ci/sanitize) makes every process several
 # times slower, the GIL-holding work that the heartbeat thread waits behind
-# included: 1.5 s of silence is then a busy worker, not a stopped one.
+# included: seconds of silence are then a busy worker, not a stopped one.
 SLOWER = 4 if any(lib in os.environ.get("LD_PRELOAD", "") for lib in ("libasan", "libtsan")) else 1
+#: the silence after which the coordinator drops a worker: a stopped process
+#: is silent for good, while on a loaded 2-core machine (another process busy
+#: on each core) a live one's heartbeat thread waited up to 2 s for the GIL
+#: and the CPU at the first step; the worker gives the coordinator longer
+#: (whoever waits on another's wait waits longer)
+SILENCE = 5.0 * SLOWER
 
 
 def trainer(worker):
@@ -40,7 +46,7 @@ def main():
     def connect(resume_step=None):
         # heartbeats: a stopped process falls silent, a slow one does not
         return Worker.connect((host, port), timeout=30, samples_per_step=TOTAL, heartbeat=0.2,
-                              heartbeat_timeout=2.0 * SLOWER, resume_step=resume_step)
+                              heartbeat_timeout=SILENCE + 2.0, resume_step=resume_step)
     w = connect()
     t = trainer(w)
     indices = t.sampler.indices

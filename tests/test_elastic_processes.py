@@ -43,11 +43,10 @@ def one_process_weights(steps):
 
 @pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
 def test_a_run_goes_on_without_a_lost_worker_and_ends_as_one_unfaulted_process(tmp_path, fault):
-    # a stopped worker is dropped once its heartbeats stop for 1.5 s (longer
-    # under a sanitizer: script.SLOWER); a slow one (the first step, on a
-    # busy machine) keeps the 30 s
+    # a stopped worker is dropped once its heartbeats stop for script.SILENCE;
+    # a slow one (the first step, on a busy machine) keeps the 30 s
     coord = Coordinator(("127.0.0.1", 0), 3, elastic=True, samples_per_step=script.TOTAL,
-                        timeout=30.0, heartbeat=0.2, heartbeat_timeout=1.5 * script.SLOWER,
+                        timeout=30.0, heartbeat=0.2, heartbeat_timeout=script.SILENCE,
                         join_timeout=60)
     host, port = coord.local_addr
     outs = [tmp_path / f"worker{i}.pt" for i in range(3)]
