@@ -165,11 +165,7 @@ def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
     reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused], deadline=deadline)
     if isinstance(reply, AuthChallenge):
         if token is None:
-            raise AuthenticationFailed(
-                RefusalReason.AUTH_REQUIRED,
-                f"the coordinator at {where} requires a token and this worker has none: start "
-                f"it with the coordinator's token (--token-file or {auth.TOKEN_ENV})",
-                by_worker=True)
+            raise _token_needed(where)
         expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
         if not auth.proof_matches(expected, bytes(reply.proof)):
             # a peer that does not know the token learns nothing from us
@@ -190,10 +186,21 @@ def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
             f"cannot prove it; start it with the same token, or drop the token from this worker",
             by_worker=True)
     if isinstance(reply, JoinRefused):
+        if reply.reason == RefusalReason.AUTH_REQUIRED and token is None:
+            raise _token_needed(where)  # said by the coordinator before any challenge
         cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
                                                        RefusalReason.AUTH_FAILED) else JoinRefusedError
         raise cls(reply.reason, reply.detail)
     return reply
+
+
+def _token_needed(where: str) -> AuthenticationFailed:
+    """A coordinator with a token, and this worker without one: what to do."""
+    return AuthenticationFailed(
+        RefusalReason.AUTH_REQUIRED,
+        f"the coordinator at {where} requires a token and this worker has none: start it with "
+        f"the coordinator's token (the command's --token-file, or {auth.TOKEN_ENV})",
+        by_worker=True)
 
 
 def _check_accepted(accepted: JoinAccepted) -> None:

@@ -72,6 +72,9 @@ def test_a_worker_without_the_token_is_refused_before_it_takes_a_slot():
         with pytest.raises(ddpwire.AuthenticationFailed) as info:
             Worker.connect(coord.local_addr, timeout=10)
         assert info.value.reason == RefusalReason.AUTH_REQUIRED
+        # what to do, in the words of the command and of the environment
+        assert "requires a token and this worker has none" in str(info.value)
+        assert "--token-file" in str(info.value) and "DDPWIRE_TOKEN" in str(info.value)
         good = worker(coord, token=TOKEN)
         infos = join.join_result()
         assert [i.worker_id for i in infos] == [0]

@@ -762,11 +762,7 @@ def test_an_elastic_coordinator_goes_on_when_a_worker_process_is_killed(tmp_path
                 PY + ["worker", "--connect", f"127.0.0.1:{port}", "--timeout", "60",
                       "--samples", "96", "--threads", "1", "--report", str(r)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.02)
+        wait_for_steps(metrics, 3)
         workers[1].kill()
         for p in workers + [coord]:
             p.wait(timeout=240)
@@ -800,6 +796,17 @@ def test_an_elastic_coordinator_goes_on_when_a_worker_process_is_killed(tmp_path
     assert all(len(x["workers"]) == 2 for x in lines[changes[0]["step"]:])
 
 
+def wait_for_steps(metrics: Path, steps: int, limit: float = 120.0) -> None:
+    """Wait (at most ``limit`` s) until a --metrics file holds ``steps`` steps: the run is
+    under way, every worker in it."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"{metrics} did not reach {steps} steps within {limit:g} s")
+
+
 def sigint_default() -> None:
     """In a child before exec: SIGINT as a terminal gives it, whatever this
     process inherited (a background job's shell leaves it ignored)."""
@@ -826,11 +833,7 @@ def test_a_worker_stopped_with_ctrl_c_is_named_first_with_what_to_do(tmp_path):
                       "--samples", "64", "--threads", "1", "--node-id", f"w{i}"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 preexec_fn=sigint_default))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.02)
+        wait_for_steps(metrics, 3)
         workers[1].send_signal(signal.SIGINT)
         for p in workers + [coord]:
             p.wait(timeout=120)
@@ -869,11 +872,7 @@ def test_with_heartbeats_a_frozen_worker_is_named_long_before_the_timeout(tmp_pa
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for i in range(2)]
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.02)
+        wait_for_steps(metrics, 3)
         os.kill(workers[1].pid, signal.SIGSTOP)
         coord.wait(timeout=300)  # well inside --timeout: only the heartbeats can end it
     finally:
@@ -909,11 +908,7 @@ def test_the_elastic_demo_goes_on_when_one_of_its_workers_is_killed(tmp_path):
                                   "--samples", "96", "--threads", "1", "--metrics", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.02)
+        wait_for_steps(metrics, 3)
         children = child_pids(demo.pid)
         assert len(children) == 3, children
         os.kill(children[1], signal.SIGKILL)
