@@ -63,23 +63,24 @@ int ddpw_has_bulk(uint8_t tag)
 }
 
 /* Indexed by code; NULL marks a gap. One table per family keeps each code's
- * name next to nothing but its number. */
-static const char *const REFUSAL_NAMES[7] = {
+ * name next to nothing but its number, and its length is its bound. */
+#define COUNT(table) (sizeof (table) / sizeof *(table))
+static const char *const REFUSAL_NAMES[] = {
     NULL, "full", "training", "auth_required", "auth_failed", "mismatch", "protocol",
 };
-static const char *const KIND_NAMES[6] = {
+static const char *const KIND_NAMES[] = {
     NULL, "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier",
 };
-static const char *const OP_NAMES[5] = {"sum", "avg", "min", "max", "product"};
-static const char *const DTYPE_NAMES[8] = {
-    "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool",
+static const char *const OP_NAMES[] = {"sum", "avg", "min", "max", "product"};
+static const char *const DTYPE_NAMES[] = {
+    "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool", "int8",
 };
-static const uint8_t DTYPE_SIZES[8] = {4, 8, 2, 2, 4, 8, 1, 1};
-static const char *const CODEC_NAMES[3] = {"float32", "bf16", "fp16"};
+static const uint8_t DTYPE_SIZES[] = {4, 8, 2, 2, 4, 8, 1, 1, 1};
+static const char *const CODEC_NAMES[] = {"float32", "bf16", "fp16"};
 
 size_t ddpw_dtype_size(uint8_t dtype)
 {
-    return dtype < 8 ? DTYPE_SIZES[dtype] : 0;
+    return dtype < COUNT(DTYPE_SIZES) ? DTYPE_SIZES[dtype] : 0;
 }
 
 const char *ddpw_code_name(ddpw_code_family family, unsigned value)
@@ -106,15 +107,15 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "elastic";
         return NULL;
     case DDPW_CODES_REFUSAL:
-        return value < 7 ? REFUSAL_NAMES[value] : NULL;
+        return value < COUNT(REFUSAL_NAMES) ? REFUSAL_NAMES[value] : NULL;
     case DDPW_CODES_COLLECTIVE_KIND:
-        return value < 6 ? KIND_NAMES[value] : NULL;
+        return value < COUNT(KIND_NAMES) ? KIND_NAMES[value] : NULL;
     case DDPW_CODES_REDUCE_OP:
-        return value < 5 ? OP_NAMES[value] : NULL;
+        return value < COUNT(OP_NAMES) ? OP_NAMES[value] : NULL;
     case DDPW_CODES_DTYPE:
-        return value < 8 ? DTYPE_NAMES[value] : NULL;
+        return value < COUNT(DTYPE_NAMES) ? DTYPE_NAMES[value] : NULL;
     case DDPW_CODES_CODEC:
-        return value < 3 ? CODEC_NAMES[value] : NULL;
+        return value < COUNT(CODEC_NAMES) ? CODEC_NAMES[value] : NULL;
     }
     return NULL;
 }

@@ -130,7 +130,8 @@ typedef enum ddpw_dtype {
     DDPW_DTYPE_INT32 = 4,
     DDPW_DTYPE_INT64 = 5,
     DDPW_DTYPE_UINT8 = 6,
-    DDPW_DTYPE_BOOL = 7
+    DDPW_DTYPE_BOOL = 7,
+    DDPW_DTYPE_INT8 = 8
 } ddpw_dtype;
 
 /* Families of codes, for ddpw_code_name. */

@@ -312,8 +312,9 @@ class CollectiveService:
                 if arrived:
                     left = min(arrived) + self.timeout - time.monotonic()
                     if left <= 0:
-                        self._fail(seq, missing[0], f"rank {missing[0]} did not send collective "
-                                   f"{seq} within {self.timeout:g} s of the first rank")
+                        # "timed out": the words torch's backends use, and users search for
+                        self._fail(seq, missing[0], f"timed out: rank {missing[0]} did not send "
+                                   f"collective {seq} within {self.timeout:g} s of the first rank")
                         return None
                     self._cond.wait(min(left, 1.0))
                 else:
@@ -499,8 +500,8 @@ class CollectiveClient:
 
         self.submit(kind, Op.SUM, dtype, root, data, finish)
         if not done.wait(timeout):
-            raise CollectiveAborted(f"the group's set-up got no answer within {timeout:g} s",
-                                    rank=None, seq=None)
+            raise CollectiveAborted(f"timed out: the group's set-up got no answer within "
+                                    f"{timeout:g} s", rank=None, seq=None)
         if box["error"] is not None:
             raise box["error"]
         return np.array(box["result"], dtype=np.uint8, copy=True)

@@ -37,7 +37,7 @@ Codec = _enum("Codec", "MeshPeers.codec: how gradient slices travel between mesh
 # numpy has no bfloat16: its elements are handled as raw 16-bit words
 _NUMPY: Dict[str, str] = {
     "FLOAT32": "<f4", "FLOAT64": "<f8", "FLOAT16": "<f2", "BFLOAT16": "<u2",
-    "INT32": "<i4", "INT64": "<i8", "UINT8": "u1", "BOOL": "?",
+    "INT32": "<i4", "INT64": "<i8", "UINT8": "u1", "BOOL": "?", "INT8": "i1",
 }
 
 

@@ -346,8 +346,8 @@ class SharedPlane:
                 raise self._lost(f"{self.member} {gone} closed its link in {self._name(seq)} "
                                  f"({what})", gone, seq)
             if time.monotonic() >= deadline:
-                raise self._lost(f"{self.member} {rank} did not reach {self._name(seq)} "
-                                 f"({what}) within {self.timeout:g} s", rank, seq)
+                raise self._lost(f"timed out: {self.member} {rank} did not reach "
+                                 f"{self._name(seq)} ({what}) within {self.timeout:g} s", rank, seq)
 
 
 def sweep_stale(directory: str = "/dev/shm") -> int:

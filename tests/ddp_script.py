@@ -54,7 +54,7 @@ def init(backend: str, run_index: int) -> None:
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-          torch.uint8, torch.bool]
+          torch.uint8, torch.int8, torch.bool]
 OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
        "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.AVG}
 

@@ -184,7 +184,7 @@ def test_killed_rank_is_named_and_leaves_no_segment():
         assert (r, kind, blamed) == (rank, "CollectiveAborted", 2), text
         # the first to time out calls the group off, blaming the same rank
         assert "rank 2 did not reach" in text or "rank 2 is gone" in text, text
-    assert any("rank 2 did not reach" in text for *_, text in got)
+    assert any("timed out: rank 2 did not reach" in text for *_, text in got)
     assert not os.path.exists("/dev/shm" + seg.name)
 
 

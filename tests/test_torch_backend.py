@@ -141,10 +141,11 @@ def _same_collectives(wire, gloo):
     """ddpwire answers every op on every dtype (but AVG on integers and
     bool, which it refuses by name), and gives gloo's answer wherever gloo
     gives one: exactly, or within one rounding of the half types."""
-    assert len(wire) == 8 * 7 + 1
+    assert len(wire) == 9 * 7 + 1  # 9 dtypes (int8 a byte copy for broadcast, as gloo's)
     for key, value in wire.items():
         dtype, op = key
-        if op == "avg" and dtype in ("torch.int32", "torch.int64", "torch.uint8", "torch.bool"):
+        if op == "avg" and dtype in ("torch.int32", "torch.int64", "torch.uint8", "torch.int8",
+                                     "torch.bool"):
             assert value == "NotImplementedError", key
             continue
         assert isinstance(value, torch.Tensor), (key, value)
@@ -283,3 +284,32 @@ def test_a_script_that_waits_and_exits_ends_cleanly(tmp_path):
                               text=True, timeout=LIMIT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "exiting" in proc.stdout and "Fatal Python error" not in proc.stderr
+
+
+ONE_RANK = """
+import sys
+import torch
+import torch.distributed as dist
+import ddpwire.torch  # noqa: F401
+dist.init_process_group("ddpwire", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0,
+                        world_size=1)
+t = torch.tensor([-3, 7, 127], dtype=torch.int8)
+dist.broadcast(t, src=0)
+dist.all_reduce(t, op=dist.ReduceOp.MAX)
+print("int8", t.tolist())
+sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+try:
+    dist.all_reduce(sparse)
+except NotImplementedError as exc:
+    print("sparse:", exc)
+dist.destroy_process_group()
+"""
+
+
+def test_int8_travels_and_a_sparse_tensor_is_refused_by_name():
+    proc = subprocess.run([sys.executable, "-c", ONE_RANK, str(free_ports(1)[0])],
+                          capture_output=True, text=True, timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr
+    assert "int8 [-3, 7, 127]" in proc.stdout
+    assert ("sparse: ddpwire allreduce: torch.sparse_coo tensors are not supported (dense only): "
+            "pass t.to_dense(), or use gloo for sparse gradients") in proc.stdout, proc.stdout

@@ -56,6 +56,7 @@ _DTYPES = {
     torch.int32: DType.INT32,
     torch.int64: DType.INT64,
     torch.uint8: DType.UINT8,
+    torch.int8: DType.INT8,
     torch.bool: DType.BOOL,
 }
 
@@ -69,6 +70,11 @@ _OPS = {
 
 
 def _dtype_of(tensors: Sequence[torch.Tensor], what: str) -> DType:
+    sparse = next((t.layout for t in tensors if t.layout != torch.strided), None)
+    if sparse is not None:
+        # gloo sums sparse COO tensors; ddpwire moves dense bytes only
+        raise NotImplementedError(f"ddpwire {what}: {sparse} tensors are not supported (dense "
+                                  f"only): pass t.to_dense(), or use gloo for sparse gradients")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise TypeError(f"ddpwire {what}: tensors of several dtypes {sorted(map(str, dtypes))}")
@@ -145,8 +151,8 @@ class DdpwireWork(dist._Work):
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             limit = timeout.total_seconds()
         if not self._done.wait(limit):
-            raise CollectiveAborted(f"{self.what} got no answer within {limit:g} s", rank=None,
-                                    seq=self.seq)
+            raise CollectiveAborted(f"timed out: {self.what} got no answer within {limit:g} s",
+                                    rank=None, seq=self.seq)
         if self._error is not None:
             raise self._error
         return True
@@ -218,7 +224,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     Built by ``init_process_group("ddpwire")`` (or directly, given a store
     every rank shares). Supports allreduce (SUM, AVG, MIN, MAX, PRODUCT),
     broadcast, allgather (also into one tensor), reduce_scatter and barrier
-    on float32, float64, float16, bfloat16, int32, int64, uint8 and bool
+    on float32, float64, float16, bfloat16, int32, int64, uint8, int8 and bool
     tensors on cpu, cuda and mps; anything else raises NotImplementedError
     naming it.
     """

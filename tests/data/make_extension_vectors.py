@@ -255,9 +255,9 @@ def malformed() -> List[Dict[str, Any]]:
         ("result_data_len_not_count_times_size", "count 2 int64, 17 data bytes",
          struct.pack("<BQBBQQ", COLLECTIVE_RESULT, 1, 1, 5, 2, 17) + bytes(17),
          r"^CollectiveResult\.data length mismatch: 17 bytes, count x dtype size is 16$"),
-        ("unknown_dtype", "dtype 8",
-         struct.pack("<BQBBBIQQ", COLLECTIVE_REQUEST, 1, 1, 0, 8, 0, 1, 1) + bytes(1),
-         r"^invalid CollectiveRequest\.dtype: 8 \(unknown dtype code\)$"),
+        ("unknown_dtype", "dtype 9 (8 int8 is the last code)",
+         struct.pack("<BQBBBIQQ", COLLECTIVE_REQUEST, 1, 1, 0, 9, 0, 1, 1) + bytes(1),
+         r"^invalid CollectiveRequest\.dtype: 9 \(unknown dtype code\)$"),
         ("count_overflows", "2^62 float64: the byte length overflows",
          struct.pack("<BQBBQQ", COLLECTIVE_RESULT, 1, 1, 1, 2**62, 0),
          r"^invalid CollectiveResult\.count: 4611686018427387904 \(elements whose byte "
