@@ -313,3 +313,30 @@ def test_int8_travels_and_a_sparse_tensor_is_refused_by_name():
     assert "int8 [-3, 7, 127]" in proc.stdout
     assert ("sparse: ddpwire allreduce: torch.sparse_coo tensors are not supported (dense only): "
             "pass t.to_dense(), or use gloo for sparse gradients") in proc.stdout, proc.stdout
+
+
+def test_a_groups_failure_is_raised_once_at_the_next_step_and_not_after_it_is_closed():
+    import torch
+
+    from ddpwire.collectives import CollectiveAborted
+    from ddpwire.torch.backend import _Pending
+
+    pending, net = _Pending(), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in net.parameters()]
+    net(torch.ones(1, 2)).sum().backward()
+    pending.arm(CollectiveAborted("rank 2 is gone", rank=2, seq=7), owner="group a")
+    with pytest.raises(CollectiveAborted, match="rank 2 is gone") as info:
+        opt.step()
+    assert info.value.rank == 2
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # not applied
+    opt.step()  # raised once: the hooks are gone
+    net(torch.ones(1, 2))
+    pending.arm(CollectiveAborted("rank 1 is gone", rank=1, seq=9), owner="group b")
+    pending.disarm("group a")  # another group's close: still armed
+    with pytest.raises(CollectiveAborted):
+        net(torch.ones(1, 2))
+    pending.arm(CollectiveAborted("rank 1 is gone", rank=1, seq=9), owner="group b")
+    pending.disarm("group b")
+    net(torch.ones(1, 2))
+    opt.step()

@@ -192,22 +192,35 @@ class _Pending:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
+        self._owner: Optional[object] = None  # the group that failed
         self._handles: List[Any] = []
 
-    def arm(self, error: BaseException) -> None:
-        """Raise ``error`` at the main thread's next optimizer step or forward."""
+    def arm(self, error: BaseException, owner: object) -> None:
+        """Raise ``error`` (``owner``'s failure) at the main thread's next
+        optimizer step or forward."""
         with self._lock:
             if self._error is not None:
                 return  # the first failure is the cause
-            self._error = error
+            self._error, self._owner = error, owner
             self._handles = [register_optimizer_step_pre_hook(self._fire),
                              register_module_forward_pre_hook(self._fire)]
+
+    def disarm(self, owner: object) -> None:
+        """Forget ``owner``'s failure not yet raised: a group closed (or
+        destroyed) does not fail the work that comes after it."""
+        with self._lock:
+            if self._owner is not owner:
+                return
+            self._error = self._owner = None
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
 
     def _fire(self, *_args: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # another thread's model: the main thread is told
         with self._lock:
-            error, self._error = self._error, None
+            error, self._error, self._owner = self._error, None, None
             handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -309,6 +322,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         group, self._group = self._group, None
         seg, self._shm = self._shm, None
         links, self._links = self._links, None
+        _pending.disarm(self)
         try:
             if group is not None:
                 group.close(self._close_timeout)
@@ -330,7 +344,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         # once per group: the main thread learns of the failure a single time
         if not self._reported:
             self._reported = True
-            _pending.arm(error)
+            _pending.arm(error, self)
 
     # ---- the one path every collective takes ----
 
