@@ -48,8 +48,6 @@ log = logging.getLogger("ddpwire.coordinator")
 # Connections handshaking at once; past this a new one is closed unread, so
 # a flood of idle clients costs a bounded amount of memory.
 MAX_PENDING = 64
-# the first bytes kept of each connection, to name a stranger's protocol
-HEAD_BYTES = 64
 PROGRESS_EVERY = 5.0
 
 
@@ -84,7 +82,7 @@ class _Pending:
     join: Optional[JoinRequest] = None
     coordinator_nonce: bytes = b""
     refusal: Optional[Tuple[int, str]] = None  # set on a Refuser: why it will be refused
-    head: bytes = b""  # its first bytes (HEAD_BYTES at most)
+    head: bytes = b""  # its first bytes (NotACoordinator.HEAD_BYTES at most)
 
     @property
     def name(self) -> str:
@@ -182,8 +180,9 @@ class _Handshakes:
             else:
                 self.end(sel, p, "disconnected during the handshake")
             return []
-        if len(p.head) < HEAD_BYTES:
-            p.head += data[:HEAD_BYTES - len(p.head)]
+        keep = NotACoordinator.HEAD_BYTES - len(p.head)
+        if keep > 0:
+            p.head += data[:keep]
         try:
             return p.reader.feed(data)
         except ProtocolError as exc:

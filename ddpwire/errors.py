@@ -297,12 +297,17 @@ class NotACoordinator(ProtocolError):
     """The peer a worker joined answered with bytes that cannot begin a
     ddpwire frame: another service listens at ``address`` (a wrong port or
     host). ``service`` names it where its first bytes say ("SSH", "HTTP",
-    "TLS", ...; None otherwise), ``head`` holds those bytes (at most 64).
+    "TLS", ...; None otherwise), ``head`` holds those bytes (at most
+    :attr:`HEAD_BYTES`).
 
     Told apart from a coordinator's broken frame by the bytes alone: the
     first frame of a coordinator (JoinAccepted, AuthChallenge, JoinRefused
     or a Heartbeat) is at most 64 KiB, so its length prefix starts with a
     zero byte, and its tag is one of the protocol's."""
+
+    #: the first bytes of a connection kept to name its protocol (the
+    #: worker's of the peer it joined, the coordinator's of each stranger)
+    HEAD_BYTES = 64
 
     #: first bytes -> the service that sends them first (a server's banner,
     #: its answer to a JoinRequest, or a client's first request)
@@ -321,7 +326,7 @@ class NotACoordinator(ProtocolError):
 
     def __init__(self, address: str, head: bytes, **context: Optional[int]) -> None:
         self.address = address
-        self.head = bytes(head[:64])
+        self.head = bytes(head[:self.HEAD_BYTES])
         self.service = self.service_of(self.head)
         shown = self.shown(self.head)
         what = (f"it answered like {self.service}: {shown}" if self.service

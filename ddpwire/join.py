@@ -49,8 +49,6 @@ _FIRST_FRAMES = (JoinAccepted, AuthChallenge, JoinRefused, Heartbeat)
 #: message: 64 KiB at most, whatever max_frame is), so a length prefix
 #: over it is no coordinator's
 _FIRST_FRAME_MAX = max(tag_max_payload(t.TAG, 0) for t in _FIRST_FRAMES)
-#: the bytes kept from a peer's first answer, to tell which service it is
-_HEAD_BYTES = 64
 #: a connection made just before the connect deadline still gets this
 #: long (or the timeout, if shorter) for the coordinator's answer
 _ANSWER_FLOOR = 1.0
@@ -115,13 +113,13 @@ def _readable(sock: socket.socket, timeout: float) -> bool:
 
 
 def _peek(sock: socket.socket) -> bytes:
-    """The bytes waiting on ``sock`` (at most _HEAD_BYTES), left there; b""
-    at the end of the stream or when none are waiting. Never waits (a
-    socket with a timeout would wait for bytes before receiving)."""
+    """The bytes waiting on ``sock`` (at most NotACoordinator.HEAD_BYTES),
+    left there; b"" at the end of the stream or when none are waiting. Never
+    waits (a socket with a timeout would wait for bytes before receiving)."""
     try:
         if not _readable(sock, 0.0):
             return b""
-        return sock.recv(_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return sock.recv(NotACoordinator.HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError, socket.timeout):
         return b""
     except OSError:  # reset: the reader that follows says so

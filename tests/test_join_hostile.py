@@ -148,17 +148,25 @@ def test_trickling_cannot_extend_the_handshake_or_the_join():
     trickler.close()
 
 
-def test_garbage_clients_are_dropped_and_logged_by_address(caplog):
-    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+def garbage_before_a_worker(data: bytes) -> int:
+    """A connection sending ``data``, then a real worker joining: the join
+    completes and the garbage connection is closed; its port, to find its
+    log lines by."""
     with Coordinator(ADDR, expect_workers=1) as coord:
         garbage = connect(coord)
-        garbage.sendall(b"\x00\x00\x00\x05\xff\x00\x00\x00\x00")  # unknown tag
+        garbage.sendall(data)
         w = worker(coord)
         coord.wait_for_workers()
         w.join_result().close()
         assert peer_closed(garbage)
     port = garbage.getsockname()[1]
     garbage.close()
+    return port
+
+
+def test_garbage_clients_are_dropped_and_logged_by_address(caplog):
+    caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
+    port = garbage_before_a_worker(b"\x00\x00\x00\x05\xff\x00\x00\x00\x00")  # unknown tag
     refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
     assert any(f"127.0.0.1:{port}" in m and "0xff" in m for m in refused), refused
     assert not any("worker 0" in m for m in refused)

@@ -23,7 +23,7 @@ from ddpwire.extensions import Extension, RefusalReason
 from ddpwire.join import _could_begin_a_frame
 
 from session_helpers import recv_frame
-from test_join_hostile import connect, peer_closed, worker
+from test_join_hostile import connect, garbage_before_a_worker, peer_closed, worker
 
 ADDR = ("127.0.0.1", 0)
 
@@ -246,26 +246,18 @@ def worker_command(port: int, timeout: str = "3") -> subprocess.CompletedProcess
 
 
 @needs_torch
-def test_the_worker_command_at_an_ssh_port_is_one_clear_line():
-    with FakeServer(ssh_server) as srv:
+@pytest.mark.parametrize("server,says", [
+    (ssh_server, "is not a ddpwire coordinator (it answered like SSH: 'SSH-2.0-OpenSSH_9.6')"),
+    (silent_server, "accepted the connection but sent nothing within 3 s: is it a ddpwire "
+                    "coordinator?"),
+], ids=["ssh", "silent"])
+def test_the_worker_command_at_another_service_is_one_clear_line(server, says):
+    with FakeServer(server) as srv:
         proc = worker_command(srv.addr[1])
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"ddpwire: error: 127.0.0.1:{srv.addr[1]} is not a ddpwire coordinator "
-        f"(it answered like SSH: 'SSH-2.0-OpenSSH_9.6')")
+    assert proc.stderr.strip().splitlines()[-1] == f"ddpwire: error: 127.0.0.1:{srv.addr[1]} {says}"
     assert "frame too large" not in proc.stderr
-
-
-@needs_torch
-def test_the_worker_command_at_a_silent_port_gives_up_saying_so():
-    with FakeServer(silent_server) as srv:
-        proc = worker_command(srv.addr[1])
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"ddpwire: error: 127.0.0.1:{srv.addr[1]} accepted the connection but sent nothing "
-        f"within 3 s: is it a ddpwire coordinator?")
 
 
 # ---- the coordinator's side ----
@@ -334,15 +326,7 @@ def test_binary_garbage_keeps_its_frame_error(caplog):
     words (tests/test_join_hostile.py checks them): only a protocol named,
     or text, is logged as a stranger."""
     caplog.set_level(logging.WARNING, logger="ddpwire.coordinator")
-    with Coordinator(ADDR, expect_workers=1) as coord:
-        garbage = connect(coord)
-        garbage.sendall(b"\x01\x02\x03\x04\x05")
-        w = worker(coord)
-        coord.wait_for_workers()
-        w.join_result().close()
-        assert peer_closed(garbage)
-    port = garbage.getsockname()[1]
-    garbage.close()
+    port = garbage_before_a_worker(b"\x01\x02\x03\x04\x05")
     assert not stranger_lines(caplog)
     refused = [r.getMessage() for r in caplog.records if f"127.0.0.1:{port}" in r.getMessage()]
     assert refused == [f"refused a connection from 127.0.0.1:{port}: frame too large: "

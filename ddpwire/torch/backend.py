@@ -208,24 +208,26 @@ class _Pending:
     def disarm(self, owner: object) -> None:
         """Forget ``owner``'s failure not yet raised: a group closed (or
         destroyed) does not fail the work that comes after it."""
-        with self._lock:
-            if self._owner is not owner:
-                return
-            self._error = self._owner = None
-            handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        self._take(owner)
 
     def _fire(self, *_args: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # another thread's model: the main thread is told
+        error = self._take(None)
+        if error is not None:
+            raise error.again() if isinstance(error, CollectiveAborted) else error
+
+    def _take(self, owner: Optional[object]) -> Optional[BaseException]:
+        """The failure armed (``owner``'s only, where one is named), with
+        its hooks removed; None when there is none to take."""
         with self._lock:
+            if owner is not None and self._owner is not owner:
+                return None
             error, self._error, self._owner = self._error, None, None
             handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        if error is not None:
-            raise error.again() if isinstance(error, CollectiveAborted) else error
+        return error
 
 
 _pending = _Pending()
