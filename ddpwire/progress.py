@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, TextIO, Tuple
 from ._text import counted
 from .results import MEMBERSHIP_RECORD, StepReport
 
-__all__ = ["ProgressBar", "break_line", "duration", "unit", "ShownByTheBar",
+__all__ = ["ProgressBar", "break_line", "duration", "time_left", "unit", "ShownByTheBar",
            "PaceLog", "PACE_S", "worker_rows",
            "worker_summary", "EVERY_S", "REDRAW_S"]
 
@@ -49,6 +49,15 @@ def unit(sync_every: int) -> str:
     """What one averaged step is to the user: a step, or a round of
     ``sync_every`` local steps (DiLoCo)."""
     return "round" if sync_every > 1 else "step"
+
+
+def time_left(elapsed: float, counted: int, reached: int, total: int) -> Optional[str]:
+    """The time left to step ``total`` at the mean pace so far (``counted``
+    steps in ``elapsed`` seconds, step ``reached`` the last), as a
+    :func:`duration`; None once it is reached or where the length is unknown."""
+    if not 0 < reached < total:
+        return None
+    return duration(elapsed / counted * (total - reached))
 
 
 def break_line() -> None:
@@ -152,8 +161,9 @@ class ProgressBar:
         parts.append(f"allreduce {1000 * report.allreduce_time:6.2f} ms")
         elapsed = now - self.start
         parts.append(f"elapsed {duration(elapsed)}")
-        if done < self.total:
-            parts.append(f"left {duration(elapsed / self.done * (self.total - done))}")
+        left = time_left(elapsed, self.done, done, self.total)
+        if left is not None:
+            parts.append(f"left {left}")
         return "  ".join(parts)
 
     def summary(self) -> str:
@@ -208,11 +218,11 @@ class PaceLog:
         elapsed = now - self.start
         done = step + 1
         of = f"/{self.total}" if self.total else ""
-        left = (f", left {duration(elapsed / self.done * (self.total - done))}"
-                if 0 < done < self.total else "")
+        left = time_left(elapsed, self.done, done, self.total)
         self.log.info("%s %d%s%s, %s samples/s on this worker, elapsed %s%s", self.label, done,
                       of, "" if loss is None else f", loss {loss:.4f}",
-                      f"{self.samples / max(elapsed, 1e-9):,.0f}", duration(elapsed), left)
+                      f"{self.samples / max(elapsed, 1e-9):,.0f}", duration(elapsed),
+                      "" if left is None else f", left {left}")
 
 
 def _ms(seconds: Optional[float]) -> str:
