@@ -41,8 +41,8 @@ PIECE_BYTES = 8 << 20
 
 #: smallest float32 SUM/AVG allreduce that goes through shared memory when
 #: the group has it: any with an element (even a scalar's two barriers
-#: answer in about half the service's round trip, docs/benchmarks.md "Small
-#: allreduces on one host"); everything else goes through the service
+#: answer in about half the service's round trip, bench/results/notebook.md
+#: "Small allreduces on one host"); everything else goes through the service
 SHM_MIN_BYTES = int(os.environ.get("DDPWIRE_SHM_MIN_BYTES") or 4)
 #: smallest float32 SUM/AVG allreduce that goes on the rank links when the
 #: group has them (DDP's buckets): below it the service answers as fast
