@@ -145,7 +145,7 @@ static int send_ready(int fd, const struct iovec *iov, int iovcnt, size_t total,
 }
 
 int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
-                     int timeout_ms, int *err)
+                     int timeout_ms, int64_t deadline_ms, int *err)
 {
     size_t total;
     if (iovcnt < 0 || iovcnt > DDPW_MAX_IOV)
@@ -156,7 +156,10 @@ int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
         if (rc < 0)
             return rc;
         if (rc == 0) {
-            rc = wait_fd(fd, POLLOUT, timeout_ms, err);
+            int ms = wait_budget(timeout_ms, deadline_ms);
+            if (ms < 0)
+                return DDPW_NET_TIMEOUT;
+            rc = wait_fd(fd, POLLOUT, ms, err);
             if (rc != 1)
                 return rc;
         }

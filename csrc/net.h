@@ -74,9 +74,11 @@ int64_t ddpw_net_now_ms(void);
 int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err);
 
 /* Send the concatenation of iov[0..iovcnt) with scatter-gather writes,
- * resuming from byte offset *done of that concatenation. */
+ * resuming from byte offset *done of that concatenation. deadline_ms (see
+ * ddpw_net_recv_exact) bounds the whole send: a reader that takes a byte
+ * now and then resets the timeout but not the deadline. */
 int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
-                     int timeout_ms, int *err);
+                     int timeout_ms, int64_t deadline_ms, int *err);
 
 /* One non-blocking sendmsg of bytes [*done, total) of the concatenation of
  * iov: 1 on progress (or nothing left), 0 if it would block, else a

@@ -135,7 +135,8 @@ class Connection:
     def recv_exact(self, n: int, timeout: float, *, step: Optional[int] = ...,
                    what: str = ...) -> bytes: ...
     def send_parts(self, parts: Iterable[Optional[_Buffer]], timeout: float, *,
-                   step: Optional[int] = ..., what: str = ...) -> None: ...
+                   deadline: Optional[float] = ..., step: Optional[int] = ...,
+                   what: str = ...) -> None: ...
 
 class FrameHead:
     tag: int

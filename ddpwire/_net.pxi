@@ -176,9 +176,14 @@ cdef class Connection:
         if self.closing and self.busy == 0:
             self.close_now()
 
-    cdef fail(self, int rc, int err, object step, str what, int ms, object deadline=None):
+    cdef fail(self, int rc, int err, object step, str what, int ms, object deadline=None,
+              bint sending=False):
         if rc == DDPW_NET_TIMEOUT:
             if deadline is not None and _time.monotonic() >= deadline - 0.001:
+                if sending:
+                    # a reader that takes a byte now and then is not silent
+                    raise self.lost(f"{self.peer_name} read too slowly: {what} was not done "
+                                    f"by the deadline", worker_id=self.peer_id, step=step)
                 raise self.lost(f"{self.peer_name} silent (heartbeats aside) past the deadline "
                                 f"while {what}", worker_id=self.peer_id, step=step)
             raise self.lost(f"{self.peer_name} silent for {ms / 1000.0:g} s while {what}",
@@ -252,11 +257,14 @@ cdef class Connection:
         self.recv_into(out, timeout, step=step, what=what)
         return bytes(out)
 
-    def send_parts(self, parts, timeout, *, step=None, str what="sending"):
+    def send_parts(self, parts, timeout, *, deadline=None, step=None, str what="sending"):
         """Send the concatenation of ``parts`` (bytes-like objects, at most 8)
-        with scatter-gather writes: no part is copied (GIL released)."""
+        with scatter-gather writes: no part is copied (GIL released).
+        ``timeout`` bounds a peer that takes no byte; ``deadline`` (a
+        time.monotonic() value) the whole send, however slowly it reads."""
         cdef iovec iov[MAX_PARTS]
         cdef int k = 0, err = 0, rc, ms = timeout_ms(timeout)
+        cdef int64_t until = deadline_ms(deadline)
         cdef size_t done = 0
         cdef list held = []
         k = fill_iov(parts, iov, held)
@@ -264,12 +272,12 @@ cdef class Connection:
         try:
             while True:
                 with nogil:
-                    rc = ddpw_net_send_iov(self.fd, iov, k, &done, ms, &err)
+                    rc = ddpw_net_send_iov(self.fd, iov, k, &done, ms, until, &err)
                 if rc == DDPW_NET_EINTR:
                     PyErr_CheckSignals()
                     continue
                 if rc != DDPW_NET_OK:
-                    self.fail(rc, err, step, what, ms)
+                    self.fail(rc, err, step, what, ms, deadline, True)
                 return
         finally:
             self.leave()
@@ -846,7 +854,7 @@ cdef class Exchange:
         try:
             while True:
                 with nogil:
-                    rc = ddpw_net_send_iov(self.conn.fd, self.iov, self.k, &sent, self.ms, &err)
+                    rc = ddpw_net_send_iov(self.conn.fd, self.iov, self.k, &sent, self.ms, -1, &err)
                 self.sent_bytes = sent
                 if rc == DDPW_NET_EINTR:
                     PyErr_CheckSignals()

@@ -14,15 +14,14 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
 from . import _core
 from ._core import encode_frame_parts
-from .errors import (DdpwireError, GradientMismatch, OptionError, PeerLost, ProtocolError,
-                     UnexpectedMessage)
-from .messages import GradientPayload, Heartbeat, ModelState, StepTiming
+from .errors import DdpwireError, GradientMismatch, OptionError, PeerLost, UnexpectedMessage
+from .messages import GradientPayload, Heartbeat, StepTiming
 
 from ._core import DEFAULT_MAX_FRAME
 
@@ -134,13 +133,15 @@ class Channel:
     def read_timeout(self) -> float:
         return self.heartbeat_timeout if self.heartbeat_timeout is not None else self.timeout
 
-    def send(self, msg: Any, *, step: Optional[int] = None) -> None:
+    def send(self, msg: Any, *, step: Optional[int] = None,
+             deadline: Optional[float] = None) -> None:
         """Encode and send one message; a gradient buffer is written from where
-        it lies (scatter-gather), never copied into the frame."""
+        it lies (scatter-gather), never copied into the frame. ``deadline``
+        (time.monotonic()) bounds the whole send, not only the peer's silence."""
         parts = encode_frame_parts(msg, max_frame=self.max_frame)
         with self.send_lock:
             self.frame_open = True
-            self.conn.send_parts(parts, self.timeout, step=step,
+            self.conn.send_parts(parts, self.timeout, deadline=deadline, step=step,
                                  what=f"sending {type(msg).__name__}")
             self.frame_open = False
 
@@ -204,7 +205,12 @@ class Channel:
         :attr:`on_timing` first and is returned too: such a caller counts
         it as a sign of life, as a Heartbeat (:data:`SIDE_MESSAGES`)."""
         side = (Heartbeat,) if self.on_timing is None else SIDE_MESSAGES
-        obj = _core.read_frame_head(self.conn, self.read_timeout, self.max_frame,
+        silence = self.read_timeout
+        if self.heartbeat_timeout is None:
+            # a deadline past the timeout is a wait that nests another's
+            # (ddpwire.deadlines), during which the peer has nothing to say
+            silence = max(silence, deadline - time.monotonic())
+        obj = _core.read_frame_head(self.conn, silence, self.max_frame,
                                     deadline=deadline, expect=tuple(expected) + side,
                                     step=step, what=what)
         if not isinstance(obj, Heartbeat):
@@ -262,28 +268,6 @@ class Channel:
                                 what=f"reading the rest of a GradientPayload (step {step} "
                                      f"called off)")
             left -= take
-
-    def state_pieces(self, step: int, *,
-                     deadline: Optional[float] = None) -> Iterator[ModelState]:
-        """The peer's ModelState pieces of the state before ``step``, in
-        order, until their ``total`` bytes are in, each checked against the
-        first: the same step and total, never past it (a ProtocolError
-        naming the peer otherwise). All are due by ``deadline``; without
-        one, each within the timeout of the one before."""
-        got, total = 0, None
-        while total is None or got < total:
-            piece = self.expect([ModelState], step=step, deadline=deadline)
-            if piece.step != step or (total is not None and piece.total != total):
-                raise ProtocolError(f"ModelState for step {piece.step} of {piece.total} bytes, "
-                                    f"asked for step {step}"
-                                    f"{'' if total is None else f' ({total} bytes)'}",
-                                    worker_id=self.peer_id, step=step)
-            total = piece.total
-            got += len(piece.data)
-            if got > total:
-                raise ProtocolError(f"ModelState pieces past its {total} bytes",
-                                    worker_id=self.peer_id, step=step)
-            yield piece
 
     def wait_for_frame(self, timeout: float) -> bool:
         """Wait until the peer has started its next frame (True) or has

@@ -18,11 +18,13 @@ import numpy as np
 from . import _core
 from ._core import encode_frame_parts
 from ._text import counted
-from .admission import Admission
+from .admission import Admission, Admitted
 from .channel import Channel
+from .deadlines import BOUNDARY_SHARE
 from .errors import DdpwireError, JoinTimeout, MembershipChanged, WorkerLost
 from .extensions import Extension, encode_u64
-from .messages import AveragedGradient, StateRequest, StepAborted
+from .handover import relay
+from .messages import AveragedGradient, StepAborted
 from .options import CoordinatorOptions
 from .results import MEMBERSHIP_RECORD, MembershipEvent, ReduceResult
 from .roster import Roster, log
@@ -56,6 +58,11 @@ class Membership:
         self.late: Optional[Admission] = None
         self.next_step = 0  # the step after the last one averaged
         self._dropped: List[Channel] = []  # told, half-closed, read until they hang up
+        #: joiners admitted and not yet in the roster (being handed the state)
+        self._joining: List[Channel] = []
+        #: when the work between two steps must be done (BOUNDARY_SHARE);
+        #: None while a step runs
+        self._boundary: Optional[float] = None
 
     def open(self, admission: Admission) -> None:
         """The first join completed: it goes on between steps, for workers
@@ -81,9 +88,19 @@ class Membership:
         return 0 if late is None or late.resume_step is None else late.resume_step
 
     def close_late(self) -> None:
-        """Close the join that stays open between steps (if it is)."""
+        """Close the join that stays open between steps (if it is), and the
+        joiners being handed the state."""
+        for chan in list(self._joining):
+            chan.close()
         if self.late is not None:
             self.late.close_late()
+
+    def _boundary_by(self) -> float:
+        """The deadline of the work between two steps (BOUNDARY_SHARE),
+        from now when none runs yet."""
+        if self._boundary is None:
+            self._boundary = time.monotonic() + BOUNDARY_SHARE * self.roster.timeout
+        return self._boundary
 
     def assign(self, step: int, total: int, expect_workers: int) -> None:
         """Send every worker its shard of ``total`` samples for ``step``;
@@ -92,14 +109,17 @@ class Membership:
         roster = self.roster
         assert roster.shards is not None
         self.reap()
-        if self.late is not None:
-            with roster.talking(step):
+        self._boundary_by()
+        with roster.talking(step):
+            if self.late is not None:
                 self.admit(step, 0.0, expect_workers)
+            self._check_enough(step)
         roster.shards.plan(step, total, time.perf_counter())
         for note in roster.shards.notes():
             log.warning("%s", note)
         with roster.talking(step):
             sent, lost = roster.assign(step, elastic=self.elastic)
+            self._boundary = None
             if lost:
                 # those told already compute the step: it is called off for them
                 self.call_off(step, lost, sent, [None] * len(sent), None)
@@ -147,11 +167,13 @@ class Membership:
         frame for the step (``chans`` were sent the step's shards; ``heads``
         and ``received``, where known, say how far each was read), so that
         every connection is between two frames and nothing of the step was
-        applied. A survivor lost meanwhile is dropped too. Raises
-        MembershipChanged; with fewer than ``min_workers`` left, once
-        joiners have brought them back (waiting up to half the timeout, the
-        survivors' wait for their next shard, or ``join_timeout`` when
-        shorter), else the first WorkerLost."""
+        applied. The survivors' wait for their next shard starts at the
+        StepAborted: all of this ends within BOUNDARY_SHARE of the timeout
+        after it, and a survivor that cannot finish its frame by then is
+        dropped too, as is one lost meanwhile. Raises MembershipChanged;
+        with fewer than ``min_workers`` left, once joiners have brought them
+        back (waiting up to half of what is left of that share, or
+        ``join_timeout`` when shorter), else the first WorkerLost."""
         roster = self.roster
         gone: Dict[int, WorkerLost] = {}
         told: Set[int] = set()
@@ -162,6 +184,9 @@ class Membership:
                 gone[w] = exc
                 self._drop(w, step, exc, committed=False)
             fresh = {}
+            # each StepAborted restarts the survivors' wait, and this with it
+            self._boundary = deadline = \
+                time.monotonic() + BOUNDARY_SHARE * roster.timeout
             for w in sorted(set(gone) - told):
                 told.add(w)
                 for chan in roster.channels:
@@ -170,7 +195,6 @@ class Membership:
                                               workers=len(roster.channels)), step=step)
                     except WorkerLost as exc:
                         fresh.setdefault(chan.peer_id, exc)
-            deadline = time.monotonic() + roster.timeout
             for chan, head, got in zip(chans, heads, received or [0] * len(chans)):
                 if chan.peer_id in gone or chan.peer_id in fresh or chan.peer_id in drained:
                     continue
@@ -182,7 +206,9 @@ class Membership:
         if len(roster.channels) < self.min_workers and self.late is not None:
             log.warning("step %d: %s left, fewer than min_workers (%d): waiting for workers to "
                         "join", step, counted(len(roster.channels), "worker"), self.min_workers)
-            self.admit(step, min(self.join_timeout, roster.timeout / 2), self.min_workers)
+            # half of what is left: the other half hands the joiners the state
+            left = max(0.0, self._boundary_by() - time.monotonic())
+            self.admit(step, min(self.join_timeout, left / 2), self.min_workers)
         if len(roster.channels) < self.min_workers:
             # nobody will send them anything more: closing tells them at once
             for chan in roster.channels:
@@ -194,7 +220,7 @@ class Membership:
         raise MembershipChanged(sorted(gone), len(roster.channels), step=step,
                                 why="; ".join(e.message for e in gone.values()))
 
-    def _drop(self, worker_id: int, step: int, exc: WorkerLost, *, committed: bool) -> None:
+    def _drop(self, worker_id: int, step: int, exc: DdpwireError, *, committed: bool) -> None:
         """Take a lost worker out of the session: no more shards, no place
         in any later sum. One that may only be stalled (a stopped process)
         is told it was dropped, and its connection half-closed, so that
@@ -267,52 +293,120 @@ class Membership:
         """Take in the workers that completed the join since the last step
         (waiting up to ``timeout`` for ``until`` to take part): each receives
         the model's state before ``step`` from a worker in the session
-        (:meth:`_hand_state`) and takes part from ``step`` on."""
+        (:meth:`_hand_state`, by the step boundary's deadline, or within
+        BOUNDARY_SHARE of the timeout outside one) and takes part from
+        ``step`` on. One that cannot take it is told it was dropped (it may
+        join again) and its slot freed; a source that fails is dropped."""
         roster = self.roster
         assert self.late is not None and roster.shards is not None
         self.late.grants[Extension.ELASTIC] = encode_u64(step)
-        for a in self.late.admit_late(timeout, until):
-            chan = roster.open_channel(a)
-            try:
-                self._hand_state(step, chan)
-            except WorkerLost as exc:
-                if exc.worker_id != a.worker_id:
-                    raise
-                log.warning("worker %d joined before step %d but could not take the model's "
-                            "state: %s", a.worker_id, step, exc.message)
-                chan.close()
-                self.late.release(a.worker_id)
-                continue
-            roster.channels = sorted(roster.channels + [chan], key=lambda c: c.peer_id)
-            roster.workers = sorted(roster.workers + [a.info()], key=lambda i: i.worker_id)
-            timed = Extension.BALANCE in a.granted
-            roster.shards.add(a.worker_id, timed, a.name())
-            if timed:
-                roster.watch_timing(chan)
-            event = MembershipEvent(step, a.worker_id, f"joined from {a.name()}",
-                                    len(roster.channels), False, joined=True, name=a.name())
-            self.events.append(event)
-            # a join is the session doing what it is for: no warning
-            log.info("%s", event.describe(), extra={MEMBERSHIP_RECORD: True})
+        admitted = self.late.admit_late(timeout, until)
+        joining = [(a, roster.open_channel(a)) for a in admitted]
+        self._joining = [chan for _, chan in joining]
+        try:
+            for a, chan in joining:
+                deadline = (self._boundary if self._boundary is not None
+                            else time.monotonic() + BOUNDARY_SHARE * roster.timeout)
+                why = self._hand_state(step, chan, deadline)
+                self._joining.remove(chan)
+                if why is None:
+                    self._take_in(step, a, chan)
+                else:
+                    self._turn_away(step, a.worker_id, chan, why)
+        finally:
+            for a, chan in joining:
+                if chan in self._joining:  # cut short by an error of the session's
+                    chan.close()
+                    self.late.release(a.worker_id)
+            self._joining = []
 
-    def _hand_state(self, step: int, joiner: Channel) -> None:
+    def _take_in(self, step: int, a: Admitted, chan: Channel) -> None:
+        """A joiner that has the model's state takes part from ``step`` on."""
+        roster = self.roster
+        assert roster.shards is not None
+        roster.channels = sorted(roster.channels + [chan], key=lambda c: c.peer_id)
+        roster.workers = sorted(roster.workers + [a.info()], key=lambda i: i.worker_id)
+        timed = Extension.BALANCE in a.granted
+        roster.shards.add(a.worker_id, timed, a.name())
+        if timed:
+            roster.watch_timing(chan)
+        event = MembershipEvent(step, a.worker_id, f"joined from {a.name()}",
+                                len(roster.channels), False, joined=True, name=a.name())
+        self.events.append(event)
+        # a join is the session doing what it is for: no warning
+        log.info("%s", event.describe(), extra={MEMBERSHIP_RECORD: True})
+
+    def _turn_away(self, step: int, worker_id: int, chan: Channel, why: str) -> None:
+        """A joiner that could not take the model's state: told it was
+        dropped (a ``ddpwire worker`` joins again by itself), its slot free."""
+        assert self.late is not None
+        log.warning("worker %d joined before step %d but could not take the model's state: %s",
+                    worker_id, step, why)
+        try:
+            chan.send_last(StepAborted(step=step, worker_id=worker_id,
+                                       workers=len(self.roster.channels)),
+                           lock_wait=0.0, timeout=1.0, what="turning a joiner away")
+        except (DdpwireError, OSError):
+            pass  # inside a frame, or gone: closing is all it can be told
+        chan.close()
+        self.late.release(worker_id)
+
+    def _hand_state(self, step: int, joiner: Channel, deadline: float) -> Optional[str]:
         """Relay the model's state before ``step`` from a worker in the
-        session to ``joiner``, piece by piece (ModelState, docs/extensions.md):
-        asked of each in turn until one answers; one lost meanwhile is
-        dropped. The joiner checks the digest."""
-        for source in list(self.roster.channels):
-            try:
-                source.send(StateRequest(step=step), step=step)
-                deadline = time.monotonic() + self.roster.timeout
-                for piece in source.state_pieces(step, deadline=deadline):
-                    joiner.send(piece, step=step)
-                return
-            except WorkerLost as exc:
-                if exc.worker_id == joiner.peer_id:
-                    raise
-                self._drop(source.peer_id, step, exc, committed=True)
-        raise WorkerLost(f"no worker in the session to take the model's state from for "
-                         f"step {step}", worker_id=joiner.peer_id, step=step)
+        session to ``joiner`` (ddpwire.handover), asked of each in turn
+        until one has handed all of it, within the first half of the time
+        to ``deadline`` (the second half reads out what a failed relay
+        leaves). A source must begin answering within a third of the time
+        left, and another is asked only while half the relay's time is left
+        (a source cut off by the deadline leaves none: the joiner is turned
+        away, rather than another source dropped for want of time). A
+        source that fails is dropped, and a joiner that had some of its
+        pieces is told to start over (StepAborted naming that source).
+        Returns None once the joiner has the state, else why not."""
+        start = time.monotonic()
+        relay_by = start + (deadline - start) / 2
+        why = "no worker in the session to take it from"
+        sources = list(self.roster.channels)
+        for i, source in enumerate(sources):
+            now = time.monotonic()
+            if i and relay_by - now < (relay_by - start) / 2:
+                why += "; no time left to ask another before the step"
+                break
+            last = i == len(sources) - 1
+            out = relay(source, joiner, step, deadline=relay_by, read_out_by=deadline,
+                        first_by=relay_by if last else now + (relay_by - now) / 3)
+            if out.source_failed is not None:
+                self._drop(source.peer_id, step, out.source_failed, committed=True)
+            if out.joiner_failed is not None:
+                return out.joiner_failed.message
+            if out.complete:
+                return None
+            assert out.source_failed is not None
+            why = (f"worker {source.peer_id} could not hand it over "
+                   f"({out.source_failed.message})")
+            if out.pieces_sent:
+                try:
+                    joiner.send(StepAborted(step=step, worker_id=source.peer_id,
+                                            workers=len(self.roster.channels)),
+                                step=step, deadline=relay_by)
+                except DdpwireError as exc:
+                    return exc.message
+        return why
+
+    def _check_enough(self, step: int) -> None:
+        """Fewer than ``min_workers`` left (a source dropped during a
+        hand-over): the session ends with the WorkerLost as without
+        ``elastic``, naming the last worker dropped."""
+        roster = self.roster
+        if len(roster.channels) >= self.min_workers:
+            return
+        for chan in roster.channels:
+            chan.close()
+        last = next((e for e in reversed(self.events) if not e.joined), None)
+        raise WorkerLost(f"{counted(len(roster.channels), 'worker')} left before step {step}, "
+                         f"fewer than min_workers ({self.min_workers})"
+                         + (f"; worker {last.worker_id}: {last.why}" if last else ""),
+                         worker_id=None if last is None else last.worker_id, step=step)
 
     def reap(self) -> None:
         """Read and drop what the dropped workers still send; close those that

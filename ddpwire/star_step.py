@@ -21,6 +21,7 @@ from . import socket_threads as _socket_threads
 from ._core import encode_frame_parts
 from ._text import counted
 from .channel import Channel, message_name
+from .deadlines import answer_wait
 from .errors import (DdpwireError, GradientMismatch, NonFiniteGradient, ShutdownDuringReduce,
                      UnexpectedMessage, WorkerDropped)
 from .messages import (AveragedBlockGradient, AveragedGradient, AveragedNonBlockGradient,
@@ -89,7 +90,11 @@ class StarStep:
         send_thread = _socket_threads.for_worker(self.socket_threads, 4 * len(out))
         parts = encode_frame_parts(msg, max_frame=chan.max_frame)
         with chan.send_lock:
-            exchange = _core.Exchange(chan.conn, parts, chan.read_timeout, step=step,
+            # without heartbeats, the coordinator is silent for as long as it
+            # waits for another worker: no less than the answer's deadline
+            silence = (answer_wait(chan.timeout) if self.elastic and chan.heartbeat_timeout is None
+                       else chan.read_timeout)
+            exchange = _core.Exchange(chan.conn, parts, silence, step=step,
                                      what="sending GradientPayload", send_thread=send_thread)
             try:
                 global_loss = self._receive_exchanged(exchange, step, out)
@@ -104,7 +109,9 @@ class StarStep:
                            out: np.ndarray) -> Union[float, StepAborted]:
         chan = self.chan
         ctx = dict(worker_id=self.worker_id, step=step)
-        deadline = time.monotonic() + chan.timeout
+        # an elastic coordinator may end its wait for another worker with a call-off
+        deadline = time.monotonic() + (answer_wait(chan.timeout) if self.elastic
+                                       else chan.timeout)
         expect = (AveragedGradient, Shutdown, Heartbeat) + ((StepAborted,) if self.elastic else ())
         while True:
             head = _core.exchange_frame_head(exchange, chan.max_frame, deadline=deadline,
@@ -137,9 +144,10 @@ class StarStep:
         # before its bytes go out, so any reply finds it).
         step = self.owed_step()
         called_off = [StepAborted] if self.elastic and expected is AveragedGradient else []
+        deadline = (time.monotonic() + answer_wait(self.chan.timeout)) if called_off else None
         try:
             head = self.chan.read_head([expected, Shutdown] + called_off, step=step,
-                                       what=f"waiting for {expected.__name__}")
+                                       what=f"waiting for {expected.__name__}", deadline=deadline)
         except DdpwireError as exc:
             if self.owed:
                 exc.add_context(step=self.owed_step())

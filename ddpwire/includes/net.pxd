@@ -28,7 +28,7 @@ cdef extern from "net.h" nogil:
     int64_t ddpw_net_now_ms()
     int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err)
     int ddpw_net_send_iov(int fd, const iovec *iov, int iovcnt, size_t *done,
-                         int timeout_ms, int *err)
+                         int timeout_ms, int64_t deadline_ms, int *err)
     int ddpw_net_exchange(int fd, const iovec *out_iov, int out_cnt, size_t *sent,
                          const iovec *in_iov, int in_cnt, size_t *received,
                          int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch,
