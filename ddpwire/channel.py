@@ -12,6 +12,7 @@ import logging
 import math
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Tuple, Type
@@ -282,6 +283,17 @@ class Channel:
         return still_open(sock)
 
     def close(self) -> None:
+        self.conn.close()
+
+    def reset(self) -> None:
+        """Close with a reset, dropping what is still queued to send: for a
+        peer that reads slowly, which would otherwise read all of it (and
+        wait out TCP's zero-window probes) before it learns of the end."""
+        try:
+            self.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                      struct.pack("ii", 1, 0))
+        except OSError:
+            pass  # closed already
         self.conn.close()
 
 

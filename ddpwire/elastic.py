@@ -91,7 +91,7 @@ class Membership:
         """Close the join that stays open between steps (if it is), and the
         joiners being handed the state."""
         for chan in list(self._joining):
-            chan.close()
+            chan.reset()
         if self.late is not None:
             self.late.close_late()
 
@@ -316,7 +316,7 @@ class Membership:
         finally:
             for a, chan in joining:
                 if chan in self._joining:  # cut short by an error of the session's
-                    chan.close()
+                    chan.reset()
                     self.late.release(a.worker_id)
             self._joining = []
 
@@ -347,7 +347,9 @@ class Membership:
                                        workers=len(self.roster.channels)),
                            lock_wait=0.0, timeout=1.0, what="turning a joiner away")
         except (DdpwireError, OSError):
-            pass  # inside a frame, or gone: closing is all it can be told
+            # inside a frame, or gone: the end is all it can be told, and at
+            # once, not after the rest of a state it reads slowly
+            chan.reset()
         chan.close()
         self.late.release(worker_id)
 

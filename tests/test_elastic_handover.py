@@ -180,8 +180,11 @@ def test_a_joiner_that_dies_mid_state_fails_alone(monkeypatch, topology):
     assert [(e.worker_id, e.joined) for e in coord.membership] == [(2, False)]
 
 
-def trickling_joiner(addr):
-    """Joins, then reads its 16 MiB state 4 KiB at a time, slowly."""
+def trickling_joiner(addr, reading: Optional[threading.Event] = None,
+                     hurry: Optional[threading.Event] = None):
+    """Joins, then reads its 16 MiB state 4 KiB at a time, slowly
+    (``reading`` set once the first bytes are in), and at full speed once
+    ``hurry`` is set (to find what follows what is buffered)."""
     def body():
         w = Worker.connect(addr, 0, "cpu", timeout=TIMEOUT, samples_per_step=T)
         sock = w.channel.conn.sock
@@ -194,7 +197,10 @@ def trickling_joiner(addr):
                 if not data:
                     return ("closed", got)
                 got += len(data)
-                time.sleep(0.01)
+                if reading is not None:
+                    reading.set()
+                if hurry is None or not hurry.is_set():
+                    time.sleep(0.01)
             return ("gave up", got)
         except OSError:
             return ("reset", got)
@@ -214,6 +220,28 @@ def test_a_joiner_that_reads_at_a_trickle_is_cut_off_not_the_survivors():
     how, got = outs[3]
     assert got < len(STATE)  # cut off, not waited for
     assert [(e.worker_id, e.joined) for e in coord.membership] == [(2, False)]
+
+
+def test_closing_the_coordinator_mid_hand_over_closes_the_joiner_too():
+    """close() from another thread while a joiner is handed the state: the
+    joiner's connection ends at once, not at the joiner's own timeout."""
+    reading, hurry = threading.Event(), threading.Event()
+
+    def close_when_reading(coord):
+        reading.wait(4 * TIMEOUT)
+        coord.close()
+        hurry.set()
+
+    def on_step(coord, report, threads):
+        if report.step == 1:
+            spawn(lambda: close_when_reading(coord))
+        joins_at(1, lambda a: trickling_joiner(a, reading, hurry))(coord, report, threads)
+    coord, result, outs, state = run([session_worker, session_worker,
+                                      lambda a: session_worker(a, leave_at=1)], 12, on_step)
+    assert reading.is_set()
+    assert isinstance(result, Exception), result  # closed under serve
+    how, got = outs[3]
+    assert how in ("closed", "reset") and got < len(STATE)
 
 
 # ---- the source fails ----
