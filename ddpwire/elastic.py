@@ -288,6 +288,7 @@ class Membership:
                     raise JoinTimeout(f"{len(self.roster.channels)} of {counted(want, 'worker')} "
                                       f"in the session within {limit:g} s")
                 self.admit(step, left, want)
+                self._check_enough(step)  # a source dropped during a hand-over
 
     def admit(self, step: int, timeout: float, until: int) -> None:
         """Take in the workers that completed the join since the last step
