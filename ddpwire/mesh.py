@@ -30,7 +30,9 @@ averaged element before the coordinator has seen that the whole vector is
 finite. The links between workers are ddpwire-only: each opens with a
 PeerHello both ways proving the session's mesh key (sent by the coordinator
 in MeshPeers), and slices travel as CollectiveRequest frames (seq = step,
-kind reduce_scatter or allgather, root = the sender). docs/extensions.md
+kind reduce_scatter or allgather, root = the sender). A worker's port
+handshakes every connection at once, each within :data:`HELLO_TIMEOUT`, so
+strangers there are dropped without holding up a peer. docs/extensions.md
 has the bytes; docs/sessions.md the timeouts and failures.
 
 When every worker is on one host (the coordinator says so in MeshPeers,
@@ -69,7 +71,8 @@ from . import reduce as _reduce
 from . import shm as _shm
 from ._text import counted
 from .channel import Channel, check_timeout
-from .errors import (GradientMismatch, ProtocolError,
+from .admission import MAX_PENDING
+from .errors import (GradientMismatch, NotACoordinator, ProtocolError,
                      ShutdownDuringReduce, UnexpectedMessage, WorkerLost)
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
 from .messages import (NO_WORKER, AveragedGradient, CollectiveRequest, GradientPayload, Heartbeat,
@@ -93,6 +96,13 @@ _HALF_NAME = {Codec.BF16: "bf16", Codec.FP16: "fp16"}
 _HELLO_LABEL = b"ddpwire mesh hello v1"
 HOST_ID_BYTES = 16  # ddpwire.shm.host_id()
 MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
+#: How long a connection on a worker's mesh port has, from its accept, to
+#: send its whole PeerHello (however slowly its bytes come). A peer sends
+#: its hello as soon as it has dialed, so only strangers come near it; all
+#: connections handshake at once, so none waits on another's allowance.
+HELLO_TIMEOUT = 5.0
+#: the one frame a connection on the mesh port sends before it is a link
+_HELLO_FRAME = len(_core.encode_frame(PeerHello(worker_id=0, proof=bytes(32))))
 #: the vector sizes whose scratch a Mesh keeps (a process group's buckets)
 SCRATCH_SIZES = 8
 #: The congestion control the mesh links ask for (where the kernel lets a
@@ -298,8 +308,10 @@ def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: in
                    timeout: float, max_frame: int,
                    congestion: Optional[str] = None) -> List[Optional[Channel]]:
     """Dial every higher worker, accept every lower one; each link proves the
-    key both ways. A stranger on the listening port (wrong proof, a worker id
-    that is taken or not lower) is dropped and the wait goes on."""
+    key both ways. Strangers on the listening port (silent, garbage, a wrong
+    proof, a worker id that is taken or not lower) are handshaken beside the
+    peers, each under :data:`HELLO_TIMEOUT`, and dropped by address while
+    the wait goes on (:func:`_accept_links`)."""
     world = len(peers)
     deadline = time.monotonic() + timeout
     links: List[Optional[Channel]] = [None] * world
@@ -313,43 +325,7 @@ def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: in
                                  f"for the mesh: {exc}", worker_id=j) from None
             links[j] = chan = _peer_channel(sock, j, timeout, max_frame, congestion)
             chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
-        waiting = set(range(me))
-        listener.setblocking(False)
-        sel = selectors.DefaultSelector()
-        sel.register(listener, selectors.EVENT_READ)
-        try:
-            while waiting:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = min(waiting)
-                    raise WorkerLost(f"worker {missing} did not open its mesh link within "
-                                     f"{timeout:g} s", worker_id=missing)
-                if not sel.select(min(left, 1.0)):
-                    continue
-                try:
-                    sock, addr = listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                chan = _peer_channel(sock, -1, timeout, max_frame, congestion)
-                try:
-                    hello = chan.expect([PeerHello], deadline=min(deadline, time.monotonic() + 5.0))
-                except Exception as exc:  # a stranger: never lets it stop the join
-                    log.warning("mesh: dropped a link from %s: %s", addr[0], exc)
-                    chan.close()
-                    continue
-                j = hello.worker_id
-                if j not in waiting or not hmac.compare_digest(hello.proof,
-                                                               hello_proof(key, j, me)):
-                    log.warning("mesh: dropped a link from %s claiming worker %d", addr[0], j)
-                    chan.close()
-                    continue
-                chan.peer_id = j
-                chan.conn.peer_name = f"worker {j} (mesh link)"
-                chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
-                links[j] = chan
-                waiting.discard(j)
-        finally:
-            sel.close()
+        _accept_links(listener, links, me, key, deadline, timeout, max_frame, congestion)
         for j in range(me + 1, world):
             chan = links[j]
             assert chan is not None
@@ -364,6 +340,123 @@ def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: in
                 chan.close()
         raise
     return links
+
+
+@dataclass
+class _Knock:
+    """A connection on the mesh port that has not yet proved who it is."""
+
+    sock: socket.socket
+    name: str               # its address, for the log
+    deadline: float         # its own, for the whole PeerHello
+    reader: _core.FrameReader
+    head: bytes = b""       # what it sent so far (one PeerHello at most)
+
+
+def _accept_links(listener: socket.socket, links: List[Optional[Channel]], me: int, key: bytes,
+                  deadline: float, timeout: float, max_frame: int,
+                  congestion: Optional[str]) -> None:
+    """Fill links[j] for every worker j below ``me`` from the connections on
+    ``listener``, as the coordinator's join does (ddpwire.admission): one
+    non-blocking loop over the listener and every connection still owing
+    its PeerHello, so no connection waits on another's."""
+    waiting = set(range(me))
+    if not waiting:
+        return
+    knocks: Dict[socket.socket, _Knock] = {}  # in accept order: the first is the oldest
+    listener.setblocking(False)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+
+    def drop(k: _Knock, why: str) -> None:
+        # a stranger is named by its address only: it proved no worker id
+        log.warning("mesh: dropped a link from %s: %s", k.name, why)
+        del knocks[k.sock]
+        sel.unregister(k.sock)
+        k.sock.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("mesh: accept failed: %s", exc)
+                return
+            if len(knocks) >= MAX_PENDING:
+                # A peer sends its hello as soon as it has dialed, so the
+                # connection that has waited longest is the likeliest
+                # stranger; closing the newcomer instead would let a flood
+                # shut the peers out.
+                drop(next(iter(knocks.values())),
+                     f"{MAX_PENDING} connections were owing a PeerHello, this one the longest")
+            sock.setblocking(False)
+            k = _Knock(sock, f"{addr[0]}:{addr[1]}", time.monotonic() + HELLO_TIMEOUT,
+                       _core.FrameReader(_core.tag_max_payload(PeerHello.TAG, max_frame),
+                                         allowed_tags=(PeerHello.TAG,)))
+            knocks[sock] = k
+            sel.register(sock, selectors.EVENT_READ, k)
+
+    def hear(k: _Knock) -> None:
+        # never past the one frame: a peer's first step may follow our
+        # reply on the same socket, and that is the Channel's to read
+        try:
+            data = k.sock.recv(_HELLO_FRAME - len(k.head))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            drop(k, f"connection failed: {exc}")
+            return
+        if not data:
+            drop(k, "closed before its PeerHello")
+            return
+        k.head += data
+        try:
+            done = k.reader.feed(data)
+        except ProtocolError as exc:
+            service = NotACoordinator.service_of(k.head)
+            drop(k, f"spoke {service}, not ddpwire" if service else f"not a PeerHello: {exc}")
+            return
+        if not done:
+            return
+        hello = done[0]
+        assert isinstance(hello, PeerHello)  # the reader takes no other tag
+        j = hello.worker_id
+        if j not in waiting:
+            drop(k, f"it claimed worker {j}, whose link is not due here")
+            return
+        if not hmac.compare_digest(hello.proof, hello_proof(key, j, me)):
+            drop(k, f"it claimed worker {j} without the session's proof")
+            return
+        del knocks[k.sock]
+        sel.unregister(k.sock)
+        chan = _peer_channel(k.sock, j, timeout, max_frame, congestion)
+        links[j] = chan
+        waiting.discard(j)
+        chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
+
+    try:
+        while waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = min(waiting)
+                raise WorkerLost(f"worker {missing} did not open its mesh link within "
+                                 f"{timeout:g} s", worker_id=missing)
+            for k in [k for k in knocks.values() if now >= k.deadline]:
+                drop(k, f"no PeerHello within {HELLO_TIMEOUT:g} s")
+            wake = min([deadline] + [k.deadline for k in knocks.values()])
+            for ready, _ in sel.select(max(0.0, wake - now)):
+                if ready.fileobj is listener:
+                    accept()
+                elif ready.data.sock in knocks:  # not dropped by this pass's accept
+                    hear(ready.data)
+                if not waiting:
+                    break
+    finally:
+        for k in list(knocks.values()):
+            drop(k, "no PeerHello yet when the wait for the mesh links ended")
+        sel.close()
 
 
 @dataclass
