@@ -23,19 +23,21 @@ from .launch import is_loopback
 from .messages import NO_WORKER, CollectiveError, MeshPeers, StepCommit, StepReport
 from .options import CoordinatorOptions
 from .channel import SIDE_MESSAGES
+from .deadlines import accusation_wait
 from .results import ReduceResult
 from .roster import Roster, log
 from .star import FLAT, Star, halting
 
 __all__ = ["MESH_BLAME_GRACE", "MeshControl", "choose_share", "culprit"]
 
-#: How long past its deadline a mesh step's collect keeps listening when
-#: more than one worker is silent and nothing says which stalled: a worker
-#: waiting on a peer gives up when the step's deadline passes (it counts it
-#: from the coordinator's last message, as the coordinator does) and sends
-#: a CollectiveError naming that peer, which arrives a moment after the
-#: coordinator's own deadline. Capped at the timeout.
+#: How long a mesh step's collect keeps listening, past the point where a
+#: worker's heartbeats showed it was lost, for the others' reports (they may
+#: name a worker to blame before it), and the window within which a silent
+#: worker counts as still heard from when heartbeats are off. Capped at the
+#: timeout. The wait for a waiting worker's accusation is
+#: :func:`accusation_wait`, not this.
 MESH_BLAME_GRACE = 1.0
+
 
 Part = Tuple[int, Optional[list]]
 
@@ -286,10 +288,11 @@ class MeshControl:
         Returns (answers, silent, alive): ``silent`` the workers that sent
         nothing but heartbeats by the deadline (and its grace), ``alive``
         those of them that were heard (a Heartbeat) within the last
-        ``heartbeat_timeout`` (or grace) before the end. When at the deadline
-        the answers do not yet single out a culprit (:func:`culprit`), the
-        silent workers are listened to for up to :data:`MESH_BLAME_GRACE`
-        longer: a live one waiting on a peer reports that peer then."""
+        ``heartbeat_timeout`` (or :data:`MESH_BLAME_GRACE`) before the end.
+        When at the deadline the answers do not yet single out a culprit
+        (:func:`culprit`), the silent workers are listened to for up to
+        :func:`accusation_wait` longer: a live one waiting on a peer
+        reports that peer by then."""
         chans = self.roster.channels
         timeout = self.roster.timeout
         what = "waiting for StepReport or CollectiveError"
@@ -340,7 +343,7 @@ class MeshControl:
                             f"({timeout:g} s) while {what}", worker_id=chan.peer_id, step=step)
                     if sure(now):
                         break
-                    in_grace, end = True, deadline + grace
+                    in_grace, end = True, deadline + accusation_wait(timeout)
                     continue
                 # wake at the end, or when a quiet worker reaches its heartbeat limit
                 wake = end

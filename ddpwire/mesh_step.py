@@ -91,7 +91,7 @@ class MeshStep:
         the links are up) and its StepReport to the coordinator. The step
         is then :attr:`sent`, until :meth:`receive`."""
         deadline = self._deadline(step)
-        links = self._links(total_workers)
+        links = self._links(step, total_workers, deadline)
         gradients = upload(step, gradients)
         # with a coordinator share a GradientPayload to the coordinator
         # goes out with the slices: no heartbeat may land inside it
@@ -125,34 +125,70 @@ class MeshStep:
             self.sent = None
         return AveragedGradient(step=step, gradients=out, global_loss=commit.global_loss)
 
-    def _links(self, total_workers: int) -> _mesh.Mesh:
+    def _links(self, step: int, total_workers: int, deadline: float) -> _mesh.Mesh:
+        """The links, opened at the first flat step within that step's
+        ``deadline`` (:meth:`_deadline`): waiting for a peer to open its
+        link is waiting for the peer's part of the step, so it ends when
+        the wait for its slices would, not ``timeout`` after this worker
+        came to its step (however long it computed first), which the
+        coordinator, listening for this worker's report, may not wait for."""
         if self.mesh is None:
             assert self.table is not None and self.listener is not None
+            timeout = self.chan.timeout
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._late(step, time.monotonic())
             listener, self.listener = self.listener, None
-            self.mesh = _mesh.Mesh.connect(listener, self.table, self.worker_id, total_workers,
-                                           timeout=self.chan.timeout,
-                                           max_frame=self.chan.max_frame,
-                                           congestion=self.congestion, coordinator=self.chan)
+            try:
+                mesh = _mesh.Mesh.connect(listener, self.table, self.worker_id, total_workers,
+                                          timeout=left, max_frame=self.chan.max_frame,
+                                          congestion=self.congestion, coordinator=self.chan)
+            except WorkerLost as exc:
+                peer = exc.worker_id
+                if peer is None or peer == self.worker_id or time.monotonic() < deadline:
+                    raise
+                # the step's deadline passed: say so in the step's terms
+                raise WorkerLost(f"worker {peer} did not open its mesh link within "
+                                 f"{timeout:g} s of the coordinator's last message",
+                                 worker_id=peer, step=step) from exc
+            # only the opening was bounded by the step: every later wait on
+            # the links has the session's timeout as its silence limit
+            mesh.timeout = timeout
+            for link in mesh.links:
+                if link is not None:
+                    link.timeout = timeout
+            self.mesh = mesh
         return self.mesh
 
     def _deadline(self, step: int) -> float:
         """When this worker's part of a mesh step (its links, its
         reduce-scatter) must be done: ``timeout`` after the coordinator's
         last message, the step's ShardAssignment or the previous step's
-        go-ahead. The coordinator's wait for the step's reports starts then
-        too, so a worker left waiting on a stalled peer gives up, and names
-        that peer to the coordinator, no later than the coordinator's own
-        deadline (not ``timeout`` after its own computing ended, which
-        would be too late to be heard). A worker that only comes to its
-        step after that is itself the late one: WorkerLost naming it."""
+        go-ahead, as read here. The coordinator's wait for the step's
+        reports starts when it sent that message, and it listens for a
+        silent worker's report for as long again
+        (:func:`ddpwire.deadlines.accusation_wait`), so a worker left
+        waiting on a stalled peer gives up, and names that peer, while the
+        coordinator still listens, however long it computed, or took to
+        read the message within the timeout (not ``timeout`` after its own
+        computing ended, which could be too late to be heard). A worker
+        that only comes to its step after that is itself the late one:
+        WorkerLost naming it."""
         now = time.monotonic()
         since = self.chan.last_message_at
         if since is None:
             return now + self.chan.timeout
         deadline = since + self.chan.timeout
         if deadline <= now:
-            raise WorkerLost(f"worker {self.worker_id} came to its part of mesh step {step} "
-                             f"{now - since:.3g} s after the coordinator's last message, past "
-                             f"the step's {self.chan.timeout:g} s timeout",
-                             worker_id=self.worker_id, step=step)
+            raise self._late(step, now)
         return deadline
+
+    def _late(self, step: int, now: float) -> WorkerLost:
+        """This worker came to its part of ``step`` past the step's deadline:
+        it is the late one."""
+        since = self.chan.last_message_at
+        late = "" if since is None else f"{now - since:.3g} s "
+        return WorkerLost(f"worker {self.worker_id} came to its part of mesh step {step} "
+                          f"{late}after the coordinator's last message, past "
+                          f"the step's {self.chan.timeout:g} s timeout",
+                          worker_id=self.worker_id, step=step)
