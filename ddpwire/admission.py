@@ -244,7 +244,9 @@ class Admission:
         self.listener = listener
         self.elastic = elastic
         #: a restarted coordinator's join: every worker says the step it goes on
-        #: from (its elastic entry), the first admitted sets it for the others
+        #: from (its elastic entry), the first admitted sets it for the others;
+        #: it follows the workers admitted: when the last one holding it leaves
+        #: before the join completes, it is None again and the next one sets it
         self.resume = resume
         self.resume_step: Optional[int] = None
         self.expect_workers = expect_workers
@@ -452,15 +454,12 @@ class Admission:
 
     def _resume_mismatch(self, value: bytes) -> Optional[str]:
         """Why a worker cannot go on with a resumed run, or None (the first
-        one's step is the run's)."""
+        one admitted sets the run's step: :meth:`_admit`)."""
         if not value:
             return ("this coordinator picks a run up after a restart (--resume): a worker "
                     "without the run's state cannot join it before it has started")
         step = decode_u64(value)
-        if self.resume_step is None:
-            self.resume_step = step
-            return None
-        if step != self.resume_step:
+        if self.resume_step is not None and step != self.resume_step:
             return (f"this worker would go on from step {step}, the workers admitted from step "
                     f"{self.resume_step}: their states differ, the run cannot be resumed with "
                     f"both")
@@ -505,6 +504,9 @@ class Admission:
         admitted = Admitted(p.sock, p.address, p.join, granted, worker_id)
         sel.modify(p.sock, selectors.EVENT_READ, admitted)
         self.slots[worker_id] = admitted
+        if self.resume and self.resume_step is None:
+            # set by a worker admitted, not by one refused after the check
+            self.resume_step = _resume_step_of(admitted)
         log.info("worker %d joined: %s (%s, %d GPU) from %s", worker_id, p.join.node_id,
                  p.join.backend, p.join.gpu_count, p.name)
 
@@ -525,6 +527,24 @@ class Admission:
         except (KeyError, ValueError):
             pass
         _close(a.sock)
+        self._follow_resume_step()
+
+    def _follow_resume_step(self) -> None:
+        """A resumed run's step is the one its workers admitted go on from:
+        once none of them holds it, the next worker admitted sets it."""
+        if not self.resume or self.resume_step is None:
+            return
+        if any(s is not None and _resume_step_of(s) == self.resume_step for s in self.slots):
+            return
+        log.info("no worker admitted goes on from step %d any more: the next one admitted "
+                 "sets the step the run resumes at", self.resume_step)
+        self.resume_step = None
+
+
+def _resume_step_of(a: Admitted) -> Optional[int]:
+    """The step an admitted worker said it goes on from (None: it said none)."""
+    value = (a.join.extensions or {}).get(Extension.ELASTIC, b"")
+    return decode_u64(value) if value else None
 
 
 class Refuser:

@@ -430,8 +430,8 @@ def run_worker(args: argparse.Namespace) -> int:
     else:
         write_line(json.dumps(report.to_dict(per_step=False)))
     if report.stopped_early:
-        length = (f"{report.steps} of {counted(report.run_steps, 'step')}" if report.run_steps
-                  else counted(report.steps, "step"))
+        length = (f"{report.reached} of {counted(report.run_steps, 'step')}" if report.run_steps
+                  else counted(report.reached, "step"))
         print(f"ddpwire: the coordinator stopped the run after {length}", file=sys.stderr)
         return EXIT_STOPPED
     return 0

@@ -48,7 +48,12 @@ class WorkerReport:
     #: the run's length as the coordinator announced it at the join (the
     #: steps extension); 0 when it did not, as a reference coordinator
     run_steps: int = 0
-    #: the coordinator ended the run early: inside a step, or before run_steps
+    #: the session's steps done when this worker's run ended (the last
+    #: step it applied, plus one): more than ``steps`` for a worker that
+    #: joined late, or was dropped and joined again
+    reached: int = 0
+    #: the coordinator ended the run early: inside a step, or before the
+    #: session reached run_steps
     stopped_early: bool = False
     # per step, this worker's shard: mean loss, correct and total samples
     # (the per-block protocol carries no loss, so the demo reads them here)
@@ -224,6 +229,8 @@ def train_worker(
                 save_weights(net, save, len(results))
         granted = worker.extensions.get(Extension.STEPS)
         run_steps = decode_u64(granted) if granted is not None else 0
+        # the session's steps, not this process's: it may have joined late
+        reached = results[-1].step + 1 if results else 0
         loss, accuracy = evaluate(net, held, choice.device)
         exposed = [r.timings.exposed_comm_s for r in results]
         report = WorkerReport(
@@ -232,7 +239,8 @@ def train_worker(
             weights_sha256=weights_digest(net),
             mean_exposed_comm_s=sum(exposed) / len(exposed) if exposed else 0.0,
             threads=trainer.threads or 0,
-            run_steps=run_steps, stopped_early=inside_step or len(results) < run_steps,
+            run_steps=run_steps, reached=reached,
+            stopped_early=inside_step or reached < run_steps,
             train_loss=[r.loss for r in results], train_correct=[r.correct for r in results],
             train_total=[r.total for r in results],
             # one flat vector a step (a round): what this worker put on the wire for it
