@@ -28,6 +28,9 @@ import _ddpwire_autoload as _autoload
 
 from .. import shm as _shm
 from ..collectives import CollectiveAborted, DType, Kind, Op, check_op
+from .composed import (addressed_to, check_count, check_nonempty, check_root, check_sizes, copy_into,
+                       flatten, rank_major, rank_major_pieces, rooted_list, split_counts,
+                       split_mismatch, unflatten_into)
 from .links import RankLinks, form_links, ports_from_env
 from .rendezvous import Rendezvous, join_group, timings
 from .staging import Staging
@@ -93,6 +96,18 @@ def _op_of(reduce_op: Any, what: str) -> Op:
                               "(SUM, AVG, MIN, MAX, PRODUCT)")
 
 
+def _reduce_op(opts: Any, dtype: DType, what: str) -> Op:
+    """The reduce op of ``opts`` (default SUM), refused by name where it
+    cannot apply to ``dtype``."""
+    op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
+    check_op(op, dtype)
+    return op
+
+
+def _root(opts: Any) -> int:
+    return opts.rootRank if opts is not None else 0
+
+
 def _one(tensors: Sequence[Any], what: str) -> Any:
     if len(tensors) != 1:
         raise NotImplementedError(f"ddpwire {what}: one tensor per call, got {len(tensors)}")
@@ -112,8 +127,12 @@ class DdpwireWork(dist._Work):
     """
 
     def __init__(self, future: torch.futures.Future, limit: float, seq: int, what: str,
-                 on_error: Callable[[BaseException], None]) -> None:
+                 on_error: Callable[[BaseException], None],
+                 deliver: Optional[Callable[[], None]] = None) -> None:
         super().__init__()
+        # writes a composed op's result into the caller's tensors, on success
+        # only and before the work completes (its future hands them on)
+        self._deliver = deliver
         self._future = future
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
@@ -124,6 +143,11 @@ class DdpwireWork(dist._Work):
         self.what = what
 
     def _finish(self, value: Any, error: Optional[BaseException]) -> None:
+        if error is None and self._deliver is not None:
+            try:
+                self._deliver()
+            except BaseException as exc:  # noqa: BLE001 - the caller sees it from wait()
+                error = exc
         self._error = error
         try:
             if error is not None and self._future_taken:
@@ -238,9 +262,12 @@ class DdpwireProcessGroup(dist.ProcessGroup):
 
     Built by ``init_process_group("ddpwire")`` (or directly, given a store
     every rank shares). Supports allreduce (SUM, AVG, MIN, MAX, PRODUCT),
-    broadcast, allgather (also into one tensor), reduce_scatter and barrier
-    on float32, float64, float16, bfloat16, int32, int64, uint8, int8 and bool
-    tensors on cpu, cuda and mps; anything else raises NotImplementedError
+    broadcast, allgather (also into one tensor), reduce_scatter and barrier,
+    and composed from them with gloo's semantics reduce, gather, scatter,
+    all_to_all (also single, with split sizes) and the coalesced allreduce,
+    allgather and reduce-scatter, on float32, float64, float16, bfloat16,
+    int32, int64, uint8, int8 and bool tensors on cpu, cuda and mps;
+    anything else (send/recv, monitored_barrier) raises NotImplementedError
     naming it.
     """
 
@@ -351,13 +378,16 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     # ---- the one path every collective takes ----
 
     def _issue(self, what: str, kind: Kind, op: Op, dtype: DType, root: int,
-               inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], value: Any) -> DdpwireWork:
+               inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], value: Any,
+               deliver: Optional[Callable[[], None]] = None) -> DdpwireWork:
         if self._group is None:
             raise RuntimeError(f"ddpwire {what}: the process group is closed")
         data, ready, release = self._staging.outgoing(inputs) if inputs else (
             np.empty(0, dtype=np.uint8), None, _nothing)
+        # ``deliver`` is set before anything is submitted: an answer may come
+        # before this returns
         work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
-                           self._report)
+                           self._report, deliver)
         if kind is Kind.ALLREDUCE and dtype is DType.FLOAT32 and op in (Op.SUM, Op.AVG):
             seg, links, timeout = self._shm, self._links, self._seconds
             if seg is not None and data.nbytes >= SHM_MIN_BYTES:
@@ -461,16 +491,13 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         service)."""
         t = _one(tensors, "allreduce")
         dtype = _dtype_of([t], "allreduce")
-        op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
-        check_op(op, dtype)
+        op = _reduce_op(opts, dtype, "allreduce")
         return self._issue("allreduce", Kind.ALLREDUCE, op, dtype, 0, [t], [t], tensors)
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
         """``broadcast`` of one tensor from ``opts.rootRank`` (default 0)."""
         t = _one(tensors, "broadcast")
-        root = opts.rootRank if opts is not None else 0
-        if not 0 <= root < self._world:
-            raise ValueError(f"ddpwire broadcast: root {root} is not a rank of {self._world}")
+        root = check_root(_root(opts), self._world, "broadcast")
         return self._issue("broadcast", Kind.BROADCAST, Op.SUM, _dtype_of([t], "broadcast"), root,
                            [t], [t], tensors)
 
@@ -502,12 +529,6 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         """``reduce_scatter_tensor`` (torch 2.13 calls it by this name)."""
         return self._reduce_scatter_base(output, input, opts)
 
-    def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
-                                        opts: Any = None) -> DdpwireWork:
-        """``all_gather_into_tensor`` of a single pair (more: a ValueError)."""
-        return self._allgather_base(_one(outputs, "allgather_into_tensor_coalesced"),
-                                    _one(inputs, "allgather_into_tensor_coalesced"), opts)
-
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
                        opts: Any = None) -> DdpwireWork:
         """``reduce_scatter``: one output, world-size inputs of its size."""
@@ -517,8 +538,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             raise ValueError(f"ddpwire reduce_scatter: {self._world} inputs of {out.numel()} elements "
                              f"needed, got {[i.numel() for i in ins]}")
         dtype = _dtype_of([out, *ins], "reduce_scatter")
-        op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
-        check_op(op, dtype)
+        op = _reduce_op(opts, dtype, "reduce_scatter")
         return self._issue("reduce_scatter", Kind.REDUCE_SCATTER, op, dtype, 0, ins, [out],
                            output_tensors)
 
@@ -528,8 +548,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             raise ValueError(f"ddpwire reduce_scatter_tensor: input has {input.numel()} elements, "
                              f"{self._world} x {output.numel()} needed")
         dtype = _dtype_of([output, input], "reduce_scatter_tensor")
-        op = _op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
-        check_op(op, dtype)
+        op = _reduce_op(opts, dtype, "reduce_scatter_tensor")
         return self._issue("reduce_scatter_tensor", Kind.REDUCE_SCATTER, op, dtype, 0, [input],
                            [output], [output])
 
@@ -561,22 +580,233 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                                                                      compression=codec),
                                      data, ready, release, [tensor], [tensor], [tensor])
         half = tensor.to(torch.bfloat16 if codec == "bf16" else torch.float16)
-        work = self._issue("allreduce_16bit", Kind.ALLREDUCE, Op.AVG, _dtype_of([half], "allreduce"),
-                           0, [half], [half], [tensor])
         # widened into the caller's tensor before the work completes: its
         # future hands DDP the float32 bucket
-        finish = work._finish
+        return self._issue("allreduce_16bit", Kind.ALLREDUCE, Op.AVG, _dtype_of([half], "allreduce"),
+                           0, [half], [half], [tensor], deliver=lambda: copy_into(tensor, half))
 
-        def widen(value: Any, error: Optional[BaseException]) -> None:
-            if error is None:
-                try:
-                    tensor.copy_(half)
-                except BaseException as exc:  # noqa: BLE001 - the caller sees it from wait()
-                    error = exc
-            finish(value, error)
+    # ---- composed from the collectives above, with gloo's semantics ----
 
-        work._finish = widen  # type: ignore[method-assign]
-        return work
+    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
+        """``reduce`` of one tensor to ``opts.rootRank``: an allreduce of a
+        copy, written into the root's tensor once it succeeds. The other
+        ranks' tensors stay as they were (gloo leaves partial results in
+        them)."""
+        t = _one(tensors, "reduce")
+        root = check_root(_root(opts), self._world, "reduce")
+        dtype = _dtype_of([t], "reduce")
+        op = _reduce_op(opts, dtype, "reduce")
+        # a copy even on the root: the shared-memory and links paths reduce
+        # their input in place, and the root's tensor changes only on success
+        staged = t.detach().clone(memory_format=torch.contiguous_format)
+        deliver = (lambda: copy_into(t, staged)) if root == self._rank else None
+        return self._issue("reduce", Kind.ALLREDUCE, op, dtype, 0, [staged], [staged], tensors,
+                           deliver=deliver)
+
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+               opts: Any = None) -> DdpwireWork:
+        """``gather`` to ``opts.rootRank``: an allgather, which the root
+        alone copies into its world-size outputs (the others pass none)."""
+        t = _one(input_tensors, "gather")
+        root = check_root(_root(opts), self._world, "gather")
+        outs = rooted_list(output_tensors, root == self._rank, self._world, t.numel(), "gather",
+                           "output")
+        dtype = _dtype_of([t, *outs], "gather")
+        gathered = _host_scratch(self._world * t.numel(), t)
+        return self._issue("gather", Kind.ALLGATHER, Op.SUM, dtype, 0, [t], [gathered], outs,
+                           deliver=(lambda: unflatten_into(outs, gathered)) if outs else None)
+
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+                opts: Any = None) -> DdpwireWork:
+        """``scatter`` from ``opts.rootRank``: a broadcast of the root's
+        world-size inputs end to end (the others pass none), of which each
+        rank keeps its own part."""
+        out = _one(output_tensors, "scatter")
+        root = check_root(_root(opts), self._world, "scatter")
+        ins = rooted_list(input_tensors, root == self._rank, self._world, out.numel(), "scatter",
+                          "input")
+        dtype = _dtype_of([out, *ins], "scatter")
+        n = out.numel()
+        # the other ranks send as many bytes as the root (the service checks
+        # that every rank's request agrees) and the service drops them
+        flat = flatten(ins) if ins else _host_scratch(self._world * n, out, zeroed=True)
+        mine = flat[self._rank * n:(self._rank + 1) * n]
+        return self._issue("scatter", Kind.BROADCAST, Op.SUM, dtype, root, [flat], [flat],
+                           output_tensors, deliver=lambda: copy_into(out, mine))
+
+    def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
+                 opts: Any = None) -> DdpwireWork:
+        """``all_to_all``: input j goes to rank j, output i comes from rank
+        i. Every tensor has the same number of elements (gloo's rule; other
+        sizes go through ``all_to_all_single`` with split sizes). One
+        allgather of the inputs end to end."""
+        what = "alltoall"
+        check_count(input_tensors, self._world, what, "input")
+        n = input_tensors[0].numel()
+        check_sizes(input_tensors, [n] * self._world, what, "input")
+        check_sizes(output_tensors, [n] * self._world, what, "output")
+        dtype = _dtype_of([*output_tensors, *input_tensors], what)
+        outs = list(output_tensors)
+        return self._exchange(what, dtype, list(input_tensors), [[n] * self._world] * self._world,
+                              lambda pieces: [copy_into(o, p) for o, p in zip(outs, pieces)],
+                              output_tensors)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                          opts: Any = None) -> DdpwireWork:
+        """``all_to_all_single``: the input's rows split over the ranks (by
+        ``input_split_sizes``, or evenly when empty), the output's rows taken
+        from them in rank order (``output_split_sizes``, or evenly).
+
+        Without split sizes every rank's input has the same size: one
+        allgather. With them (on every rank, one list or both), every rank's
+        element counts travel first in an allgather waited for here, so that
+        each rank issues the exchange itself in its own program order, and a
+        count some rank does not expect is a ValueError on every rank.
+        """
+        return self._all_to_all_single("all_to_all_single", output, input, output_split_sizes,
+                                       input_split_sizes)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                      opts: Any = None) -> DdpwireWork:
+        """:meth:`all_to_all_single` (its older name in torch)."""
+        return self._all_to_all_single("alltoall_base", output, input, output_split_sizes,
+                                       input_split_sizes)
+
+    def _all_to_all_single(self, what: str, output: torch.Tensor, input: torch.Tensor,
+                           output_split_sizes: Sequence[int],
+                           input_split_sizes: Sequence[int]) -> DdpwireWork:
+        dtype = _dtype_of([output, input], what)
+        sends = split_counts(input_split_sizes, input, self._world, what, "input")
+        receives = split_counts(output_split_sizes, output, self._world, what, "output")
+        if output_split_sizes or input_split_sizes:
+            table = self._counts_of_every_rank(what, sends, receives)
+        else:
+            if sum(sends) != sum(receives):
+                raise ValueError(f"ddpwire {what}: the output holds {sum(receives)} elements, "
+                                 f"the input {sum(sends)}")
+            # every rank's input has this size, or the allgather's counts
+            # disagree and the service says which rank's
+            table = [sends] * self._world
+        return self._exchange(what, dtype, [input], table,
+                              lambda pieces: copy_into(output, torch.cat(pieces)), [output])
+
+    def _counts_of_every_rank(self, what: str, sends: List[int], receives: List[int]
+                              ) -> List[List[int]]:
+        """Every rank's element counts to each rank (rank order), checked
+        against what each receiver expects; waited for on this thread."""
+        mine = torch.tensor(sends + receives, dtype=torch.int64)
+        table = torch.empty(self._world * len(mine), dtype=torch.int64)
+        self._issue(f"{what} (split sizes)", Kind.ALLGATHER, Op.SUM, DType.INT64, 0, [mine], [table],
+                    None).wait()
+        rows = table.view(self._world, -1).tolist()
+        problem = split_mismatch(rows)
+        if problem is not None:
+            raise ValueError(f"ddpwire {what}: {problem}")
+        return [row[:self._world] for row in rows]
+
+    def _exchange(self, what: str, dtype: DType, inputs: List[torch.Tensor],
+                  sends: List[List[int]], deliver: Callable[[List[torch.Tensor]], Any],
+                  value: Any) -> DdpwireWork:
+        """An all-to-all as one allgather: each rank's ``inputs`` end to end
+        (``sends[i][j]`` elements from rank i for rank j, in rank order),
+        padded to the longest rank's; ``deliver`` gets the pieces addressed
+        to this rank, once all have come."""
+        stride = max(sum(row) for row in sends)
+        short = stride - sum(sends[self._rank])
+        if short:
+            inputs = inputs + [inputs[0].new_zeros(short)]
+        gathered = _host_scratch(self._world * stride, inputs[0])
+        pieces = addressed_to(self._rank, gathered, stride, sends)
+        return self._issue(what, Kind.ALLGATHER, Op.SUM, dtype, 0, inputs, [gathered], value,
+                           deliver=lambda: deliver(pieces))
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
+        """``all_reduce_coalesced``: one allreduce of the tensors end to end
+        (float32 SUM and AVG on shared memory or the rank links as
+        :meth:`allreduce`), written back into them once it succeeds."""
+        what = "allreduce_coalesced"
+        check_nonempty(tensors, what, "tensor")
+        dtype = _dtype_of(tensors, what)
+        op = _reduce_op(opts, dtype, what)
+        flat = flatten(tensors)
+        return self._issue(what, Kind.ALLREDUCE, op, dtype, 0, [flat], [flat], tensors,
+                           deliver=lambda: unflatten_into(tensors, flat))
+
+    def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],
+                            input_list: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
+        """``all_gather_coalesced``: ``output_lists[r][k]`` is rank r's
+        ``input_list[k]``; one allgather of the inputs end to end."""
+        what = "allgather_coalesced"
+        check_nonempty(input_list, what, "input")
+        check_count(output_lists, self._world, what, "output list")
+        numels = [t.numel() for t in input_list]
+        for outs in output_lists:
+            check_sizes(outs, numels, what, "output")
+        dtype = _dtype_of([*input_list, *(o for outs in output_lists for o in outs)], what)
+
+        def deliver(pieces: List[List[torch.Tensor]]) -> None:
+            for outs, mine in zip(output_lists, pieces):
+                for o, p in zip(outs, mine):
+                    copy_into(o, p)
+
+        return self._gather_rank_major(what, dtype, input_list, deliver, output_lists)
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Any = None) -> DdpwireWork:
+        """``all_gather_into_tensor`` of several pairs (torch's coalescing
+        manager): one allgather of the inputs end to end."""
+        return self._allgather_into_tensors("all_gather_single_coalesced", outputs, inputs)
+
+    def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> DdpwireWork:
+        """:meth:`all_gather_single_coalesced` (the functional collectives' name)."""
+        return self._allgather_into_tensors("allgather_into_tensor_coalesced", outputs, inputs)
+
+    def _allgather_into_tensors(self, what: str, outputs: List[torch.Tensor],
+                                inputs: List[torch.Tensor]) -> DdpwireWork:
+        check_nonempty(inputs, what, "input")
+        check_sizes(outputs, [self._world * t.numel() for t in inputs], what, "output")
+        dtype = _dtype_of([*inputs, *outputs], what)
+
+        def deliver(pieces: List[List[torch.Tensor]]) -> None:
+            for k, out in enumerate(outputs):
+                copy_into(out, torch.cat([mine[k] for mine in pieces]))
+
+        return self._gather_rank_major(what, dtype, inputs, deliver, outputs)
+
+    def _gather_rank_major(self, what: str, dtype: DType, inputs: List[torch.Tensor],
+                           deliver: Callable[[List[List[torch.Tensor]]], None],
+                           value: Any) -> DdpwireWork:
+        """One allgather of ``inputs`` end to end; ``deliver`` gets
+        ``[rank][k]``, rank's input k, once all have come."""
+        gathered = _host_scratch(self._world * sum(t.numel() for t in inputs), inputs[0])
+        pieces = rank_major_pieces(gathered, self._world, [t.numel() for t in inputs])
+        return self._issue(what, Kind.ALLGATHER, Op.SUM, dtype, 0, inputs, [gathered], value,
+                           deliver=lambda: deliver(pieces))
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> DdpwireWork:
+        """``reduce_scatter_tensor`` of several pairs (torch's coalescing
+        manager): one reduce-scatter of the inputs with each rank's parts
+        put together."""
+        return self._reduce_scatter_tensors("reduce_scatter_single_coalesced", outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> DdpwireWork:
+        """:meth:`reduce_scatter_single_coalesced` (the functional collectives' name)."""
+        return self._reduce_scatter_tensors("reduce_scatter_tensor_coalesced", outputs, inputs, opts)
+
+    def _reduce_scatter_tensors(self, what: str, outputs: List[torch.Tensor],
+                                inputs: List[torch.Tensor], opts: Any) -> DdpwireWork:
+        check_nonempty(outputs, what, "output")
+        check_sizes(inputs, [self._world * t.numel() for t in outputs], what, "input")
+        dtype = _dtype_of([*inputs, *outputs], what)
+        op = _reduce_op(opts, dtype, what)
+        mine = _host_scratch(sum(t.numel() for t in outputs), outputs[0])
+        return self._issue(what, Kind.REDUCE_SCATTER, op, dtype, 0, rank_major(inputs, self._world),
+                           [mine], outputs, deliver=lambda: unflatten_into(outputs, mine))
 
     # ---- everything else: named, not silently wrong ----
 
@@ -587,16 +817,19 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         method.__doc__ = f"Not implemented: raises NotImplementedError ({name})."
         return method
 
-    for _name in ("send", "recv", "recv_anysource", "reduce", "gather", "scatter", "alltoall",
-                  "alltoall_base", "all_to_all_single", "allreduce_coalesced",
-                  "all_gather_single_coalesced", "reduce_scatter_single_coalesced", "allgather_coalesced",
-                  "reduce_scatter_tensor_coalesced", "monitored_barrier"):
+    for _name in ("send", "recv", "recv_anysource", "monitored_barrier"):
         locals()[_name] = _unsupported(_name)
     del _name, _unsupported
 
 
 def _nothing() -> None:
     return None
+
+
+def _host_scratch(numel: int, like: torch.Tensor, zeroed: bool = False) -> torch.Tensor:
+    """A flat CPU tensor of ``like``'s dtype for a composed op's whole
+    result: the wire's bytes land on the host whatever the device."""
+    return (torch.zeros if zeroed else torch.empty)(numel, dtype=like.dtype)
 
 
 def _close_at_exit(ref: "weakref.ReferenceType[DdpwireProcessGroup]") -> None:
