@@ -69,7 +69,7 @@ static const char *const REFUSAL_NAMES[] = {
     NULL, "full", "training", "auth_required", "auth_failed", "mismatch", "protocol",
 };
 static const char *const KIND_NAMES[] = {
-    NULL, "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier",
+    NULL, "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send",
 };
 static const char *const OP_NAMES[] = {"sum", "avg", "min", "max", "product"};
 static const char *const DTYPE_NAMES[] = {

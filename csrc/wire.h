@@ -111,7 +111,10 @@ typedef enum ddpw_collective_kind {
     DDPW_COLLECTIVE_BROADCAST = 2,
     DDPW_COLLECTIVE_ALLGATHER = 3,
     DDPW_COLLECTIVE_REDUCE_SCATTER = 4,
-    DDPW_COLLECTIVE_BARRIER = 5
+    DDPW_COLLECTIVE_BARRIER = 5,
+    /* point to point, not a collective: relayed from rank src to rank dst
+     * (request: root = dst, seq = tag; relayed result: seq = src << 32 | tag) */
+    DDPW_COLLECTIVE_SEND = 6
 } ddpw_collective_kind;
 
 typedef enum ddpw_reduce_op {

@@ -285,10 +285,67 @@ class CollectiveService:
                         hook(rank, exc)
                     except Exception:  # noqa: BLE001 - the service goes on whatever the hook does
                         log.exception("rank %d lost: the hook failed", rank)
+                self._departed(rank)
                 return
+            if msg.kind == int(Kind.SEND):
+                # point to point is not a collective: relayed at once, in
+                # the order this rank sent, outside the collectives' seq
+                if not self._relay(rank, msg):
+                    return
+                continue
             with self._cond:
                 self._inbox[rank].append((time.monotonic(), msg))
                 self._cond.notify_all()
+
+    def _relay(self, src: int, req: Any) -> bool:
+        """Pass rank ``src``'s SEND on to its destination (``root``) as a
+        CollectiveResult whose ``seq`` is ``src << 32 | tag``. A
+        destination that is not another rank of the group, or a tag past
+        31 bits, fails the group naming ``src``; False then."""
+        dst, tag = req.root, req.seq
+        bad = None
+        if dst >= self.world or dst == src:
+            bad = (f"rank {src} sent a point-to-point message to rank {dst}: not another "
+                   f"rank of {self.world}")
+        elif tag > 0x7FFFFFFF:
+            bad = f"rank {src} sent a point-to-point message with tag {tag}: over 31 bits"
+        elif req.dtype not in {int(d) for d in DType}:
+            bad = f"rank {src} sent a point-to-point message of unknown dtype {req.dtype}"
+        elif DType(req.dtype).numpy.itemsize * req.count != len(memoryview(req.data).cast("B")):
+            bad = f"rank {src} sent a point-to-point message whose count disagrees with its data"
+        if bad is not None:
+            with self._cond:
+                self._fail(self.answered, src, bad)
+            return False
+        with self._cond:
+            if self._lost[dst] is not None or self._stopping or self.failure is not None:
+                return True  # nobody to hand it to: its receives fail when it leaves
+        try:
+            self._channels[dst].send(CollectiveResult(seq=(src << 32) | tag, kind=int(Kind.SEND),
+                                                      dtype=req.dtype, count=req.count,
+                                                      data=req.data))
+        except (DdpwireError, OSError) as exc:
+            log.debug("point to point: rank %d's message for rank %d is lost with it: %s",
+                      src, dst, exc)
+        return True
+
+    def _departed(self, rank: int) -> None:
+        """Tell every other rank still here that ``rank`` has left, after its
+        last message: its point-to-point receives cannot complete (a relayed
+        SEND of no bytes with tag 0xFFFFFFFF)."""
+        with self._cond:
+            if self._stopping or self.failure is not None:
+                return
+            # rank 0 last, as with answers: it shares a process with the service
+            others = [r for r in list(range(1, self.world)) + [0]
+                      if r != rank and self._lost[r] is None]
+        notice = CollectiveResult(seq=(rank << 32) | 0xFFFFFFFF, kind=int(Kind.SEND),
+                                  dtype=int(DType.UINT8), count=0, data=np.empty(0, dtype=np.uint8))
+        for r in others:
+            try:
+                self._channels[r].send(notice)
+            except (DdpwireError, OSError):
+                pass
 
     def _next(self, seq: int) -> Optional[List[Any]]:
         """Every rank's request ``seq``, or None once the service fails or stops."""
@@ -312,9 +369,11 @@ class CollectiveService:
                 if arrived:
                     left = min(arrived) + self.timeout - time.monotonic()
                     if left <= 0:
-                        # "timed out": the words torch's backends use, and users search for
+                        # "timed out" and " timeout ": the words torch's backends
+                        # use, its tests match and users search for
                         self._fail(seq, missing[0], f"timed out: rank {missing[0]} did not send "
-                                   f"collective {seq} within {self.timeout:g} s of the first rank")
+                                   f"collective {seq} within the {self.timeout:g} s timeout "
+                                   f"(counted from the first rank's)")
                         return None
                     self._cond.wait(min(left, 1.0))
                 else:
@@ -419,6 +478,27 @@ class _Local:
         self.running = False
 
 
+class _Send:
+    """A point-to-point SEND request queued among the collectives."""
+
+    __slots__ = ("request", "sent", "called")
+
+    def __init__(self, request: Any, sent: Callable[[Optional[BaseException]], None]) -> None:
+        self.request = request
+        self.sent = sent
+        self.called = False
+
+
+def _sent(entry: _Send, error: Optional[BaseException]) -> None:
+    if entry.called:
+        return
+    entry.called = True
+    try:
+        entry.sent(error)
+    except BaseException:  # noqa: BLE001 - a failing callback must not stop the others
+        log.exception("point to point: completing a send failed")
+
+
 class CollectiveClient:
     """Issues collectives in order over one connection and completes each
     from a receiving thread.
@@ -450,6 +530,10 @@ class CollectiveClient:
         self.failure: Optional[BaseException] = None
         #: called once with the error that ends the group (not on close)
         self.on_failure: Optional[Callable[[BaseException], None]] = None
+        # takes each point-to-point message the service relays (set_on_message);
+        # those that come before it is set wait in _early
+        self._on_message: Optional[Callable[[int, int, np.ndarray], None]] = None
+        self._early: List[Tuple[int, int, np.ndarray]] = []
         self._closing = False
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"ddpwire-collectives-send-{rank}")
@@ -485,6 +569,43 @@ class CollectiveClient:
             self._outbox.append((req, before_send))
             self._wake.notify_all()
         return seq
+
+    def set_on_message(self, hook: Callable[[int, int, np.ndarray], None]) -> None:
+        """Hand each point-to-point message the service relays to
+        ``hook(seq, dtype, data)`` (seq = source rank << 32 | tag;
+        :mod:`ddpwire.p2p`), first those that came before this call, on
+        this thread, then the rest from the receiving thread, in order."""
+        while True:
+            with self._lock:
+                early, self._early = self._early, []
+                if not early:
+                    self._on_message = hook
+                    return
+            for seq, dtype, data in early:
+                hook(seq, dtype, data)
+
+    def submit_send(self, request: Any, sent: Callable[[Optional[BaseException]], None], *,
+                    before_send: Optional[Callable[[], None]] = None) -> None:
+        """Queue a point-to-point SEND request (kind SEND, ``root`` the
+        destination, ``seq`` the tag) in order with the collectives; it
+        takes no collective sequence number and gets no answer. ``sent``
+        runs once it is written out, or with the error that ended the group."""
+        if not hasattr(self._chan, "conn"):
+            # in process, the service reads the request after ``sent`` has
+            # run: it gets a copy of the bytes, which the caller may reuse
+            inner = before_send
+
+            def before_send() -> None:
+                if inner is not None:
+                    inner()
+                request.data = np.array(request.data, copy=True)
+        with self._lock:
+            if self.failure is not None:
+                raise self.failure
+            if self._closing:
+                raise DdpwireError("the collective client is closed", worker_id=self.rank)
+            self._outbox.append((_Send(request, sent), before_send))
+            self._wake.notify_all()
 
     def call(self, kind: Kind, dtype: DType, root: int, data: Any,
              timeout: float) -> np.ndarray:
@@ -536,8 +657,14 @@ class CollectiveClient:
                     return
                 if before_send is not None:
                     before_send()
+                if isinstance(req, _Send):
+                    self._chan.send(req.request)
+                    _sent(req, None)
+                    continue
                 self._chan.send(req, step=req.seq)
             except BaseException as exc:  # noqa: BLE001 - ends the group, reported to every caller
+                if isinstance(req, _Send):
+                    _sent(req, exc)
                 self._end(exc)
                 return
 
@@ -593,7 +720,9 @@ class CollectiveClient:
                 else:
                     msg = self._chan.expect([CollectiveResult, CollectiveError], deadline=_idle_deadline())
                     if isinstance(msg, CollectiveResult):
-                        msg = (msg.seq, msg.kind, msg.dtype, msg.data)
+                        msg = (msg.seq, msg.kind, msg.dtype,
+                               np.frombuffer(msg.data, dtype=np.uint8) if msg.kind == int(Kind.SEND)
+                               else msg.data)
             except BaseException as exc:  # noqa: BLE001
                 self._end(exc)
                 return
@@ -602,6 +731,17 @@ class CollectiveClient:
                 self._end(CollectiveAborted(msg.detail, rank=rank, seq=msg.seq))
                 return
             seq, kind, dtype, data = msg
+            if kind == int(Kind.SEND):
+                with self._lock:
+                    hook = self._on_message
+                    if hook is None:
+                        self._early.append((seq, dtype, data))
+                        continue
+                try:
+                    hook(seq, dtype, data)
+                except BaseException:  # noqa: BLE001 - a failing callback must not stop the others
+                    log.exception("point to point: filing a message failed")
+                continue
             with self._completing:
                 with self._lock:
                     # A local collective ahead of this one has finished and
@@ -640,6 +780,8 @@ class CollectiveClient:
         with self._lock:
             first = self._pending[0] if self._pending else None
             into = first[4] if first is not None and not isinstance(first, _Local) else None
+        if head.kind == int(Kind.SEND):
+            into = None  # a relayed message: its own buffer, handed to the mailbox
         if into is None or into.nbytes != head.bulk_len:
             into = np.empty(head.bulk_len, dtype=np.uint8)
         if head.bulk_len:
@@ -661,7 +803,10 @@ class CollectiveClient:
             failure = self.failure
             pending = [e for e in self._pending if not (isinstance(e, _Local) and e.running)]
             self._pending.clear()
+            sends = [e for e, _ in self._outbox if isinstance(e, _Send)]
             self._wake.notify_all()
+        for entry in sends:
+            _sent(entry, failure)
         hook = self.on_failure
         if first and hook is not None:
             try:

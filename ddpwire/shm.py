@@ -347,7 +347,8 @@ class SharedPlane:
                                  f"({what})", gone, seq)
             if time.monotonic() >= deadline:
                 raise self._lost(f"timed out: {self.member} {rank} did not reach "
-                                 f"{self._name(seq)} ({what}) within {self.timeout:g} s", rank, seq)
+                                 f"{self._name(seq)} ({what}) within the {self.timeout:g} s timeout "
+                                 f"of the group", rank, seq)
 
 
 def sweep_stale(directory: str = "/dev/shm") -> int:

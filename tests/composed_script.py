@@ -275,8 +275,8 @@ def ddpwire_only(rank, world):
     dist.all_reduce(after)
     got["the group still answers"] = after
     pg = dist.group.WORLD
-    for name, call in {"send": lambda: pg.send([after], 0, 0),
-                       "recv": lambda: pg.recv([after], 0, 0),
+    for name, call in {"send": lambda: pg.send([after], rank, 0),
+                       "recv": lambda: pg.recv([after], rank, 0),
                        "monitored_barrier": lambda: pg.monitored_barrier()}.items():
         try:
             call()

@@ -195,8 +195,13 @@ def test_a_failed_op_fails_wait_and_leaves_its_outputs_unchanged(runs):
     assert all(t.tolist() == [-1.0] * 4 for t in untouched)
 
 
-def test_point_to_point_and_monitored_barrier_stay_unsupported(runs):
-    got = runs["ddpwire"][0]["ddpwire"]
-    for name in ("send", "recv", "monitored_barrier"):
-        assert got[name] == ("error", "NotImplementedError",
-                             f"the ddpwire backend does not implement {name}")
+def test_monitored_barrier_stays_unsupported_and_point_to_point_refuses_self(runs):
+    # point to point itself: tests/test_torch_p2p.py
+    for rank in range(WORLD):
+        got = runs["ddpwire"][rank]["ddpwire"]
+        assert got["monitored_barrier"] == ("error", "NotImplementedError",
+                                            "the ddpwire backend does not implement "
+                                            "monitored_barrier")
+        for name, role in (("send", "destination"), ("recv", "source")):
+            assert got[name][:2] == ("error", "ValueError"), got[name]
+            assert got[name][2].startswith(f"Invalid {role} rank"), got[name]

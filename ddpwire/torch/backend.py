@@ -12,6 +12,7 @@ thread, so DDP overlaps its buckets with backward.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import weakref
@@ -26,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import _ddpwire_autoload as _autoload
 
+from .. import p2p as _p2p
 from .. import shm as _shm
 from ..collectives import CollectiveAborted, DType, Kind, Op, check_op
 from .composed import (addressed_to, check_count, check_nonempty, check_root, check_sizes, copy_into,
@@ -35,7 +37,7 @@ from .links import RankLinks, form_links, ports_from_env
 from .rendezvous import Rendezvous, join_group, timings
 from .staging import Staging
 
-__all__ = ["BACKEND", "DdpwireProcessGroup", "DdpwireWork", "register"]
+__all__ = ["BACKEND", "DdpwireProcessGroup", "DdpwireWork", "PeerWork", "register"]
 
 BACKEND = _autoload.BACKEND
 
@@ -175,7 +177,8 @@ class DdpwireWork(dist._Work):
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             limit = timeout.total_seconds()
         if not self._done.wait(limit):
-            raise CollectiveAborted(f"timed out: {self.what} got no answer within {limit:g} s",
+            raise CollectiveAborted(f"timed out: {self.what} got no answer within the "
+                                    f"{limit:g} s timeout of its wait",
                                     rank=None, seq=self.seq)
         if self._error is not None:
             raise self._error
@@ -197,6 +200,59 @@ class DdpwireWork(dist._Work):
         """A future holding the outputs once done (DDP's comm hooks chain on it)."""
         self._future_taken = True
         return self._future
+
+
+class PeerWork(DdpwireWork):
+    """A send or receive in flight (:mod:`ddpwire.p2p`). ``wait`` raises
+    :class:`ddpwire.p2p.PointToPointTimeout` ("timed out") past the group's
+    timeout, or the error that ended it: CollectiveAborted naming a rank
+    that left, PointToPointMismatch for a message of another size. Its
+    future (gloo's send/recv works have none) holds the tensors, or fails
+    with that error: no DDP bucket waits on it, unlike a collective's.
+    ``_source_rank()`` is the rank a receive's message came from."""
+
+    def __init__(self, limit: float, what: str, *, src: Optional[int], dst: int,
+                 tag: int) -> None:
+        super().__init__(torch.futures.Future(), limit, -1, what, _ignore)
+        self._source: int = -1 if src is None else src
+        self._peers = (src, dst, tag)
+
+    def _complete(self, value: Any) -> None:
+        try:
+            if self._error is not None:
+                self._future.set_exception(self._error)
+            else:
+                self._future.set_result(value)
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Block until done (at most ``timeout``, default the group's):
+        True, or the error raised; PointToPointTimeout when it is not done
+        in time (a receive stays posted)."""
+        limit = self._limit
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            limit = timeout.total_seconds()
+        if not self._done.wait(limit):
+            src, dst, tag = self._peers
+            raise _p2p.PointToPointTimeout(f"timed out: {self.what} not done within the "
+                                           f"{limit:g} s timeout of its wait", src=src, dst=dst,
+                                           tag=tag)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _source_rank(self) -> int:
+        """The rank the received message came from (-1 before it came)."""
+        return self._source
+
+    def source_rank(self) -> int:
+        """:meth:`_source_rank`."""
+        return self._source
+
+
+def _ignore(_error: BaseException) -> None:
+    return None
 
 
 class _Pending:
@@ -256,6 +312,56 @@ class _Pending:
 
 _pending = _Pending()
 
+_log = logging.getLogger(__name__)
+_carrier_missing = False  # said once per process where torch lacks what a carrier needs
+
+
+def _carrier(rank: int, world_size: int) -> Optional[Any]:
+    """A c10d backend that only carries a group's name: torch 2.13 builds
+    no ProcessGroup around a creator that returns one itself, and names a
+    group (``group_name``, ``_register_process_group``, what
+    ``destroy_process_group`` unregisters) through the backends registered
+    beneath it, of which ours would have none. The carrier is torch's
+    FakeProcessGroup made to raise on every collective: our collectives
+    are the Python methods of :class:`DdpwireProcessGroup`, and one that
+    somehow reached the carrier fails rather than silently succeeds. None
+    (said once) where this torch has no such backend."""
+    global _carrier_missing
+    try:
+        fake = torch._C._distributed_c10d.FakeProcessGroup
+        opts = fake.Options()
+        opts.error_on_collective = True  # no carrier that would return untouched tensors
+        return fake._create_internal(rank, world_size, opts)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        if not _carrier_missing:
+            _carrier_missing = True
+            _log.warning("ddpwire: this torch has no FakeProcessGroup(error_on_collective) to "
+                         "carry a group's name (%s): group_name, destroy_process_group(group) "
+                         "and the lookups by name fail on ddpwire groups", exc)
+        return None
+
+
+def _carry(pg: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    """Register a :func:`_carrier` beneath ``pg`` for every device the
+    backend takes, as torch registers a backend beneath the ProcessGroup it
+    builds for gloo or nccl; torch's ``_set_group_name`` then has a backend
+    to name."""
+    global _carrier_missing
+    carrier = _carrier(rank, world_size)
+    if carrier is None:
+        return
+    try:
+        custom = dist.ProcessGroup.BackendType.CUSTOM
+        for device in _autoload.DEVICES:
+            pg._register_backend(torch.device(device), custom, carrier)
+        pg._set_default_backend(custom)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        if not _carrier_missing:
+            _carrier_missing = True
+            _log.warning("ddpwire: could not register a name carrier beneath the group (%s): "
+                         "group_name and destroy_process_group(group) fail on ddpwire groups",
+                         exc)
+
 
 class DdpwireProcessGroup(dist.ProcessGroup):
     """A process group whose collectives go through a ddpwire coordinator.
@@ -266,14 +372,20 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     and composed from them with gloo's semantics reduce, gather, scatter,
     all_to_all (also single, with split sizes) and the coalesced allreduce,
     allgather and reduce-scatter, on float32, float64, float16, bfloat16,
-    int32, int64, uint8, int8 and bool tensors on cpu, cuda and mps;
-    anything else (send/recv, monitored_barrier) raises NotImplementedError
-    naming it.
+    int32, int64, uint8, int8 and bool tensors on cpu, cuda and mps.
+
+    Point to point as gloo has it: send, recv, isend, irecv, recv from any
+    source (``src=None``), batch_isend_irecv, with tags (:mod:`ddpwire.p2p`).
+    Where the group has rank links the messages go on direct links between
+    the two ranks (:attr:`p2p_direct`); otherwise the service on rank 0
+    relays them (a request of kind SEND). Anything else
+    (monitored_barrier) raises NotImplementedError naming it.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int,
                  timeout: timedelta = timedelta(minutes=30)) -> None:
         super().__init__(rank, world_size)
+        _carry(self, rank, world_size)  # torch names the group through it
         self._rank = rank
         self._world = world_size
         seconds, heartbeat, silence = timings(timeout)
@@ -304,6 +416,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             except BaseException:
                 self._group.close(self._close_timeout)
                 raise
+        self._p2p = self._open_p2p(heartbeat, silence)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _hook_shm(self, seg: "_shm.SharedPlane") -> None:
@@ -337,22 +450,71 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         links between the ranks (a ring's traffic), not through rank 0."""
         return self._links is not None
 
+    def _open_p2p(self, heartbeat: float, silence: float) -> Any:
+        """Point to point's route: direct links where the rank links
+        opened, else the service (ddpwire.p2p)."""
+        mailbox = _p2p.Mailbox(self._rank, self._world)
+        if self._links is not None:
+            try:
+                links = _p2p.form_peer_links(self._group.client, self._rank, self._world, mailbox,
+                                             listen_host=self._group.listen_host,
+                                             advertise=self._group.advertise,
+                                             timeout=self._seconds, ports=ports_from_env(),
+                                             heartbeat=heartbeat, silence=silence)
+            except BaseException:
+                self._links.close()
+                self._group.close(self._close_timeout)
+                raise
+            if links is not None:
+                return links
+        return _p2p.ServiceRoute(self._group.client, mailbox)
+
+    @property
+    def p2p_direct(self) -> bool:
+        """True when send/recv travel on direct links between the two ranks,
+        False when the service on rank 0 relays them."""
+        return bool(getattr(self._p2p, "direct", False))
+
     # ---- identity ----
 
     def getBackendName(self) -> str:
         """ "ddpwire" """
         return BACKEND
 
+    @property
+    def closed(self) -> bool:
+        """True once the group is closed (``destroy_process_group`` closes it)."""
+        return self._group is None
+
+    def _label(self) -> Optional[str]:
+        """The name torch gave the group (None before it did, or where no
+        carrier could be registered)."""
+        try:
+            return self.group_name or None
+        except RuntimeError:
+            return None
+
+    def _closed(self, what: str) -> RuntimeError:
+        """The error of a call on a closed group, naming the group."""
+        name = self._label()
+        which = f"process group {name!r}" if name is not None else "process group"
+        return RuntimeError(f"ddpwire {what}: the {which} (rank {self._rank} of "
+                            f"{self._world}) is closed (destroyed)")
+
     def __repr__(self) -> str:
-        return f"DdpwireProcessGroup(rank={self._rank}, world_size={self._world})"
+        return (f"DdpwireProcessGroup(rank={self._rank}, world_size={self._world}, "
+                f"group_name={self._label()!r}, closed={self._group is None})")
 
     def close(self) -> None:
         """Leave the group (rank 0 first waits for the others to leave)."""
         group, self._group = self._group, None
         seg, self._shm = self._shm, None
         links, self._links = self._links, None
+        p2p, self._p2p = getattr(self, "_p2p", None), None
         _pending.disarm(self)
         try:
+            if p2p is not None:
+                p2p.close()  # what is queued goes out; the receives waiting fail
             if group is not None:
                 group.close(self._close_timeout)
         finally:
@@ -381,7 +543,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], value: Any,
                deliver: Optional[Callable[[], None]] = None) -> DdpwireWork:
         if self._group is None:
-            raise RuntimeError(f"ddpwire {what}: the process group is closed")
+            raise self._closed(what)
         data, ready, release = self._staging.outgoing(inputs) if inputs else (
             np.empty(0, dtype=np.uint8), None, _nothing)
         # ``deliver`` is set before anything is submitted: an answer may come
@@ -476,7 +638,10 @@ class DdpwireProcessGroup(dist.ProcessGroup):
             work._finish(value, error)
 
         try:
-            self._group.client.submit_local(run, done)
+            group = self._group
+            if group is None:
+                raise self._closed(work.what.split(" (rank")[0])
+            group.client.submit_local(run, done)
         except BaseException:
             release()
             raise
@@ -808,6 +973,87 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         return self._issue(what, Kind.REDUCE_SCATTER, op, dtype, 0, rank_major(inputs, self._world),
                            [mine], outputs, deliver=lambda: unflatten_into(outputs, mine))
 
+    # ---- point to point (ddpwire.p2p) ----
+
+    def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int) -> "PeerWork":
+        """``send``/``isend`` of one tensor to ``dstRank`` with ``tag``: done
+        once its bytes are written out (on the direct link to the rank, or
+        to the service on rank 0, which relays them)."""
+        t = _one(tensors, "send")
+        dst = self._peer(dstRank, "send", "destination")
+        tag = _p2p.check_tag(tag, "send")
+        dtype = _dtype_of([t], "send")
+        _p2p.check_size(t.numel() * t.element_size(), "send")
+        if self._group is None:
+            raise self._closed("send")
+        data, ready, release = self._staging.outgoing([t])
+        work = PeerWork(self._limit, f"send to rank {dst} with tag {tag} (rank {self._rank})",
+                        src=self._rank, dst=dst, tag=tag)
+        work._keep = (t, data)
+
+        def sent(error: Optional[BaseException]) -> None:
+            release()
+            work._finish(tensors, error)
+
+        try:
+            self._p2p.send(dst, tag, dtype, data, sent, before_send=ready)
+        except BaseException:
+            release()
+            raise
+        return work
+
+    def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int) -> "PeerWork":
+        """``recv``/``irecv`` of one tensor from ``srcRank`` with ``tag``:
+        done once the message is in the tensor; a message of another dtype
+        or size fails it (:class:`ddpwire.p2p.PointToPointMismatch`)."""
+        src = self._peer(srcRank, "recv", "source")
+        return self._receive(tensors, src, _p2p.check_tag(tag, "recv"), "recv")
+
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> "PeerWork":
+        """``recv``/``irecv`` with ``src=None``: the first message with
+        ``tag`` from any rank; the Work's ``_source_rank()`` is its sender."""
+        return self._receive(tensors, None, _p2p.check_tag(tag, "recv"), "recv_anysource")
+
+    def _peer(self, rank: int, what: str, role: str) -> int:
+        rank = int(rank)
+        if not 0 <= rank < self._world:
+            raise ValueError(f"ddpwire {what}: {role} rank {rank} is not a rank of {self._world}")
+        if rank == self._rank:
+            raise ValueError(f"Invalid {role} rank: {role} rank should not be the same as the "
+                             f"rank of the current process ({rank})")
+        return rank
+
+    def _receive(self, tensors: List[torch.Tensor], src: Optional[int], tag: int,
+                 what: str) -> "PeerWork":
+        t = _one(tensors, what)
+        dtype = _dtype_of([t], what)
+        if self._group is None:
+            raise self._closed(what)
+        nbytes = t.numel() * t.element_size()
+        whence = "any rank" if src is None else f"rank {src}"
+        work = PeerWork(self._limit, f"recv from {whence} with tag {tag} (rank {self._rank})",
+                        src=src, dst=self._rank, tag=tag)
+        staging, rank = self._staging, self._rank
+
+        def deliver(message: Optional[_p2p.Message], error: Optional[BaseException]) -> None:
+            if message is not None:
+                try:
+                    if message.dtype != int(dtype) or message.nbytes != nbytes:
+                        raise _p2p.PointToPointMismatch(
+                            f"ddpwire recv: rank {message.src} sent rank {rank} (tag {tag}) "
+                            f"{message.count} elements of {DType(message.dtype).name.lower()} "
+                            f"({message.nbytes} bytes) where the receiving tensor holds "
+                            f"{t.numel()} of {DType(dtype).name.lower()} ({nbytes} bytes)",
+                            src=message.src, dst=rank, tag=tag)
+                    staging.incoming([t], message.data)
+                    work._source = message.src
+                except BaseException as exc:  # noqa: BLE001 - the caller sees it from wait()
+                    error = exc
+            work._finish(tensors, error)
+
+        self._p2p.mailbox.post(src, tag, deliver)
+        return work
+
     # ---- everything else: named, not silently wrong ----
 
     def _unsupported(name: str) -> Callable[..., Any]:  # type: ignore[misc]
@@ -817,7 +1063,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         method.__doc__ = f"Not implemented: raises NotImplementedError ({name})."
         return method
 
-    for _name in ("send", "recv", "recv_anysource", "monitored_barrier"):
+    for _name in ("monitored_barrier",):
         locals()[_name] = _unsupported(_name)
     del _name, _unsupported
 

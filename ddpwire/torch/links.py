@@ -37,7 +37,7 @@ from ..channel import Heartbeats
 from ..errors import DdpwireError
 from ..extensions import Codec, ReduceOp
 
-__all__ = ["PORTS_ENV", "RankLinks", "form_links"]
+__all__ = ["PORTS_ENV", "RankLinks", "form_links", "open_channels"]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,26 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
     if world < 2:
         return None
     fractions = _plan.check_fractions(fractions, world)
+    links = open_channels(client, rank, world, listen_host=listen_host, advertise=advertise,
+                          timeout=timeout, ports=ports, max_frame=max_frame)
+    if links is None:
+        return None
+    log.info("rank %d: direct links to the %d other ranks carry the large allreduces",
+             rank, world - 1)
+    return RankLinks(links, rank, timeout, fractions, heartbeat=heartbeat, silence=silence)
+
+
+def open_channels(client: object, rank: int, world: int, *, listen_host: str, advertise: str,
+                  timeout: float, ports: Optional[Tuple[int, int]] = None,
+                  max_frame: int = 1 << 30, what: str = "allreduces") -> Optional[list]:
+    """One authenticated channel from this rank to every other (None at
+    this rank's index), or None on every rank alike when some rank could
+    not open all of them (the reason logged). Three collectives through
+    ``client``, which every rank runs in the same order: rank 0's fresh key
+    (broadcast), every rank's listening address (allgather), every rank's
+    verdict (allgather). ``what`` names their traffic in the log."""
+    if world < 2:
+        return None
     link_timeout = min(timeout, LINK_TIMEOUT)
     listener: Optional[socket.socket] = None
     links: Optional[list] = None
@@ -238,15 +258,13 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
     verdicts = client.call(Kind.ALLGATHER, DType.UINT8, 0,  # type: ignore[attr-defined]
                            np.array([links is not None], dtype=np.uint8), timeout)
     if links is not None and verdicts.all():
-        log.info("rank %d: direct links to the %d other ranks carry the large allreduces",
-                 rank, world - 1)
-        return RankLinks(links, rank, timeout, fractions, heartbeat=heartbeat, silence=silence)
+        return links
     if links is not None:
         for chan in links:
             if chan is not None:
                 chan.close()
     failed = [r for r in range(world) if not verdicts[r]]
-    log.warning("rank %d: the allreduces go through rank 0 (the links did not open%s%s)", rank,
+    log.warning("rank %d: the %s go through rank 0 (the links did not open%s%s)", rank, what,
                 f" on rank {', '.join(map(str, failed))}" if failed else "",
                 f": {why}" if why else "")
     return None
