@@ -4,46 +4,22 @@ tests/test_torch_composed.py.
 
     python tests/composed_script.py OUT
 
-RANK, WORLD_SIZE and DDP_INIT (two comma-separated init_methods, gloo's
-then ddpwire's) come from the environment. For each backend it runs every
+Its environment is tests/side_by_side.py's. For each backend it runs every
 case on the same inputs and saves what it got to OUT.<backend>.rank<r>.pt:
 the tensors, whether an async work's future held the outputs, and the type
 and text of each error. ddpwire then fails its group on purpose (ranks
 that disagree) to show what a failed composed op leaves behind.
 """
-import faulthandler
-import os
-import signal
-import sys
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, GatherOptions,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-import ddpwire.torch  # noqa: F401  (registers "ddpwire")
+from side_by_side import KEEP as _KEEP, DTYPES_NAMES, data, each_backend
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-faulthandler.enable()
-
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-          torch.uint8, torch.int8, torch.bool]
+DTYPES = [getattr(torch, name) for name in DTYPES_NAMES]
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
        "product": dist.ReduceOp.PRODUCT}
-# torch 2.13's gloo can deadlock when a group of its is freed (tests/ddp_script.py):
-# nothing that holds one is, and the process ends with os._exit
-_KEEP = []
-
-
-def data(dtype, shape, seed):
-    """The same values on both backends: small, so a product stays exact."""
-    gen = torch.Generator().manual_seed(seed)
-    if dtype is torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) * 2).to(dtype)
-    return torch.randint(-3, 4, shape, generator=gen).to(dtype)
 
 
 def holds(value, expected):
@@ -306,24 +282,12 @@ def ddpwire_only(rank, world):
     return got
 
 
-def main():
-    out = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    for index, backend in enumerate(["gloo", "ddpwire"]):
-        # one rendezvous per backend: gloo cannot meet twice on one store in one process
-        dist.init_process_group(backend, init_method=os.environ["DDP_INIT"].split(",")[index],
-                                rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        results = {"cases": run_cases(rank, world), "errors": argument_errors(rank, world)}
-        if backend == "ddpwire":
-            results["ddpwire"] = ddpwire_only(rank, world)
-        torch.save(results, f"{out}.{backend}.rank{rank}.pt")
-        if backend == "gloo":
-            _KEEP.append(dist.group.WORLD)
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def run(backend, rank, world):
+    results = {"cases": run_cases(rank, world), "errors": argument_errors(rank, world)}
+    if backend == "ddpwire":
+        results["ddpwire"] = ddpwire_only(rank, world)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    each_backend(run)

@@ -3,23 +3,16 @@ one process, for tests/test_torch_eval.py.
 
     python tests/eval_script.py OUT
 
-RANK, WORLD_SIZE and DDP_INIT (two comma-separated init_methods, gloo's
-then ddpwire's) come from the environment. Each rank evaluates its shard
+Its environment is tests/side_by_side.py's. Each rank evaluates its shard
 of a fixed dataset with a small fixed-seed model (predictions and
 per-sample losses); rank 0 gathers the predictions and losses
 (dist.gather), every rank's metrics dict (dist.gather_object) and the
 correct count (dist.reduce, int64 SUM), and every rank gathers a summary
-of each rank (dist.all_gather_object). Rank 0 saves what it got for each
-backend to OUT.<backend>.pt, with an evaluation of the whole dataset in
-this process to check the gathered one against; every rank saves what
-all_gather_object gave it to OUT.<backend>.rank<r>.pt.
+of each rank (dist.all_gather_object). Each rank saves to
+OUT.<backend>.rank<r>.pt what all_gather_object gave it ("mine") and, on
+rank 0, what it gathered ("at root"), with an evaluation of the whole
+dataset in this process to check the gathered one against.
 """
-import faulthandler
-import os
-import signal
-import sys
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,17 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-import ddpwire.torch
-
-ddpwire.torch.register()  # "ddpwire" (import torch may have already)
-
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-faulthandler.enable()
+from side_by_side import each_backend
 
 SAMPLES, FEATURES, CLASSES, BATCH = 50, 8, 4, 8
-# torch 2.13's gloo can deadlock when a group of its is freed (tests/ddp_script.py):
-# nothing that holds one is, and the process ends with os._exit
-_KEEP = []
 
 
 def dataset():
@@ -98,23 +83,10 @@ def run(rank, world):
                       "labels": data.tensors[1]}}, mine
 
 
-def main():
-    out = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    for index, backend in enumerate(["gloo", "ddpwire"]):
-        # one rendezvous per backend: gloo cannot meet twice on one store in one process
-        dist.init_process_group(backend, init_method=os.environ["DDP_INIT"].split(",")[index],
-                                rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        at_root, mine = run(rank, world)
-        if at_root is not None:
-            torch.save(at_root, f"{out}.{backend}.pt")
-        torch.save(mine, f"{out}.{backend}.rank{rank}.pt")
-        _KEEP.append(dist.group.WORLD)
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def run_both(backend, rank, world):
+    at_root, mine = run(rank, world)
+    return {"at root": at_root, "mine": mine}
 
 
 if __name__ == "__main__":
-    main()
+    each_backend(run_both)

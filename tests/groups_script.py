@@ -4,36 +4,23 @@ gloo and on ddpwire in one process, for tests/test_torch_groups.py.
 
     python tests/groups_script.py OUT
 
-RANK, WORLD_SIZE (3) and DDP_INIT (two comma-separated init_methods, gloo's
-then ddpwire's) come from the environment. For each backend it saves to
+Its environment is tests/side_by_side.py's, with 3 ranks. For each backend it saves to
 OUT.<backend>.rank<r>.pt the groups' names, what torch's lookups by name
 gave, and the results of collectives of several groups issued interleaved
 on the same inputs; ddpwire then destroys the subgroups one at a time,
 showing the others still answer and the destroyed ones refuse.
 """
-import faulthandler
 import os
-import signal
-import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._C._distributed_c10d import _resolve_process_group
 
-import ddpwire.torch
-
-ddpwire.torch.register()  # "ddpwire" (import torch may have already)
-
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-faulthandler.enable()
+from side_by_side import KEEP as _KEEP, each_backend
 
 #: the subgroups every rank creates, in this order: (name in the results, ranks, sorted)
 SUBGROUPS = [("a", [2, 0], True), ("b", [0, 1], True), ("c", [1, 2], True), ("d", [2, 0], False)]
-# torch 2.13's gloo can deadlock when a group of its is freed (tests/ddp_script.py):
-# nothing that holds one is, and the process ends with os._exit
-_KEEP = []
 
 
 def failed(exc):
@@ -175,22 +162,5 @@ def destroy_one_by_one(rank, world_pg, groups):
     return got
 
 
-def main():
-    out = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    for index, backend in enumerate(["gloo", "ddpwire"]):
-        # one rendezvous per backend: gloo cannot meet twice on one store in one process
-        dist.init_process_group(backend, init_method=os.environ["DDP_INIT"].split(",")[index],
-                                rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        results = run(backend, rank, world)
-        torch.save(results, f"{out}.{backend}.rank{rank}.pt")
-        if backend == "gloo":
-            _KEEP.append(dist.group.WORLD)
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    each_backend(run)

@@ -4,8 +4,7 @@ tests/test_torch_p2p.py.
 
     python tests/p2p_script.py OUT
 
-RANK, WORLD_SIZE and DDP_INIT (two comma-separated init_methods, gloo's
-then ddpwire's) come from the environment. For each backend it runs every
+Its environment is tests/side_by_side.py's. For each backend it runs every
 case on the same inputs and saves what it got to OUT.<backend>.rank<r>.pt,
 then on ddpwire alone what gloo cannot show (typed errors, the route).
 
@@ -15,9 +14,7 @@ ddpwire only: one rank (P2P_DYING, default the last) exits without a word
 while the others wait to receive from it; each saves the error its
 receive ended with.
 """
-import faulthandler
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -25,25 +22,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import ddpwire.torch  # noqa: F401 - registers "ddpwire"
+from side_by_side import KEEP as _KEEP, DTYPES_NAMES, each_backend, prepare
+from side_by_side import data as _small
 
-faulthandler.register(signal.SIGUSR1, all_threads=True)
-faulthandler.enable()
-
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-          torch.uint8, torch.int8, torch.bool]
-# torch 2.13's gloo can deadlock when a group of its is freed (tests/ddp_script.py):
-# nothing that holds one is, and the process ends with os._exit
-_KEEP = []
+DTYPES = [getattr(torch, name) for name in DTYPES_NAMES]
 
 
 def data(dtype, shape, seed):
-    gen = torch.Generator().manual_seed(seed)
-    if dtype is torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=gen) * 2).to(dtype)
-    return torch.randint(-100, 100, shape, generator=gen).to(dtype)
+    return _small(dtype, shape, seed, spread=100)
 
 
 def failed(exc):
@@ -303,28 +289,15 @@ def death(out, rank, world):
     os._exit(0)
 
 
-def main():
-    out = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if sys.argv[2:] == ["death"]:
-        death(out, rank, world)
-    for index, backend in enumerate(["gloo", "ddpwire"]):
-        # one rendezvous per backend: gloo cannot meet twice on one store in one process
-        dist.init_process_group(backend, init_method=os.environ["DDP_INIT"].split(",")[index],
-                                rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        results = {"cases": run_cases(rank, world)}
-        if backend == "ddpwire":
-            results["ddpwire"] = ddpwire_only(rank, world)
-        torch.save(results, f"{out}.{backend}.rank{rank}.pt")
-        if backend == "gloo":
-            _KEEP.append(dist.group.WORLD)
-            dist.destroy_process_group()
-        else:
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def run(backend, rank, world):
+    results = {"cases": run_cases(rank, world)}
+    if backend == "ddpwire":
+        results["ddpwire"] = ddpwire_only(rank, world)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[2:] == ["death"]:
+        prepare()
+        death(sys.argv[1], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    each_backend(run)

@@ -2,7 +2,8 @@
 gather, scatter, all-to-all, the coalesced forms) against gloo's, in real
 processes.
 
-Three ranks of tests/composed_script.py run once for the whole module:
+The ranks of tests/composed_script.py run once per path (3 in shared
+memory, 2 on the rank links):
 every case on gloo, then on ddpwire, on the same inputs, sync and async;
 each test compares one family of what they saved.
 """
@@ -10,36 +11,27 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_backend import ROOT, finish  # noqa: E402
+from side_by_side import ROOT, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = ROOT / "tests" / "composed_script.py"
-WORLD = 3
 #: dtypes every byte-copy op and every reduction is compared on, at least
 REQUIRED = ("torch.float32", "torch.float64", "torch.int64", "torch.int8")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{backend: [each rank's results]} of one run of the script's ranks."""
-    import os
-    import subprocess
-    import sys
+@pytest.fixture(scope="module", params=["3 ranks, shared memory", "2 ranks, links"])
+def runs(request, tmp_path_factory):
+    """{backend: [each rank's results]} of one run of the script's ranks:
+    3 in shared memory (the default on one host), and 2 on the rank links
+    (DDPWIRE_SHM=0, the path across hosts)."""
+    world, env = {"3 ranks, shared memory": (3, {}),
+                  "2 ranks, links": (2, {"DDPWIRE_SHM": "0"})}[request.param]
+    return run_ranks(SCRIPT, tmp_path_factory.mktemp("composed"), world, env)
 
-    tmp = tmp_path_factory.mktemp("composed")
-    out = tmp / "run"
-    init = f"file://{tmp}/store.gloo,file://{tmp}/store.ddpwire"
-    procs = [subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(out)],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r), WORLD_SIZE=str(WORLD),
-                 OMP_NUM_THREADS="1", DDP_INIT=init),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    codes, outputs = finish(procs)
-    assert codes == [0] * WORLD, "\n".join(outputs)
-    return {backend: [torch.load(f"{out}.{backend}.rank{r}.pt", weights_only=False)
-                      for r in range(WORLD)]
-            for backend in ("gloo", "ddpwire")}
+
+def _world(runs):
+    return len(runs["gloo"])
 
 
 def _is_error(value):
@@ -70,7 +62,7 @@ def _compare(runs, kinds, exact):
     """Compare ddpwire's outputs with gloo's for every case of ``kinds`` on
     every rank; returns the (kind, dtype) pairs gloo answered."""
     compared = set()
-    for rank in range(WORLD):
+    for rank in range(_world(runs)):
         gloo, wire = runs["gloo"][rank]["cases"], runs["ddpwire"][rank]["cases"]
         for key, theirs in gloo.items():
             if key[0] not in kinds:
@@ -96,7 +88,7 @@ def _float_sum_or_product(key):
 
 def test_reduce_matches_gloo_on_the_root_and_leaves_the_other_ranks_alone(runs):
     compared = set()
-    for rank in range(WORLD):
+    for rank in range(_world(runs)):
         gloo, wire = runs["gloo"][rank]["cases"], runs["ddpwire"][rank]["cases"]
         for key, theirs in gloo.items():
             if key[0] != "reduce":
@@ -140,7 +132,7 @@ def test_async_works_complete_with_their_outputs_in_the_future(runs):
     # the outputs themselves, as gloo's reduce, gather, scatter and
     # all-to-all give (its coalesced ops give copies, or no future at all)
     checked = set()
-    for rank in range(WORLD):
+    for rank in range(_world(runs)):
         for key, ours in runs["ddpwire"][rank]["cases"].items():
             if ours.get("future") is not None:
                 assert ours["future"] is True, (key, rank)
@@ -153,36 +145,41 @@ def test_async_works_complete_with_their_outputs_in_the_future(runs):
 
 
 def test_bad_arguments_are_value_errors_naming_the_op_and_leave_the_group_usable(runs):
-    for rank in range(WORLD):
+    for rank in range(_world(runs)):
         gloo, wire = runs["gloo"][rank]["errors"], runs["ddpwire"][rank]["errors"]
         for case, theirs in gloo.items():
             ours = wire[case]
             if case == "the group still answers":
-                assert ours.tolist() == theirs.tolist() == [float(sum(range(WORLD)))]
+                assert ours.tolist() == theirs.tolist() == [float(sum(range(_world(runs))))]
                 continue
-            assert _is_error(theirs), (case, theirs)  # gloo refuses it as well
+            if not _is_error(theirs):
+                # gloo (torch 2.13) on 2 ranks takes rows that do not divide and
+                # returns whatever its buffers held: refused here all the same
+                assert case == "all_to_all_single rows do not divide", (case, theirs)
             assert ours[:2] == ("error", "ValueError"), (case, ours)
             op = case.split()[0]
             op = {"all_to_all": "alltoall"}.get(op, op)  # the process group's name for it
             assert ours[2].startswith(f"ddpwire {op}: "), (case, ours)
+    world = _world(runs)
     assert runs["ddpwire"][0]["errors"]["gather output list too short"][2] == (
-        "ddpwire gather: 3 outputs needed, got 2")
+        f"ddpwire gather: {world} outputs needed, got {world - 1}")
     assert runs["ddpwire"][0]["errors"]["all_to_all_single splits do not add up"][2] == (
-        "ddpwire all_to_all_single: input_split_sizes [1, 1, 1] add up to 3, the input has 6 rows")
+        f"ddpwire all_to_all_single: input_split_sizes {[1] * world} add up to {world}, "
+        f"the input has 6 rows")
 
 
 def test_split_sizes_that_disagree_are_refused_on_every_rank_alike(runs):
     # gloo would hang there; every ddpwire rank sees the same table of counts
-    for rank in range(WORLD):
+    for rank in range(_world(runs)):
         got = runs["ddpwire"][rank]["ddpwire"]
         assert got["split sizes disagree"] == (
             "error", "ValueError",
             "ddpwire all_to_all_single: rank 0 sends 1 elements to rank 1, which expects 2 from it")
-        assert got["the group still answers"].tolist() == [float(sum(range(WORLD)))]
+        assert got["the group still answers"].tolist() == [float(sum(range(_world(runs))))]
 
 
 def test_a_failed_op_fails_wait_and_leaves_its_outputs_unchanged(runs):
-    for rank in range(WORLD):
+    for rank in range(_world(runs)):
         got = runs["ddpwire"][rank]["ddpwire"]
         kind, name, text = got["failed reduce"]
         assert (kind, name) == ("error", "CollectiveAborted") and "disagrees" in text, text
@@ -197,7 +194,7 @@ def test_a_failed_op_fails_wait_and_leaves_its_outputs_unchanged(runs):
 
 def test_monitored_barrier_stays_unsupported_and_point_to_point_refuses_self(runs):
     # point to point itself: tests/test_torch_p2p.py
-    for rank in range(WORLD):
+    for rank in range(_world(runs)):
         got = runs["ddpwire"][rank]["ddpwire"]
         assert got["monitored_barrier"] == ("error", "NotImplementedError",
                                             "the ddpwire backend does not implement "

@@ -7,15 +7,11 @@ the default on one host; and DDPWIRE_SHM=0, the rank links): gloo first,
 then ddpwire, on the same inputs; each test compares one part of what
 they saved.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_backend import ROOT, finish  # noqa: E402
+from side_by_side import ROOT, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -28,20 +24,9 @@ SUBGROUPS = {"a": [0, 2], "b": [0, 1], "c": [1, 2], "d": [2, 0]}
 @pytest.fixture(scope="module", params=["shm", "links"])
 def runs(request, tmp_path_factory):
     """(path, {backend: [each rank's results]}) of one run of the script's ranks."""
-    tmp = tmp_path_factory.mktemp(f"groups-{request.param}")
-    out = tmp / "run"
-    init = f"file://{tmp}/store.gloo,file://{tmp}/store.ddpwire"
     extra = {"DDPWIRE_SHM": "0"} if request.param == "links" else {}
-    procs = [subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(out)],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r), WORLD_SIZE=str(WORLD),
-                 OMP_NUM_THREADS="1", DDP_INIT=init, **extra),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    codes, outputs = finish(procs)
-    assert codes == [0] * WORLD, "\n".join(outputs)
-    return request.param, {backend: [torch.load(f"{out}.{backend}.rank{r}.pt", weights_only=False)
-                                     for r in range(WORLD)]
-                           for backend in ("gloo", "ddpwire")}
+    tmp = tmp_path_factory.mktemp(f"groups-{request.param}")
+    return request.param, run_ranks(SCRIPT, tmp, WORLD, extra)
 
 
 def _equal(ours, theirs, where):

@@ -7,15 +7,13 @@ ranks, with shared memory on (point to point through the service on rank
 0) and off (direct links between the ranks); every result must be gloo's,
 bit for bit, a two-stage pipeline's trained weights included.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_torch_backend import ROOT, finish  # noqa: E402
+from side_by_side import (DTYPES_NAMES, ROOT, data, identical as _same, run_ranks,  # noqa: E402
+                          start_ranks)
+from test_torch_backend import finish  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -25,51 +23,11 @@ CONFIGS = {"2 ranks, service": (2, {}), "3 ranks, service": (3, {}),
 REQUIRED = ("torch.float32", "torch.float64", "torch.int64", "torch.int8", "torch.bool")
 
 
-def _launch(tmp, world, env, *args):
-    init = f"file://{tmp}/store.gloo,file://{tmp}/store.ddpwire"
-    base = {k: v for k, v in os.environ.items() if k != "DDPWIRE_SHM"}
-    procs = [subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(tmp / "run"), *args],
-        env=dict(base, PYTHONPATH=str(ROOT), RANK=str(r), WORLD_SIZE=str(world),
-                 OMP_NUM_THREADS="1", DDP_INIT=init, **env),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    return finish(procs)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def runs(request, tmp_path_factory):
     """(world, shared memory off, {backend: [each rank's results]})."""
     world, env = CONFIGS[request.param]
-    tmp = tmp_path_factory.mktemp("p2p")
-    codes, outputs = _launch(tmp, world, env)
-    assert codes == [0] * world, "\n".join(outputs)
-    got = {backend: [torch.load(tmp / f"run.{backend}.rank{r}.pt", weights_only=False)
-                     for r in range(world)]
-           for backend in ("gloo", "ddpwire")}
-    return world, bool(env), got
-
-
-def _same(ours, theirs, where):
-    """Equal bit for bit: tensors (dtype, shape, bits), lists, dicts, values."""
-    if isinstance(theirs, dict):
-        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), (where, ours, theirs)
-        for k in theirs:
-            _same(ours[k], theirs[k], (where, k))
-    elif isinstance(theirs, (list, tuple)):
-        assert isinstance(ours, (list, tuple)) and len(ours) == len(theirs), (where, ours, theirs)
-        for k, (a, b) in enumerate(zip(ours, theirs)):
-            _same(a, b, (where, k))
-    elif isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torch.Tensor), (where, ours)
-        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (where, ours, theirs)
-        assert torch.equal(_bits(ours), _bits(theirs)), (where, ours, theirs)
-    else:
-        assert ours == theirs, (where, ours, theirs)
-
-
-def _bits(t):
-    """A tensor's bytes (a NaN equals itself; -0.0 differs from 0.0)."""
-    return t.reshape(-1).contiguous().view(torch.uint8) if t.dtype.is_floating_point else t
+    return world, bool(env), run_ranks(SCRIPT, tmp_path_factory.mktemp("p2p"), world, env)
 
 
 def _case(runs, name):
@@ -84,14 +42,8 @@ def test_every_dtype_travels_round_the_ring_as_on_gloo(runs):
         _same(ours, theirs, rank)
         # and it is the previous rank's tensor, not zeros that happen to agree
         prv = (rank - 1) % world
-        k = [str(d) for d in _dtypes()].index("torch.int64")
-        gen = torch.Generator().manual_seed(100 * prv + k)
-        assert torch.equal(ours["torch.int64"], torch.randint(-100, 100, (3, 5), generator=gen))
-
-
-def _dtypes():
-    return [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-            torch.uint8, torch.int8, torch.bool]
+        k = DTYPES_NAMES.index("int64")
+        assert torch.equal(ours["torch.int64"], data(torch.int64, (3, 5), 100 * prv + k, spread=100))
 
 
 def test_tags_match_exactly_and_one_tag_keeps_the_send_order(runs):
@@ -188,7 +140,8 @@ def test_a_receive_not_done_in_time_says_timed_out(runs):
 @pytest.mark.parametrize("world, dying", [(3, 2), (2, 0)], ids=["rank 2 of 3", "rank 0 of 2"])
 @pytest.mark.parametrize("env", [{}, {"DDPWIRE_SHM": "0"}], ids=["service", "links"])
 def test_a_rank_that_dies_fails_the_receives_waiting_for_it(tmp_path, env, world, dying):
-    codes, outputs = _launch(tmp_path, world, dict(env, P2P_DYING=str(dying)), "death")
+    codes, outputs = finish(start_ranks(SCRIPT, tmp_path, world, dict(env, P2P_DYING=str(dying)),
+                                        ["death"]))
     assert codes == [3 if r == dying else 0 for r in range(world)], "\n".join(outputs)
     for rank in range(world):
         if rank == dying:
