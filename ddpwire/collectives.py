@@ -34,6 +34,7 @@ __all__ = [
     "Kind",
     "Op",
     "DType",
+    "DEPARTED_TAG",
     "NO_RANK",
     "NUMPY_DTYPES",
     "CollectiveAborted",
@@ -41,6 +42,8 @@ __all__ = [
     "CollectiveClient",
     "combine",
     "local_link",
+    "relayed_seq",
+    "split_relayed_seq",
 ]
 
 log = logging.getLogger(__name__)
@@ -218,6 +221,21 @@ def disagreement(requests: Sequence[Any]) -> Optional[Tuple[int, str]]:
 _WORKER_PREFIX = re.compile(r"worker \d+ (?:\((?P<name>[^)]*)\) )?")
 
 
+#: the tag of the service's notice that a rank has left (no real tag has it)
+DEPARTED_TAG = 0xFFFFFFFF
+
+
+def relayed_seq(src: int, tag: int) -> int:
+    """The ``seq`` of a relayed SEND (point to point, ddpwire/p2p.py): the
+    source rank in the high 32 bits, the tag in the low 32."""
+    return (src << 32) | (tag & 0xFFFFFFFF)
+
+
+def split_relayed_seq(seq: int) -> Tuple[int, int]:
+    """(source rank, tag) of a relayed SEND's ``seq``."""
+    return seq >> 32, seq & 0xFFFFFFFF
+
+
 def rank_gone(rank: int, exc: BaseException) -> str:
     """Why ``rank`` failed the group, in ranks alone: the rank, its node
     where the error names it, and how it was lost (without how far into a
@@ -299,7 +317,7 @@ class CollectiveService:
 
     def _relay(self, src: int, req: Any) -> bool:
         """Pass rank ``src``'s SEND on to its destination (``root``) as a
-        CollectiveResult whose ``seq`` is ``src << 32 | tag``. A
+        CollectiveResult whose ``seq`` is :func:`relayed_seq`. A
         destination that is not another rank of the group, or a tag past
         31 bits, fails the group naming ``src``; False then."""
         dst, tag = req.root, req.seq
@@ -321,7 +339,7 @@ class CollectiveService:
             if self._lost[dst] is not None or self._stopping or self.failure is not None:
                 return True  # nobody to hand it to: its receives fail when it leaves
         try:
-            self._channels[dst].send(CollectiveResult(seq=(src << 32) | tag, kind=int(Kind.SEND),
+            self._channels[dst].send(CollectiveResult(seq=relayed_seq(src, tag), kind=int(Kind.SEND),
                                                       dtype=req.dtype, count=req.count,
                                                       data=req.data))
         except (DdpwireError, OSError) as exc:
@@ -332,14 +350,14 @@ class CollectiveService:
     def _departed(self, rank: int) -> None:
         """Tell every other rank still here that ``rank`` has left, after its
         last message: its point-to-point receives cannot complete (a relayed
-        SEND of no bytes with tag 0xFFFFFFFF)."""
+        SEND of no bytes with tag :data:`DEPARTED_TAG`)."""
         with self._cond:
             if self._stopping or self.failure is not None:
                 return
             # rank 0 last, as with answers: it shares a process with the service
             others = [r for r in list(range(1, self.world)) + [0]
                       if r != rank and self._lost[r] is None]
-        notice = CollectiveResult(seq=(rank << 32) | 0xFFFFFFFF, kind=int(Kind.SEND),
+        notice = CollectiveResult(seq=relayed_seq(rank, DEPARTED_TAG), kind=int(Kind.SEND),
                                   dtype=int(DType.UINT8), count=0, data=np.empty(0, dtype=np.uint8))
         for r in others:
             try:
@@ -572,7 +590,7 @@ class CollectiveClient:
 
     def set_on_message(self, hook: Callable[[int, int, np.ndarray], None]) -> None:
         """Hand each point-to-point message the service relays to
-        ``hook(seq, dtype, data)`` (seq = source rank << 32 | tag;
+        ``hook(seq, dtype, data)`` (seq: :func:`relayed_seq`;
         :mod:`ddpwire.p2p`), first those that came before this call, on
         this thread, then the rest from the receiving thread, in order."""
         while True:

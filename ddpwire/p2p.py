@@ -33,13 +33,13 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .collectives import NUMPY_DTYPES, CollectiveAborted, DType, Kind, Op
+from .collectives import (DEPARTED_TAG, NUMPY_DTYPES, CollectiveAborted, DType, Kind, Op,
+                          split_relayed_seq)
 from .errors import DdpwireError
 from .messages import CollectiveRequest
 
 __all__ = [
     "ANY_SOURCE",
-    "DEPARTED_TAG",
     "MAX_HELD_ENV",
     "MAX_MESSAGE_BYTES",
     "Message",
@@ -53,8 +53,6 @@ __all__ = [
     "check_size",
     "check_tag",
     "form_peer_links",
-    "relayed_seq",
-    "split_relayed_seq",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,8 +61,6 @@ log = logging.getLogger(__name__)
 ANY_SOURCE: Optional[int] = None
 #: the largest tag (tags are 32-bit, non-negative as gloo requires)
 MAX_TAG = (1 << 31) - 1
-#: the tag of the service's notice that a rank has left (no real tag has it)
-DEPARTED_TAG = 0xFFFFFFFF
 #: the largest message: one frame (the links' and the service's frame limit
 #: is 1 GiB), less room for its head
 MAX_MESSAGE_BYTES = (1 << 30) - 4096
@@ -118,17 +114,6 @@ def check_tag(tag: int, what: str) -> int:
     if not 0 <= tag <= MAX_TAG:
         raise ValueError(f"ddpwire {what}: tag {tag} is not in 0..{MAX_TAG}")
     return tag
-
-
-def relayed_seq(src: int, tag: int) -> int:
-    """The ``seq`` of a relayed SEND: the source rank in the high 32 bits,
-    the tag in the low 32."""
-    return (src << 32) | (tag & 0xFFFFFFFF)
-
-
-def split_relayed_seq(seq: int) -> Tuple[int, int]:
-    """(source rank, tag) of a relayed SEND's ``seq``."""
-    return seq >> 32, seq & 0xFFFFFFFF
 
 
 # ---- the mailbox ----

@@ -11,9 +11,10 @@ import pytest
 from ddpwire.channel import Channel
 from ddpwire.collectives import CollectiveAborted, DType, Kind, Op
 from ddpwire.errors import WorkerLost
-from ddpwire.p2p import (DEPARTED_TAG, Mailbox, Message, PeerLinks, PointToPointError,
+from ddpwire.collectives import DEPARTED_TAG, relayed_seq, split_relayed_seq
+from ddpwire.p2p import (Mailbox, Message, PeerLinks, PointToPointError,
                          PointToPointMismatch, PointToPointOverflow, PointToPointTimeout,
-                         ServiceRoute, check_tag, relayed_seq, split_relayed_seq)
+                         ServiceRoute, check_tag)
 from ddpwire.messages import CollectiveRequest
 
 from test_collectives import group, run
