@@ -59,13 +59,18 @@ ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 3  # run_test.py's world size for gloo on a machine without 2 GPUs
 #: set in the process that runs one test (and so in its spawned ranks)
 CHILD_ENV = "DDPWIRE_TORCH_SUITE_CHILD"
+#: set (to "1") for --gated-as-gloo, in the children too
+GATED_ENV = "DDPWIRE_TORCH_SUITE_GATED_AS_GLOO"
 RESULT_MARK = "TORCH_SUITE_RESULT "
 TAIL_LINES = 20
 
 
-def load_case(backend: str) -> type:
-    """torch's TestDistBackendWithSpawn (test_distributed_spawn.py) on ``backend``."""
-    os.environ["BACKEND"] = backend
+def load_case(backend: str, gated_as_gloo: bool = False) -> type:
+    """torch's TestDistBackendWithSpawn (test_distributed_spawn.py) on
+    ``backend``; with ``gated_as_gloo`` the base is imported as for gloo
+    (its skips are gloo's, those that name gloo included) and then runs on
+    ``backend``, the test bodies seeing ``backend``'s name."""
+    os.environ["BACKEND"] = "gloo" if gated_as_gloo else backend
     os.environ.setdefault("WORLD_SIZE", str(WORLD_SIZE))
     if backend == "ddpwire":
         import ddpwire.torch  # noqa: F401  (registers the backend)
@@ -77,8 +82,11 @@ def load_case(backend: str) -> type:
                 backends.add(backend)
     if backend != "gloo":  # a backend registered by a package, not built into torch
         DistTestCases.backend_feature["plugin"].add(backend)
+    from torch.testing._internal.distributed import distributed_test
     from torch.testing._internal.distributed.distributed_test import (
         DistributedTest, TestDistBackend)
+    if gated_as_gloo:
+        os.environ["BACKEND"] = distributed_test.BACKEND = backend
 
     class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         def setUp(self) -> None:
@@ -91,7 +99,7 @@ def load_case(backend: str) -> type:
 
 
 if os.environ.get(CHILD_ENV):
-    TestDistBackendWithSpawn = load_case(os.environ["BACKEND"])
+    TestDistBackendWithSpawn = load_case(os.environ["BACKEND"], bool(os.environ.get(GATED_ENV)))
 
 
 def tail(text: str, lines: int = TAIL_LINES) -> str:
@@ -220,6 +228,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--tests-from", metavar="JSON",
                    help="run the tests gloo ran (not skipped) in this earlier result file")
     p.add_argument("-k", dest="keyword", help="only tests whose name contains this")
+    p.add_argument("--gated-as-gloo", action="store_true",
+                   help="skip what the base skips for gloo, run on --backend (kept in the "
+                        "result file as '<backend> gated as gloo')")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per test")
     p.add_argument("-j", "--jobs", type=int, default=1, help="tests run at the same time")
     p.add_argument("--out", type=Path, help="result file (default torch-suite-<commit>.json)")
@@ -232,12 +243,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.one:
         run_one(args.one)
         return
-    case = load_case(args.backend)
+    if args.gated_as_gloo:
+        os.environ[GATED_ENV] = "1"  # the children import the base as this process does
+    case = load_case(args.backend, args.gated_as_gloo)
     names = selected_tests(case, args.tests_from, args.keyword)
     run = run_suite(args.backend, case, names, args.timeout, args.jobs)
     out = args.out or ROOT / "bench" / "results" / f"torch-suite-{run['commit']}.json"
-    write(out, args.backend, run, args.tests_from)
-    print(f"{args.backend}: {run['counts']} in {run['elapsed_s']} s -> {out}")
+    key = f"{args.backend} gated as gloo" if args.gated_as_gloo else args.backend
+    write(out, key, run, args.tests_from)
+    print(f"{key}: {run['counts']} in {run['elapsed_s']} s -> {out}")
 
 
 if __name__ == "__main__":
