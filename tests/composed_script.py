@@ -74,6 +74,18 @@ def run_cases(rank, world):
                 return {"out": ts, "future": holds(fut.wait(), ts) if asynchronous else None}
             case(("allreduce_coalesced", name, op_name), allreduce_coalesced)
 
+        for shape_name, dense in (("1-d", ()), ("hybrid", (2,))):
+            def sparse_sum(dense=dense):
+                # index 2 twice (not coalesced), the ranks overlapping, the last none
+                count = 0 if rank == world - 1 else 3
+                indices = torch.tensor([[rank, 2, 2][:count]], dtype=torch.int64)
+                t = torch.sparse_coo_tensor(indices, data(dtype, (count, *dense), seed + 77),
+                                            (5, *dense))
+                dist.all_reduce(t)
+                t = t.coalesce()
+                return {"out": [t.indices(), t.values()]}
+            case((f"sparse allreduce {shape_name}", name, "sum"), sparse_sum)
+
         asynchronous = bool(i % 2)
 
         def gather(dst=i % world):

@@ -297,22 +297,30 @@ t = torch.tensor([-3, 7, 127], dtype=torch.int8)
 dist.broadcast(t, src=0)
 dist.all_reduce(t, op=dist.ReduceOp.MAX)
 print("int8", t.tolist())
-sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
-try:
-    dist.all_reduce(sparse)
-except NotImplementedError as exc:
-    print("sparse:", exc)
+sparse = torch.sparse_coo_tensor([[2, 0, 2]], [1.0, 2.0, 4.0], (4,))
+dist.all_reduce(sparse)
+print("sparse sum", sparse.is_coalesced(), sparse.to_dense().tolist())
+for name, call in (("broadcast", lambda: dist.broadcast(sparse, src=0)),
+                   ("max", lambda: dist.all_reduce(sparse, op=dist.ReduceOp.MAX))):
+    try:
+        call()
+    except NotImplementedError as exc:
+        print(f"sparse {name}:", exc)
 dist.destroy_process_group()
 """
 
 
-def test_int8_travels_and_a_sparse_tensor_is_refused_by_name():
+def test_int8_travels_and_a_sparse_tensor_is_summed_and_refused_elsewhere_by_name():
     proc = subprocess.run([sys.executable, "-c", ONE_RANK, str(free_ports(1)[0])],
                           capture_output=True, text=True, timeout=LIMIT)
     assert proc.returncode == 0, proc.stderr
     assert "int8 [-3, 7, 127]" in proc.stdout
-    assert ("sparse: ddpwire allreduce: torch.sparse_coo tensors are not supported (dense only): "
-            "pass t.to_dense(), or use gloo for sparse gradients") in proc.stdout, proc.stdout
+    # one rank: the sum is the tensor itself, coalesced (duplicate indices added)
+    assert "sparse sum True [2.0, 0.0, 5.0, 0.0]" in proc.stdout, proc.stdout
+    assert ("sparse broadcast: ddpwire broadcast: torch.sparse_coo tensors are not supported "
+            "(dense, and sparse COO in allreduce SUM): pass t.to_dense()") in proc.stdout, proc.stdout
+    assert ("sparse max: ddpwire allreduce: a sparse tensor is summed only (ReduceOp.SUM), "
+            "as on gloo") in proc.stdout, proc.stdout
 
 
 def test_a_groups_failure_is_raised_once_at_the_next_step_and_not_after_it_is_closed():

@@ -35,6 +35,7 @@ from .composed import (addressed_to, check_count, check_nonempty, check_root, ch
                        split_mismatch, unflatten_into)
 from .links import RankLinks, form_links, ports_from_env
 from .rendezvous import Rendezvous, join_group, timings
+from .sparse import sparse_sum
 from .staging import Staging
 
 __all__ = ["BACKEND", "DdpwireProcessGroup", "DdpwireWork", "PeerWork", "register"]
@@ -77,9 +78,9 @@ _OPS = {
 def _dtype_of(tensors: Sequence[torch.Tensor], what: str) -> DType:
     sparse = next((t.layout for t in tensors if t.layout != torch.strided), None)
     if sparse is not None:
-        # gloo sums sparse COO tensors; ddpwire moves dense bytes only
-        raise NotImplementedError(f"ddpwire {what}: {sparse} tensors are not supported (dense "
-                                  f"only): pass t.to_dense(), or use gloo for sparse gradients")
+        # gloo's only sparse op is the sum of COO tensors (allreduce, as here)
+        raise NotImplementedError(f"ddpwire {what}: {sparse} tensors are not supported (dense, "
+                                  f"and sparse COO in allreduce SUM): pass t.to_dense()")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise TypeError(f"ddpwire {what}: tensors of several dtypes {sorted(map(str, dtypes))}")
@@ -655,9 +656,29 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         of a large one on the rank links or shared memory; the rest on the
         service)."""
         t = _one(tensors, "allreduce")
+        if t.layout == torch.sparse_coo:
+            return self._sparse_allreduce(t, opts, tensors)
         dtype = _dtype_of([t], "allreduce")
         op = _reduce_op(opts, dtype, "allreduce")
         return self._issue("allreduce", Kind.ALLREDUCE, op, dtype, 0, [t], [t], tensors)
+
+    def _sparse_allreduce(self, t: torch.Tensor, opts: Any,
+                          tensors: List[torch.Tensor]) -> DdpwireWork:
+        """A sparse COO tensor's SUM, as gloo's (ddpwire/torch/sparse.py):
+        done before this returns, its Work complete."""
+        dtype = _dtype_of([t._values()], "allreduce")
+        if _reduce_op(opts, dtype, "allreduce") is not Op.SUM:
+            raise NotImplementedError("ddpwire allreduce: a sparse tensor is summed only "
+                                      "(ReduceOp.SUM), as on gloo")
+
+        def gather(output: torch.Tensor, input: torch.Tensor) -> None:
+            self._allgather_base(output, input).wait()
+
+        sparse_sum(t, int(dtype), self._rank, self._world, gather)
+        work = DdpwireWork(torch.futures.Future(), self._limit, -1,
+                           f"allreduce (rank {self._rank})", self._report)
+        work._finish(tensors, None)
+        return work
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
         """``broadcast`` of one tensor from ``opts.rootRank`` (default 0)."""
