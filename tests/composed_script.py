@@ -259,6 +259,12 @@ def ddpwire_only(rank, world):
         got["split sizes disagree"] = ("no error",)
     except Exception as exc:  # noqa: BLE001
         got["split sizes disagree"] = failed(exc)
+    try:  # rank 1's sparse tensor is longer: every rank names it, nothing else moves
+        t = torch.sparse_coo_tensor([[0]], [1.0], (5 if rank == 1 else 4,))
+        dist.all_reduce(t)
+        got["sparse shapes disagree"] = ("no error",)
+    except Exception as exc:  # noqa: BLE001
+        got["sparse shapes disagree"] = failed(exc)
     after = torch.tensor([float(rank)])
     dist.all_reduce(after)
     got["the group still answers"] = after

@@ -186,13 +186,17 @@ def test_bad_arguments_are_value_errors_naming_the_op_and_leave_the_group_usable
         f"the input has 6 rows")
 
 
-def test_split_sizes_that_disagree_are_refused_on_every_rank_alike(runs):
+def test_split_sizes_or_sparse_shapes_that_disagree_are_refused_on_every_rank_alike(runs):
     # gloo would hang there; every ddpwire rank sees the same table of counts
     for rank in range(_world(runs)):
         got = runs["ddpwire"][rank]["ddpwire"]
         assert got["split sizes disagree"] == (
             "error", "ValueError",
             "ddpwire all_to_all_single: rank 0 sends 1 elements to rank 1, which expects 2 from it")
+        assert got["sparse shapes disagree"] == (
+            "error", "ValueError",
+            "ddpwire allreduce: rank 1's sparse tensor is float32 of shape (5,) (1 sparse and 0 "
+            "dense dimensions), rank 0's float32 of shape (4,) (1 sparse and 0 dense dimensions)")
         assert got["the group still answers"].tolist() == [float(sum(range(_world(runs))))]
 
 

@@ -14,6 +14,8 @@ from typing import Callable, List
 
 import torch
 
+from ..collectives import DType
+
 __all__ = ["MAX_DIMS", "sparse_sum"]
 
 #: the most dimensions a sparse tensor may have here (the shape travels in a fixed record)
@@ -40,8 +42,7 @@ def sparse_sum(t: torch.Tensor, dtype_code: int, rank: int, world: int, gather: 
     for r in range(world):
         if records[r][1:] != records[0][1:]:
             raise ValueError(f"ddpwire allreduce: rank {r}'s sparse tensor is "
-                             f"{_describe(records[r])}, rank 0's {_describe(records[0])} "
-                             f"(rank {rank} asked)")
+                             f"{_describe(records[r])}, rank 0's {_describe(records[0])}")
     counts = [rec[0] for rec in records]
     most = max(counts)
     if most == 0:
@@ -78,5 +79,5 @@ def _gather_records(mine: torch.Tensor, dtype_code: int, world: int,
 def _describe(record: List[int]) -> str:
     dtype, sparse_dim, dense_dim = record[1:_HEAD]
     shape = record[_HEAD:_HEAD + sparse_dim + dense_dim]
-    return (f"of dtype code {dtype}, shape {tuple(shape)}, {sparse_dim} sparse and {dense_dim} "
-            f"dense dimensions")
+    return (f"{DType(dtype).name.lower()} of shape {tuple(shape)} ({sparse_dim} sparse and "
+            f"{dense_dim} dense dimensions)")
