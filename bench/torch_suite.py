@@ -59,18 +59,47 @@ ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 3  # run_test.py's world size for gloo on a machine without 2 GPUs
 #: set in the process that runs one test (and so in its spawned ranks)
 CHILD_ENV = "DDPWIRE_TORCH_SUITE_CHILD"
-#: set (to "1") for --gated-as-gloo, in the children too
-GATED_ENV = "DDPWIRE_TORCH_SUITE_GATED_AS_GLOO"
+#: for --as-gloo, the backend that runs in gloo's place (in the children too)
+AS_GLOO_ENV = "DDPWIRE_TORCH_SUITE_AS_GLOO"
 RESULT_MARK = "TORCH_SUITE_RESULT "
 TAIL_LINES = 20
 
 
-def load_case(backend: str, gated_as_gloo: bool = False) -> type:
+def groups_of(backend: str) -> None:
+    """Make init_process_group and new_group build ``backend``'s groups
+    where they are asked for gloo's, and check that they did."""
+    import torch.distributed as dist
+
+    def swap(name: object) -> object:
+        return backend if name is not None and str(name) == "gloo" else name
+
+    real_init, real_new = dist.init_process_group, dist.new_group
+
+    def init_process_group(*args: object, **kwargs: object) -> None:
+        if args:
+            args = (swap(args[0]), *args[1:])
+        if "backend" in kwargs:
+            kwargs["backend"] = swap(kwargs["backend"])
+        real_init(*args, **kwargs)
+        if dist.get_backend() != backend:
+            raise RuntimeError(f"the default group is {dist.get_backend()}'s, not {backend}'s")
+
+    def new_group(*args: object, **kwargs: object) -> object:
+        if len(args) > 2:
+            args = (*args[:2], swap(args[2]), *args[3:])
+        if "backend" in kwargs:
+            kwargs["backend"] = swap(kwargs["backend"])
+        return real_new(*args, **kwargs)
+
+    dist.init_process_group, dist.new_group = init_process_group, new_group
+
+
+def load_case(backend: str, as_gloo: bool = False) -> type:
     """torch's TestDistBackendWithSpawn (test_distributed_spawn.py) on
-    ``backend``; with ``gated_as_gloo`` the base is imported as for gloo
-    (its skips are gloo's, those that name gloo included) and then runs on
-    ``backend``, the test bodies seeing ``backend``'s name."""
-    os.environ["BACKEND"] = "gloo" if gated_as_gloo else backend
+    ``backend``; with ``as_gloo`` the base runs as for gloo (gloo's skips,
+    gloo's branches in the tests' bodies) while every group it makes is
+    ``backend``'s (:func:`groups_of`)."""
+    os.environ["BACKEND"] = "gloo" if as_gloo else backend
     os.environ.setdefault("WORLD_SIZE", str(WORLD_SIZE))
     if backend == "ddpwire":
         import ddpwire.torch  # noqa: F401  (registers the backend)
@@ -82,11 +111,10 @@ def load_case(backend: str, gated_as_gloo: bool = False) -> type:
                 backends.add(backend)
     if backend != "gloo":  # a backend registered by a package, not built into torch
         DistTestCases.backend_feature["plugin"].add(backend)
-    from torch.testing._internal.distributed import distributed_test
     from torch.testing._internal.distributed.distributed_test import (
         DistributedTest, TestDistBackend)
-    if gated_as_gloo:
-        os.environ["BACKEND"] = distributed_test.BACKEND = backend
+    if as_gloo:
+        groups_of(backend)
 
     class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         def setUp(self) -> None:
@@ -99,7 +127,8 @@ def load_case(backend: str, gated_as_gloo: bool = False) -> type:
 
 
 if os.environ.get(CHILD_ENV):
-    TestDistBackendWithSpawn = load_case(os.environ["BACKEND"], bool(os.environ.get(GATED_ENV)))
+    TestDistBackendWithSpawn = load_case(os.environ.get(AS_GLOO_ENV) or os.environ["BACKEND"],
+                                         bool(os.environ.get(AS_GLOO_ENV)))
 
 
 def tail(text: str, lines: int = TAIL_LINES) -> str:
@@ -228,9 +257,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--tests-from", metavar="JSON",
                    help="run the tests gloo ran (not skipped) in this earlier result file")
     p.add_argument("-k", dest="keyword", help="only tests whose name contains this")
-    p.add_argument("--gated-as-gloo", action="store_true",
-                   help="skip what the base skips for gloo, run on --backend (kept in the "
-                        "result file as '<backend> gated as gloo')")
+    p.add_argument("--as-gloo", action="store_true",
+                   help="run the base as for gloo (its skips and branches) with --backend's "
+                        "groups in gloo's place (kept in the result file as '<backend> as gloo')")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per test")
     p.add_argument("-j", "--jobs", type=int, default=1, help="tests run at the same time")
     p.add_argument("--out", type=Path, help="result file (default torch-suite-<commit>.json)")
@@ -243,13 +272,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.one:
         run_one(args.one)
         return
-    if args.gated_as_gloo:
-        os.environ[GATED_ENV] = "1"  # the children import the base as this process does
-    case = load_case(args.backend, args.gated_as_gloo)
+    if args.as_gloo:
+        os.environ[AS_GLOO_ENV] = args.backend  # the children import the base as this process does
+    case = load_case(args.backend, args.as_gloo)
     names = selected_tests(case, args.tests_from, args.keyword)
     run = run_suite(args.backend, case, names, args.timeout, args.jobs)
     out = args.out or ROOT / "bench" / "results" / f"torch-suite-{run['commit']}.json"
-    key = f"{args.backend} gated as gloo" if args.gated_as_gloo else args.backend
+    key = f"{args.backend} as gloo" if args.as_gloo else args.backend
     write(out, key, run, args.tests_from)
     print(f"{key}: {run['counts']} in {run['elapsed_s']} s -> {out}")
 
