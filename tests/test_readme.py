@@ -1,6 +1,6 @@
 """The README's first screen as written: its two commands are the ones CI
-runs and the ones that work here, and the CPU-only step it shows is the
-install section's."""
+runs and the ones that work here, through ./install.sh (which picks the
+machine's torch build: tests/test_install_script.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +27,9 @@ def first_screen() -> list:
 
 def test_the_first_screen_is_two_commands_install_then_use():
     demo, tests = first_screen()
-    assert demo == "pip install -e '.[torch]' && ddpwire demo --workers 2"
-    assert tests == "pip install -e '.[test,torch]' && python -m pytest -q"
+    assert demo == ("python3 -m venv .venv && . .venv/bin/activate && ./install.sh && "
+                    "ddpwire demo --workers 2")
+    assert tests == "./install.sh --test && python -m pytest -q"
 
 
 def test_ci_runs_the_readmes_test_command_as_written():
@@ -36,17 +37,16 @@ def test_ci_runs_the_readmes_test_command_as_written():
     assert tests in CI.read_text().splitlines()
 
 
-def test_the_cpu_only_step_on_the_first_screen_is_the_install_sections():
+def test_the_install_section_says_what_install_sh_does_and_the_step_by_hand():
     text = README.read_text()
-    step = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
-    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
-    assert f"#   {step}" in block
-    assert text.count(step) >= 2  # and under "Linux without a GPU", which says why
+    section = text[text.index("**Linux without a GPU**"):]
+    assert "`./install.sh`" in section
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in section
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the demo needs torch")
 def test_the_readmes_demo_command_runs_as_written():
-    demo = first_screen()[0].split(" && ", 1)[1]
+    demo = first_screen()[0].split(" && ")[-1]
     argv = shlex.split(demo)
     assert argv[0] == "ddpwire"
     proc = subprocess.run([sys.executable, "-m", "ddpwire", *argv[1:]], capture_output=True,
