@@ -11,8 +11,10 @@ in the same run.
   a core by a cgroup v1 cpu quota with a 10 ms period, the same models and
   sizes: ``--balance auto``, ``off``, and a sweep of fixed splits (the held
   worker's share, through bench/fixed_split_coordinator.py: the oracle a
-  user could not know). The ratios are auto over the best fixed split and
-  auto over off.
+  user could not know), every setting once a round for
+  DDPWIRE_BALANCE_CLI_HELD_ROUNDS rounds (default 3), the order turned by
+  one each round. The ratios are of medians: auto over the best fixed
+  split and auto over off.
 
 Throughput is the coordinator's own figure (``done: ... samples/s``: every
 sample over the run's wall time, as the user reads it). A run is
@@ -25,7 +27,8 @@ the transformer), and never under 300.
 
 DDPWIRE_BALANCE_CLI_ROUNDS (default 2) sets the rounds of test_identical,
 DDPWIRE_BALANCE_CLI_SIZES (default 64,512,4096) the sizes,
-DDPWIRE_BALANCE_CLI_MODELS (default mlp,transformer) the models.
+DDPWIRE_BALANCE_CLI_MODELS (default mlp,transformer) the models,
+DDPWIRE_BALANCE_CLI_SHARES the held worker's fixed shares swept.
 test_held needs root (a writable /sys/fs/cgroup/cpu) and skips otherwise;
 both need torch.
 """
@@ -59,7 +62,10 @@ MODELS = os.environ.get("DDPWIRE_BALANCE_CLI_MODELS", "mlp,transformer").split("
 #: samples a run may take, per model (the transformer is ~8x slower a sample)
 BUDGET = {"mlp": 12_000_000, "transformer": 2_000_000}
 #: the held worker's shares swept for the oracle
-SHARES = (0.35, 0.3, 0.25, 0.2, 0.15, 0.1)
+SHARES = tuple(float(x) for x in os.environ.get(
+    "DDPWIRE_BALANCE_CLI_SHARES", "0.35,0.3,0.25,0.2,0.15,0.1").split(","))
+#: rounds of test_held (each setting once a round; medians compared)
+HELD_ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_CLI_HELD_ROUNDS", "3"))
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                 reason="the workers train a torch model")
@@ -190,21 +196,29 @@ def held_cgroup():
 @pytest.mark.parametrize("model", MODELS)
 def test_held(benchmark, held_cgroup, model, samples):
     steps = steps_for(model, samples)
-    runs: Dict[str, dict] = {}
+    kinds = ["auto", "off"] + [f"share {share}" for share in SHARES]
+    runs: Dict[str, List[dict]] = {k: [] for k in kinds}
+
+    def one(kind: str) -> dict:
+        if kind.startswith("share "):
+            return run_cli(2, model, samples, steps, "on", held=True, share=float(kind[6:]))
+        return run_cli(2, model, samples, steps, kind, held=True)
 
     def run():
-        runs["auto"] = run_cli(2, model, samples, steps, "auto", held=True)
-        runs["off"] = run_cli(2, model, samples, steps, "off", held=True)
-        for share in SHARES:
-            runs[f"share {share}"] = run_cli(2, model, samples, steps, "on", held=True,
-                                             share=share)
+        # every setting once a round, each round's order turned by one, so
+        # that the machine's drift falls on every setting alike
+        for r in range(HELD_ROUNDS):
+            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                runs[kind].append(one(kind))
     benchmark.pedantic(run, rounds=1, iterations=1)
-    fixed = {k: v["throughput"] for k, v in runs.items() if k.startswith("share")}
+    medians = {k: _median([x["throughput"] for x in v]) for k, v in runs.items()}
+    fixed = {k: v for k, v in medians.items() if k.startswith("share")}
     best = max(fixed, key=fixed.get)  # type: ignore[arg-type]
-    auto = runs["auto"]["throughput"]
+    auto = medians["auto"]
     print(f"\nheld {model} {samples}: auto/best {auto / fixed[best]:.3f} ({best}), auto/off "
-          f"{auto / runs['off']['throughput']:.3f}", flush=True)
+          f"{auto / medians['off']:.3f}, medians {dict((k, round(v)) for k, v in medians.items())}",
+          flush=True)
     benchmark.extra_info.update(
-        model=model, samples=samples, steps=steps, best_fixed=best,
-        auto_over_best=auto / fixed[best], auto_over_off=auto / runs["off"]["throughput"],
+        model=model, samples=samples, steps=steps, rounds_run=HELD_ROUNDS, best_fixed=best,
+        medians=medians, auto_over_best=auto / fixed[best], auto_over_off=auto / medians["off"],
         runs=runs)

@@ -36,14 +36,20 @@ The rules, and why:
 - A move is at most a halving or a doubling of any shard, and half the
   way while a worker's fixed and per-sample parts are not told apart (one
   shard size measured): a wrong model costs a step or two, not a run.
-- The guard (``guard=True``, ``--balance auto``): once the shards left
-  equal, the split's measured step times (not predicted ones) are now and
-  then compared with :data:`PROBE_STEPS` steps of equal shards, after
-  :data:`GUARD_FIRST` steps and then twice as long each time balancing
-  wins (at most :data:`GUARD_LAST`). When it does not win by
-  :data:`GUARD_WIN`, the shards go back to equal for :data:`HOLD` steps
-  (twice as long each time), and :attr:`Balancer.notes` says why. The
-  equal steps also measure every worker at an equal shard again.
+- The guard (``guard=True``, ``--balance auto``): the model is trusted
+  only as far as the clock bears it out. Now and then (after
+  :data:`GUARD_FIRST` steps, then twice as long each time nothing wins, at
+  most :data:`GUARD_LAST`) a :class:`ddpwire.trials.Trial` runs the
+  current split, equal shards, the split the last trial kept, and the
+  current split nudged each way (:data:`NUDGE` of an equal share moved
+  from one worker to the others), a few steps each, and keeps the one
+  whose measured steps are faster past their noise by :data:`GUARD_WIN`,
+  once it has won twice. When the model's split loses, the model moves
+  nothing more until a split of its own wins a trial, and
+  :attr:`Balancer.notes` says why once: the split then follows measured
+  step times alone (a CPU quota that stalls a worker after its part came
+  in misleads the model; trials do not care where a stall falls).
+  Identical workers stay at equal shards: nothing beats them twice.
 - A worker's first measurement (its warm-up) is left out. Until every
   worker has been timed once, the split is the reference's (``T // n``,
   the rest to the last), which is also the split of a coordinator that
@@ -65,10 +71,11 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .step_model import StepModel, median, trimmed_mean
+from .step_model import JUMP_STEPS, StepModel, median
+from .trials import ARM_MOST, Trial
 
-__all__ = ["CHOICES", "FLOOR", "GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "HOLD", "LAGS",
-           "PROBE_STEPS", "TOLERANCE", "Balancer", "ShardClock", "Shards", "WorkerTiming",
+__all__ = ["CHOICES", "FLOOR", "GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "LAGS", "NUDGE",
+           "NUDGE_LEAST", "NUDGE_MOST", "TOLERANCE", "Balancer", "ShardClock", "Shards", "WorkerTiming",
            "equal_shards", "sample_scale", "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
@@ -79,17 +86,19 @@ LAGS = 9
 TOLERANCE = 0.03
 #: the smallest shard, a fraction of an equal share (at least one sample)
 FLOOR = 0.1
-#: equal steps of a guard's comparison (the first, a change of split, is not timed)
-PROBE_STEPS = 5
-#: balanced steps before the first comparison, and the most between two
+#: steps between the first trials (and after one a split won), and the most between two
 GUARD_FIRST = 20
 GUARD_LAST = 640
-#: by how much (a fraction of the equal shards' step) balancing must win
+#: by how much (a fraction of the current split's step) another split must win a trial
 GUARD_WIN = 0.02
-#: steps of equal shards after balancing lost (twice as many each time)
-HOLD = 200
-#: balanced step times the comparison takes (the most recent, past a change)
-_WINDOW = 16
+#: equal steps every worker is measured at after one changed speed
+MEASURE_STEPS = 4
+#: a trial's first nudge (samples moved from one worker to the others), a
+#: fraction of an equal share; halved after a trial nothing won, doubled
+#: after a nudge won, within these bounds
+NUDGE = 0.25
+NUDGE_LEAST = 0.02
+NUDGE_MOST = 0.5
 #: the most steps a split the model said to keep stays before it is asked again
 QUIET_MOST = 16
 
@@ -147,12 +156,10 @@ class WorkerTiming:
     name: str = ""
 
 
-def _spread(values: Sequence[float]) -> float:
-    """The standard deviation of a few step times (0 for one)."""
-    if len(values) < 2:
-        return 0.0
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+def _floor(total: int, workers: int) -> int:
+    """The smallest shard: :data:`FLOOR` of an equal share, at least one
+    sample, at most an equal share."""
+    return min(max(1, math.ceil(FLOOR * total / workers)), total // workers)
 
 
 def _largest_remainder(ideal: Sequence[float], total: int) -> List[int]:
@@ -172,8 +179,8 @@ class Balancer:
     lag before its part came in), :meth:`ended` the rest of a step after
     its last worker's part came in, :meth:`stepped` a step's measured time
     end to end; :meth:`shards` returns a step's sizes. ``guard`` (``--balance
-    auto``) compares balanced steps with equal ones now and then and goes
-    back to equal shards where balancing does not win (module docstring).
+    auto``) tries other splits now and then and keeps the one the measured
+    step times say is faster (module docstring).
     """
 
     def __init__(self, workers: int, *, guard: bool = True,
@@ -192,25 +199,31 @@ class Balancer:
         self._lags = [0.0] * workers  # each worker's after, kept as it comes
         self._warm = [False] * workers  # a worker's first measurement is its warm-up
         self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
-        #: the guard's state: equal, balanced, probe (equal steps to compare) or held
+        #: where the shards stand: equal, balanced (the model's split), probe
+        #: (a trial's steps, or equal ones measuring after a jump) or held
+        #: (the model lost a trial: the split the trials found faster)
         self.state = EQUAL
-        #: why the shards went back to equal, newest last (the caller logs them)
+        #: why the shards left the model's split, newest last (the caller logs them)
         self.notes: List[str] = []
-        self._planned: Dict[int, Tuple[str, bool]] = {}  # step -> (state, split changed)
-        # measured step times: the balanced ones of this spell, the equal
-        # ones of the last few probes (kept across probes: noisy steps need
-        # more than one probe's to tell a small difference)
-        self._times: Dict[str, Deque[float]] = {BALANCED: deque(maxlen=_WINDOW),
-                                                PROBE: deque(maxlen=_WINDOW)}
-        self._probed = 0  # the probe under way's times so far
-        self._steps_in_state = 0
+        # step -> (the trial it ran for, its arm, whether its split changed)
+        self._planned: Dict[int, Tuple[Optional[int], int, bool]] = {}
+        self._trial: Optional[Trial] = None
+        self._trials = 0       # trials started (each one's id)
+        self._since = 0        # steps since the last trial ended
         self._interval = GUARD_FIRST
-        self._hold = HOLD
+        self._nudge = NUDGE    # a nudge's size, a fraction of an equal share
+        self._trusted = True   # the model moves the split (False: it lost a trial)
+        self._anchor: Optional[List[int]] = None  # the split the last trial kept
+        # split -> (trials it sits out yet, how many the next loss benches it
+        # for): a split that lost sits out ever longer (equal shards far off
+        # the best, or a model that is wrong, cost every step they run)
+        self._bench: Dict[Tuple[int, ...], Tuple[int, int]] = {}
+        self._turn = 0         # whose turn it is among the challengers
+        self._push: Optional[str] = None  # the nudge that won last: tried first again
         self._fallbacks = 0
-        self._resume: Optional[Tuple[List[int], List[int]]] = None  # the split a probe left
         self._jumps = 0        # the models' jumps seen (a jump is re-measured at equal shards)
-        self._measuring = False  # the probe under way only measures (after a jump)
-        self._quiet = 0          # steps the split stays before the model is asked again
+        self._measure = 0      # equal steps left to measure after a jump
+        self._quiet = 0        # steps the split stays before the model is asked again
         self._backoff = 1
 
     # ---- what is measured ----
@@ -243,6 +256,7 @@ class Balancer:
         self._update_lag(worker)
         self._warm[worker] = False
         self._last = None
+        self._trial = None
 
     def lag(self, worker: int) -> float:
         """Seconds ``worker`` adds to a step after its part came in, when
@@ -294,11 +308,9 @@ class Balancer:
         planned = self._planned.pop(step, None)
         if planned is None or not seconds > 0.0:
             return
-        state, changed = planned
-        if state in self._times and not changed:
-            self._times[state].append(seconds)
-            if state == PROBE:
-                self._probed += 1
+        trial, arm, changed = planned
+        if self._trial is not None and trial == self._trial.ident and not changed:
+            self._trial.record(arm, seconds)
 
     def _check(self, worker: int) -> None:
         if not 0 <= worker < self.workers:
@@ -321,120 +333,198 @@ class Balancer:
         current = last[1] if last is not None and last[0] == ids and sum(last[1]) == total \
             else None
         equal = equal_shards(total, len(ids))
-        if current is None and self.state != HELD:
-            self._enter(EQUAL)  # another set of workers or total: start over
+        if current is None:
+            self._restart()  # another set of workers or total: start over
         if total < len(ids) or any(not self.models[i].measured for i in ids):
-            sub = equal
+            sub, arm = equal, None
         else:
-            sub = self._decide(total, ids, equal, current if current is not None else equal)
+            sub, arm = self._decide(total, ids, equal, current if current is not None else equal)
         if step is not None:
-            self._planned[step] = (self.state, current is not None and sub != current)
+            trial = self._trial.ident if arm is not None and self._trial is not None else None
+            self._planned[step] = (trial, arm or 0, current is not None and sub != current)
             self._planned.pop(step - 64, None)  # a step never timed
         self._last = (ids, sub)
+        self.state = PROBE if arm is not None or self._measure else \
+            HELD if not self._trusted else EQUAL if sub == equal else BALANCED
         split = [0] * self.workers
         for i, count in zip(ids, sub):
             split[i] = count
         return split
 
-    def _enter(self, state: str) -> None:
-        if state != self.state:
-            self.state, self._steps_in_state = state, 0
-            self._quiet, self._backoff = 0, 1
-            if state == PROBE:
-                self._probed = 0
-            elif state == BALANCED and self._resume is None:
-                self._times[BALANCED].clear()  # a new spell (not the end of a probe)
+    def _restart(self) -> None:
+        self._trial, self._anchor, self._trusted, self._bench = None, None, True, {}
+        self._push = None
+        self._since, self._interval, self._nudge = 0, GUARD_FIRST, NUDGE
+        self._quiet, self._backoff, self._measure = 0, 1, 0
 
     def _decide(self, total: int, ids: List[int], equal: List[int],
-                current: List[int]) -> List[int]:
-        """The guard's state, then the model's split within it."""
-        self._steps_in_state += 1
-        if self.state == HELD:
-            if self._steps_in_state <= self._hold:
-                return equal
-            self._enter(EQUAL)
+                current: List[int]) -> Tuple[List[int], Optional[int]]:
+        """The split of the next step, and the arm of the trial it runs for (None: none)."""
         jumps = sum(m.jumps for m in self.models)
         if jumps != self._jumps:
             # a worker changed speed: one shard size cannot say whether its
             # fixed or its per-sample part did, so every worker is measured
-            # at an equal shard too before the split moves on
+            # at an equal shard too before the split moves on, and a trial
+            # follows soon (a trial under way goes on: a nudge the model did
+            # not foresee looks like a jump to it, and the trial measures)
             self._jumps = jumps
+            if self._trial is not None and self._trial.on_base_for(2 * JUMP_STEPS):
+                # a change seen at the current split alone, past the steps a
+                # model rescaled to a challenger's times takes to come back:
+                # a real one
+                self._trial = None
             self._quiet, self._backoff = 0, 1
-            if current != equal and self.state != PROBE:
-                self._enter(PROBE)
-                self._measuring = True
-                return equal
-        if self.state == PROBE and self._measuring:
-            if self._steps_in_state <= PROBE_STEPS - 1:
-                return equal
-            self._measuring = False
-            self._resume = None
-            self._enter(EQUAL)
-            current = equal
-        if self.state == PROBE:
-            # the probe's first step changes the split: it is not timed (nor,
-            # for a caller whose timings come steps late, are the next ones yet)
-            if self._probed < PROBE_STEPS - 1 and \
-                    self._steps_in_state <= 4 * PROBE_STEPS:
-                return equal
-            if not self._balancing_wins():
-                return equal
-            self._enter(BALANCED)
-            resume, self._resume = self._resume, None
-            if resume is not None and resume[0] == ids and sum(resume[1]) == total:
-                return resume[1]  # where balancing was, not a walk back to it
-        if self.state == BALANCED and self.guard and self._steps_in_state > self._interval:
-            self._resume = (ids, current)
-            self._enter(PROBE)
-            return equal
+            if self._trial is None and (self._since > 2 * JUMP_STEPS or not self._trials):
+                # (just after a trial, a jump is the model seeing the split it
+                # knows again after a challenger's: not to be measured again)
+                self._since = max(self._since, self._interval - ARM_MOST)
+                self._bench = {}  # what lost before the change may win now
+                if current != equal and self._trusted:
+                    self._measure = MEASURE_STEPS
+        if self._measure:
+            self._measure -= 1
+            return equal, None
+        if self._trial is not None:
+            run = self._run_trial(total, ids, equal, current)
+            if isinstance(run, tuple):
+                return run
+            current = run
+        elif self.guard:
+            self._since += 1
+            if self._since > self._interval:
+                arms = self._arms(total, ids, equal, current)
+                if len(arms) > 1:
+                    # one challenger a trial, in turn: a trial of every
+                    # split at once would cost as much as it could find
+                    pushed = [arm for arm in arms[1:] if arm[0] == self._push]
+                    challenger = pushed[0] if pushed else arms[1 + self._turn % (len(arms) - 1)]
+                    self._trial = Trial(self._next_trial(), [arms[0], challenger])
+                    return self._run_trial(total, ids, equal, current)  # type: ignore[return-value]
+        if not self._trusted:
+            return current, None
         if self._quiet > 0:
             # the model said stay: it is asked again after 1, 2, 4 ... 16
             # steps (a jump asks at once), so a settled step costs the
             # coordinator next to nothing on its way to the next one
             self._quiet -= 1
-            return current
+            return current, None
         sub = self._model_split(total, ids, equal, current)
         if sub == current:
             self._quiet, self._backoff = self._backoff - 1, min(2 * self._backoff, QUIET_MOST)
         else:
             self._quiet, self._backoff = 0, 1
-        if sub == equal:
-            self._enter(EQUAL)
-        elif self.state == EQUAL:
-            self._enter(BALANCED)
-        return sub
+            if current == equal:
+                # a new spell: tried within GUARD_FIRST steps (the trials' pace kept)
+                self._since = max(self._since, self._interval - GUARD_FIRST)
+        return sub, None
 
-    def _balancing_wins(self) -> bool:
-        """Compare the balanced steps' measured times with the probes':
-        True to go on balancing (it wins, or the steps are too noisy yet to
-        tell: the next probe comes sooner), False when it measurably does
-        not win (the shards go back to equal)."""
-        balanced, probe = self._times[BALANCED], self._times[PROBE]
-        if not balanced or not probe:
-            return True  # nothing to compare (a caller that times no step)
-        # means without the longest (not medians): a stall that comes back
-        # every few steps costs its share of the run
-        with_, without = trimmed_mean(balanced), trimmed_mean(probe)
-        if with_ < (1.0 - GUARD_WIN) * without:
+    def _next_trial(self) -> int:
+        self._trials += 1
+        return self._trials
+
+    def _arms(self, total: int, ids: List[int], equal: List[int],
+              current: List[int]) -> List[Tuple[str, List[int]]]:
+        """A trial's splits: the current one first, then equal shards, the
+        split the last trial kept, the model's (when it is not trusted: it
+        comes back by winning), and the current one nudged each way. One of
+        the first three that lost a trial sits out the next 1, 2, 4 ... 64
+        (each loss twice as many): a split far off the best costs every
+        step it runs."""
+        arms: List[Tuple[str, List[int]]] = [("current", current)]
+
+        def add(kind: str, split: List[int]) -> None:
+            if all(split != s for _, s in arms) and \
+                    (kind.startswith("nudge") or self._bench.get(tuple(split), (0, 1))[0] <= 0):
+                arms.append((kind, split))
+        add("equal", equal)
+        if self._anchor is not None:
+            add("kept", self._anchor)
+        if not self._trusted and all(self.models[i].ready for i in ids):
+            add("model", self._best(total, ids))
+        for giver, split in self._nudged(current, total):
+            add(f"nudge {giver}", split)
+        return arms
+
+    def _nudged(self, current: List[int], total: int) -> List[Tuple[int, List[int]]]:
+        """``current`` with samples taken from each worker in turn and
+        shared by the others: a nudge's worth of the giver's shard or of
+        the smallest receiver's, whichever is less (a worker far slower a
+        sample than the others gets few of them, and a nudge sized by the
+        others' would cost more than it could tell), none below the floor."""
+        n = len(current)
+        if n < 2:
+            return []
+        floor = _floor(total, n)
+        out = []
+        for i in range(n):
+            least = min(c for k, c in enumerate(current) if k != i)
+            size = max(1.0, self._nudge * min(current[i], (n - 1) * least))
+            moved = min(size, current[i] - floor)
+            if moved < 1:
+                continue
+            ideal = [c - moved if k == i else c + moved / (n - 1) for k, c in enumerate(current)]
+            out.append((i, _largest_remainder(ideal, total)))
+        return out
+
+    def _run_trial(self, total: int, ids: List[int], equal: List[int],
+                   current: List[int]) -> Union[Tuple[List[int], int], List[int]]:
+        """The trial's next step (split, arm), or, once it is over, the
+        split it leaves."""
+        trial = self._trial
+        assert trial is not None
+        arm = trial.next_arm()
+        if arm is not None:
+            return trial.arms[arm][1], arm
+        base = trial.arms[0][1]
+        won = trial.winner(GUARD_WIN)
+        if won is not None and not trial.confirming:
+            # one win on a few steps can be luck: the winner runs against
+            # the base again, on fresh steps
+            self._trial = Trial(self._next_trial(), [trial.arms[0], trial.arms[won]],
+                                confirming=True)
+            return self._run_trial(total, ids, equal, current)
+        self._trial, self._since = None, 0
+        for key, (left, length) in list(self._bench.items()):
+            self._bench[key] = (left - 1, length)
+        for i, (kind, split) in enumerate(trial.arms):
+            if i and i != won and not kind.startswith("nudge"):
+                length = self._bench.get(tuple(split), (0, 1))[1]
+                self._bench[tuple(split)] = (length, min(2 * length, 64))
+        if won is None:
+            # the split stands: trials come ever less often, nudges smaller
+            if self._push is not None:
+                self._push = None  # that way is spent: the others' turns again
+            else:
+                self._turn += 1
             self._interval = min(2 * self._interval, GUARD_LAST)
-            return True
-        noise = 2.0 * math.sqrt(_spread(balanced) ** 2 / len(balanced) +
-                                _spread(probe) ** 2 / len(probe))
-        if with_ - (1.0 - GUARD_WIN) * without <= noise:
-            self._interval = GUARD_FIRST
-            return True
-        self._fallbacks += 1
-        if self._fallbacks == 1:
-            self.notes.append(
-                f"balancing is not winning: a step took {1000 * with_:.2f} ms with shards by "
-                f"speed against {1000 * without:.2f} ms with equal shards (means); back to "
-                f"equal shards for {self._hold} steps")
-        self._enter(HELD)
-        self._steps_in_state = 1
-        self._hold = 2 * self._hold
+            self._nudge = max(self._nudge / 2, NUDGE_LEAST)
+            self._anchor = base
+            return base
+        kind, split = trial.arms[won]
+        if kind == "model":
+            self._trusted = True
+        elif self._trusted:
+            # the model's split lost to one it did not choose: the model
+            # moves nothing until a split of its own wins a trial
+            self._trusted = False
+            self._fallbacks += 1
+            if self._fallbacks == 1:
+                mine = "equal shards" if base == equal else "shards by speed"
+                theirs = "equal shards" if split == equal else f"shards {split}"
+                self.notes.append(
+                    f"balancing is not winning: a step took {1000 * trial.mean(0):.2f} ms with "
+                    f"{mine} against {1000 * trial.mean(won):.2f} ms with {theirs} (means); "
+                    f"the shards follow measured step times from here")
+        if kind.startswith("nudge"):
+            # a way that wins: bolder, and tried first again
+            self._nudge = min(2 * self._nudge, NUDGE_MOST)
+            self._push = kind
+        else:
+            self._push = None
+            self._turn += 1
         self._interval = GUARD_FIRST
-        self._times[PROBE].clear()
-        return False
+        self._anchor = split
+        return split
 
     def predict(self, split: Sequence[int], ids: Sequence[int]) -> float:
         """The step's predicted seconds under ``split`` (one count per id in
@@ -468,7 +558,7 @@ class Balancer:
         worker whose share at ``t`` is under the floor keeps the floor, and
         ``t`` is found again for the others)."""
         n = len(ids)
-        floor = min(max(1, math.ceil(FLOOR * total / n)), total // n)
+        floor = _floor(total, n)
         base = [self.models[i].fixed + self.lag(i) for i in ids]  # type: ignore[operator]
         slope = [max(self.models[i].per_sample, 1e-12) for i in ids]  # type: ignore[type-var]
         above = list(range(n))

@@ -192,8 +192,8 @@ def _balance(p: argparse.ArgumentParser) -> None:
                    help="size each step's shards by a fitted model of each worker's step "
                         "(fixed part plus per sample), so a faster machine computes more of "
                         "each step and nobody waits: auto (default: when every worker is a "
-                        "ddpwire worker, and only while measured steps show it wins against "
-                        "equal shards), on (always, any session: a reference worker's speed "
+                        "ddpwire worker, with trials of equal and nudged shards now and then "
+                        "that keep whatever measured steps show is faster), on (always, any session: a reference worker's speed "
                         "is seen from when its gradient arrives) or off (equal shards, T // n)")
     p.add_argument("--metrics", default=None, metavar="FILE",
                    help="write one JSON line per step to FILE: the loss, step and allreduce "

@@ -162,9 +162,9 @@ class CoordinatorOptions:
     time; the reference does not: True balances any session (a reference
     worker's speed seen from when its gradient arrives, its weight applied
     in the star's sum); "auto" only one where every worker reports (the
-    reference's ``T // n`` otherwise), and with a guard that compares
-    measured steps with equal shards now and then and goes back to equal
-    shards where balancing does not win; False (the default) always keeps
+    reference's ``T // n`` otherwise), and with a guard that tries equal
+    and nudged shards now and then and keeps whatever the measured steps
+    show is faster (ddpwire.balance); False (the default) always keeps
     ``T // n`` and the plain mean.
 
     ``elastic`` keeps the session going when a worker is lost (it

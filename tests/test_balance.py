@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpwire.balance import (FLOOR, GUARD_FIRST, HOLD, PROBE_STEPS, TOLERANCE, Balancer, equal_shards,
-                             sample_scale, shard_starts)
+from ddpwire.balance import (FLOOR, GUARD_FIRST, TOLERANCE, Balancer, equal_shards, sample_scale,
+                             shard_starts)
+from ddpwire.trials import ARM_STEPS
 from ddpwire.step_model import StepModel
 
 
@@ -27,6 +28,7 @@ class Machines:
         self.rng = random.Random(seed)
         self.step = 0
         self.times = []  # each step's time end to end
+        self.states = []  # the balancer's state at each step
 
     def run(self, b: Balancer, total: int, steps: int, spike=None):
         """``steps`` steps; ``spike`` (step, worker, factor) makes one time an outlier."""
@@ -34,6 +36,7 @@ class Machines:
         for _ in range(steps):
             split = b.shards(total, step=self.step)
             history.append(split)
+            self.states.append(b.state)
             ends = []
             for w, c in enumerate(split):
                 t = (self.fixed[w] + self.per_sample[w] * c) * \
@@ -152,11 +155,17 @@ def test_identical_workers_with_a_large_fixed_part_stay_equal(workers, guard):
     b = Balancer(workers, guard=guard)
     history = machines.run(b, 256, 3000)
     equal = 256 / workers
-    off = [max(abs(c - equal) for c in split) for split in history]
+    # the split kept, outside the guard's trials (a nudge is tried, and loses)
+    kept = [split for split, state in zip(history, machines.states) if state != "probe"]
+    off = [max(abs(c - equal) for c in split) for split in kept]
     # (an equal split of 256 in 3 is 85, 85 and 86: a sample is rounding)
-    assert max(off[-1000:]) <= 0.05 * equal + 1, history[-1]
+    assert max(off[-1000:]) <= 0.05 * equal + 1, kept[-1]
     assert sum(o > 0.05 * equal + 1 for o in off) <= 10, \
-        [h for h, o in zip(history, off) if o > 1][:10]
+        [h for h, o in zip(kept, off) if o > 1][:10]
+    assert b.state != "held" and not b.notes
+    # what the trials cost: within 1% of equal shards all along
+    at_equal = 0.6e-3 + 3e-6 * math.ceil(equal) + machines.exchange
+    assert sum(machines.times) / len(machines.times) < 1.01 * at_equal * 1.075
 
 
 def test_a_worker_four_times_slower_gets_a_fifth_net_of_the_fixed_part():
@@ -180,9 +189,12 @@ def test_a_worker_held_at_the_floor_wins_its_share_back():
     its shard is equal again."""
     machines = Machines([1e-3, 1e-3], [3e-6, 90e-6], noise=0.03)
     b = Balancer(2)
-    history = machines.run(b, 256, 40)
+    history = machines.run(b, 256, 120)
     assert history[-1][1] == math.ceil(FLOOR * 128), history
     assert min(split[1] for split in history) >= math.ceil(FLOOR * 128)
+    while b.state == "probe":  # a trial's nudges under way are another test's
+        history = machines.run(b, 256, 1)
+    machines.run(b, 256, 10)  # (and the model's own settling after one)
     machines.per_sample[1] = 3e-6
     history = machines.run(b, 256, 12)
     assert abs(history[-1][1] - 128) <= 6, history
@@ -228,13 +240,17 @@ def test_the_guard_falls_back_to_equal_shards_where_balancing_does_not_win():
 
     machines = Misled([1e-3, 1e-3], [3e-6, 9e-6])
     b = Balancer(2)
-    history = machines.run(b, 256, GUARD_FIRST + 2 * PROBE_STEPS + 4)
+    # the model moves; the first trial (current against equal) and the
+    # confirming one
+    history = machines.run(b, 256, GUARD_FIRST + 4 * ARM_STEPS + 10)
     assert history[8] != [128, 128]  # the model moved
     assert b.state == "held" and history[-1] == [128, 128], (b.state, history)
     assert len(b.notes) == 1 and "not winning" in b.notes[0], b.notes
     assert "11.00 ms with shards by speed against 10.00 ms with equal shards" in b.notes[0]
-    history = machines.run(b, 256, 3 * HOLD)  # tries again after its hold, loses again
-    assert sum(split != [128, 128] for split in history) < 0.1 * len(history)
+    # trials go on (the model's split among them), lose, and come ever less often
+    history = machines.run(b, 256, 3000)
+    assert sum(split != [128, 128] for split in history) < 0.07 * len(history)
+    assert sum(machines.times[-3000:]) / 3000 < 1.01 * 0.010
     assert len(b.notes) == 1  # said once
     # without the guard (--balance on) the model's split stays
     b = Balancer(2, guard=False)
@@ -247,10 +263,10 @@ def test_the_guard_keeps_a_split_that_wins_and_compares_ever_less_often():
     b = Balancer(2)
     history = machines.run(b, 1000, 3000)
     equal = sum(split == [500, 500] for split in history[10:])
-    assert equal <= 0.02 * len(history), equal  # the probes: a few steps in a hundred
+    assert equal <= 0.03 * len(history), equal  # the trials: a few steps in a hundred
     assert b.state in ("balanced", "probe") and not b.notes
     mean = sum(machines.times[100:]) / len(machines.times[100:])
-    assert mean <= 1.03 * machines.best(1000), (mean, machines.best(1000))
+    assert mean <= 1.04 * machines.best(1000), (mean, machines.best(1000))
 
 
 def test_a_lag_outside_the_compute_is_net_of_the_shards():
@@ -336,3 +352,54 @@ def test_in_a_mesh_the_rest_is_the_last_ones_until_its_report():
         shards.reported(0, step + 1, now + 0.5)  # another step's: ignored
     shards.plan(3, 1000, 30.0)
     assert shards.balancer.after == [None, pytest.approx(0.002)]
+
+
+class Quota(Machines):
+    """Worker 1 under a CPU quota of a quarter core whose period is longer
+    than its burst: its compute comes in as fast as worker 0's, and it
+    stalls after, inside the exchange, where worker 0's part waits on it
+    (as on one host, seen in bench/test_bench_balance_cli.py's held runs:
+    the free worker fitted 3.3 ms fixed, the held one none): the model
+    is misled, only the clock is not."""
+
+    def run(self, b: Balancer, total: int, steps: int, spike=None):
+        history = []
+        for _ in range(steps):
+            split = b.shards(total, step=self.step)
+            history.append(split)
+            self.states.append(b.state)
+            compute = [self.fixed[w] + self.per_sample[w] * c for w, c in enumerate(split)]
+            step = self.cost(split)
+            arrivals = [step - self.exchange, compute[1]]
+            for w, c in enumerate(split):
+                b.observe(w, c, compute[w], arrivals[w] - compute[w])
+            last = max(range(2), key=lambda w: arrivals[w])
+            b.ended(last, step - arrivals[last])
+            self.times.append(step)
+            b.stepped(self.step, step)
+            self.step += 1
+        return history
+
+    def cost(self, split) -> float:
+        held = 4 * (self.fixed[1] + self.per_sample[1] * split[1])
+        return max(self.fixed[0] + self.per_sample[0] * split[0], held) + self.exchange
+
+    def best_split(self, total: int):
+        return min(([total - c, c] for c in range(1, total)), key=self.cost)
+
+
+def test_a_quota_that_stalls_after_the_compute_is_found_by_the_trials():
+    machines = Quota([0.3e-3, 0.3e-3], [1e-6, 1e-6])
+    best = machines.best_split(4096)
+    b = Balancer(2)
+    history = machines.run(b, 4096, 3000)
+    tail = machines.times[-1000:]
+    assert sum(tail) / len(tail) < 1.05 * machines.cost(best), (history[-1], best)
+    assert abs(history[-1][1] - best[1]) < 0.15 * best[1], (history[-1], best)
+    assert b.state == "held" and len(b.notes) == 1, (b.state, b.notes)
+    # over the whole run, trials included: well ahead of equal shards
+    assert sum(machines.times) / 3000 < 0.6 * machines.cost([2048, 2048])
+    # the model alone (--balance on) is misled
+    alone = Quota([0.3e-3, 0.3e-3], [1e-6, 1e-6])
+    alone.run(Balancer(2, guard=False), 4096, 1000)
+    assert sum(alone.times[-500:]) / 500 > 1.3 * machines.cost(best)

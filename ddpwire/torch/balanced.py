@@ -11,8 +11,8 @@ NCCL)::
 Each step the ranks split one global batch of ``batch_size`` samples (a
 permutation every rank draws alike) by a fitted model of each rank's step,
 a fixed part plus a part per sample (:class:`ddpwire.balance.Balancer`, the
-rules the coordinator uses; ``balance="auto"``, the default, with the guard
-that goes back to an even split where measured steps show no gain). The
+rules the coordinator uses; ``balance="auto"``, the default, with the guard's
+trials of even and nudged splits, kept where measured steps show them faster). The
 hook multiplies each rank's bucket by ``world * c_r / batch_size`` (its
 share's weight, in float32) before the bucket is averaged, so the average
 is the sample-weighted mean, the gradient of the whole batch: the loss must
