@@ -40,16 +40,19 @@ The rules, and why:
   only as far as the clock bears it out. Now and then (after
   :data:`GUARD_FIRST` steps, then twice as long each time nothing wins, at
   most :data:`GUARD_LAST`) a :class:`ddpwire.trials.Trial` runs the
-  current split, equal shards, the split the last trial kept, and the
-  current split nudged each way (:data:`NUDGE` of an equal share moved
-  from one worker to the others), a few steps each, and keeps the one
-  whose measured steps are faster past their noise by :data:`GUARD_WIN`,
-  once it has won twice. When the model's split loses, the model moves
-  nothing more until a split of its own wins a trial, and
-  :attr:`Balancer.notes` says why once: the split then follows measured
-  step times alone (a CPU quota that stalls a worker after its part came
-  in misleads the model; trials do not care where a stall falls).
-  Identical workers stay at equal shards: nothing beats them twice.
+  current split against one challenger in alternating turns and keeps the
+  challenger where its measured steps are faster past their noise by
+  :data:`GUARD_WIN`. The challengers take turns: equal shards, the split
+  the last trial kept, the model's (when it lost: it comes back by
+  winning), and the current split nudged each way (:data:`NUDGE` of the
+  smaller of the shards samples move between; a way that wins is tried
+  again at once, twice as bold, then back by half; one that loses, half
+  as bold). When the model's split loses, the model moves nothing more
+  until a split of its own wins a trial, and :attr:`Balancer.notes` says
+  why once: the split then follows the trials alone (a CPU quota that
+  stalls a worker after its part came in misleads the model, and makes
+  the step a staircase in the shard no fitted line draws; trials do not
+  care where a stall falls). A challenger that lost sits out ever longer.
 - A worker's first measurement (its warm-up) is left out. Until every
   worker has been timed once, the split is the reference's (``T // n``,
   the rest to the last), which is also the split of a coordinator that
@@ -72,7 +75,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .step_model import JUMP_STEPS, StepModel, median
-from .trials import ARM_MOST, Trial
+from .trials import WON, Trial
 
 __all__ = ["CHOICES", "FLOOR", "GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "LAGS", "NUDGE",
            "NUDGE_LEAST", "NUDGE_MOST", "TOLERANCE", "Balancer", "ShardClock", "Shards", "WorkerTiming",
@@ -96,7 +99,7 @@ MEASURE_STEPS = 4
 #: a trial's first nudge (samples moved from one worker to the others), a
 #: fraction of an equal share; halved after a trial nothing won, doubled
 #: after a nudge won, within these bounds
-NUDGE = 0.25
+NUDGE = 0.5
 NUDGE_LEAST = 0.02
 NUDGE_MOST = 0.5
 #: the most steps a split the model said to keep stays before it is asked again
@@ -211,7 +214,8 @@ class Balancer:
         self._trials = 0       # trials started (each one's id)
         self._since = 0        # steps since the last trial ended
         self._interval = GUARD_FIRST
-        self._nudge = NUDGE    # a nudge's size, a fraction of an equal share
+        # each way's nudge (by its giver), a fraction of the shards it moves between
+        self._nudge: Dict[int, float] = {}
         self._trusted = True   # the model moves the split (False: it lost a trial)
         self._anchor: Optional[List[int]] = None  # the split the last trial kept
         # split -> (trials it sits out yet, how many the next loss benches it
@@ -220,6 +224,7 @@ class Balancer:
         self._bench: Dict[Tuple[int, ...], Tuple[int, int]] = {}
         self._turn = 0         # whose turn it is among the challengers
         self._push: Optional[str] = None  # the nudge that won last: tried first again
+        self._pushed_back = False  # the push is the way back, after one too far
         self._fallbacks = 0
         self._jumps = 0        # the models' jumps seen (a jump is re-measured at equal shards)
         self._measure = 0      # equal steps left to measure after a jump
@@ -354,7 +359,7 @@ class Balancer:
     def _restart(self) -> None:
         self._trial, self._anchor, self._trusted, self._bench = None, None, True, {}
         self._push = None
-        self._since, self._interval, self._nudge = 0, GUARD_FIRST, NUDGE
+        self._since, self._interval, self._nudge = 0, GUARD_FIRST, {}
         self._quiet, self._backoff, self._measure = 0, 1, 0
 
     def _decide(self, total: int, ids: List[int], equal: List[int],
@@ -377,7 +382,6 @@ class Balancer:
             if self._trial is None and (self._since > 2 * JUMP_STEPS or not self._trials):
                 # (just after a trial, a jump is the model seeing the split it
                 # knows again after a challenger's: not to be measured again)
-                self._since = max(self._since, self._interval - ARM_MOST)
                 self._bench = {}  # what lost before the change may win now
                 if current != equal and self._trusted:
                     self._measure = MEASURE_STEPS
@@ -398,7 +402,7 @@ class Balancer:
                     # split at once would cost as much as it could find
                     pushed = [arm for arm in arms[1:] if arm[0] == self._push]
                     challenger = pushed[0] if pushed else arms[1 + self._turn % (len(arms) - 1)]
-                    self._trial = Trial(self._next_trial(), [arms[0], challenger])
+                    self._trial = Trial(self._next_trial(), [arms[0], challenger], GUARD_WIN)
                     return self._run_trial(total, ids, equal, current)  # type: ignore[return-value]
         if not self._trusted:
             return current, None
@@ -458,7 +462,7 @@ class Balancer:
         out = []
         for i in range(n):
             least = min(c for k, c in enumerate(current) if k != i)
-            size = max(1.0, self._nudge * min(current[i], (n - 1) * least))
+            size = max(1.0, self._nudge.get(i, NUDGE) * min(current[i], (n - 1) * least))
             moved = min(size, current[i] - floor)
             if moved < 1:
                 continue
@@ -476,13 +480,7 @@ class Balancer:
         if arm is not None:
             return trial.arms[arm][1], arm
         base = trial.arms[0][1]
-        won = trial.winner(GUARD_WIN)
-        if won is not None and not trial.confirming:
-            # one win on a few steps can be luck: the winner runs against
-            # the base again, on fresh steps
-            self._trial = Trial(self._next_trial(), [trial.arms[0], trial.arms[won]],
-                                confirming=True)
-            return self._run_trial(total, ids, equal, current)
+        won = 1 if trial.verdict == WON else None
         self._trial, self._since = None, 0
         for key, (left, length) in list(self._bench.items()):
             self._bench[key] = (left - 1, length)
@@ -490,14 +488,23 @@ class Balancer:
             if i and i != won and not kind.startswith("nudge"):
                 length = self._bench.get(tuple(split), (0, 1))[1]
                 self._bench[tuple(split)] = (length, min(2 * length, 64))
+        challenger = trial.arms[1][0]
+        giver = int(challenger.split()[1]) if challenger.startswith("nudge") else None
         if won is None:
-            # the split stands: trials come ever less often, nudges smaller
-            if self._push is not None:
+            # the split stands: trials come ever less often, that way's nudge smaller
+            if giver is not None:
+                self._nudge[giver] = max(self._nudge.get(giver, NUDGE) / 2, NUDGE_LEAST)
+            if self._push is not None and giver is not None and not self._pushed_back \
+                    and len(base) == 2:
+                # past the best that way, likely: back the other way, by half
+                self._push = f"nudge {1 - giver}"
+                self._nudge[1 - giver] = self._nudge[giver]
+                self._pushed_back = True
+            elif self._push is not None:
                 self._push = None  # that way is spent: the others' turns again
             else:
                 self._turn += 1
             self._interval = min(2 * self._interval, GUARD_LAST)
-            self._nudge = max(self._nudge / 2, NUDGE_LEAST)
             self._anchor = base
             return base
         kind, split = trial.arms[won]
@@ -517,12 +524,15 @@ class Balancer:
                     f"the shards follow measured step times from here")
         if kind.startswith("nudge"):
             # a way that wins: bolder, and tried first again
-            self._nudge = min(2 * self._nudge, NUDGE_MOST)
-            self._push = kind
+            assert giver is not None
+            self._nudge[giver] = min(2 * self._nudge.get(giver, NUDGE), NUDGE_MOST)
+            self._push, self._pushed_back = kind, False
         else:
             self._push = None
             self._turn += 1
         self._interval = GUARD_FIRST
+        if self._push is not None:
+            self._since = self._interval  # the way that won, at once
         self._anchor = split
         return split
 

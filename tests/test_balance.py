@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ddpwire.balance import (FLOOR, GUARD_FIRST, TOLERANCE, Balancer, equal_shards, sample_scale,
                              shard_starts)
-from ddpwire.trials import ARM_STEPS
+from ddpwire.trials import BLOCK, WIN_PAIRS
 from ddpwire.step_model import StepModel
 
 
@@ -240,9 +240,8 @@ def test_the_guard_falls_back_to_equal_shards_where_balancing_does_not_win():
 
     machines = Misled([1e-3, 1e-3], [3e-6, 9e-6])
     b = Balancer(2)
-    # the model moves; the first trial (current against equal) and the
-    # confirming one
-    history = machines.run(b, 256, GUARD_FIRST + 4 * ARM_STEPS + 10)
+    # the model moves; the first trial (current against equal)
+    history = machines.run(b, 256, GUARD_FIRST + 2 * WIN_PAIRS * (BLOCK + 1) + 16)
     assert history[8] != [128, 128]  # the model moved
     assert b.state == "held" and history[-1] == [128, 128], (b.state, history)
     assert len(b.notes) == 1 and "not winning" in b.notes[0], b.notes

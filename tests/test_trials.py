@@ -1,60 +1,93 @@
-"""Splits compared by measured step times (ddpwire.trials), arithmetic only."""
+"""Two splits compared by measured step times (ddpwire.trials), arithmetic only."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
-from ddpwire.trials import ARM_MOST, ARM_STEPS, Trial, beats
+from ddpwire.trials import BLOCK, LOST, MIN_PAIRS, TURN_MOST, WIN_PAIRS, WON, Trial
 
 
-def test_a_win_must_beat_the_noise_and_the_margin():
-    base = [10.0, 10.2, 9.8, 10.1]
-    assert beats(base, [9.0, 9.1, 8.9, 9.0], 0.02)
-    assert not beats(base, [9.9, 10.0, 9.9, 10.0], 0.02)  # under the margin
-    assert not beats([10.0, 14.0, 6.0, 12.0], [9.0, 13.0, 5.0, 11.0], 0.02)  # in the noise
-    assert not beats(base, [], 0.02) and not beats([], base, 0.02)
-
-
-def test_one_long_step_is_dropped_a_stall_that_comes_back_is_not():
-    base = [10.0, 10.0, 10.0, 10.0]
-    assert beats(base, [9.0, 9.0, 9.0, 40.0], 0.02)  # one outlier
-    assert not beats(base, [9.0, 15.0, 9.0, 15.0], 0.02)  # every other step
-
-
-def run(trial: Trial, times):
-    """Each step: the arm it ran and its time (``times[arm]``), the way a
-    caller times steps (the first at a new split left out)."""
-    order, last = [], None
+def run(trial: Trial, time):
+    """Each step as a caller runs it: the arm planned, its time
+    (``time(arm, step)``) fed back, the first step of a turn (a change of
+    split) left out. Returns the arms in order."""
+    order, last, step = [], 0, 0  # (the split before the trial is the base)
     while (arm := trial.next_arm()) is not None:
         order.append(arm)
         if arm == last:
-            trial.record(arm, times[arm])
-        last = arm
+            trial.record(arm, time(arm, step))
+        last, step = arm, step + 1
     return order
 
 
-def test_each_arm_runs_until_its_times_are_in_then_the_next():
-    trial = Trial(1, [("current", [2, 2]), ("nudge", [1, 3]), ("nudge", [3, 1])])
-    order = run(trial, [10.0, 12.0, 8.0])
-    # the first arm keeps the split before it: every step of it is timed
-    assert order == [0] * ARM_STEPS + [1] * ARM_STEPS + [2] * ARM_STEPS
-    assert trial.winner(0.02) == 2
+def trial() -> Trial:
+    return Trial(1, [("current", [2, 2]), ("nudge 0", [1, 3])], 0.02)
 
 
-def test_a_caller_that_times_nothing_runs_no_other_arm():
-    trial = Trial(1, [("current", [2, 2]), ("equal", [3, 1])])
+def test_a_faster_challenger_wins_at_the_planned_look():
+    t = trial()
+    order = run(t, lambda arm, step: [10.0, 8.0][arm] * (1 + 0.01 * (step % 3)))
+    assert t.verdict == WON
+    # alternating turns, each a change and BLOCK timed steps (the base's
+    # first turn keeps the split before it: it is all timed)
+    assert order[:BLOCK] == [0] * BLOCK
+    assert order[BLOCK:2 * BLOCK + 1] == [1] * (BLOCK + 1)
+    assert len(t.turns[1]) == WIN_PAIRS  # a win is looked for once, there
+    assert t.mean(1) == pytest.approx(8.08, rel=0.01)
+
+
+def test_a_clearly_slower_challenger_loses_at_the_first_look():
+    t = trial()
+    run(t, lambda arm, step: [10.0, 15.0][arm])
+    assert t.verdict == LOST and len(t.turns[1]) == MIN_PAIRS
+
+
+def test_a_difference_inside_the_noise_never_wins():
+    rng = random.Random(4)
+    t = trial()
+    run(t, lambda arm, step: [10.0, 9.7][arm] * rng.uniform(0.5, 1.5))
+    assert t.verdict == LOST
+    assert len(t.turns[1]) <= WIN_PAIRS
+
+
+def test_identical_splits_win_rarely():
+    """The noise alone: one trial in fifty at most (the balancer moves
+    nudges of a shrinking size, and the other way wins back)."""
+    rng = random.Random(7)
+    wins = 0
+    for _ in range(1000):
+        t = trial()
+        run(t, lambda arm, step: 10.0 * rng.uniform(0.85, 1.15))
+        wins += t.verdict == WON
+    assert wins <= 25, wins
+
+
+def test_quota_bursts_and_stalls_sum_steady_over_a_turn():
+    """A step is 3 ms or 15 ms as a quota's period falls, their mean
+    steady over a turn: a 15% faster challenger is seen."""
+    t = trial()
+    run(t, lambda arm, step: [1.0, 0.85][arm] * (3e-3 if step % 2 else 15e-3))
+    assert t.verdict == WON
+
+
+def test_an_outlier_in_the_base_does_not_make_a_win():
+    t = trial()
+    run(t, lambda arm, step: 80.0 if (arm, step) == (0, 14) else 10.0 - 0.01 * (step % 2))
+    assert t.verdict == LOST
+
+
+def test_a_caller_that_times_nothing_runs_no_challenger():
+    t = trial()
     order = []
-    while (arm := trial.next_arm()) is not None:
+    while (arm := t.next_arm()) is not None:
         order.append(arm)
-    assert order == [0] * ARM_MOST
-    assert trial.winner(0.02) is None
+    assert order == [0] * TURN_MOST
+    assert t.verdict == LOST
 
 
-def test_nothing_wins_where_nothing_is_faster():
-    trial = Trial(1, [("current", [2, 2]), ("nudge", [1, 3])])
-    run(trial, [10.0, 10.1])
-    assert trial.winner(0.02) is None
-
-
-def test_a_trial_needs_two_splits():
-    with pytest.raises(ValueError, match="at least two splits"):
-        Trial(1, [("current", [2, 2])])
+def test_a_trial_takes_two_splits_and_a_margin():
+    with pytest.raises(ValueError, match="two splits"):
+        Trial(1, [("current", [2, 2])], 0.02)
+    with pytest.raises(ValueError, match="margin"):
+        Trial(1, [("current", [2, 2]), ("equal", [2, 2])], 1.5)
