@@ -89,16 +89,16 @@ LAGS = 9
 TOLERANCE = 0.03
 #: the smallest shard, a fraction of an equal share (at least one sample)
 FLOOR = 0.1
-#: steps between the first trials (and after one a split won), and the most between two
+#: steps between the first trials (and after a split won one), and the most between two
 GUARD_FIRST = 20
 GUARD_LAST = 640
 #: by how much (a fraction of the current split's step) another split must win a trial
-GUARD_WIN = 0.02
+GUARD_WIN = 0.05
 #: equal steps every worker is measured at after one changed speed
 MEASURE_STEPS = 4
-#: a trial's first nudge (samples moved from one worker to the others), a
-#: fraction of an equal share; halved after a trial nothing won, doubled
-#: after a nudge won, within these bounds
+#: a way's first nudge (samples moved from one worker to the others), a
+#: fraction of the smaller of the shards they move between; halved after
+#: that way lost a trial, doubled after it won one, within these bounds
 NUDGE = 0.5
 NUDGE_LEAST = 0.02
 NUDGE_MOST = 0.5
@@ -358,7 +358,7 @@ class Balancer:
 
     def _restart(self) -> None:
         self._trial, self._anchor, self._trusted, self._bench = None, None, True, {}
-        self._push = None
+        self._push, self._pushed_back = None, False
         self._since, self._interval, self._nudge = 0, GUARD_FIRST, {}
         self._quiet, self._backoff, self._measure = 0, 1, 0
 
@@ -369,9 +369,9 @@ class Balancer:
         if jumps != self._jumps:
             # a worker changed speed: one shard size cannot say whether its
             # fixed or its per-sample part did, so every worker is measured
-            # at an equal shard too before the split moves on, and a trial
-            # follows soon (a trial under way goes on: a nudge the model did
-            # not foresee looks like a jump to it, and the trial measures)
+            # at an equal shard too before the model moves the split on (a
+            # trial under way goes on: a nudge the model did not foresee
+            # looks like a jump to it, and the trial measures anyway)
             self._jumps = jumps
             if self._trial is not None and self._trial.on_base_for(2 * JUMP_STEPS):
                 # a change seen at the current split alone, past the steps a

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpwire.balance import (FLOOR, GUARD_FIRST, TOLERANCE, Balancer, equal_shards, sample_scale,
-                             shard_starts)
+from ddpwire.balance import (FLOOR, GUARD_FIRST, GUARD_WIN, TOLERANCE, Balancer, equal_shards,
+                             sample_scale, shard_starts)
 from ddpwire.trials import BLOCK, WIN_PAIRS
 from ddpwire.step_model import StepModel
 
@@ -393,8 +393,9 @@ def test_a_quota_that_stalls_after_the_compute_is_found_by_the_trials():
     b = Balancer(2)
     history = machines.run(b, 4096, 3000)
     tail = machines.times[-1000:]
-    assert sum(tail) / len(tail) < 1.05 * machines.cost(best), (history[-1], best)
-    assert abs(history[-1][1] - best[1]) < 0.15 * best[1], (history[-1], best)
+    # within the trials' margin (a move must win by GUARD_WIN) of the best
+    assert sum(tail) / len(tail) < (1 + GUARD_WIN) * machines.cost(best), (history[-1], best)
+    assert abs(history[-1][1] - best[1]) < 0.25 * best[1], (history[-1], best)
     assert b.state == "held" and len(b.notes) == 1, (b.state, b.notes)
     # over the whole run, trials included: well ahead of equal shards
     assert sum(machines.times) / 3000 < 0.6 * machines.cost([2048, 2048])
