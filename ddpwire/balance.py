@@ -36,23 +36,9 @@ The rules, and why:
 - A move is at most a halving or a doubling of any shard, and half the
   way while a worker's fixed and per-sample parts are not told apart (one
   shard size measured): a wrong model costs a step or two, not a run.
-- The guard (``guard=True``, ``--balance auto``): the model is trusted
-  only as far as the clock bears it out. Now and then (after
-  :data:`GUARD_FIRST` steps, then twice as long each time nothing wins, at
-  most :data:`GUARD_LAST`) a :class:`ddpwire.trials.Trial` runs the
-  current split against one challenger in alternating turns and keeps the
-  challenger where its measured steps are faster past their noise by
-  :data:`GUARD_WIN`. The challengers take turns: equal shards, the split
-  the last trial kept, the model's (when it lost: it comes back by
-  winning), and the current split nudged each way (:data:`NUDGE` of the
-  smaller of the shards samples move between; a way that wins is tried
-  again at once, twice as bold, then back by half; one that loses, half
-  as bold). When the model's split loses, the model moves nothing more
-  until a split of its own wins a trial, and :attr:`Balancer.notes` says
-  why once: the split then follows the trials alone (a CPU quota that
-  stalls a worker after its part came in misleads the model, and makes
-  the step a staircase in the shard no fitted line draws; trials do not
-  care where a stall falls). A challenger that lost sits out ever longer.
+- The guard (``guard=True``, ``--balance auto``): trials of other splits
+  now and then, on measured step times, and the model trusted only as far
+  as they bear it out (:mod:`ddpwire.guard`).
 - A worker's first measurement (its warm-up) is left out. Until every
   worker has been timed once, the split is the reference's (``T // n``,
   the rest to the last), which is also the split of a coordinator that
@@ -74,12 +60,12 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .guard import Guard
+from .splits import FLOOR, equal_shards, floor_shard, largest_remainder, shard_starts
 from .step_model import JUMP_STEPS, StepModel, median
-from .trials import WON, Trial
 
-__all__ = ["CHOICES", "FLOOR", "GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "LAGS", "NUDGE",
-           "NUDGE_LEAST", "NUDGE_MOST", "TOLERANCE", "Balancer", "ShardClock", "Shards", "WorkerTiming",
-           "equal_shards", "sample_scale", "shard_starts"]
+__all__ = ["CHOICES", "FLOOR", "LAGS", "TOLERANCE", "Balancer", "ShardClock", "Shards",
+           "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
 CHOICES: Dict[str, Union[bool, str]] = {"auto": "auto", "on": True, "off": False}
@@ -87,45 +73,13 @@ CHOICES: Dict[str, Union[bool, str]] = {"auto": "auto", "on": True, "off": False
 LAGS = 9
 #: the smallest predicted saving (a fraction of the step) worth a move
 TOLERANCE = 0.03
-#: the smallest shard, a fraction of an equal share (at least one sample)
-FLOOR = 0.1
-#: steps between the first trials (and after a split won one), and the most between two
-GUARD_FIRST = 20
-GUARD_LAST = 640
-#: by how much (a fraction of the current split's step) another split must win a trial
-GUARD_WIN = 0.05
 #: equal steps every worker is measured at after one changed speed
 MEASURE_STEPS = 4
-#: a way's first nudge (samples moved from one worker to the others), a
-#: fraction of the smaller of the shards they move between; halved after
-#: that way lost a trial, doubled after it won one, within these bounds
-NUDGE = 0.5
-NUDGE_LEAST = 0.02
-NUDGE_MOST = 0.5
 #: the most steps a split the model said to keep stays before it is asked again
 QUIET_MOST = 16
 
 #: the guard's states (Balancer.state)
 EQUAL, BALANCED, PROBE, HELD = "equal", "balanced", "probe", "held"
-
-
-def equal_shards(total: int, workers: int) -> List[int]:
-    """The reference's split: ``total // workers`` each, the rest to the last."""
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
-    if total < 0:
-        raise ValueError(f"total must be >= 0, got {total}")
-    each = total // workers
-    return [each] * (workers - 1) + [total - each * (workers - 1)]
-
-
-def shard_starts(shards: Sequence[int]) -> List[int]:
-    """Each shard's first sample: shards are laid out in worker order."""
-    starts, at = [], 0
-    for count in shards:
-        starts.append(at)
-        at += count
-    return starts
 
 
 def sample_scale(count: int, total: int, workers: int) -> float:
@@ -159,22 +113,6 @@ class WorkerTiming:
     name: str = ""
 
 
-def _floor(total: int, workers: int) -> int:
-    """The smallest shard: :data:`FLOOR` of an equal share, at least one
-    sample, at most an equal share."""
-    return min(max(1, math.ceil(FLOOR * total / workers)), total // workers)
-
-
-def _largest_remainder(ideal: Sequence[float], total: int) -> List[int]:
-    """Whole counts adding up to ``total`` nearest ``ideal`` (which adds up
-    to it); ties go to the lower index, so every run splits alike."""
-    split = [int(math.floor(x)) for x in ideal]
-    order = sorted(range(len(ideal)), key=lambda i: (split[i] - ideal[i], i))
-    for i in order[:total - sum(split)]:
-        split[i] += 1
-    return split
-
-
 class Balancer:
     """Shard sizes for ``workers`` workers that minimise the predicted step.
 
@@ -193,7 +131,6 @@ class Balancer:
         if not 0.0 <= tolerance < 1.0:
             raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
         self.workers = workers
-        self.guard = guard
         self.tolerance = tolerance
         #: each worker's fitted compute time (ddpwire.step_model.StepModel)
         self.models = [StepModel() for _ in range(workers)]
@@ -206,26 +143,10 @@ class Balancer:
         #: (a trial's steps, or equal ones measuring after a jump) or held
         #: (the model lost a trial: the split the trials found faster)
         self.state = EQUAL
-        #: why the shards left the model's split, newest last (the caller logs them)
-        self.notes: List[str] = []
         # step -> (the trial it ran for, its arm, whether its split changed)
         self._planned: Dict[int, Tuple[Optional[int], int, bool]] = {}
-        self._trial: Optional[Trial] = None
-        self._trials = 0       # trials started (each one's id)
-        self._since = 0        # steps since the last trial ended
-        self._interval = GUARD_FIRST
-        # each way's nudge (by its giver), a fraction of the shards it moves between
-        self._nudge: Dict[int, float] = {}
-        self._trusted = True   # the model moves the split (False: it lost a trial)
-        self._anchor: Optional[List[int]] = None  # the split the last trial kept
-        # split -> (trials it sits out yet, how many the next loss benches it
-        # for): a split that lost sits out ever longer (equal shards far off
-        # the best, or a model that is wrong, cost every step they run)
-        self._bench: Dict[Tuple[int, ...], Tuple[int, int]] = {}
-        self._turn = 0         # whose turn it is among the challengers
-        self._push: Optional[str] = None  # the nudge that won last: tried first again
-        self._pushed_back = False  # the push is the way back, after one too far
-        self._fallbacks = 0
+        #: the trials of other splits (``guard``; None: the model alone)
+        self.guard: Optional[Guard] = Guard() if guard else None
         self._jumps = 0        # the models' jumps seen (a jump is re-measured at equal shards)
         self._measure = 0      # equal steps left to measure after a jump
         self._quiet = 0        # steps the split stays before the model is asked again
@@ -261,7 +182,6 @@ class Balancer:
         self._update_lag(worker)
         self._warm[worker] = False
         self._last = None
-        self._trial = None
 
     def lag(self, worker: int) -> float:
         """Seconds ``worker`` adds to a step after its part came in, when
@@ -314,8 +234,8 @@ class Balancer:
         if planned is None or not seconds > 0.0:
             return
         trial, arm, changed = planned
-        if self._trial is not None and trial == self._trial.ident and not changed:
-            self._trial.record(arm, seconds)
+        if self.guard is not None and not changed:
+            self.guard.record(trial, arm, seconds)
 
     def _check(self, worker: int) -> None:
         if not 0 <= worker < self.workers:
@@ -345,21 +265,29 @@ class Balancer:
         else:
             sub, arm = self._decide(total, ids, equal, current if current is not None else equal)
         if step is not None:
-            trial = self._trial.ident if arm is not None and self._trial is not None else None
+            trial = self.guard.trial.ident if arm is not None and self.guard is not None \
+                and self.guard.trial is not None else None
             self._planned[step] = (trial, arm or 0, current is not None and sub != current)
             self._planned.pop(step - 64, None)  # a step never timed
         self._last = (ids, sub)
         self.state = PROBE if arm is not None or self._measure else \
-            HELD if not self._trusted else EQUAL if sub == equal else BALANCED
+            HELD if not self._trusted() else EQUAL if sub == equal else BALANCED
         split = [0] * self.workers
         for i, count in zip(ids, sub):
             split[i] = count
         return split
 
+    @property
+    def notes(self) -> List[str]:
+        """Why the shards left the model's split, newest last (the caller logs them)."""
+        return self.guard.notes if self.guard is not None else []
+
+    def _trusted(self) -> bool:
+        return self.guard is None or self.guard.trusted
+
     def _restart(self) -> None:
-        self._trial, self._anchor, self._trusted, self._bench = None, None, True, {}
-        self._push, self._pushed_back = None, False
-        self._since, self._interval, self._nudge = 0, GUARD_FIRST, {}
+        if self.guard is not None:
+            self.guard.restart()
         self._quiet, self._backoff, self._measure = 0, 1, 0
 
     def _decide(self, total: int, ids: List[int], equal: List[int],
@@ -369,42 +297,22 @@ class Balancer:
         if jumps != self._jumps:
             # a worker changed speed: one shard size cannot say whether its
             # fixed or its per-sample part did, so every worker is measured
-            # at an equal shard too before the model moves the split on (a
-            # trial under way goes on: a nudge the model did not foresee
-            # looks like a jump to it, and the trial measures anyway)
+            # at an equal shard too before the model moves the split on
             self._jumps = jumps
-            if self._trial is not None and self._trial.on_base_for(2 * JUMP_STEPS):
-                # a change seen at the current split alone, past the steps a
-                # model rescaled to a challenger's times takes to come back:
-                # a real one
-                self._trial = None
             self._quiet, self._backoff = 0, 1
-            if self._trial is None and (self._since > 2 * JUMP_STEPS or not self._trials):
-                # (just after a trial, a jump is the model seeing the split it
-                # knows again after a challenger's: not to be measured again)
-                self._bench = {}  # what lost before the change may win now
-                if current != equal and self._trusted:
-                    self._measure = MEASURE_STEPS
+            real = self.guard.jumped(JUMP_STEPS) if self.guard is not None else True
+            if real and current != equal and self._trusted():
+                self._measure = MEASURE_STEPS
         if self._measure:
             self._measure -= 1
             return equal, None
-        if self._trial is not None:
-            run = self._run_trial(total, ids, equal, current)
-            if isinstance(run, tuple):
-                return run
-            current = run
-        elif self.guard:
-            self._since += 1
-            if self._since > self._interval:
-                arms = self._arms(total, ids, equal, current)
-                if len(arms) > 1:
-                    # one challenger a trial, in turn: a trial of every
-                    # split at once would cost as much as it could find
-                    pushed = [arm for arm in arms[1:] if arm[0] == self._push]
-                    challenger = pushed[0] if pushed else arms[1 + self._turn % (len(arms) - 1)]
-                    self._trial = Trial(self._next_trial(), [arms[0], challenger], GUARD_WIN)
-                    return self._run_trial(total, ids, equal, current)  # type: ignore[return-value]
-        if not self._trusted:
+        if self.guard is not None:
+            split, arm = self.guard.next(current, equal, lambda: self._best(total, ids) if all(
+                self.models[i].ready for i in ids) else None)
+            if arm is not None:
+                return split, arm
+            current = split
+        if not self._trusted():
             return current, None
         if self._quiet > 0:
             # the model said stay: it is asked again after 1, 2, 4 ... 16
@@ -417,124 +325,9 @@ class Balancer:
             self._quiet, self._backoff = self._backoff - 1, min(2 * self._backoff, QUIET_MOST)
         else:
             self._quiet, self._backoff = 0, 1
-            if current == equal:
-                # a new spell: tried within GUARD_FIRST steps (the trials' pace kept)
-                self._since = max(self._since, self._interval - GUARD_FIRST)
+            if current == equal and self.guard is not None:
+                self.guard.left_equal()
         return sub, None
-
-    def _next_trial(self) -> int:
-        self._trials += 1
-        return self._trials
-
-    def _arms(self, total: int, ids: List[int], equal: List[int],
-              current: List[int]) -> List[Tuple[str, List[int]]]:
-        """A trial's splits: the current one first, then equal shards, the
-        split the last trial kept, the model's (when it is not trusted: it
-        comes back by winning), and the current one nudged each way. One of
-        the first three that lost a trial sits out the next 1, 2, 4 ... 64
-        (each loss twice as many): a split far off the best costs every
-        step it runs."""
-        arms: List[Tuple[str, List[int]]] = [("current", current)]
-
-        def add(kind: str, split: List[int]) -> None:
-            if all(split != s for _, s in arms) and \
-                    (kind.startswith("nudge") or self._bench.get(tuple(split), (0, 1))[0] <= 0):
-                arms.append((kind, split))
-        add("equal", equal)
-        if self._anchor is not None:
-            add("kept", self._anchor)
-        if not self._trusted and all(self.models[i].ready for i in ids):
-            add("model", self._best(total, ids))
-        for giver, split in self._nudged(current, total):
-            add(f"nudge {giver}", split)
-        return arms
-
-    def _nudged(self, current: List[int], total: int) -> List[Tuple[int, List[int]]]:
-        """``current`` with samples taken from each worker in turn and
-        shared by the others: a nudge's worth of the giver's shard or of
-        the smallest receiver's, whichever is less (a worker far slower a
-        sample than the others gets few of them, and a nudge sized by the
-        others' would cost more than it could tell), none below the floor."""
-        n = len(current)
-        if n < 2:
-            return []
-        floor = _floor(total, n)
-        out = []
-        for i in range(n):
-            least = min(c for k, c in enumerate(current) if k != i)
-            size = max(1.0, self._nudge.get(i, NUDGE) * min(current[i], (n - 1) * least))
-            moved = min(size, current[i] - floor)
-            if moved < 1:
-                continue
-            ideal = [c - moved if k == i else c + moved / (n - 1) for k, c in enumerate(current)]
-            out.append((i, _largest_remainder(ideal, total)))
-        return out
-
-    def _run_trial(self, total: int, ids: List[int], equal: List[int],
-                   current: List[int]) -> Union[Tuple[List[int], int], List[int]]:
-        """The trial's next step (split, arm), or, once it is over, the
-        split it leaves."""
-        trial = self._trial
-        assert trial is not None
-        arm = trial.next_arm()
-        if arm is not None:
-            return trial.arms[arm][1], arm
-        base = trial.arms[0][1]
-        won = 1 if trial.verdict == WON else None
-        self._trial, self._since = None, 0
-        for key, (left, length) in list(self._bench.items()):
-            self._bench[key] = (left - 1, length)
-        for i, (kind, split) in enumerate(trial.arms):
-            if i and i != won and not kind.startswith("nudge"):
-                length = self._bench.get(tuple(split), (0, 1))[1]
-                self._bench[tuple(split)] = (length, min(2 * length, 64))
-        challenger = trial.arms[1][0]
-        giver = int(challenger.split()[1]) if challenger.startswith("nudge") else None
-        if won is None:
-            # the split stands: trials come ever less often, that way's nudge smaller
-            if giver is not None:
-                self._nudge[giver] = max(self._nudge.get(giver, NUDGE) / 2, NUDGE_LEAST)
-            if self._push is not None and giver is not None and not self._pushed_back \
-                    and len(base) == 2:
-                # past the best that way, likely: back the other way, by half
-                self._push = f"nudge {1 - giver}"
-                self._nudge[1 - giver] = self._nudge[giver]
-                self._pushed_back = True
-            elif self._push is not None:
-                self._push = None  # that way is spent: the others' turns again
-            else:
-                self._turn += 1
-            self._interval = min(2 * self._interval, GUARD_LAST)
-            self._anchor = base
-            return base
-        kind, split = trial.arms[won]
-        if kind == "model":
-            self._trusted = True
-        elif self._trusted:
-            # the model's split lost to one it did not choose: the model
-            # moves nothing until a split of its own wins a trial
-            self._trusted = False
-            self._fallbacks += 1
-            if self._fallbacks == 1:
-                mine = "equal shards" if base == equal else "shards by speed"
-                theirs = "equal shards" if split == equal else f"shards {split}"
-                self.notes.append(
-                    f"balancing is not winning: a step took {1000 * trial.mean(0):.2f} ms with "
-                    f"{mine} against {1000 * trial.mean(won):.2f} ms with {theirs} (means); "
-                    f"the shards follow measured step times from here")
-        if kind.startswith("nudge"):
-            # a way that wins: bolder, and tried first again
-            assert giver is not None
-            self._nudge[giver] = min(2 * self._nudge.get(giver, NUDGE), NUDGE_MOST)
-            self._push, self._pushed_back = kind, False
-        else:
-            self._push = None
-            self._turn += 1
-        self._interval = GUARD_FIRST
-        if self._push is not None:
-            self._since = self._interval  # the way that won, at once
-        self._anchor = split
-        return split
 
     def predict(self, split: Sequence[int], ids: Sequence[int]) -> float:
         """The step's predicted seconds under ``split`` (one count per id in
@@ -568,7 +361,7 @@ class Balancer:
         worker whose share at ``t`` is under the floor keeps the floor, and
         ``t`` is found again for the others)."""
         n = len(ids)
-        floor = _floor(total, n)
+        floor = floor_shard(total, n)
         base = [self.models[i].fixed + self.lag(i) for i in ids]  # type: ignore[operator]
         slope = [max(self.models[i].per_sample, 1e-12) for i in ids]  # type: ignore[type-var]
         above = list(range(n))
@@ -586,7 +379,7 @@ class Balancer:
                 ideal[k] = (t - base[k]) / slope[k]
         else:
             ideal = [total / n] * n  # (nobody above the floor: the floor is an equal share)
-        return _largest_remainder(ideal, total)
+        return largest_remainder(ideal, total)
 
     @staticmethod
     def _toward(current: List[int], target: List[int], total: int, most: float) -> List[int]:
@@ -599,7 +392,7 @@ class Balancer:
             elif 2 * t < c:
                 alpha = min(alpha, (c / 2) / (c - t))
         ideal = [c + alpha * (t - c) for c, t in zip(current, target)]
-        return _largest_remainder(ideal, total)
+        return largest_remainder(ideal, total)
 
 
 class Shards:

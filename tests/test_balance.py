@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpwire.balance import (FLOOR, GUARD_FIRST, GUARD_WIN, TOLERANCE, Balancer, equal_shards,
-                             sample_scale, shard_starts)
+from ddpwire.balance import FLOOR, TOLERANCE, Balancer, equal_shards, sample_scale, shard_starts
+from ddpwire.guard import GUARD_FIRST, GUARD_WIN
 from ddpwire.trials import BLOCK, WIN_PAIRS
 from ddpwire.step_model import StepModel
 
