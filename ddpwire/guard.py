@@ -11,11 +11,8 @@ far as the clock bears it out:
   the current split against one challenger and keeps the challenger where
   its measured steps are faster past their noise by :data:`GUARD_WIN`;
 - the challengers take turns: equal shards, the split the last trial kept,
-  the model's own (once it lost: it comes back by winning), each worker at
-  the floor in turn (under a CPU quota the step is a staircase in the
-  held worker's shard, flat until its part fits in its quota's burst:
-  small moves from equal show nothing there), and the current split
-  nudged each way (ddpwire.splits.nudged, :data:`NUDGE` of
+  the model's own (once it lost: it comes back by winning), and the
+  current split nudged each way (ddpwire.splits.nudged, :data:`NUDGE` of
   the smaller of the shards samples move between). A way that wins is
   tried again at once, twice as bold (at most :data:`NUDGE_MOST`); when it
   then loses, the other way is tried by half (past the best, likely); a
@@ -34,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .splits import at_floor, nudged
+from .splits import nudged
 from .trials import WON, Trial
 
 __all__ = ["GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "NUDGE", "NUDGE_LEAST", "NUDGE_MOST",
@@ -119,20 +116,10 @@ class Guard:
             arms = self._arms(current, equal, model)
             if len(arms) < 2:
                 return current, None
-            # one challenger a trial, in turn (each kind in a fixed order,
-            # those sitting out passed over): every split at once would cost
+            # one challenger a trial, in turn: every split at once would cost
             # as much as it could find
-            kinds = dict(arms[1:])
-            order = ["equal", "kept", "model"] + [f"{kind} {w}" for kind in ("floor", "nudge")
-                                                  for w in range(len(current))]
-            if self._push in kinds:
-                pick = self._push
-            else:
-                at = next(k for k in range(len(order))
-                          if order[(self._turn + k) % len(order)] in kinds)
-                pick = order[(self._turn + at) % len(order)]
-                self._turn += at + 1
-            challenger = (pick, kinds[pick])
+            pushed = [arm for arm in arms[1:] if arm[0] == self._push]
+            challenger = pushed[0] if pushed else arms[1 + self._turn % (len(arms) - 1)]
             self._trials += 1
             self.trial = Trial(self._trials, [arms[0], challenger], GUARD_WIN)
         arm = self.trial.next_arm()
@@ -152,8 +139,6 @@ class Guard:
         add("kept", self._kept)
         if not self.trusted:
             add("model", model())
-        for worker in range(len(current)):
-            add(f"floor {worker}", at_floor(current, worker))
         for giver in range(len(current)):
             add(f"nudge {giver}", nudged(current, giver, self._nudge.get(giver, NUDGE)))
         return arms
@@ -179,6 +164,8 @@ class Guard:
                 self._pushed_back = True
             elif self._push is not None:
                 self._push = None  # that way is spent: the others' turns again
+            else:
+                self._turn += 1
             # the split stands: trials come ever less often
             self._interval = min(2 * self._interval, GUARD_LAST)
             self._kept = base
@@ -204,6 +191,7 @@ class Guard:
             self._since = GUARD_FIRST
         else:
             self._push = None
+            self._turn += 1
         self._interval = GUARD_FIRST
         self._kept = split
         return split

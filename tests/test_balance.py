@@ -265,8 +265,7 @@ def test_the_guard_keeps_a_split_that_wins_and_compares_ever_less_often():
     assert equal <= 0.03 * len(history), equal  # the trials: a few steps in a hundred
     assert b.state in ("balanced", "probe") and not b.notes
     mean = sum(machines.times[100:]) / len(machines.times[100:])
-    # (the trials' cost: a few steps in a hundred at other splits)
-    assert mean <= 1.05 * machines.best(1000), (mean, machines.best(1000))
+    assert mean <= 1.04 * machines.best(1000), (mean, machines.best(1000))
 
 
 def test_a_lag_outside_the_compute_is_net_of_the_shards():
@@ -394,10 +393,9 @@ def test_a_quota_that_stalls_after_the_compute_is_found_by_the_trials():
     b = Balancer(2)
     history = machines.run(b, 4096, 3000)
     tail = machines.times[-1000:]
-    # near the best: a move must win by GUARD_WIN, so the trials stop
-    # where no neighbour they try is that much faster
-    assert sum(tail) / len(tail) < (1 + 2.5 * GUARD_WIN) * machines.cost(best), \
-        (history[-1], best)
+    # within the trials' margin (a move must win by GUARD_WIN) of the best
+    assert sum(tail) / len(tail) < (1 + GUARD_WIN) * machines.cost(best), (history[-1], best)
+    assert abs(history[-1][1] - best[1]) < 0.25 * best[1], (history[-1], best)
     assert b.state == "held" and len(b.notes) == 1, (b.state, b.notes)
     # over the whole run, trials included: well ahead of equal shards
     assert sum(machines.times) / 3000 < 0.6 * machines.cost([2048, 2048])
@@ -405,22 +403,3 @@ def test_a_quota_that_stalls_after_the_compute_is_found_by_the_trials():
     alone = Quota([0.3e-3, 0.3e-3], [1e-6, 1e-6])
     alone.run(Balancer(2, guard=False), 4096, 1000)
     assert sum(alone.times[-500:]) / 500 > 1.3 * machines.cost(best)
-
-
-class Staircase(Quota):
-    """Worker 1 under a quota whose step is a staircase in its shard: one
-    stall a step (10 ms) until its part fits in the quota's burst, then
-    none; the other worker a steady 2 us a sample: small moves from equal
-    shards show nothing, the floor does."""
-
-    def cost(self, split) -> float:
-        held = 0.010 if split[1] > 100 else 0.002
-        return max(2e-6 * split[0] + 0.2e-3, held) + self.exchange
-
-
-def test_a_staircase_is_found_by_trying_each_worker_at_the_floor():
-    machines = Staircase([0.3e-3, 0.3e-3], [1e-6, 1e-6])
-    b = Balancer(2)
-    history = machines.run(b, 1024, 1500)
-    assert history[-1][1] <= 100, history[-1]
-    assert sum(machines.times[-500:]) / 500 < 0.5 * machines.cost([512, 512])
