@@ -37,7 +37,8 @@ The rules, and why:
   way while a worker's fixed and per-sample parts are not told apart (one
   shard size measured): a wrong model costs a step or two, not a run.
 - The guard (``guard=True``, ``--balance auto``): trials of other splits
-  now and then, on measured step times, and the model trusted only as far
+  now and then, on measured step times, where the workers' parts come in
+  far enough apart that one could win, and the model trusted only as far
   as they bear it out (:mod:`ddpwire.guard`).
 - A worker's first measurement (its warm-up) is left out. Until every
   worker has been timed once, the split is the reference's (``T // n``,
@@ -63,9 +64,10 @@ import numpy as np
 from .guard import Guard
 from .splits import FLOOR, equal_shards, floor_shard, largest_remainder, shard_starts
 from .step_model import JUMP_STEPS, StepModel, median
+from .trials import spread
 
-__all__ = ["CHOICES", "FLOOR", "LAGS", "TOLERANCE", "Balancer", "ShardClock", "Shards",
-           "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
+__all__ = ["CHOICES", "FLOOR", "LAGS", "ROOM_LEAST", "ROOM_STEPS", "TOLERANCE", "Balancer",
+           "ShardClock", "Shards", "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
 CHOICES: Dict[str, Union[bool, str]] = {"auto": "auto", "on": True, "off": False}
@@ -77,6 +79,10 @@ TOLERANCE = 0.03
 MEASURE_STEPS = 4
 #: the most steps a split the model said to keep stays before it is asked again
 QUIET_MOST = 16
+#: recent steps whose medians say how far apart the workers' parts come in
+#: (the room a trial has to win), and the fewest at one split that do
+ROOM_STEPS = 31
+ROOM_LEAST = 9
 
 #: the guard's states (Balancer.state)
 EQUAL, BALANCED, PROBE, HELD = "equal", "balanced", "probe", "held"
@@ -137,6 +143,11 @@ class Balancer:
         self._before: List[Deque[float]] = [deque(maxlen=LAGS) for _ in range(workers)]
         self._after: List[Deque[float]] = [deque(maxlen=LAGS) for _ in range(workers)]
         self._lags = [0.0] * workers  # each worker's after, kept as it comes
+        # each worker's recent (shard, seconds to its part coming in), and
+        # recent steps end to end: the room another split has to win
+        self._arrivals: List[Deque[Tuple[int, float]]] = \
+            [deque(maxlen=ROOM_STEPS) for _ in range(workers)]
+        self._steps: Deque[float] = deque(maxlen=ROOM_STEPS)
         self._warm = [False] * workers  # a worker's first measurement is its warm-up
         self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
         #: where the shards stand: equal, balanced (the model's split), probe
@@ -179,6 +190,7 @@ class Balancer:
         self.models[worker] = StepModel()
         self._before[worker].clear()
         self._after[worker].clear()
+        self._arrivals[worker].clear()
         self._update_lag(worker)
         self._warm[worker] = False
         self._last = None
@@ -216,6 +228,7 @@ class Balancer:
             self._before[worker].append(before)
             seconds += before
         self.models[worker].add(samples, seconds)
+        self._arrivals[worker].append((samples, seconds))
 
     def ended(self, worker: int, seconds: float) -> None:
         """A step went on ``seconds`` after the part of ``worker``, its
@@ -234,8 +247,9 @@ class Balancer:
         if planned is None or not seconds > 0.0:
             return
         trial, arm, changed = planned
-        if self.guard is not None and not changed:
-            self.guard.record(trial, arm, seconds)
+        self._steps.append(seconds)
+        if self.guard is not None:
+            self.guard.record(trial, arm, seconds, changed)
 
     def _check(self, worker: int) -> None:
         if not 0 <= worker < self.workers:
@@ -300,6 +314,8 @@ class Balancer:
             # at an equal shard too before the model moves the split on
             self._jumps = jumps
             self._quiet, self._backoff = 0, 1
+            for arrivals in self._arrivals:
+                arrivals.clear()  # how far apart they came in before says nothing now
             real = self.guard.jumped(JUMP_STEPS) if self.guard is not None else True
             if real and current != equal and self._trusted():
                 self._measure = MEASURE_STEPS
@@ -307,8 +323,10 @@ class Balancer:
             self._measure -= 1
             return equal, None
         if self.guard is not None:
-            split, arm = self.guard.next(current, equal, lambda: self._best(total, ids) if all(
-                self.models[i].ready for i in ids) else None)
+            split, arm = self.guard.next(
+                current, equal,
+                lambda: self._best(total, ids) if all(self.models[i].ready for i in ids) else None,
+                lambda: self.room(current, ids))
             if arm is not None:
                 return split, arm
             current = split
@@ -328,6 +346,33 @@ class Balancer:
             if current == equal and self.guard is not None:
                 self.guard.left_equal()
         return sub, None
+
+    def room(self, split: Sequence[int], ids: Sequence[int]) -> Optional[float]:
+        """The most another split could save on ``split``'s step (one count
+        per id in ``ids``), a fraction of the step: how far apart the
+        workers' parts came in, the medians of their recent steps at these
+        shards over the median step. Moving samples from the last one in
+        to the others cannot end the step before the earliest part came
+        in, and its lag after. Less two standard errors of the difference
+        (never below 0). None until each worker has :data:`ROOM_LEAST`
+        steps at its shard and has been the last one in."""
+        ends = []  # (median, its standard error) per worker
+        for i, count in zip(ids, split):
+            times = [t for c, t in self._arrivals[i] if c == count]
+            if len(times) < ROOM_LEAST or not self._after[i]:
+                return None
+            # its part in, and the rest of the exchange when it is the last
+            # one in; a median's standard error is about 1.25 the mean's
+            ends.append((median(times) + self._lags[i],
+                         1.25 * spread(times) / math.sqrt(len(times))))
+        if len(self._steps) < ROOM_LEAST:
+            return None
+        first, last = min(ends), max(ends)
+        # less two standard errors of the difference: workers of one speed
+        # come in apart by as much, by chance, and read as room they would
+        # run trials for (the noise that spread them also misleads the model)
+        apart = last[0] - first[0] - 2.0 * math.hypot(first[1], last[1])
+        return max(0.0, apart) / median(self._steps)
 
     def predict(self, split: Sequence[int], ids: Sequence[int]) -> float:
         """The step's predicted seconds under ``split`` (one count per id in
@@ -349,6 +394,12 @@ class Balancer:
             return step - best > max(self.tolerance * step, error)
         if not worth(equal):
             return equal  # not worth leaving equal shards
+        if current == equal:
+            room = self.room(current, ids)
+            if room is not None and room <= self.tolerance:
+                # the parts come in together: the model's gain is its noise
+                # (the fewer sizes it has seen, the more it reads into it)
+                return equal
         if not worth(current):
             return current
         provisional = any(self.models[i].provisional for i in ids)

@@ -19,6 +19,16 @@ far as the clock bears it out:
   way that loses is tried half as bold (at least :data:`NUDGE_LEAST`). A
   challenger other than a nudge that lost sits out the next 1, 2, 4 ... 64
   trials: a split far off the best costs every step it runs;
+- at equal shards a trial starts only where one could win: the workers'
+  parts came in (medians of their recent steps, :meth:`next`'s ``room``)
+  further apart than :data:`GUARD_WIN` of the step (no split can save
+  more than the time between the first part in and the last: identical
+  workers run few trials or none); off equal shards the split the model
+  or a trial chose is tried against others as it always is. A trial
+  starts only while the trials that lost have cost at most
+  :data:`TRIAL_BUDGET` of the time run (each lost trial's challenger
+  steps, times how much slower they were): where nothing wins, the trials
+  cost a bounded share of the run, however long it is;
 - when the model's split loses, the model moves nothing more until a split
   of its own wins a trial, and :attr:`Guard.notes` says why once. The split
   then follows the trials alone: a CPU quota that stalls a worker after
@@ -35,7 +45,7 @@ from .splits import nudged
 from .trials import WON, Trial
 
 __all__ = ["GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "NUDGE", "NUDGE_LEAST", "NUDGE_MOST",
-           "Guard"]
+           "TRIAL_BUDGET", "Guard"]
 
 #: steps before the first trial (and after a split won one), and the most between two
 GUARD_FIRST = 20
@@ -44,6 +54,8 @@ GUARD_LAST = 640
 #: trial: a split a little faster on a machine whose workers share cores with
 #: the coordinator is contention, not a machine's speed
 GUARD_WIN = 0.05
+#: the most of the time run that lost trials may have cost before another starts
+TRIAL_BUDGET = 0.03
 #: a way's first nudge, a fraction of the smaller of the shards samples move
 #: between; halved after that way lost a trial, doubled after it won one,
 #: within these bounds
@@ -60,9 +72,12 @@ class Guard:
     def __init__(self) -> None:
         #: why the shards left the model's split, newest last (the caller logs them)
         self.notes: List[str] = []
-        self._trials = 0       # trials started (each one's id)
+        #: trials started (each one's id)
+        self.trials = 0
         self._fallbacks = 0
         self._turn = 0         # whose turn it is among the challengers
+        self.run = 0.0         #: seconds of every step recorded
+        self.spent = 0.0       #: seconds lost trials cost (their challengers' excess)
         self.restart()
 
     def restart(self) -> None:
@@ -88,7 +103,7 @@ class Guard:
         ``settle`` steps or so."""
         if self.trial is not None and self.trial.on_base_for(2 * settle):
             self.trial = None  # seen at the current split alone, past that: a real change
-        if self.trial is None and (self._since > 2 * settle or not self._trials):
+        if self.trial is None and (self._since > 2 * settle or not self.trials):
             self._bench = {}  # what lost before the change may win now
             return True
         return False
@@ -98,21 +113,33 @@ class Guard:
         :data:`GUARD_FIRST` steps (the trials' pace kept)."""
         self._since = max(self._since, self._interval - GUARD_FIRST)
 
-    def record(self, trial: Optional[int], arm: int, seconds: float) -> None:
-        """A step of ``trial``'s ``arm`` (as :meth:`next` planned it) took
-        ``seconds`` end to end."""
-        if self.trial is not None and trial == self.trial.ident:
+    def record(self, trial: Optional[int], arm: int, seconds: float,
+               changed: bool = False) -> None:
+        """A step of ``trial``'s ``arm`` (as :meth:`next` planned it; None:
+        no trial's) took ``seconds`` end to end; ``changed``: its split
+        was not the step before's, so it carries the change's cost and is
+        no trial's evidence."""
+        self.run += seconds
+        if not changed and self.trial is not None and trial == self.trial.ident:
             self.trial.record(arm, seconds)
 
     def next(self, current: List[int], equal: List[int],
-             model: Callable[[], Optional[List[int]]]) -> Tuple[List[int], Optional[int]]:
+             model: Callable[[], Optional[List[int]]],
+             room: Callable[[], Optional[float]] = lambda: None,
+             ) -> Tuple[List[int], Optional[int]]:
         """The next step's split and the arm of the trial it runs for; or,
         with no arm (None), the split the step keeps (a verdict may have
-        changed it). ``model``: the model's best split (None: not known)."""
+        changed it). ``model``: the model's best split (None: not known);
+        ``room``: the most any split could save on ``current``'s step, a
+        fraction of it (None: not known, a trial tells)."""
         if self.trial is None:
             self._since += 1
-            if self._since <= self._interval:
+            if self._since <= self._interval or self.spent > TRIAL_BUDGET * self.run:
                 return current, None
+            if current == list(equal):
+                space = room()
+                if space is not None and space <= GUARD_WIN:
+                    return current, None  # no trial could win: none runs
             arms = self._arms(current, equal, model)
             if len(arms) < 2:
                 return current, None
@@ -120,8 +147,8 @@ class Guard:
             # as much as it could find
             pushed = [arm for arm in arms[1:] if arm[0] == self._push]
             challenger = pushed[0] if pushed else arms[1 + self._turn % (len(arms) - 1)]
-            self._trials += 1
-            self.trial = Trial(self._trials, [arms[0], challenger], GUARD_WIN)
+            self.trials += 1
+            self.trial = Trial(self.trials, [arms[0], challenger], GUARD_WIN)
         arm = self.trial.next_arm()
         if arm is not None:
             return self.trial.arms[arm][1], arm
@@ -151,6 +178,7 @@ class Guard:
             self._bench[key] = (left - 1, length)
         giver = int(kind.split()[1]) if kind.startswith("nudge") else None
         if trial.verdict != WON:
+            self.spent += trial.cost()
             if giver is None:
                 length = self._bench.get(tuple(split), (0, 1))[1]
                 self._bench[tuple(split)] = (length, min(2 * length, BENCH_MOST))

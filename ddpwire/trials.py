@@ -83,6 +83,8 @@ class Trial:
         self.turns: List[List[List[float]]] = [[[]], []]
         self.at = 0          # the arm whose turn it is
         self._steps = 0      # steps planned in this turn
+        #: steps planned for each arm, timed or not
+        self.steps = [0, 0]
         self.verdict: Optional[str] = None
 
     def next_arm(self) -> Optional[int]:
@@ -103,6 +105,7 @@ class Trial:
             self.turns[self.at].append([])
             self._steps = 0
         self._steps += 1
+        self.steps[self.at] += 1
         return self.at
 
     def on_base_for(self, steps: int) -> bool:
@@ -122,6 +125,15 @@ class Trial:
         """``arm``'s step time: the mean of its turns' means."""
         means = self.means(arm)
         return sum(means) / len(means)
+
+    def cost(self) -> float:
+        """Seconds the challenger's steps cost beyond the base's: its steps
+        (the untimed first of each turn too) times how much slower a step
+        of it was, the means of their turns (0 when it was not slower, or
+        either arm has no time)."""
+        if not self.means(0) or not self.means(1):
+            return 0.0
+        return max(0.0, self.mean(1) - self.mean(0)) * self.steps[1]
 
     def _judge(self) -> None:
         base, other = self.means(0), self.means(1)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpwire.balance import FLOOR, TOLERANCE, Balancer, equal_shards, sample_scale, shard_starts
-from ddpwire.guard import GUARD_FIRST, GUARD_WIN
+from ddpwire.balance import FLOOR, ROOM_LEAST, TOLERANCE, Balancer, equal_shards, sample_scale, shard_starts
+from ddpwire.guard import GUARD_FIRST, GUARD_WIN, TRIAL_BUDGET
 from ddpwire.trials import BLOCK, WIN_PAIRS
 from ddpwire.step_model import StepModel
 
@@ -163,6 +163,8 @@ def test_identical_workers_with_a_large_fixed_part_stay_equal(workers, guard):
     assert sum(o > 0.05 * equal + 1 for o in off) <= 10, \
         [h for h, o in zip(kept, off) if o > 1][:10]
     assert b.state != "held" and not b.notes
+    # their parts come in together: trials are few (none, mostly)
+    assert b.guard is None or b.guard.trials <= 3, b.guard.trials
     # what the trials cost: within 1% of the same machines without them
     alone = Machines([0.6e-3] * workers, [3e-6] * workers, noise=0.15, seed=workers)
     alone.run(Balancer(workers, guard=False), 256, 3000)
@@ -256,6 +258,48 @@ def test_the_guard_falls_back_to_equal_shards_where_balancing_does_not_win():
     b = Balancer(2, guard=False)
     history = Misled([1e-3, 1e-3], [3e-6, 9e-6]).run(b, 256, 200)
     assert history[-1] != [128, 128] and b.state == "balanced"
+
+
+def test_lost_trials_cost_at_most_their_budget():
+    """Worker 1's compute is three times slower a sample, but the step is
+    set by something the shards do not change, and any split but equal
+    triples it: every trial after the first loses, and the challengers'
+    steps cost at most TRIAL_BUDGET of the time run (and the one trial
+    that started within it)."""
+    class Penalty(Machines):
+        def run(self, b, total, steps, spike=None):
+            for _ in range(steps):
+                split = b.shards(total, step=self.step)
+                for w, c in enumerate(split):
+                    b.observe(w, c, self.fixed[w] + self.per_sample[w] * c)
+                self.times.append(0.010 * (1.0 if split == [128, 128] else 3.0))
+                b.stepped(self.step, self.times[-1])
+                self.step += 1
+
+    b = Balancer(2)
+    Penalty([1e-3, 1e-3], [3e-6, 9e-6]).run(b, 256, 3000)
+    one = 2 * (BLOCK + 1) * 0.020  # a trial lost at its first look: two turns, 20 ms over
+    assert b.guard.trials >= 4 and b.guard.spent > 0
+    assert b.guard.spent <= TRIAL_BUDGET * b.guard.run + one, (b.guard.spent, b.guard.run)
+
+
+def test_the_room_a_trial_has_is_how_far_apart_the_parts_come_in():
+    b = Balancer(2)
+    for _ in range(ROOM_LEAST):
+        assert b.room([500, 500], [0, 1]) is None  # not measured yet
+        for w, t in enumerate([0.010, 0.015]):
+            b.observe(w, 500, t)
+        b.ended(1, 0.001)
+        b.ended(0, 0.001)
+        b.shards(1000, step=0)
+        b.stepped(0, 0.016)
+    b.observe(0, 500, 0.010)
+    b.observe(1, 500, 0.015)
+    # 5 ms apart of a 16 ms step (no noise: nothing taken off for it)
+    assert b.room([500, 500], [0, 1]) == pytest.approx(0.005 / 0.016)
+    assert b.room([400, 600], [0, 1]) is None  # nothing measured at these shards
+    b.forget(1)
+    assert b.room([500, 500], [0, 1]) is None
 
 
 def test_the_guard_keeps_a_split_that_wins_and_compares_ever_less_often():
