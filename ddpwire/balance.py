@@ -36,10 +36,13 @@ The rules, and why:
 - A move is at most a halving or a doubling of any shard, and half the
   way while a worker's fixed and per-sample parts are not told apart (one
   shard size measured): a wrong model costs a step or two, not a run.
+- The model leaves equal shards only where the workers' parts come in
+  further apart than :data:`TOLERANCE` of the step past their noise
+  (:meth:`Balancer.room`): with one shard size seen it cannot tell the
+  noise of a few steps from a slower worker.
 - The guard (``guard=True``, ``--balance auto``): trials of other splits
-  now and then, on measured step times, where the workers' parts come in
-  far enough apart that one could win, and the model trusted only as far
-  as they bear it out (:mod:`ddpwire.guard`).
+  now and then, on measured step times, their cost bounded, and the
+  model trusted only as far as they bear it out (:mod:`ddpwire.guard`).
 - A worker's first measurement (its warm-up) is left out. Until every
   worker has been timed once, the split is the reference's (``T // n``,
   the rest to the last), which is also the split of a coordinator that
@@ -323,10 +326,8 @@ class Balancer:
             self._measure -= 1
             return equal, None
         if self.guard is not None:
-            split, arm = self.guard.next(
-                current, equal,
-                lambda: self._best(total, ids) if all(self.models[i].ready for i in ids) else None,
-                lambda: self.room(current, ids))
+            split, arm = self.guard.next(current, equal, lambda: self._best(total, ids) if all(
+                self.models[i].ready for i in ids) else None)
             if arm is not None:
                 return split, arm
             current = split
@@ -348,14 +349,15 @@ class Balancer:
         return sub, None
 
     def room(self, split: Sequence[int], ids: Sequence[int]) -> Optional[float]:
-        """The most another split could save on ``split``'s step (one count
-        per id in ``ids``), a fraction of the step: how far apart the
-        workers' parts came in, the medians of their recent steps at these
-        shards over the median step. Moving samples from the last one in
-        to the others cannot end the step before the earliest part came
-        in, and its lag after. Less two standard errors of the difference
-        (never below 0). None until each worker has :data:`ROOM_LEAST`
-        steps at its shard and has been the last one in."""
+        """How far apart the workers' parts came in at ``split`` (one count
+        per id in ``ids``), each part's time to come in and the rest of the
+        exchange after it when it was the last one in, the medians of their
+        recent steps at these shards, less two standard errors of the
+        difference (never below 0), a fraction of the median step: what
+        the model's fit could save by moving samples, as far as the workers'
+        own times show (a CPU quota's stall inside the exchange does not
+        show here: the trials see it). None until each worker has
+        :data:`ROOM_LEAST` steps at its shard and has been the last one in."""
         ends = []  # (median, its standard error) per worker
         for i, count in zip(ids, split):
             times = [t for c, t in self._arrivals[i] if c == count]
