@@ -317,9 +317,10 @@ class Balancer:
             # at an equal shard too before the model moves the split on
             self._jumps = jumps
             self._quiet, self._backoff = 0, 1
-            for arrivals in self._arrivals:
-                arrivals.clear()  # how far apart they came in before says nothing now
             real = self.guard.jumped(JUMP_STEPS) if self.guard is not None else True
+            if real:
+                for arrivals in self._arrivals:
+                    arrivals.clear()  # how far apart they came in before says nothing now
             if real and current != equal and self._trusted():
                 self._measure = MEASURE_STEPS
         if self._measure:

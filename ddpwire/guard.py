@@ -11,14 +11,20 @@ far as the clock bears it out:
   the current split against one challenger and keeps the challenger where
   its measured steps are faster past their noise by :data:`GUARD_WIN`;
 - the challengers take turns: equal shards, the split the last trial kept,
-  the model's own (once it lost: it comes back by winning), and the
-  current split nudged each way (ddpwire.splits.nudged, :data:`NUDGE` of
+  the model's own (once it lost: it comes back by winning), each worker
+  at the floor (under a CPU quota the step is a staircase in the held
+  worker's shard, flat until its part fits in the quota's burst: small
+  moves from equal show nothing there), and the current split nudged each
+  way (ddpwire.splits.nudged, :data:`NUDGE` of
   the smaller of the shards samples move between). A way that wins is
   tried again at once, twice as bold (at most :data:`NUDGE_MOST`); when it
   then loses, the other way is tried by half (past the best, likely); a
   way that loses is tried half as bold (at least :data:`NUDGE_LEAST`). A
   challenger other than a nudge that lost sits out the next 1, 2, 4 ... 64
-  trials: a split far off the best costs every step it runs;
+  trials: a split far off the best costs every step it runs. A worker at
+  the floor that wins is tried again at once, and kept only if it wins
+  that trial too: a far move that noise or a shared machine's moment
+  let win once (one trial in 40, about) costs every step after it;
 - a trial starts only while the trials that lost have cost at most
   :data:`TRIAL_BUDGET` of the time run (each lost trial's challenger
   steps, times how much slower they were): where nothing wins, the trials
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .splits import nudged
+from .splits import at_floor, nudged
 from .trials import WON, Trial
 
 __all__ = ["GUARD_FIRST", "GUARD_LAST", "GUARD_WIN", "NUDGE", "NUDGE_LEAST", "NUDGE_MOST",
@@ -93,6 +99,8 @@ class Guard:
         self._push: Optional[str] = None    # the nudge that won last: tried first again
         self._pushed_back = False           # the push is the way back, after one too far
         self._since = 0                     # steps since the last trial ended
+        self._again: Optional[List[Tuple[str, List[int]]]] = None  # a win to confirm
+        self._confirming = False            # the trial under way is a confirmation
         self._interval = GUARD_FIRST
 
     def jumped(self, settle: int) -> bool:
@@ -128,6 +136,11 @@ class Guard:
         """The next step's split and the arm of the trial it runs for; or,
         with no arm (None), the split the step keeps (a verdict may have
         changed it). ``model``: the model's best split (None: not known)."""
+        if self.trial is None and self._again is not None:
+            # a far split's win, tried again at once
+            self.trials += 1
+            self.trial = Trial(self.trials, self._again, GUARD_WIN)
+            self._again, self._confirming = None, True
         if self.trial is None:
             self._since += 1
             if self._since <= self._interval or self.spent > TRIAL_BUDGET * self.run:
@@ -137,8 +150,20 @@ class Guard:
                 return current, None
             # one challenger a trial, in turn: every split at once would cost
             # as much as it could find
-            pushed = [arm for arm in arms[1:] if arm[0] == self._push]
-            challenger = pushed[0] if pushed else arms[1 + self._turn % (len(arms) - 1)]
+            kinds = dict(arms[1:])
+            if self._push in kinds:
+                pick = self._push
+            else:
+                # the kinds in a fixed order, whichever are here: a rotation
+                # over the arms here would pass over some kinds for good
+                # while others sit out
+                order = ["equal", "kept", "model"] + [
+                    f"{kind} {w}" for kind in ("floor", "nudge") for w in range(len(current))]
+                at = next(k for k in range(len(order))
+                          if order[(self._turn + k) % len(order)] in kinds)
+                pick = order[(self._turn + at) % len(order)]
+                self._turn += at + 1
+            challenger = (pick, kinds[pick])
             self.trials += 1
             self.trial = Trial(self.trials, [arms[0], challenger], GUARD_WIN)
         arm = self.trial.next_arm()
@@ -158,6 +183,8 @@ class Guard:
         add("kept", self._kept)
         if not self.trusted:
             add("model", model())
+        for worker in range(len(current)):
+            add(f"floor {worker}", at_floor(current, worker))
         for giver in range(len(current)):
             add(f"nudge {giver}", nudged(current, giver, self._nudge.get(giver, NUDGE)))
         return arms
@@ -169,6 +196,10 @@ class Guard:
         for key, (left, length) in list(self._bench.items()):
             self._bench[key] = (left - 1, length)
         giver = int(kind.split()[1]) if kind.startswith("nudge") else None
+        confirmed, self._confirming = self._confirming, False
+        if trial.verdict == WON and kind.startswith("floor") and not confirmed:
+            self._again = [trial.arms[0], trial.arms[1]]  # tried again before it is kept
+            return base
         if trial.verdict != WON:
             self.spent += trial.cost()
             if giver is None:
@@ -184,8 +215,6 @@ class Guard:
                 self._pushed_back = True
             elif self._push is not None:
                 self._push = None  # that way is spent: the others' turns again
-            else:
-                self._turn += 1
             # the split stands: trials come ever less often
             self._interval = min(2 * self._interval, GUARD_LAST)
             self._kept = base
@@ -211,7 +240,6 @@ class Guard:
             self._since = GUARD_FIRST
         else:
             self._push = None
-            self._turn += 1
         self._interval = GUARD_FIRST
         self._kept = split
         return split

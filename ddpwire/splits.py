@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import List, Sequence
 
-__all__ = ["FLOOR", "equal_shards", "floor_shard", "largest_remainder", "nudged", "shard_starts"]
+__all__ = ["FLOOR", "at_floor", "equal_shards", "floor_shard", "largest_remainder", "nudged",
+           "shard_starts"]
 
 #: the smallest shard, a fraction of an equal share (at least one sample)
 FLOOR = 0.1
@@ -67,4 +68,21 @@ def nudged(current: Sequence[int], giver: int, fraction: float) -> List[int]:
     if moved < 1:
         return list(current)
     ideal = [c - moved if k == giver else c + moved / (n - 1) for k, c in enumerate(current)]
+    return largest_remainder(ideal, total)
+
+
+def at_floor(current: Sequence[int], worker: int) -> List[int]:
+    """``current`` with ``worker`` at the floor and what it gives up shared
+    by the others in proportion to their shards; ``current`` itself when
+    it is there already."""
+    n, total = len(current), sum(current)
+    if n < 2:
+        return list(current)
+    floor = floor_shard(total, n)
+    if current[worker] <= floor:
+        return list(current)
+    others = total - current[worker]
+    moved = current[worker] - floor
+    ideal = [float(floor) if k == worker else
+             c + moved * (c / others if others else 1.0 / (n - 1)) for k, c in enumerate(current)]
     return largest_remainder(ideal, total)
