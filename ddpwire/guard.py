@@ -27,8 +27,11 @@ far as the clock bears it out:
   let win once (one trial in 40, about) costs every step after it;
 - a trial starts only while the trials that lost have cost at most
   :data:`TRIAL_BUDGET` of the time run (each lost trial's challenger
-  steps, times how much slower they were): where nothing wins, the trials
-  cost a bounded share of the run, however long it is. Nothing a worker
+  steps, times how much slower they were), or of :data:`GUARD_LAST`
+  steps while the run is shorter (a run's first trials find the most: a
+  far challenger that loses first must not hold back the rest for
+  hundreds of steps): where nothing wins, the trials cost a bounded share
+  of the run, however long it is. Nothing a worker
   reports says when a trial could win: a worker under a CPU quota whose
   compute fits in the quota's burst (its other threads' time spends the
   rest) computes as fast as the others and comes in with them, and stalls
@@ -84,6 +87,7 @@ class Guard:
         self._turn = 0         # whose turn it is among the challengers
         self.run = 0.0         #: seconds of every step recorded
         self.spent = 0.0       #: seconds lost trials cost (their challengers' excess)
+        self._steps = 0        # steps recorded
         self.restart()
 
     def restart(self) -> None:
@@ -121,6 +125,10 @@ class Guard:
         :data:`GUARD_FIRST` steps (the trials' pace kept)."""
         self._since = max(self._since, self._interval - GUARD_FIRST)
 
+    def _step(self) -> float:
+        """The mean step so far (0 before any)."""
+        return self.run / self._steps if self._steps else 0.0
+
     def record(self, trial: Optional[int], arm: int, seconds: float,
                changed: bool = False) -> None:
         """A step of ``trial``'s ``arm`` (as :meth:`next` planned it; None:
@@ -128,6 +136,7 @@ class Guard:
         was not the step before's, so it carries the change's cost and is
         no trial's evidence."""
         self.run += seconds
+        self._steps += 1
         if not changed and self.trial is not None and trial == self.trial.ident:
             self.trial.record(arm, seconds)
 
@@ -143,7 +152,8 @@ class Guard:
             self._again, self._confirming = None, True
         if self.trial is None:
             self._since += 1
-            if self._since <= self._interval or self.spent > TRIAL_BUDGET * self.run:
+            if self._since <= self._interval or self.spent > TRIAL_BUDGET * max(
+                    self.run, GUARD_LAST * self._step()):
                 return current, None
             arms = self._arms(current, equal, model)
             if len(arms) < 2:
