@@ -207,7 +207,7 @@ class Guard:
             self._bench[key] = (left - 1, length)
         giver = int(kind.split()[1]) if kind.startswith("nudge") else None
         confirmed, self._confirming = self._confirming, False
-        if trial.verdict == WON and kind.startswith("floor") and not confirmed:
+        if trial.verdict == WON and split != list(equal) and not confirmed:
             self._again = [trial.arms[0], trial.arms[1]]  # tried again before it is kept
             return base
         if trial.verdict != WON:
