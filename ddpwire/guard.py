@@ -21,10 +21,12 @@ far as the clock bears it out:
   then loses, the other way is tried by half (past the best, likely); a
   way that loses is tried half as bold (at least :data:`NUDGE_LEAST`). A
   challenger other than a nudge that lost sits out the next 1, 2, 4 ... 64
-  trials: a split far off the best costs every step it runs. A worker at
-  the floor that wins is tried again at once, and kept only if it wins
-  that trial too: a far move that noise or a shared machine's moment
-  let win once (one trial in 40, about) costs every step after it;
+  trials: a split far off the best costs every step it runs. A split
+  other than equal shards that wins is tried again at once, and kept only
+  if it wins that trial too: a move that noise or a shared machine's
+  moment let win once costs every step after it, and each win sets the
+  trials' pace back to every :data:`GUARD_FIRST` steps; going back to
+  equal shards (the reference's split) takes one win;
 - a trial starts only while the trials that lost have cost at most
   :data:`TRIAL_BUDGET` of the time run (each lost trial's challenger
   steps, times how much slower they were), or of :data:`GUARD_LAST`
