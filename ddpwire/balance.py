@@ -83,7 +83,8 @@ MEASURE_STEPS = 4
 #: the most steps a split the model said to keep stays before it is asked again
 QUIET_MOST = 16
 #: recent steps whose medians say how far apart the workers' parts come in
-#: (the room a trial has to win), and the fewest at one split that do
+#: (the room the model has to leave equal shards), and the fewest at one
+#: split that do
 ROOM_STEPS = 31
 ROOM_LEAST = 9
 
@@ -147,7 +148,7 @@ class Balancer:
         self._after: List[Deque[float]] = [deque(maxlen=LAGS) for _ in range(workers)]
         self._lags = [0.0] * workers  # each worker's after, kept as it comes
         # each worker's recent (shard, seconds to its part coming in), and
-        # recent steps end to end: the room another split has to win
+        # recent steps end to end: the room the model has to move
         self._arrivals: List[Deque[Tuple[int, float]]] = \
             [deque(maxlen=ROOM_STEPS) for _ in range(workers)]
         self._steps: Deque[float] = deque(maxlen=ROOM_STEPS)
@@ -372,8 +373,8 @@ class Balancer:
             return None
         first, last = min(ends), max(ends)
         # less two standard errors of the difference: workers of one speed
-        # come in apart by as much, by chance, and read as room they would
-        # run trials for (the noise that spread them also misleads the model)
+        # come in apart by as much, by chance (and the noise that spread
+        # them also misleads the model's fit)
         apart = last[0] - first[0] - 2.0 * math.hypot(first[1], last[1])
         return max(0.0, apart) / median(self._steps)
 

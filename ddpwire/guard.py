@@ -33,8 +33,8 @@ far as the clock bears it out:
   steps while the run is shorter (a run's first trials find the most: a
   far challenger that loses first must not hold back the rest for
   hundreds of steps): where nothing wins, the trials cost a bounded share
-  of the run, however long it is. Nothing a worker
-  reports says when a trial could win: a worker under a CPU quota whose
+  of the run, however long it is. Nothing a worker reports says when a
+  trial could win: a worker under a CPU quota whose
   compute fits in the quota's burst (its other threads' time spends the
   rest) computes as fast as the others and comes in with them, and stalls
   inside the exchange (measured, 4096 samples, a quarter core: both
@@ -148,7 +148,7 @@ class Guard:
         with no arm (None), the split the step keeps (a verdict may have
         changed it). ``model``: the model's best split (None: not known)."""
         if self.trial is None and self._again is not None:
-            # a far split's win, tried again at once
+            # a win, tried again at once before it is kept
             self.trials += 1
             self.trial = Trial(self.trials, self._again, GUARD_WIN)
             self._again, self._confirming = None, True
