@@ -66,8 +66,7 @@ import numpy as np
 
 from .guard import Guard
 from .splits import FLOOR, equal_shards, floor_shard, largest_remainder, shard_starts
-from .step_model import JUMP_STEPS, StepModel, median
-from .trials import spread
+from .step_model import JUMP_STEPS, StepModel, median, spread
 
 __all__ = ["CHOICES", "FLOOR", "LAGS", "ROOM_LEAST", "ROOM_STEPS", "TOLERANCE", "Balancer",
            "ShardClock", "Shards", "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]

@@ -89,7 +89,7 @@ class Guard:
         self._turn = 0         # whose turn it is among the challengers
         self.run = 0.0         #: seconds of every step recorded
         self.spent = 0.0       #: seconds lost trials cost (their challengers' excess)
-        self._steps = 0        # steps recorded
+        self._recorded = 0     # steps recorded
         self.restart()
 
     def restart(self) -> None:
@@ -129,7 +129,7 @@ class Guard:
 
     def _step(self) -> float:
         """The mean step so far (0 before any)."""
-        return self.run / self._steps if self._steps else 0.0
+        return self.run / self._recorded if self._recorded else 0.0
 
     def record(self, trial: Optional[int], arm: int, seconds: float,
                changed: bool = False) -> None:
@@ -138,7 +138,7 @@ class Guard:
         was not the step before's, so it carries the change's cost and is
         no trial's evidence."""
         self.run += seconds
-        self._steps += 1
+        self._recorded += 1
         if not changed and self.trial is not None and trial == self.trial.ident:
             self.trial.record(arm, seconds)
 

@@ -32,11 +32,12 @@ worker's recent steps, robustly:
 """
 from __future__ import annotations
 
+import math
 from collections import deque
-from typing import Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["JUMP", "JUMP_STEPS", "MIN_POINT", "PER_SIZE", "SIZES",
-           "SPREAD", "StepModel", "median", "trimmed_mean"]
+           "SPREAD", "StepModel", "median", "spread", "trimmed_mean"]
 
 #: times kept per shard size
 PER_SIZE = 9
@@ -63,6 +64,14 @@ def median(values: Iterable[float]) -> float:
         raise ValueError("median of no values")
     half = n // 2
     return v[half] if n % 2 else (v[half - 1] + v[half]) / 2
+
+
+def spread(values: Sequence[float]) -> float:
+    """The standard deviation of a few values (0 for one)."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def trimmed_mean(values: Iterable[float]) -> float:
@@ -109,11 +118,7 @@ class StepModel:
         if not self._sizes:
             return 0.0
         times = self._times[self._sizes[-1]]
-        n = len(times)
-        if n < 2:
-            return 0.0
-        mean = sum(times) / n
-        return (sum((t - mean) ** 2 for t in times) / (n - 1) / n) ** 0.5
+        return spread(times) / math.sqrt(len(times)) if len(times) >= 2 else 0.0
 
     @property
     def measured(self) -> bool:

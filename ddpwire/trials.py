@@ -39,8 +39,9 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["BLOCK", "LOST", "MIN_PAIRS", "SIGMAS", "TURN_MOST", "Trial", "WIN_PAIRS", "WON",
-           "spread"]
+from .step_model import spread
+
+__all__ = ["BLOCK", "LOST", "MIN_PAIRS", "SIGMAS", "TURN_MOST", "Trial", "WIN_PAIRS", "WON"]
 
 #: timed steps a turn
 BLOCK = 5
@@ -54,14 +55,6 @@ SIGMAS = 3.0
 
 #: a trial's verdicts (Trial.verdict)
 WON, LOST = "won", "lost"
-
-
-def spread(values: Sequence[float]) -> float:
-    """The standard deviation of a few values (0 for one)."""
-    if len(values) < 2:
-        return 0.0
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 class Trial:
