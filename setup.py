@@ -14,8 +14,10 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 # every C unit, linked once into ddpwire._core
-C_SOURCES = ["csrc/wire.c", "csrc/reduce.c", "csrc/net.c", "csrc/threaded.c", "csrc/sender.c",
-             "csrc/wake.c", "csrc/shm.c"]
+C_SOURCES = ["csrc/wire.c", "csrc/reduce.c", "csrc/link.c", "csrc/sealed.c", "csrc/aead.c",
+             "csrc/net.c", "csrc/threaded.c", "csrc/sender.c", "csrc/wake.c", "csrc/shm.c"]
+# aead.c loads libcrypto with dlopen, which glibc before 2.34 keeps in libdl
+LIBRARIES = ["dl"] if sys.platform.startswith("linux") else []
 
 extra_compile_args = []
 extra_link_args = []
@@ -52,6 +54,7 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
         extra_link_args=extra_link_args,
+        libraries=LIBRARIES,
     )
 ]
 

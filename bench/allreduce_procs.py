@@ -230,6 +230,9 @@ class DdpwireKind:
         return 2 if self.compression else 4
 
 
+#: the token of the sealed and clear kinds (a benchmark's, not a secret)
+BENCH_TOKEN = "ddpwire-bench-token"
+
 # one poll loop per process unless a kind says otherwise, as the first
 # published numbers were taken, so new kinds differ from "ddpwire" in one thing
 _LOOP = {"socket_threads": False}
@@ -270,6 +273,18 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     # and with fixed parts, the sweep that chose "auto"
     "ddpwire-mesh-noshare": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False,
                                          "coordinator_share": 0}, _LOOP),
+    # with a token, sealed (every link in AES-256-GCM records: ddpwire.seal)
+    # and in the clear: the join is the same, the frames after it differ
+    "ddpwire-mesh-sealed": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False,
+                                        "token": BENCH_TOKEN}, {**_LOOP, "token": BENCH_TOKEN}),
+    "ddpwire-mesh-clear": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False,
+                                       "token": BENCH_TOKEN, "encrypt": False},
+                                      {**_LOOP, "token": BENCH_TOKEN, "encrypt": False}),
+    "ddpwire-star-sealed": DdpwireKind({**_LOOP, "topology": "star", "token": BENCH_TOKEN},
+                                       {**_LOOP, "token": BENCH_TOKEN}),
+    "ddpwire-star-clear": DdpwireKind({**_LOOP, "topology": "star", "token": BENCH_TOKEN,
+                                       "encrypt": False},
+                                      {**_LOOP, "token": BENCH_TOKEN, "encrypt": False}),
     **{f"ddpwire-share{round(x * 100)}": DdpwireKind(
         {**_LOOP, "topology": "mesh", "shared_memory": False, "coordinator_share": x}, _LOOP)
        for x in (0.1, 0.15, 0.2, 0.25)},
@@ -397,8 +412,11 @@ def _ddpwire_worker(conn, kind: str, addr: Tuple[str, int], rank: int, n: int, s
         st["step"] += 1
 
     def finish(st):
+        conn_ = st["worker"].channel.conn
+        # a baseline ddpwire may predate sealed links
+        sealed = bool(getattr(conn_, "sealed", False))
         st["worker"].close()
-        return check_kind_average(spec, st["out"], n)
+        return {**check_kind_average(spec, st["out"], n), "sealed": sealed}
 
     _serve(conn, setup, step, finish)
 

@@ -39,6 +39,12 @@ DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None,
              "ddp-ddpwire-baseline": ("ddpwire", None, True),
              "ddp-ddpwire-bf16-free": ("ddpwire", "bf16-free", False),
              "ddp-ddpwire-bf16-baseline": ("ddpwire", "bf16", True)}
+#: the environment of a kind's ranks beyond the backend's defaults: with a
+#: token every link is sealed (ddpwire.seal), or kept in the clear by choice
+DDP_ENV = {"ddp-ddpwire-sealed": {"DDPWIRE_TOKEN": "ddpwire-bench-token"},
+           "ddp-ddpwire-clear": {"DDPWIRE_TOKEN": "ddpwire-bench-token",
+                                 "DDPWIRE_ENCRYPT": "off"}}
+DDP_KINDS.update({kind: ("ddpwire", None, False) for kind in DDP_ENV})
 #: what a run measures unless told otherwise: the baseline needs a checkout
 DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
@@ -122,6 +128,7 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
 
     def setup() -> Dict[str, Any]:
         use_baseline(baseline)
+        os.environ.update(DDP_ENV.get(kind, {}))
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist
@@ -158,6 +165,7 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
                 "x": torch.randn(BATCH, WIDTHS[0], generator=gen),
                 "y": torch.randint(0, WIDTHS[-1], (BATCH,), generator=gen),
                 "links": bool(getattr(group, "rank_links", False)), "trace": trace,
+                "sealed": bool(getattr(group, "links_sealed", False)),
                 "phases": phases}
 
     def step(st: Dict[str, Any]) -> None:
@@ -172,6 +180,7 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         st["dist"].destroy_process_group()
         # DDP keeps every rank's parameters identical: the test compares digests
         return {"average_ok": True, "weights_sha256": digest.hexdigest(),
-                "rank_links": st["links"], "buckets": st["trace"], "phases": st["phases"]}
+                "rank_links": st["links"], "sealed": st["sealed"], "buckets": st["trace"],
+                "phases": st["phases"]}
 
     _serve(conn, setup, step, finish)

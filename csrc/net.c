@@ -22,9 +22,6 @@
 #error "ddpwire receives float32 elements in place and needs a little-endian host"
 #endif
 
-#ifndef MSG_NOSIGNAL
-#define MSG_NOSIGNAL 0 /* macOS: CPython ignores SIGPIPE, so EPIPE comes back instead */
-#endif
 
 /* Largest slice reduced at once: small enough that the accumulator stays in
  * cache across the n passes over it. */
@@ -72,25 +69,6 @@ static int wait_budget(int timeout_ms, int64_t deadline_ms)
 }
 
 
-/* Skip the first `skip` bytes of iov into a private copy (at most 8 entries). */
-static int iov_advance(const struct iovec *iov, int iovcnt, size_t skip,
-                       struct iovec *out)
-{
-    int k = 0, i;
-    for (i = 0; i < iovcnt; i++) {
-        size_t len = iov[i].iov_len;
-        if (skip >= len) {
-            skip -= len;
-            continue;
-        }
-        out[k].iov_base = (uint8_t *)iov[i].iov_base + skip;
-        out[k].iov_len = len - skip;
-        skip = 0;
-        k++;
-    }
-    return k;
-}
-
 static size_t iov_total(const struct iovec *iov, int iovcnt)
 {
     size_t t = 0;
@@ -100,51 +78,23 @@ static size_t iov_total(const struct iovec *iov, int iovcnt)
     return t;
 }
 
-#define DDPW_MAX_IOV 8
-
-int ddpw_net_send_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
-                       size_t *done, int *err)
-{
-    struct iovec rest[DDPW_MAX_IOV];
-    struct msghdr msg;
-    ssize_t sent;
-    if (iovcnt < 0 || iovcnt > DDPW_MAX_IOV)
-        return DDPW_NET_NOMEM;
-    if (*done >= total)
-        return 1;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = rest;
-    msg.msg_iovlen = iov_advance(iov, iovcnt, *done, rest);
-    sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (sent >= 0) {
-        *done += (size_t)sent;
-        return 1;
-    }
-    if (errno == EINTR)
-        return DDPW_NET_EINTR;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return 0;
-    if (errno == EPIPE || errno == ECONNRESET)
-        return DDPW_NET_EOF;
-    *err = errno;
-    return DDPW_NET_ERRNO;
-}
+#define DDPW_MAX_IOV DDPW_LINK_MAX_IOV
 
 /* Send until the socket would block or `total` bytes are out: 0, or a
  * DDPW_NET_* code. For the poll loops, which send whatever a socket takes
  * before they wait on every socket at once. */
-static int send_ready(int fd, const struct iovec *iov, int iovcnt, size_t total,
+static int send_ready(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t total,
                       size_t *done, int *err)
 {
     while (*done < total) {
-        int rc = ddpw_net_send_some(fd, iov, iovcnt, total, done, err);
+        int rc = ddpw_link_send_some(l, iov, iovcnt, total, done, err);
         if (rc <= 0)
             return rc;
     }
     return 0;
 }
 
-int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
+int ddpw_net_send_iov(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t *done,
                      int timeout_ms, int64_t deadline_ms, int *err)
 {
     size_t total;
@@ -152,14 +102,14 @@ int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
         return DDPW_NET_NOMEM;
     total = iov_total(iov, iovcnt);
     while (*done < total) {
-        int rc = ddpw_net_send_some(fd, iov, iovcnt, total, done, err);
+        int rc = ddpw_link_send_some(l, iov, iovcnt, total, done, err);
         if (rc < 0)
             return rc;
         if (rc == 0) {
             int ms = wait_budget(timeout_ms, deadline_ms);
             if (ms < 0)
                 return DDPW_NET_TIMEOUT;
-            rc = wait_fd(fd, POLLOUT, ms, err);
+            rc = wait_fd(l->fd, POLLOUT, ms, err);
             if (rc != 1)
                 return rc;
         }
@@ -167,7 +117,7 @@ int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
     return DDPW_NET_OK;
 }
 
-int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int iovcnt,
+int ddpw_net_send_many(ddpw_link *const *links, size_t n, const struct iovec *iov, int iovcnt,
                       size_t *done, int timeout_ms, size_t *failed, int *err)
 {
     struct pollfd *pfd;
@@ -194,14 +144,14 @@ int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int io
         for (i = 0; i < n; i++) {
             if (done[i] >= total)
                 continue;
-            rc = ddpw_net_send_some(fds[i], iov, iovcnt, total, &done[i], err);
+            rc = send_ready(links[i], iov, iovcnt, total, &done[i], err);
             if (rc < 0) {
                 *failed = i;
                 result = rc;
                 goto out;
             }
             if (done[i] < total) {
-                pfd[k].fd = fds[i];
+                pfd[k].fd = links[i]->fd;
                 pfd[k].events = POLLOUT;
                 pfd[k].revents = 0;
                 map[k] = i;
@@ -233,36 +183,6 @@ out:
     return result;
 }
 
-/* One non-blocking recvmsg into what is left of iov: 1 progress or all
- * received, 0 would block, else a DDPW_NET_* code. */
-static int recv_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
-                     size_t *done, int *err)
-{
-    struct iovec rest[DDPW_MAX_IOV];
-    struct msghdr msg;
-    ssize_t got;
-    if (*done >= total)
-        return 1;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = rest;
-    msg.msg_iovlen = iov_advance(iov, iovcnt, *done, rest);
-    got = recvmsg(fd, &msg, MSG_DONTWAIT);
-    if (got > 0) {
-        *done += (size_t)got;
-        return 1;
-    }
-    if (got == 0)
-        return DDPW_NET_EOF;
-    if (errno == EINTR)
-        return DDPW_NET_EINTR;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return 0;
-    if (errno == ECONNRESET)
-        return DDPW_NET_EOF;
-    *err = errno;
-    return DDPW_NET_ERRNO;
-}
-
 /* Check the watched elements that have fully arrived (received bytes of
  * the stream so far). */
 static void watch_advance(ddpw_finite_watch *w, size_t received)
@@ -282,14 +202,14 @@ static void watch_advance(ddpw_finite_watch *w, size_t received)
     w->checked = upto;
 }
 
-int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
+int ddpw_net_recv_exact(ddpw_link *l, void *buf, size_t len, size_t *done,
                        int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err)
 {
     struct iovec one;
     one.iov_base = buf;
     one.iov_len = len;
     while (*done < len) {
-        int rc = recv_some(fd, &one, 1, len, done, err);
+        int rc = ddpw_link_recv_some(l, &one, 1, len, done, err);
         watch_advance(watch, *done);
         if (rc < 0)
             return rc;
@@ -297,7 +217,7 @@ int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
             int ms = wait_budget(timeout_ms, deadline_ms);
             if (ms < 0)
                 return DDPW_NET_TIMEOUT;
-            rc = wait_fd(fd, POLLIN, ms, err);
+            rc = wait_fd(l->fd, POLLIN, ms, err);
             if (rc != 1)
                 return rc;
         }
@@ -305,27 +225,7 @@ int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
     return DDPW_NET_OK;
 }
 
-int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err)
-{
-    ssize_t n = recv(fd, buf, len, MSG_PEEK | MSG_DONTWAIT);
-    *got = 0;
-    if (n > 0) {
-        *got = (size_t)n;
-        return DDPW_NET_OK;
-    }
-    if (n == 0)
-        return DDPW_NET_EOF;
-    if (errno == EINTR)
-        return DDPW_NET_EINTR;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return DDPW_NET_OK;
-    if (errno == ECONNRESET)
-        return DDPW_NET_EOF;
-    *err = errno;
-    return DDPW_NET_ERRNO;
-}
-
-int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
+int ddpw_net_exchange(ddpw_link *l, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
                      int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err)
 {
@@ -340,7 +240,7 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
         int rc;
         /* drain first: the reply must never wait behind our own bytes */
         do {
-            rc = recv_some(fd, in_iov, in_cnt, in_total, received, err);
+            rc = ddpw_link_recv_some(l, in_iov, in_cnt, in_total, received, err);
             watch_advance(watch, *received);
             if (rc < 0)
                 return rc;
@@ -348,14 +248,14 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
         if (*received >= in_total)
             return DDPW_NET_OK;
         if (sending) {
-            rc = send_ready(fd, out_iov, out_cnt, out_total, sent, err);
+            rc = send_ready(l, out_iov, out_cnt, out_total, sent, err);
             /* the peer closed: what it wrote first (a Shutdown) is still to be read */
             if (rc == DDPW_NET_EOF)
                 sending = 0;
             else if (rc < 0)
                 return rc;
         }
-        p.fd = fd;
+        p.fd = l->fd;
         p.events = POLLIN;
         if (sending && *sent < out_total)
             p.events |= POLLOUT;
@@ -542,35 +442,29 @@ static void reduce_range(ddpw_net_reduce_state *st, float *out, size_t from, siz
 
 /* Receive what every socket has ready, without blocking, then reduce every
  * element range that all sockets have delivered. */
-static int take_ready(ddpw_net_reduce_state *st, const int *fds, float *out,
+static int take_ready(ddpw_net_reduce_state *st, ddpw_link *const *links, float *out,
                       uint8_t *tails, size_t *failed, int *err)
 {
     size_t i, frontier = st->grad_bytes;
     for (i = 0; i < st->n; i++) {
         for (;;) {
             uint8_t *dst = NULL;
-            size_t room = recv_window(st, i, out, tails, &dst);
-            ssize_t got;
+            size_t room = recv_window(st, i, out, tails, &dst), got = 0;
+            struct iovec into;
+            int rc;
             if (room == 0)
                 break;
-            got = recv(fds[i], dst, room, MSG_DONTWAIT);
-            if (got > 0) {
-                st->recv[i] += (size_t)got;
+            into.iov_base = dst;
+            into.iov_len = room;
+            rc = ddpw_link_recv_some(links[i], &into, 1, room, &got, err);
+            st->recv[i] += got;
+            if (rc == 1)
                 continue;
-            }
-            if (got == 0) {
-                *failed = i;
-                return DDPW_NET_EOF;
-            }
-            if (errno == EINTR)
-                return DDPW_NET_EINTR;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
+            if (rc == 0)
                 break;
-            *failed = i;
-            if (errno == ECONNRESET)
-                return DDPW_NET_EOF;
-            *err = errno;
-            return DDPW_NET_ERRNO;
+            if (rc != DDPW_NET_EINTR)
+                *failed = i;
+            return rc;
         }
         frontier = min_sz(frontier, st->recv[i] - st->recv[i] % 4);
     }
@@ -633,14 +527,14 @@ static int alloc_poll(size_t n, struct pollfd **pfd, size_t **map)
     return DDPW_NET_OK;
 }
 
-int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, ddpw_link *const *links, float *out,
                           uint8_t *tails, int timeout_ms, size_t *failed, int *err)
 {
     /* the same loop, with nothing to send back */
-    return ddpw_net_allreduce_stream(st, fds, out, tails, NULL, 0, NULL, timeout_ms, failed, err);
+    return ddpw_net_allreduce_stream(st, links, out, tails, NULL, 0, NULL, timeout_ms, failed, err);
 }
 
-int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, ddpw_link *const *links, float *out,
                              uint8_t *tails, const uint8_t *head, size_t head_len,
                              size_t *sent, int timeout_ms, size_t *failed, int *err)
 {
@@ -655,7 +549,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
         size_t i, limit;
         nfds_t k = 0;
         int rc, complete = 1;
-        result = take_ready(st, fds, out, tails, failed, err);
+        result = take_ready(st, links, out, tails, failed, err);
         if (result != DDPW_NET_OK)
             goto out;
         /* what may go out: the head and every averaged byte, until a bad
@@ -666,7 +560,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
         iov[1].iov_base = out;
         iov[1].iov_len = st->reduced;
         for (i = 0; i < n && limit > 0; i++) {
-            rc = send_ready(fds[i], iov, 2, limit, &sent[i], err);
+            rc = send_ready(links[i], iov, 2, limit, &sent[i], err);
             if (rc < 0) {
                 *failed = i;
                 result = rc;
@@ -684,7 +578,7 @@ int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *
                 events |= POLLOUT;
             if (events == 0)
                 continue;
-            pfd[k].fd = fds[i];
+            pfd[k].fd = links[i]->fd;
             pfd[k].events = events;
             pfd[k].revents = 0;
             map[k] = i;
@@ -742,7 +636,7 @@ static int exchange_ready(ddpw_net_peer_io *p, size_t i, ddpw_net_kernels *kern,
     int rc;
     /* drain first: what the peer sends must never wait behind our own bytes */
     while (p->received < in_total) {
-        rc = recv_some(p->fd, p->in_iov, p->in_cnt, in_total, &p->received, err);
+        rc = ddpw_link_recv_some(p->link, p->in_iov, p->in_cnt, in_total, &p->received, err);
         if (rc < 0)
             return rc;
         if (rc == 0)
@@ -773,8 +667,8 @@ static int exchange_ready(ddpw_net_peer_io *p, size_t i, ddpw_net_kernels *kern,
             /* only what is narrowed may go: sendmsg takes the whole iov */
             limit = ready.iov_len = done * 2;
         }
-        rc = narrow != NULL ? send_ready(p->fd, &ready, 1, limit, &p->sent, err)
-                            : send_ready(p->fd, p->out_iov, p->out_cnt, limit, &p->sent, err);
+        rc = narrow != NULL ? send_ready(p->link, &ready, 1, limit, &p->sent, err)
+                            : send_ready(p->link, p->out_iov, p->out_cnt, limit, &p->sent, err);
         if (rc < 0)
             return rc;
         /* the socket is full, or every narrowed byte went: narrow more */
@@ -876,7 +770,7 @@ int ddpw_net_exchange_kernels(ddpw_net_peer_io *peers, size_t n, ddpw_net_kernel
         return DDPW_NET_NOMEM;
     for (i = 0; i < n; i++) {
         const ddpw_net_peer_io *p = &peers[i];
-        if (p->fd >= 0 && (p->out_cnt < 0 || p->out_cnt > DDPW_MAX_IOV || p->in_cnt < 0 ||
+        if (p->link != NULL && (p->out_cnt < 0 || p->out_cnt > DDPW_MAX_IOV || p->in_cnt < 0 ||
                            p->in_cnt > DDPW_MAX_IOV)) {
             *failed = i;
             return DDPW_NET_NOMEM;
@@ -893,7 +787,7 @@ int ddpw_net_exchange_kernels(ddpw_net_peer_io *peers, size_t n, ddpw_net_kernel
         int rc, waiting = 0;
         for (i = 0; i < n; i++) {
             short events = 0;
-            if (peers[i].fd >= 0) {
+            if (peers[i].link != NULL) {
                 result = exchange_ready(&peers[i], i, kern, &events, err);
                 if (result != DDPW_NET_OK) {
                     if (result != DDPW_NET_EINTR)
@@ -901,7 +795,7 @@ int ddpw_net_exchange_kernels(ddpw_net_peer_io *peers, size_t n, ddpw_net_kernel
                     goto out;
                 }
             }
-            pfd[i].fd = events ? peers[i].fd : -1;
+            pfd[i].fd = events ? peers[i].link->fd : -1;
             pfd[i].events = events;
             pfd[i].revents = 0;
             waiting |= events != 0;

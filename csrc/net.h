@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
+#include "link.h"
+
 enum {
     DDPW_NET_OK = 0,
     DDPW_NET_TIMEOUT = -1,  /* no progress within the timeout */
@@ -23,7 +25,8 @@ enum {
     DDPW_NET_EINTR = -3,    /* interrupted by a signal; call again to resume */
     DDPW_NET_ERRNO = -4,    /* a system error; see the errno out-parameter */
     DDPW_NET_NOMEM = -5,
-    DDPW_NET_NONFINITE = -6 /* ddpw_net_reduce_stream: data received, non-finite found */
+    DDPW_NET_NONFINITE = -6, /* ddpw_net_reduce_stream: data received, non-finite found */
+    DDPW_NET_INTEGRITY = -7  /* a sealed record failed to open (link.h): nothing of it was given */
 };
 
 /* Checks float32 elements for NaN and +/-inf as they are received, in the
@@ -38,7 +41,7 @@ typedef struct ddpw_finite_watch {
     int64_t bad;
 } ddpw_finite_watch;
 
-/* Send and receive on one socket at once, in one poll loop.
+/* Send and receive on one link at once, in one poll loop.
  *
  * Sends the concatenation of out_iov from byte *sent while receiving into the
  * concatenation of in_iov from byte *received; returns DDPW_NET_OK as soon
@@ -51,7 +54,7 @@ typedef struct ddpw_finite_watch {
  * the send error comes back from ddpw_net_send_iov. The timeout counts time
  * with no byte moved either way; deadline_ms (see ddpw_net_recv_exact) ends
  * the receive whatever moved. */
-int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *sent,
+int ddpw_net_exchange(ddpw_link *l, const struct iovec *out_iov, int out_cnt, size_t *sent,
                      const struct iovec *in_iov, int in_cnt, size_t *received,
                      int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err);
 
@@ -61,36 +64,23 @@ int ddpw_net_exchange(int fd, const struct iovec *out_iov, int out_cnt, size_t *
  * the call gives up with DDPW_NET_TIMEOUT even if bytes keep trickling in:
  * waiting for a message is bounded by its deadline, not only by silence.
  * With a watch (else NULL), the elements are checked as they land. */
-int ddpw_net_recv_exact(int fd, void *buf, size_t len, size_t *done,
+int ddpw_net_recv_exact(ddpw_link *l, void *buf, size_t len, size_t *done,
                        int timeout_ms, int64_t deadline_ms, ddpw_finite_watch *watch, int *err);
 
 /* Milliseconds on a monotonic clock, for deadlines. */
 int64_t ddpw_net_now_ms(void);
 
-/* Copy up to len bytes already received on fd into buf without consuming
- * them and without waiting (*got is 0 when none are there): lets a reader
- * decode a whole frame head from one look at the socket, then take exactly
- * the head's bytes, leaving the elements after it in the socket. */
-int ddpw_net_peek(int fd, void *buf, size_t len, size_t *got, int *err);
-
 /* Send the concatenation of iov[0..iovcnt) with scatter-gather writes,
  * resuming from byte offset *done of that concatenation. deadline_ms (see
  * ddpw_net_recv_exact) bounds the whole send: a reader that takes a byte
  * now and then resets the timeout but not the deadline. */
-int ddpw_net_send_iov(int fd, const struct iovec *iov, int iovcnt, size_t *done,
+int ddpw_net_send_iov(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t *done,
                      int timeout_ms, int64_t deadline_ms, int *err);
 
-/* One non-blocking sendmsg of bytes [*done, total) of the concatenation of
- * iov: 1 on progress (or nothing left), 0 if it would block, else a
- * DDPW_NET_* code. The building block of every loop that sends while it
- * waits for something else. */
-int ddpw_net_send_some(int fd, const struct iovec *iov, int iovcnt, size_t total,
-                      size_t *done, int *err);
-
-/* Send the same iovec list to n sockets at once, each polled for writability
- * so a slow reader does not hold the others back. done[i] is the per-socket
- * cursor; on failure *failed is the index of the socket that failed. */
-int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int iovcnt,
+/* Send the same iovec list to n links at once, each polled for writability
+ * so a slow reader does not hold the others back. done[i] is the per-link
+ * cursor; on failure *failed is the index of the link that failed. */
+int ddpw_net_send_many(ddpw_link *const *links, size_t n, const struct iovec *iov, int iovcnt,
                       size_t *done, int timeout_ms, size_t *failed, int *err);
 
 /* Most peers one ddpw_net_exchange_many call takes: bounds its poll array. */
@@ -99,7 +89,7 @@ int ddpw_net_send_many(const int *fds, size_t n, const struct iovec *iov, int io
 /* One peer of ddpw_net_exchange_many: what goes out to it, what comes back,
  * and the cursors over both, kept here so an interrupted call resumes. */
 typedef struct ddpw_net_peer_io {
-    int fd;                  /* < 0: an empty slot (the caller itself), skipped */
+    ddpw_link *link;         /* NULL: an empty slot (the caller itself), skipped */
     const struct iovec *out_iov; /* sent as one concatenation, at most 8 entries */
     int out_cnt;
     size_t sent;
@@ -220,7 +210,7 @@ typedef struct ddpw_net_reduce_state {
 int ddpw_net_reduce_init(ddpw_net_reduce_state *st, size_t n, size_t grad_bytes,
                         size_t tail_len, size_t ring_bytes);
 void ddpw_net_reduce_free(ddpw_net_reduce_state *st);
-int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+int ddpw_net_reduce_stream(ddpw_net_reduce_state *st, ddpw_link *const *links, float *out,
                           uint8_t *tails, int timeout_ms, size_t *failed, int *err);
 
 /* The pieces of the streaming reduce that csrc/threaded.c shares. */
@@ -279,7 +269,7 @@ void ddpw_net_note_bad(int64_t *bad_index, float *bad_value, size_t i, size_t el
  * *failed is the socket index (a socket owing received bytes is named before
  * one that is only slow to read). With sent == NULL nothing is sent: that is
  * ddpw_net_reduce_stream. */
-int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, const int *fds, float *out,
+int ddpw_net_allreduce_stream(ddpw_net_reduce_state *st, ddpw_link *const *links, float *out,
                              uint8_t *tails, const uint8_t *head, size_t head_len,
                              size_t *sent, int timeout_ms, size_t *failed, int *err);
 

@@ -19,7 +19,7 @@
 #define DDPW_SENDER_MAX_IOV 8
 
 struct ddpw_sender {
-    int fd;
+    ddpw_link *link;
     struct iovec iov[DDPW_SENDER_MAX_IOV];
     int iovcnt;
     size_t total;
@@ -52,7 +52,7 @@ static void *sender_main(void *arg)
     done = h->done;
     pthread_mutex_unlock(&h->lock);
     while (done < h->total && !stopping(h)) {
-        rc = ddpw_net_send_some(h->fd, h->iov, h->iovcnt, h->total, &done, &err);
+        rc = ddpw_link_send_some(h->link, h->iov, h->iovcnt, h->total, &done, &err);
         pthread_mutex_lock(&h->lock);
         h->done = done;
         pthread_mutex_unlock(&h->lock);
@@ -63,7 +63,7 @@ static void *sender_main(void *arg)
         if (rc < 0)
             break;
         /* would block: wait for room, or for the caller to call it off */
-        rc = ddpw_wake_poll(h->fd, POLLOUT, h->wake[0], h->timeout_ms, &err);
+        rc = ddpw_wake_poll(h->link->fd, POLLOUT, h->wake[0], h->timeout_ms, &err);
         if (rc == 0)
             rc = DDPW_NET_TIMEOUT;
         if (rc < 0)
@@ -79,7 +79,7 @@ static void *sender_main(void *arg)
     return NULL;
 }
 
-int ddpw_sender_start(ddpw_sender **handle, int fd, const struct iovec *iov, int iovcnt,
+int ddpw_sender_start(ddpw_sender **handle, ddpw_link *link, const struct iovec *iov, int iovcnt,
                       size_t done, int timeout_ms, int *err)
 {
     struct ddpw_sender *h;
@@ -95,7 +95,7 @@ int ddpw_sender_start(ddpw_sender **handle, int fd, const struct iovec *iov, int
         free(h);
         return DDPW_NET_NOMEM;
     }
-    h->fd = fd;
+    h->link = link;
     h->iovcnt = iovcnt;
     for (k = 0; k < iovcnt; k++) {
         h->iov[k] = iov[k];

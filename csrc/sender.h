@@ -14,9 +14,9 @@
 typedef struct ddpw_sender ddpw_sender;
 
 /* Start sending bytes [done, end) of the concatenation of iov[0..iovcnt)
- * (at most 8 entries) on fd. iov and the memory it points to must stay
+ * (at most 8 entries) on link. iov, the memory it points to and the link must stay
  * valid until ddpw_sender_stop. */
-int ddpw_sender_start(ddpw_sender **handle, int fd, const struct iovec *iov, int iovcnt,
+int ddpw_sender_start(ddpw_sender **handle, ddpw_link *link, const struct iovec *iov, int iovcnt,
                       size_t done, int timeout_ms, int *err);
 
 /* Bytes of the concatenation sent so far. */

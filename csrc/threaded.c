@@ -35,7 +35,7 @@ typedef struct socket_thread {
 
 struct ddpw_threaded {
     ddpw_net_reduce_state *st;
-    const int *fds;
+    ddpw_link *const *links;
     float *out;
     uint8_t *tails;
     const uint8_t *head;
@@ -187,7 +187,7 @@ static void receive_loop(socket_thread *t)
     struct ddpw_threaded *h = t->h;
     ddpw_net_reduce_state *st = h->st;
     const size_t i = t->i, stream_len = st->grad_bytes + st->tail_len;
-    const int fd = h->fds[i];
+    ddpw_link *link = h->links[i];
     size_t pos, reduced;
     int halted, err = 0;
     pthread_mutex_lock(&h->lock);
@@ -200,27 +200,26 @@ static void receive_loop(socket_thread *t)
         if (shared_state(h, &reduced, &halted))
             return;
         while ((room = window(h, i, pos, reduced, &dst)) > 0) {
-            ssize_t got = recv(fd, dst, room, MSG_DONTWAIT);
+            struct iovec into;
+            size_t got = 0;
+            into.iov_base = dst;
+            into.iov_len = room;
+            rc = ddpw_link_recv_some(link, &into, 1, room, &got, &err);
             if (got > 0) {
-                pos += (size_t)got;
+                pos += got;
                 received(t, pos, &reduced, &halted);
-                continue;
             }
-            if (got == 0 || errno == ECONNRESET) {
-                fail(t, DDPW_NET_EOF, 0);
-                return;
-            }
-            if (errno == EINTR)
+            if (rc == 1 || rc == DDPW_NET_EINTR)
                 continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
+            if (rc == 0)
                 break;
-            fail(t, DDPW_NET_ERRNO, errno);
+            fail(t, rc, err);
             return;
         }
         if (pos == stream_len)
             return;
         /* with the window closed only a wake-up (the frontier moving) helps */
-        rc = wait_for(t, fd, room > 0 ? POLLIN : 0, &err);
+        rc = wait_for(t, link->fd, room > 0 ? POLLIN : 0, &err);
         if (rc < 0) {
             fail(t, rc, err);
             return;
@@ -237,7 +236,7 @@ static void send_loop(socket_thread *t)
 {
     struct ddpw_threaded *h = t->h;
     const size_t i = t->i, reply_len = h->head_len + h->st->grad_bytes;
-    const int fd = h->fds[i];
+    ddpw_link *link = h->links[i];
     size_t reduced, my_sent = h->sent[i];
     int halted, err = 0;
     struct iovec iov[2];
@@ -256,7 +255,7 @@ static void send_loop(socket_thread *t)
         limit = h->head_len + reduced;
         iov[1].iov_len = reduced;
         while (my_sent < limit) {
-            rc = ddpw_net_send_some(fd, iov, 2, limit, &my_sent, &err);
+            rc = ddpw_link_send_some(link, iov, 2, limit, &my_sent, &err);
             if (rc == DDPW_NET_EINTR)
                 continue;
             if (rc < 0) {
@@ -269,7 +268,7 @@ static void send_loop(socket_thread *t)
         }
         if (my_sent == reply_len)
             break;
-        rc = wait_for(t, fd, my_sent < limit ? POLLOUT : 0, &err);
+        rc = wait_for(t, link->fd, my_sent < limit ? POLLOUT : 0, &err);
         if (rc < 0) {
             h->sent[i] = my_sent;
             fail(t, rc, err);
@@ -340,7 +339,7 @@ void ddpw_threaded_stop(ddpw_threaded *h)
     free(h);
 }
 
-int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const int *fds,
+int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, ddpw_link *const *links,
                         float *out, uint8_t *tails, const uint8_t *head, size_t head_len,
                         size_t *sent, int timeout_ms, int *err)
 {
@@ -359,7 +358,7 @@ int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const
         return DDPW_NET_NOMEM;
     }
     h->st = st;
-    h->fds = fds;
+    h->links = links;
     h->out = out;
     h->tails = tails;
     h->head = head;

@@ -22,9 +22,9 @@ typedef struct ddpw_threaded ddpw_threaded;
 
 /* Start receiving and averaging into out, and sending head + averaged bytes
  * (when sent is not NULL), on every socket of st, with the semantics and
- * arguments of ddpw_net_allreduce_stream. st, fds, out, tails, head and sent
+ * arguments of ddpw_net_allreduce_stream. st, links, out, tails, head and sent
  * must stay valid until ddpw_threaded_stop. On success *handle is set. */
-int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, const int *fds,
+int ddpw_threaded_start(ddpw_threaded **handle, ddpw_net_reduce_state *st, ddpw_link *const *links,
                         float *out, uint8_t *tails, const uint8_t *head, size_t head_len,
                         size_t *sent, int timeout_ms, int *err);
 

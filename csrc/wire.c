@@ -105,6 +105,8 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
             return "balance";
         if (value == DDPW_EXT_ELASTIC)
             return "elastic";
+        if (value == DDPW_EXT_SEAL)
+            return "seal";
         return NULL;
     case DDPW_CODES_REFUSAL:
         return value < COUNT(REFUSAL_NAMES) ? REFUSAL_NAMES[value] : NULL;

@@ -84,8 +84,12 @@ typedef enum ddpw_ext_type {
     DDPW_EXT_GRADIENT_LENGTH = 0x0006,
     DDPW_EXT_STEPS = 0x0007,
     DDPW_EXT_BALANCE = 0x0008,
-    DDPW_EXT_ELASTIC = 0x0009
+    DDPW_EXT_ELASTIC = 0x0009,
+    DDPW_EXT_SEAL = 0x000A
 } ddpw_ext_type;
+
+/* The SEAL entry's value both ways: an X25519 public key. */
+#define DDPW_SEAL_PUBLIC_BYTES 32u
 
 /* MeshPeers.codec: how gradient slices travel between mesh peers. */
 typedef enum ddpw_codec {

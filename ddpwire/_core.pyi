@@ -126,6 +126,15 @@ class Connection:
                  lost: Type[PeerLost] = ..., peer_name: str = ...) -> None: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
+    def seal(self, send_key: bytes, recv_key: bytes) -> None:
+        """From here on every byte either way goes in AES-256-GCM records
+        under these 32-byte keys (the peer seals at the same byte, keys
+        swapped); a record that fails to open raises IntegrityError."""
+    @property
+    def sealed(self) -> bool: ...
+    def held(self) -> int:
+        """Bytes received and opened but not yet taken (a poll on the socket
+        does not see them)."""
     def recv_into(self, buf: _Buffer, timeout: float, *, deadline: Optional[float] = ...,
                   check_finite: bool = ..., step: Optional[int] = ...,
                   what: str = ...) -> Optional[int]:
@@ -137,6 +146,12 @@ class Connection:
     def send_parts(self, parts: Iterable[Optional[_Buffer]], timeout: float, *,
                    deadline: Optional[float] = ..., step: Optional[int] = ...,
                    what: str = ...) -> None: ...
+
+SEALED_RECORD: int
+
+def load_libcrypto(path: str) -> None:
+    """Load libcrypto's AES-256-GCM for sealed links; OSError saying what is missing."""
+def libcrypto_loaded() -> bool: ...
 
 class FrameHead:
     tag: int

@@ -18,7 +18,7 @@ import time as _time
 
 import numpy as _np
 
-from .errors import PeerLost, DdpwireError, ProtocolError, UnexpectedMessage
+from .errors import PeerLost, DdpwireError, ProtocolError, UnexpectedMessage, integrity_error
 
 cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
@@ -120,6 +120,8 @@ cdef class Connection:
     """
     cdef readonly object sock
     cdef readonly int fd
+    # how bytes move on fd (csrc/link.h): plain until seal()
+    cdef ddpw_link link
     cdef public object peer_id
     cdef public object lost
     cdef public str peer_name
@@ -128,9 +130,16 @@ cdef class Connection:
     cdef int busy
     cdef bint closing
 
+    def __cinit__(self):
+        ddpw_link_plain(&self.link, -1)
+
+    def __dealloc__(self):
+        ddpw_link_release(&self.link)
+
     def __init__(self, sock, *, peer_id=None, lost=PeerLost, peer_name="peer"):
         self.sock = sock
         self.fd = sock.fileno()
+        ddpw_link_plain(&self.link, self.fd)
         self.busy = 0
         self.closing = False
         self.peer_id = peer_id
@@ -141,6 +150,41 @@ cdef class Connection:
 
     def fileno(self):
         return self.fd
+
+    def seal(self, send_key, recv_key):
+        """From here on every byte either way goes in AES-256-GCM records
+        under these 32-byte keys (csrc/sealed.c); the peer seals its side
+        at the same byte of each stream, with the keys swapped. A record
+        that fails to open raises IntegrityError naming the peer. Needs
+        libcrypto loaded (ddpwire.seal) and no call in flight."""
+        cdef const uint8_t *tx
+        cdef const uint8_t *rx
+        cdef int rc
+        if not isinstance(send_key, bytes) or not isinstance(recv_key, bytes) or \
+                len(send_key) != DDPW_AEAD_KEY_BYTES or len(recv_key) != DDPW_AEAD_KEY_BYTES:
+            raise ValueError(f"seal: two keys of {DDPW_AEAD_KEY_BYTES} bytes are needed")
+        if not ddpw_aead_ready():
+            raise RuntimeError("seal: libcrypto is not loaded (ddpwire.seal.load_libcrypto)")
+        self.check_open()
+        if self.busy:
+            raise RuntimeError("seal: a call is using the connection")
+        tx = <const uint8_t *>(<bytes>send_key)
+        rx = <const uint8_t *>(<bytes>recv_key)
+        rc = ddpw_link_seal(&self.link, self.fd, tx, rx)
+        if rc == DDPW_NET_NOMEM:
+            raise MemoryError("seal")
+        if rc != DDPW_NET_OK:
+            raise RuntimeError("seal: libcrypto refused the key")
+
+    @property
+    def sealed(self):
+        """Whether the connection's bytes go in sealed records."""
+        return bool(ddpw_link_sealed(&self.link))
+
+    def held(self):
+        """Bytes received and opened but not yet taken: a wait on the
+        socket would not see them, so whoever polls fileno() looks here first."""
+        return ddpw_link_held(&self.link)
 
     def close(self):
         """Close the connection. A call blocked on it in another thread (the
@@ -160,6 +204,7 @@ cdef class Connection:
 
     cdef close_now(self):
         self.fd = -1
+        ddpw_link_release(&self.link)
         try:
             self.sock.close()
         except OSError:
@@ -193,6 +238,11 @@ cdef class Connection:
                             worker_id=self.peer_id, step=step)
         if rc == DDPW_NET_NOMEM:
             raise MemoryError(what)
+        if rc == DDPW_NET_INTEGRITY:
+            raise integrity_error(self.lost)(
+                f"{self.peer_name}: a sealed record failed authentication while {what} (altered, "
+                f"replayed, reordered, dropped or injected on the way); nothing of it was used",
+                worker_id=self.peer_id, step=step)
         raise self.lost(f"{self.peer_name} connection failed while {what}: {os.strerror(err)}",
                         worker_id=self.peer_id, step=step)
 
@@ -223,7 +273,7 @@ cdef class Connection:
         try:
             while True:
                 with nogil:
-                    rc = ddpw_net_recv_exact(self.fd, b.view.buf, <size_t>b.view.len, &done, ms,
+                    rc = ddpw_net_recv_exact(&self.link, b.view.buf, <size_t>b.view.len, &done, ms,
                                              until, &watch, &err)
                 if rc == DDPW_NET_EINTR:
                     PyErr_CheckSignals()
@@ -241,7 +291,7 @@ cdef class Connection:
         cdef int err = 0, rc
         self.check_open()  # no wait: nothing to enter
         while True:
-            rc = ddpw_net_peek(self.fd, buf, cap, &got, &err)
+            rc = ddpw_link_peek(&self.link, buf, cap, &got, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
@@ -272,7 +322,7 @@ cdef class Connection:
         try:
             while True:
                 with nogil:
-                    rc = ddpw_net_send_iov(self.fd, iov, k, &done, ms, until, &err)
+                    rc = ddpw_net_send_iov(&self.link, iov, k, &done, ms, until, &err)
                 if rc == DDPW_NET_EINTR:
                     PyErr_CheckSignals()
                     continue
@@ -281,6 +331,24 @@ cdef class Connection:
                 return
         finally:
             self.leave()
+
+
+def load_libcrypto(path):
+    """Load libcrypto's AES-256-GCM from ``path`` for sealed links
+    (ddpwire.seal.load_libcrypto chooses the file); OSError saying what is
+    missing. Once loaded, later calls do nothing."""
+    cdef char why[512]
+    cdef bytes name = os.fsencode(path)
+    if ddpw_aead_load(name, why, sizeof(why)) != 0:
+        raise OSError((<bytes>why).decode("utf-8", "replace"))
+
+
+def libcrypto_loaded():
+    """Whether load_libcrypto succeeded."""
+    return bool(ddpw_aead_ready())
+
+
+SEALED_RECORD = DDPW_SEALED_RECORD
 
 
 def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting"):
@@ -292,26 +360,26 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
     cdef size_t n = len(conns), failed = 0, i
     cdef list held = []
     cdef Connection c
-    cdef int *fds = NULL
+    cdef ddpw_link **links = NULL
     cdef size_t *done = NULL
     cdef size_t entered = 0
     k = fill_iov(parts, iov, held)
     if n == 0:
         return
-    fds = <int *>malloc(n * sizeof(int))
+    links = <ddpw_link **>malloc(n * sizeof(ddpw_link *))
     done = <size_t *>malloc(n * sizeof(size_t))
     try:
-        if fds is NULL or done is NULL:
+        if links is NULL or done is NULL:
             raise MemoryError()
         for i in range(n):
             c = conns[i]
             c.enter()
             entered += 1
-            fds[i] = c.fd
+            links[i] = &c.link
             done[i] = 0
         while True:
             with nogil:
-                rc = ddpw_net_send_many(fds, n, iov, k, done, ms, &failed, &err)
+                rc = ddpw_net_send_many(links, n, iov, k, done, ms, &failed, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
@@ -321,7 +389,7 @@ def send_many(list conns, parts, timeout, *, step=None, str what="broadcasting")
     finally:
         for i in range(entered):
             (<Connection>conns[i]).leave()
-        free(fds)
+        free(links)
         free(done)
 
 
@@ -429,7 +497,7 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
             raise MemoryError()
         # every buffer is held before any connection is entered
         for i in range(n):
-            peers[i].fd = -1
+            peers[i].link = NULL
             if conns[i] is None:
                 continue
             c = <Connection?>conns[i]
@@ -503,7 +571,7 @@ def exchange_many(list conns, sends, recvs, timeout, *, deadline=None, step=None
             c = conns[i]
             c.enter()
             entered.append(c)
-            peers[i].fd = c.fd
+            peers[i].link = &c.link
         while True:
             with nogil:
                 rc = ddpw_net_exchange_kernels(peers, n, use, ms, until, &failed, &err)
@@ -591,7 +659,8 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     cdef size_t n = len(conns), failed = 0, i
     cdef int err = 0, rc, ms = timeout_ms(timeout)
     cdef ddpw_net_reduce_state st
-    cdef int *fds = NULL
+    cdef ddpw_link **links = NULL
+    cdef Connection c
     cdef size_t *sent = NULL
     cdef size_t entered = 0
     cdef bytearray tails = bytearray(n * tail_len)
@@ -617,22 +686,23 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     st.finish_on_nonfinite = 0 if halt_on_nonfinite else 1
     if scales is not None:
         st.scales = &weights[0]
-    fds = <int *>malloc(n * sizeof(int))
+    links = <ddpw_link **>malloc(n * sizeof(ddpw_link *))
     sent = <size_t *>calloc(n, sizeof(size_t))
     try:
-        if fds is NULL or sent is NULL:
+        if links is NULL or sent is NULL:
             raise MemoryError()
         for i in range(n):
             (<Connection>conns[i]).enter()
             entered += 1
-            fds[i] = (<Connection>conns[i]).fd
+            c = conns[i]
+            links[i] = &c.link
         if socket_threads:
-            rc = run_threaded(&st, fds, out_p, tails_p, head_p, head_len,
+            rc = run_threaded(&st, links, out_p, tails_p, head_p, head_len,
                               sent if reply else NULL, ms, &failed, &err)
         else:
             while True:
                 with nogil:
-                    rc = ddpw_net_allreduce_stream(&st, fds, out_p, tails_p, head_p, head_len,
+                    rc = ddpw_net_allreduce_stream(&st, links, out_p, tails_p, head_p, head_len,
                                                    sent if reply else NULL, ms, &failed, &err)
                 if rc == DDPW_NET_EINTR:
                     PyErr_CheckSignals()
@@ -663,7 +733,7 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
         iov[2].iov_len = <size_t>t.view.len
         while True:
             with nogil:
-                rc = ddpw_net_send_many(fds, n, iov, 3, sent, ms, &failed, &err)
+                rc = ddpw_net_send_many(links, n, iov, 3, sent, ms, &failed, &err)
             if rc == DDPW_NET_EINTR:
                 PyErr_CheckSignals()
                 continue
@@ -673,12 +743,12 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     finally:
         for i in range(entered):
             (<Connection>conns[i]).leave()
-        free(fds)
+        free(links)
         free(sent)
         ddpw_net_reduce_free(&st)
 
 
-cdef int run_threaded(ddpw_net_reduce_state *st, const int *fds, float *out_p, uint8_t *tails_p,
+cdef int run_threaded(ddpw_net_reduce_state *st, ddpw_link **links, float *out_p, uint8_t *tails_p,
                       const uint8_t *head_p, size_t head_len, size_t *sent, int ms,
                       size_t *failed, int *err) except? -100:
     """ddpw_net_allreduce_stream's work on a receiving and a sending thread
@@ -687,7 +757,7 @@ cdef int run_threaded(ddpw_net_reduce_state *st, const int *fds, float *out_p, u
     cdef ddpw_threaded *h = NULL
     cdef int rc
     with nogil:
-        rc = ddpw_threaded_start(&h, st, fds, out_p, tails_p, head_p, head_len, sent, ms, err)
+        rc = ddpw_threaded_start(&h, st, links, out_p, tails_p, head_p, head_len, sent, ms, err)
     if rc != DDPW_NET_OK:
         if rc == DDPW_NET_NOMEM:
             raise MemoryError("allreduce_stream: could not start the socket threads")
@@ -729,7 +799,7 @@ cdef class Exchange:
     cdef object step
     cdef str what
     cdef ddpw_sender *sender
-    cdef bint holding  # the sending thread uses conn's fd: conn.enter() taken for it
+    cdef bint holding  # the sending thread uses conn's link: conn.enter() taken for it
 
     def __init__(self, Connection conn, parts, timeout, *, step=None, str what="sending",
                  bint send_thread=False):
@@ -748,7 +818,7 @@ cdef class Exchange:
             conn.enter()
             self.holding = True
             with nogil:
-                rc = ddpw_sender_start(&self.sender, conn.fd, self.iov, self.k, 0, self.ms, &err)
+                rc = ddpw_sender_start(&self.sender, &conn.link, self.iov, self.k, 0, self.ms, &err)
             if rc != DDPW_NET_OK:
                 self.release()
             if rc == DDPW_NET_NOMEM:
@@ -814,7 +884,7 @@ cdef class Exchange:
         try:
             while True:
                 with nogil:
-                    rc = ddpw_net_exchange(self.conn.fd, self.iov, out_k, &sent,
+                    rc = ddpw_net_exchange(&self.conn.link, self.iov, out_k, &sent,
                                            in_iov, m, &received, self.ms, until, &watch, &err)
                 if self.sender is NULL:
                     self.sent_bytes = sent
@@ -854,7 +924,7 @@ cdef class Exchange:
         try:
             while True:
                 with nogil:
-                    rc = ddpw_net_send_iov(self.conn.fd, self.iov, self.k, &sent, self.ms, -1, &err)
+                    rc = ddpw_net_send_iov(&self.conn.link, self.iov, self.k, &sent, self.ms, -1, &err)
                 self.sent_bytes = sent
                 if rc == DDPW_NET_EINTR:
                     PyErr_CheckSignals()

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from . import auth
+from . import auth, seal
 from ._core import FrameReader, encode_frame, tag_max_payload
 from ._text import counted
 from .channel import still_open
@@ -61,6 +61,8 @@ class Admitted:
     join: JoinRequest
     granted: Dict[int, bytes]
     worker_id: int = -1
+    #: (send, receive) keys of its sealed link (ddpwire.seal), None: in the clear
+    keys: Optional[Tuple[bytes, bytes]] = None
 
     def name(self) -> str:
         """The worker as a user knows it: its node id at its host."""
@@ -81,6 +83,7 @@ class _Pending:
     reader: FrameReader
     join: Optional[JoinRequest] = None
     coordinator_nonce: bytes = b""
+    share: Optional[seal.KeyShare] = None  # our half of its link's key exchange
     refusal: Optional[Tuple[int, str]] = None  # set on a Refuser: why it will be refused
     head: bytes = b""  # its first bytes (NotACoordinator.HEAD_BYTES at most)
 
@@ -228,6 +231,10 @@ class _Handshakes:
         self.pending.clear()
 
 
+#: why a coordinator with require_encryption refuses a worker in the clear
+_NOT_SEALED = ("this coordinator requires encryption (--require-encryption) and this worker "
+               "cannot seal its link: give it the token and leave its encryption on")
+
 #: why an elastic session refuses a worker that cannot redo a step
 _NOT_ELASTIC = ("this coordinator goes on without a worker it loses (--elastic): every worker "
                 "must be able to compute a step again (a ddpwire worker; the reference cannot)")
@@ -240,8 +247,13 @@ class Admission:
                  grants: Mapping[int, bytes], samples: Optional[int], handshake_timeout: float,
                  max_frame: int, per_block: Optional[bool] = None,
                  gradient_length: Optional[int] = None, elastic: bool = False,
-                 resume: bool = False) -> None:
+                 resume: bool = False, encrypt: bool = False,
+                 require_encryption: bool = False) -> None:
         self.listener = listener
+        #: seal the link of a worker that offers it (needs the token);
+        #: ``require_encryption``: refuse one that does not
+        self.encrypt = encrypt and token is not None
+        self.require_encryption = require_encryption
         self.elastic = elastic
         #: a restarted coordinator's join: every worker says the step it goes on
         #: from (its elastic entry), the first admitted sets it for the others;
@@ -410,7 +422,8 @@ class Admission:
                        (RefusalReason.PROTOCOL, "malformed auth offer"))
             return
         p.coordinator_nonce = auth.new_nonce()
-        proof = auth.coordinator_proof(self.token, nonce, p.coordinator_nonce)
+        proof = auth.coordinator_proof(self.token, nonce, p.coordinator_nonce,
+                                       offered.get(Extension.SEAL, b""))
         if not _send_small(p.sock, AuthChallenge(nonce=p.coordinator_nonce, proof=proof)):
             self.handshakes.end(sel, p, "could not send AuthChallenge")
             return
@@ -419,7 +432,7 @@ class Admission:
     def _on_proof(self, sel: selectors.BaseSelector, p: _Pending, msg: AuthProof) -> None:
         assert self.token is not None and p.join is not None
         expected = auth.worker_proof(self.token, p.join.extensions[Extension.AUTH],
-                                     p.coordinator_nonce)
+                                     p.coordinator_nonce, p.join.extensions.get(Extension.SEAL, b""))
         if not auth.proof_matches(expected, bytes(msg.proof)):
             self.handshakes.end(sel, p, "wrong token (its proof did not match)",
                        (RefusalReason.AUTH_FAILED, "authentication failed"))
@@ -482,6 +495,14 @@ class Admission:
         if self.resume and self._refused_for_offer(sel, p, lambda: self._resume_mismatch(
                 (offered or {}).get(Extension.ELASTIC, b""))):
             return
+        share = (offered or {}).get(Extension.SEAL)
+        if self.require_encryption and (share is None or Extension.AUTH not in (offered or {})) \
+                and self._refused_for_offer(sel, p, lambda: _NOT_SEALED):
+            return
+        keys: List[Tuple[bytes, bytes]] = []
+        if self.encrypt and share is not None and self._refused_for_offer(
+                sel, p, lambda: self._seal_keys(p, share, keys)):
+            return
         worker_id = self.slots.index(None)
         granted: Dict[int, bytes] = {}
         if offered is not None:
@@ -490,6 +511,8 @@ class Admission:
                     granted[kind] = value
             if self.token is not None:
                 granted[Extension.AUTH] = b""
+            if p.share is not None:
+                granted[Extension.SEAL] = p.share.public
             if Extension.SAMPLES in offered:
                 granted[Extension.SAMPLES] = encode_u64(self.samples or 0)
             for kind in (Extension.PER_BLOCK, Extension.GRADIENT_LENGTH):
@@ -501,7 +524,8 @@ class Admission:
             self.handshakes.end(sel, p, "could not send JoinAccepted")
             return
         del self.handshakes.pending[p.sock]
-        admitted = Admitted(p.sock, p.address, p.join, granted, worker_id)
+        admitted = Admitted(p.sock, p.address, p.join, granted, worker_id,
+                            keys[0] if keys else None)
         sel.modify(p.sock, selectors.EVENT_READ, admitted)
         self.slots[worker_id] = admitted
         if self.resume and self.resume_step is None:
@@ -509,6 +533,19 @@ class Admission:
             self.resume_step = _resume_step_of(admitted)
         log.info("worker %d joined: %s (%s, %d GPU) from %s", worker_id, p.join.node_id,
                  p.join.backend, p.join.gpu_count, p.name)
+        if self.encrypt and not keys:
+            log.warning("worker %d (%s) joined in the clear: it offered no encryption (--encrypt "
+                        "off there, or a ddpwire without it); --require-encryption refuses such "
+                        "workers", worker_id, p.name)
+
+    def _seal_keys(self, p: _Pending, share: bytes, out: List[Tuple[bytes, bytes]]) -> None:
+        """Our half of ``p``'s key exchange and its link's keys, into ``out``
+        (ProtocolError for a share that is no key: a refusal, reason PROTOCOL)."""
+        assert self.token is not None and p.join is not None
+        p.share = seal.KeyShare()
+        context = p.join.extensions[Extension.AUTH] + p.coordinator_nonce + share + p.share.public
+        out.append(seal.derive(p.share.secret(share), self.token, seal.JOIN_LABEL, context,
+                               initiator=False))
 
     def _checkstill_open(self, sel: selectors.BaseSelector, a: Admitted) -> None:
         if still_open(a.sock):

@@ -61,18 +61,25 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def _mac(token: bytes, label: bytes, worker_nonce: bytes, coordinator_nonce: bytes) -> bytes:
-    return hmac.new(token, label + worker_nonce + coordinator_nonce, hashlib.sha256).digest()
+def _mac(token: bytes, label: bytes, worker_nonce: bytes, coordinator_nonce: bytes,
+         bound: bytes) -> bytes:
+    return hmac.new(token, label + worker_nonce + coordinator_nonce + bound,
+                    hashlib.sha256).digest()
 
 
-def coordinator_proof(token: bytes, worker_nonce: bytes, coordinator_nonce: bytes) -> bytes:
-    """What the coordinator sends in AuthChallenge."""
-    return _mac(token, _COORDINATOR_LABEL, worker_nonce, coordinator_nonce)
+def coordinator_proof(token: bytes, worker_nonce: bytes, coordinator_nonce: bytes,
+                      bound: bytes = b"") -> bytes:
+    """What the coordinator sends in AuthChallenge. ``bound``: the worker's
+    seal key share when it offered one (ddpwire.seal), so that an offer
+    taken out on the way fails the proofs instead of leaving the session in
+    the clear."""
+    return _mac(token, _COORDINATOR_LABEL, worker_nonce, coordinator_nonce, bound)
 
 
-def worker_proof(token: bytes, worker_nonce: bytes, coordinator_nonce: bytes) -> bytes:
-    """What the worker sends in AuthProof."""
-    return _mac(token, _WORKER_LABEL, worker_nonce, coordinator_nonce)
+def worker_proof(token: bytes, worker_nonce: bytes, coordinator_nonce: bytes,
+                 bound: bytes = b"") -> bytes:
+    """What the worker sends in AuthProof (``bound`` as for coordinator_proof)."""
+    return _mac(token, _WORKER_LABEL, worker_nonce, coordinator_nonce, bound)
 
 
 def proof_matches(expected: bytes, received: bytes) -> bool:

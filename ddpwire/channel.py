@@ -276,6 +276,8 @@ class Channel:
         (then the peer's ``lost`` error): for a server whose peers decide
         when training ends."""
         sock = self.conn.sock
+        if self.conn.held():  # opened from a sealed record already: no wait on the socket
+            return True
         ready, _, _ = select.select([sock], [], [], check_timeout("timeout", timeout))
         if not ready:
             raise self.conn.lost(f"{self.conn.peer_name} silent for {timeout:g} s",

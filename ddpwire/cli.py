@@ -57,6 +57,10 @@ def _token(p: argparse.ArgumentParser) -> None:
                    help=f"file holding the shared token: only workers that prove they know it "
                         f"join, and they check the coordinator knows it too (default: "
                         f"${TOKEN_ENV} if set, else no token)")
+    p.add_argument("--encrypt", choices=("on", "off"), default="on",
+                   help="with a token, seal every frame after the join (AES-256-GCM, keys from "
+                        "an X25519 exchange bound to the token); 'off' sends them in the clear "
+                        "(default: %(default)s)")
 
 
 DEFAULT_STEPS = 60
@@ -140,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --elastic, end the run (as without it) once fewer than K workers "
                         "are left (default 1)")
     _token(c)
+    c.add_argument("--require-encryption", action="store_true",
+                   help="refuse a worker that cannot seal its link (needs a token and "
+                        "--encrypt on)")
     _balance(c)
     _training(c)
     _common(c)
@@ -327,6 +334,8 @@ def run_coordinator(args: argparse.Namespace, bind=None,
                      handshake_timeout=getattr(args, "handshake_timeout", 10.0),
                      socket_threads=socket_threads, samples_per_step=args.samples,
                      token=token_from(getattr(args, "token_file", None)),
+                     encrypt=getattr(args, "encrypt", "on") == "on",
+                     require_encryption=getattr(args, "require_encryption", False),
                      topology=getattr(args, "topology", "auto"),
                      compression=getattr(args, "compression", None),
                      coordinator_share=getattr(args, "coordinator_share", "auto"),
@@ -415,7 +424,7 @@ def run_worker(args: argparse.Namespace) -> int:
                           device=args.device, node_id=node_id, timeout=args.timeout,
                           heartbeat=args.heartbeat, save=args.save,
                           seed=args.seed, threads=args.threads, join_turn=join_turn,
-                          token=token,
+                          token=token, encrypt=args.encrypt == "on",
                           mesh=not getattr(args, "no_mesh", False),
                           tcp_congestion=None if args.tcp_congestion == "system"
                           else args.tcp_congestion,

@@ -95,6 +95,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         socket_threads: Optional[bool] = UNSET,
         node_id: str = "coordinator",
         token: Union[str, bytes, None] = UNSET,
+        encrypt: bool = UNSET,
         extensions: Optional[Mapping[int, bytes]] = None,
         samples_per_step: Optional[int] = UNSET,
         topology: str = "auto",
@@ -108,6 +109,7 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         elastic: bool = False,
         min_workers: Optional[int] = None,
         resume: bool = False,
+        require_encryption: bool = False,
     ) -> None:
         opts, config = CoordinatorOptions.split(options, expect_workers, dict(locals()))
         #: the session's options and the coordinator's, as checked: the one

@@ -20,12 +20,14 @@ __all__ = [
     "PeerLost",
     "WorkerLost",
     "CoordinatorLost",
+    "IntegrityError",
     "CollectiveAborted",
     "JoinTimeout",
     "JoinRefusedError",
     "AuthenticationFailed",
     "ShutdownDuringReduce",
     "DeviceUnavailable",
+    "EncryptionUnavailable",
     "MembershipChanged",
     "WorkerDropped",
     "NotACoordinator",
@@ -210,6 +212,28 @@ class CoordinatorLost(PeerLost):
     """The coordinator disconnected or stayed silent past the timeout."""
 
 
+class IntegrityError(PeerLost):
+    """A record on a sealed link failed authentication: altered, replayed,
+    reordered, dropped or injected on the way (docs/security.md). Nothing
+    of it was used, and the link is dead: its peer is lost."""
+
+
+_INTEGRITY: "dict[type, type]" = {}
+
+
+def integrity_error(lost: type) -> type:
+    """IntegrityError that is also ``lost`` (WorkerLost, CoordinatorLost...),
+    so that whoever handles that peer's loss handles this one too."""
+    if issubclass(lost, IntegrityError):
+        return lost
+    cls = _INTEGRITY.get(lost)
+    if cls is None:
+        cls = type("IntegrityError", (IntegrityError, lost), {"__module__": __name__,
+                                                               "__doc__": IntegrityError.__doc__})
+        _INTEGRITY[lost] = cls
+    return cls
+
+
 class CollectiveAborted(PeerLost):
     """A process group (:mod:`ddpwire.collectives`) cannot go on: ``rank``
     (None when no single rank is at fault) died, stayed silent past the
@@ -286,6 +310,11 @@ class WorkerDropped(PeerLost):
 
 class ShutdownDuringReduce(DdpwireError):
     """The coordinator sent Shutdown while this worker waited for an average."""
+
+
+class EncryptionUnavailable(DdpwireError, RuntimeError):
+    """Links were to be sealed (a token is set and encryption is on) and
+    this machine cannot: no OpenSSL libcrypto could be loaded."""
 
 
 class DeviceUnavailable(DdpwireError, RuntimeError):

@@ -27,7 +27,8 @@ def _enum(name: str, doc: str) -> type:
 
 
 Extension = _enum("Extension", "Entry types of the extension block (AUTH, SAMPLES, COLLECTIVES, "
-                               "MESH, PER_BLOCK, GRADIENT_LENGTH, STEPS, BALANCE, ELASTIC).")
+                               "MESH, PER_BLOCK, GRADIENT_LENGTH, STEPS, BALANCE, ELASTIC, "
+                               "SEAL).")
 RefusalReason = _enum("RefusalReason", "JoinRefused.reason codes.")
 CollectiveKind = _enum("CollectiveKind", "CollectiveRequest/CollectiveResult.kind codes.")
 ReduceOp = _enum("ReduceOp", "CollectiveRequest.op codes.")

@@ -16,6 +16,7 @@ import socket
 import time
 from typing import List, Optional, Tuple
 
+from . import seal
 from ._text import counted
 from .admission import Admission, Admitted, Refuser
 from .auth import TOKEN_ENV
@@ -51,6 +52,8 @@ class Intake:
         self.expect_workers = expect_workers
         self._options, self._config = options, config
         self._grants = config.grants(options.per_block)
+        if options.token is not None and options.encrypt:
+            seal.load_libcrypto()  # before listening: EncryptionUnavailable says what to do
         self.listener = _bind(bind, backlog=max(16, expect_workers))
         self._admission: Optional[Admission] = None
         self._refuser: Optional[Refuser] = None
@@ -58,8 +61,9 @@ class Intake:
             # $DDPWIRE_TOKEN is what both commands and torch.distributed read
             # (a flag would exist under one of them only)
             log.warning("listening on %s:%d without a token: any host that reaches this port can "
-                        "join as a worker and change the averages (set %s to one secret on "
-                        "every machine, or pass token= in Python; see docs/security.md)",
+                        "join as a worker and change the averages, and every frame travels "
+                        "in the clear (set %s to one secret on every machine, or pass token= "
+                        "in Python: links are then sealed too; see docs/security.md)",
                         *self.local_addr, TOKEN_ENV)
 
     @property
@@ -86,7 +90,9 @@ class Intake:
                 grants=self._grants, samples=samples,
                 handshake_timeout=config.handshake_timeout, max_frame=opts.max_frame,
                 per_block=opts.per_block, gradient_length=opts.gradient_length,
-                elastic=config.elastic, resume=config.resume)  # type: ignore[arg-type]
+                elastic=config.elastic, resume=config.resume,
+                encrypt=opts.encrypt,
+                require_encryption=config.require_encryption)  # type: ignore[arg-type]
         return self._admission.run(time.monotonic() + limit, limit, want)
 
     def complete(self) -> Optional[Admission]:

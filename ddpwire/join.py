@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
-from . import auth
+from . import auth, seal
 from . import mesh as _mesh
 from . import shm as _shm
 from .channel import Channel, check_timeout
@@ -154,17 +154,21 @@ def _await_first_bytes(sock: socket.socket, deadline: float, where: str,
             time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
 
 
-def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
-                     where: str, deadline: float) -> JoinAccepted:
+def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes, share: bytes,
+                     where: str, deadline: float) -> Tuple[JoinAccepted, bytes]:
     """The coordinator's answer to our JoinRequest, through the token
     handshake when we have a token (docs/extensions.md, "Authentication"),
-    all by ``deadline`` (time.monotonic()). ``where`` (host:port) names the
+    all by ``deadline`` (time.monotonic()), and the coordinator's nonce
+    (b"" without a token). ``share``: our seal key share offered (b"":
+    none), which both proofs cover. ``where`` (host:port) names the
     coordinator when this worker gives up."""
+    theirs = b""
     reply = chan.expect([JoinAccepted, AuthChallenge, JoinRefused], deadline=deadline)
     if isinstance(reply, AuthChallenge):
         if token is None:
             raise _token_needed(where)
-        expected = auth.coordinator_proof(token, nonce, bytes(reply.nonce))
+        theirs = bytes(reply.nonce)
+        expected = auth.coordinator_proof(token, nonce, theirs, share)
         if not auth.proof_matches(expected, bytes(reply.proof)):
             # a peer that does not know the token learns nothing from us
             raise AuthenticationFailed(
@@ -172,7 +176,7 @@ def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
                 f"the coordinator at {where} does not know this worker's token (its proof did "
                 f"not match): the tokens differ; check {auth.TOKEN_ENV} or --token-file on "
                 f"both sides", by_worker=True)
-        chan.send(AuthProof(proof=auth.worker_proof(token, nonce, bytes(reply.nonce))))
+        chan.send(AuthProof(proof=auth.worker_proof(token, nonce, theirs, share)))
         reply = chan.expect([JoinAccepted, JoinRefused], deadline=deadline)
     elif token is not None and isinstance(reply, JoinAccepted):
         # a ddpwire coordinator without a token refuses the offer instead:
@@ -189,7 +193,27 @@ def _await_admission(chan: Channel, token: Optional[bytes], nonce: bytes,
         cls = AuthenticationFailed if reply.reason in (RefusalReason.AUTH_REQUIRED,
                                                        RefusalReason.AUTH_FAILED) else JoinRefusedError
         raise cls(reply.reason, reply.detail)
-    return reply
+    return reply, theirs
+
+
+def _seal(chan: Channel, share: Optional[seal.KeyShare], token: Optional[bytes], nonce: bytes,
+          theirs: bytes, granted: Mapping[int, bytes], where: str) -> None:
+    """Seal the link from here on when the coordinator granted our share
+    (JoinAccepted was its last frame in the clear); say so once when it
+    did not."""
+    answer = granted.get(Extension.SEAL)
+    if share is None:
+        if answer is not None:
+            raise ProtocolError("the coordinator granted encryption this worker did not offer")
+        return
+    if answer is None:
+        log.warning("the coordinator at %s does not seal links (its encryption is off, or it is "
+                    "a ddpwire without it): this session's frames travel in the clear", where)
+        return
+    assert token is not None
+    context = nonce + theirs + share.public + answer
+    chan.conn.seal(*seal.derive(share.secret(answer), token, seal.JOIN_LABEL, context,
+                                initiator=True))
 
 
 def _token_needed(where: str) -> AuthenticationFailed:
@@ -255,6 +279,9 @@ def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend
     nonce = auth.new_nonce() if secret is not None else b""
     if secret is not None:
         offer[Extension.AUTH] = nonce
+    sealing = secret is not None and opts.encrypt
+    if sealing:
+        seal.load_libcrypto()  # EncryptionUnavailable says what to do, before dialing
     started = time.monotonic()
     dial_until = started + connect_limit
     # the whole join: connecting (retried until dial_until), then the
@@ -269,6 +296,10 @@ def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend
         chan = Channel(sock, timeout=opts.timeout, peer_name=f"coordinator {where}",
                        lost=CoordinatorLost, max_frame=opts.max_frame)
         listener: Optional[socket.socket] = None
+        # a key share serves one connection
+        share = seal.KeyShare() if sealing else None
+        if share is not None:
+            offer[Extension.SEAL] = share.public
         try:
             if mesh:
                 listener = _mesh.listen(sock.getsockname()[0])
@@ -287,9 +318,12 @@ def join(addr: Tuple[str, int], opts: SessionOptions, *, gpu_count: int, backend
                     raise NotACoordinator(where, head) from exc
                 raise
             _await_first_bytes(sock, answer_until, where, connected)
-            accepted = _await_admission(chan, secret, nonce, where, answer_until)
+            accepted, theirs = _await_admission(chan, secret, nonce,
+                                                share.public if share else b"", where,
+                                                answer_until)
             _check_accepted(accepted)
             granted = dict(accepted.extensions or {})
+            _seal(chan, share, secret, nonce, theirs, granted, where)
             _check_samples(granted, opts.samples_per_step)
             if listener is not None and Extension.MESH not in granted:
                 listener.close()

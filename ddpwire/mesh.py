@@ -68,6 +68,7 @@ import numpy as np
 from . import _core
 from . import plan as _plan
 from . import reduce as _reduce
+from . import seal
 from . import shm as _shm
 from ._text import counted
 from .channel import Channel, check_timeout
@@ -304,14 +305,27 @@ def _peer_channel(sock: socket.socket, peer: int, timeout: float, max_frame: int
                    peer_name=f"worker {peer} (mesh link)", max_frame=max_frame)
 
 
+def _seal_link(chan: Channel, key: bytes, me: int, peer: int, sealed: bool) -> None:
+    """Seal a link once both PeerHellos have crossed it (with ``sealed``:
+    this worker's own link is sealed, so the mesh key came in secret). Its
+    keys come from the mesh key, fresh in every MeshPeers, and the pair of
+    workers, the lower one (which dialed) the initiator."""
+    if not sealed:
+        return
+    low, high = min(me, peer), max(me, peer)
+    context = low.to_bytes(4, "little") + high.to_bytes(4, "little")
+    chan.conn.seal(*seal.derive(key, b"", seal.PEER_LABEL, context, initiator=me < peer))
+
+
 def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: int, key: bytes,
-                   timeout: float, max_frame: int,
-                   congestion: Optional[str] = None) -> List[Optional[Channel]]:
+                   timeout: float, max_frame: int, congestion: Optional[str] = None,
+                   sealed: bool = False) -> List[Optional[Channel]]:
     """Dial every higher worker, accept every lower one; each link proves the
-    key both ways. Strangers on the listening port (silent, garbage, a wrong
-    proof, a worker id that is taken or not lower) are handshaken beside the
-    peers, each under :data:`HELLO_TIMEOUT`, and dropped by address while
-    the wait goes on (:func:`_accept_links`)."""
+    key both ways, then is sealed when ``sealed`` (:func:`_seal_link`).
+    Strangers on the listening port (silent, garbage, a wrong proof, a
+    worker id that is taken or not lower) are handshaken beside the peers,
+    each under :data:`HELLO_TIMEOUT`, and dropped by address while the wait
+    goes on (:func:`_accept_links`)."""
     world = len(peers)
     deadline = time.monotonic() + timeout
     links: List[Optional[Channel]] = [None] * world
@@ -325,7 +339,7 @@ def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: in
                                  f"for the mesh: {exc}", worker_id=j) from None
             links[j] = chan = _peer_channel(sock, j, timeout, max_frame, congestion)
             chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
-        _accept_links(listener, links, me, key, deadline, timeout, max_frame, congestion)
+        _accept_links(listener, links, me, key, deadline, timeout, max_frame, congestion, sealed)
         for j in range(me + 1, world):
             chan = links[j]
             assert chan is not None
@@ -334,6 +348,7 @@ def _connect_links(listener: socket.socket, peers: List[Tuple[str, int]], me: in
                                                                hello_proof(key, j, me)):
                 raise ProtocolError(f"worker {j}'s mesh link did not prove the session key",
                                     worker_id=j)
+            _seal_link(chan, key, me, j, sealed)
     except BaseException:
         for chan in links:
             if chan is not None:
@@ -355,7 +370,7 @@ class _Knock:
 
 def _accept_links(listener: socket.socket, links: List[Optional[Channel]], me: int, key: bytes,
                   deadline: float, timeout: float, max_frame: int,
-                  congestion: Optional[str]) -> None:
+                  congestion: Optional[str], sealed: bool = False) -> None:
     """Fill links[j] for every worker j below ``me`` from the connections on
     ``listener``, as the coordinator's join does (ddpwire.admission): one
     non-blocking loop over the listener and every connection still owing
@@ -435,6 +450,7 @@ def _accept_links(listener: socket.socket, links: List[Optional[Channel]], me: i
         links[j] = chan
         waiting.discard(j)
         chan.send(PeerHello(worker_id=me, proof=hello_proof(key, me, j)))
+        _seal_link(chan, key, me, j, sealed)
 
     try:
         while waiting:
@@ -564,7 +580,8 @@ class Mesh:
             raise
         try:
             links = _connect_links(listener, peers, worker_id, table.key, timeout, max_frame,
-                                   check_congestion(congestion))
+                                   check_congestion(congestion),
+                                   coordinator is not None and coordinator.conn.sealed)
         finally:
             listener.close()
         return cls(links, worker_id, Codec(table.codec), timeout,

@@ -151,10 +151,21 @@ class MeshControl:
                 log.warning("worker %d: %s; it takes the star", a.worker_id, exc)
                 addresses.append(None)
                 hosts.append(None)
+        why = {a.worker_id: "did not offer the mesh" for a, addr in zip(admitted, addresses)
+               if addr is None}
+        if any(a.keys is not None for a in admitted):
+            # a worker seals its mesh links when its own link is sealed
+            # (the mesh key travels on it): one in the clear cannot link
+            for i, a in enumerate(admitted):
+                if a.keys is None and addresses[i] is not None:
+                    why[a.worker_id] = "has its link in the clear, and the others' are sealed"
+                    log.warning("worker %d (%s) takes no part in the mesh: it %s", a.worker_id,
+                                a.name(), why[a.worker_id])
+                    addresses[i] = None
         outsiders = [a.worker_id for a, addr in zip(admitted, addresses) if addr is None]
         if self.topology == "mesh" and outsiders:
             raise DdpwireError(f"topology 'mesh': worker {outsiders[0]} "
-                               f"({admitted[outsiders[0]].join.node_id}) did not offer the mesh")
+                               f"({admitted[outsiders[0]].join.node_id}) {why[outsiders[0]]}")
         self.on = not outsiders
         if self.on:
             # Shared memory carries float32 only: 16-bit words save wire

@@ -46,7 +46,9 @@ class SessionOptions:
     streams a step from a sending and a receiving thread per connection
     (None: for a megabyte or more where there are cores for them); the bits
     are the same either way. ``token`` (str or bytes) authenticates both
-    ways (docs/security.md). ``samples_per_step``, ``per_block`` and
+    ways (docs/security.md); with a token, ``encrypt`` (on unless turned
+    off) seals every frame after the join in AES-256-GCM records, under
+    keys from an X25519 exchange bound to the token (:mod:`ddpwire.seal`). ``samples_per_step``, ``per_block`` and
     ``gradient_length`` describe the training, so that a worker set up for
     another is refused at the join (where one is None on the coordinator,
     the first worker's sets it). Frozen: checked values stay checked.
@@ -58,6 +60,7 @@ class SessionOptions:
     max_frame: int = DEFAULT_MAX_FRAME
     socket_threads: Optional[bool] = None
     token: Union[str, bytes, None] = None
+    encrypt: bool = True
     samples_per_step: Optional[int] = None
     per_block: Optional[bool] = None
     gradient_length: Optional[int] = None
@@ -71,6 +74,8 @@ class SessionOptions:
         if not isinstance(self.max_frame, int) or self.max_frame < 1:
             raise ValueError(f"max_frame must be a positive number of bytes, got {self.max_frame!r}")
         put(self, "token", normalize_token(self.token))
+        if not isinstance(self.encrypt, bool):
+            raise ValueError(f"encrypt must be True or False, got {self.encrypt!r}")
         if self.samples_per_step is not None and self.samples_per_step < 0:
             raise OptionError(f"{{samples_per_step}} must be >= 0, got {self.samples_per_step}",
                               samples_per_step=None)
@@ -178,6 +183,10 @@ class CoordinatorOptions:
     join). ``resume`` (with ``elastic``) is a coordinator restarted after
     the last one was lost: its workers kept their state and join it again,
     each saying the step it goes on from.
+
+    ``require_encryption`` refuses at the join a worker that cannot seal
+    its link (encryption off, or a peer without the extension); it needs a
+    token and ``encrypt``.
     """
 
     join_timeout: float = 300.0
@@ -194,9 +203,11 @@ class CoordinatorOptions:
     elastic: bool = False
     min_workers: Optional[int] = None
     resume: bool = False
+    require_encryption: bool = False
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        put(self, "require_encryption", bool(self.require_encryption))
         if self.topology not in ("auto", "star", "mesh"):
             raise ValueError(f"topology must be 'auto', 'star' or 'mesh', got {self.topology!r}")
         if self.balance not in (True, False, "auto"):
@@ -244,6 +255,10 @@ class CoordinatorOptions:
         session = options_from(options, shared)
         config = cls(**keywords)
         config.check(expect_workers, session.per_block)
+        if config.require_encryption and (session.token is None or not session.encrypt):
+            raise OptionError("{require_encryption} seals links with keys bound to the token: "
+                              "it needs {token} and {encrypt}", require_encryption=True,
+                              token=None, encrypt=True)
         return session, config
 
     def grants(self, per_block: Optional[bool]) -> Dict[int, bytes]:

@@ -553,7 +553,7 @@ class PeerLinks:
 def form_peer_links(client: Any, rank: int, world: int, mailbox: Mailbox, *, listen_host: str,
                     advertise: str, timeout: float, ports: Optional[Tuple[int, int]] = None,
                     heartbeat: Optional[float] = None,
-                    silence: Optional[float] = None) -> Optional[PeerLinks]:
+                    silence: Optional[float] = None, sealed: bool = False) -> Optional[PeerLinks]:
     """Open this rank's point-to-point links (every rank calls it once, at
     the group's set-up, in the same order as its collectives): the same
     key, address exchange, handshake and all-or-nothing verdict as the rank
@@ -563,7 +563,8 @@ def form_peer_links(client: Any, rank: int, world: int, mailbox: Mailbox, *, lis
     from .torch.links import open_channels
 
     channels = open_channels(client, rank, world, listen_host=listen_host, advertise=advertise,
-                             timeout=timeout, ports=ports, what="point-to-point messages")
+                             timeout=timeout, ports=ports, what="point-to-point messages",
+                             sealed=sealed)
     if channels is None:
         return None
     return PeerLinks(channels, rank, mailbox, timeout, heartbeat=heartbeat, silence=silence)

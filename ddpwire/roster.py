@@ -74,9 +74,13 @@ class Roster:
 
     def open_channel(self, a: Admitted) -> Channel:
         """The channel of a worker that completed the join."""
-        return Channel(a.sock, timeout=self.timeout, lost=WorkerLost, peer_id=a.worker_id,
+        chan = Channel(a.sock, timeout=self.timeout, lost=WorkerLost, peer_id=a.worker_id,
                        peer_name=f"worker {a.worker_id} ({a.name()})",
                        max_frame=self.max_frame, heartbeat_timeout=self.heartbeat_timeout)
+        if a.keys is not None:
+            # the worker sealed its side on reading JoinAccepted, our last clear frame
+            chan.conn.seal(*a.keys)
+        return chan
 
     def start_shards(self, admitted: Sequence[Admitted], balance: Union[bool, str], *,
                      weighted: bool) -> None:

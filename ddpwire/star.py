@@ -245,8 +245,18 @@ class Star:
         untimed = set(shards.untimed())
         poller = select.poll()
         waiting = {}
+
+        def arrived(w: int) -> None:
+            if w in untimed:
+                shards.observe(w, step, None, time.perf_counter())
+            else:
+                shards.arrived(w, time.perf_counter())
+
         for w in shards.active:
             chan = self.roster.channel(w)
+            if chan.conn.held():  # its part is in, opened from a sealed record
+                arrived(w)
+                continue
             waiting[chan.conn.fileno()] = w
             poller.register(chan.conn.fileno(), select.POLLIN)
             if chan.heartbeat_timeout is not None:
@@ -258,12 +268,8 @@ class Star:
             if left <= 0:
                 return
             for fd, _ in poller.poll(max(1, int(left * 1000))):
-                w = waiting.pop(fd)
                 poller.unregister(fd)
-                if w in untimed:
-                    shards.observe(w, step, None, time.perf_counter())
-                else:
-                    shards.arrived(w, time.perf_counter())
+                arrived(waiting.pop(fd))
 
     def check_totals(self, step: int, totals: List[int]) -> None:
         """Unequal shards: every count must match its worker's shard."""

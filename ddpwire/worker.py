@@ -84,6 +84,7 @@ class Worker(LifecycleOwner[WorkerState]):
         max_frame: int = UNSET,
         socket_threads: Optional[bool] = UNSET,
         token: Union[str, bytes, None] = UNSET,
+        encrypt: bool = UNSET,
         extensions: Optional[Mapping[int, bytes]] = None,
         samples_per_step: Optional[int] = UNSET,
         mesh: bool = True,
@@ -122,7 +123,7 @@ class Worker(LifecycleOwner[WorkerState]):
         """
         opts = options_from(options, dict(
             timeout=timeout, max_frame=max_frame, heartbeat=heartbeat,
-            heartbeat_timeout=heartbeat_timeout, socket_threads=socket_threads, token=token,
+            heartbeat_timeout=heartbeat_timeout, socket_threads=socket_threads, token=token, encrypt=encrypt,
             samples_per_step=samples_per_step, per_block=per_block,
             gradient_length=gradient_length))
         tcp_congestion = _mesh.check_congestion(tcp_congestion)

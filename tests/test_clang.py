@@ -55,7 +55,8 @@ def test_every_unit_compiles_under_clang_for_arm64(tmp_path, source, defines):
 
 def build_and_run(tmp_path: pathlib.Path, name: str, sources: list) -> list:
     exe = tmp_path / name
-    cmd = [CLANG, *FLAGS, "-O2", f"-I{CSRC}", *map(str, sources), "-o", str(exe), "-lpthread", "-lm"]
+    cmd = [CLANG, *FLAGS, "-O2", f"-I{CSRC}", *map(str, sources), "-o", str(exe), "-lpthread", "-lm",
+           "-ldl"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
@@ -71,11 +72,12 @@ def test_reduce_checks_pass_when_built_by_clang(tmp_path):
 def test_socket_threads_pass_when_built_by_clang(tmp_path):
     lines = build_and_run(tmp_path, "threaded_check", [
         CHECKS / "threaded_check.c", CSRC / "threaded.c", CSRC / "sender.c", CSRC / "wake.c",
-        CSRC / "net.c", CSRC / "reduce.c"])
+        CSRC / "net.c", CSRC / "reduce.c", CSRC / "link.c"])
     assert len(lines) == CASES + SENDER_CASES and all(line.startswith("ok ") for line in lines)
 
 
 def test_exchange_many_checks_pass_when_built_by_clang(tmp_path):
     lines = build_and_run(tmp_path, "exchange_check", [
-        CHECKS / "exchange_check.c", CSRC / "net.c", CSRC / "reduce.c"])
+        CHECKS / "exchange_check.c", CSRC / "net.c", CSRC / "reduce.c", CSRC / "link.c",
+        CSRC / "sealed.c", CSRC / "aead.c"])
     assert lines == EXCHANGE_CHECK_LINES

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import ddpwire
+from ddpwire import seal
 from ddpwire._core import Connection, exchange_many
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -306,14 +307,17 @@ def test_c_exchange_many_under_sanitizer(tmp_path, sanitizer):
     build = subprocess.run(
         [CC, "-std=c99", "-O1", "-g", "-Wall", "-Wextra", "-Werror", f"-fsanitize={sanitizer}",
          "-fno-sanitize-recover=all", f"-I{CSRC}", ROOT / "tests" / "c" / "exchange_check.c",
-         CSRC / "net.c", CSRC / "reduce.c", "-o", exe, "-lpthread", "-lm"],
+         *(CSRC / name for name in ("net.c", "reduce.c", "link.c", "sealed.c", "aead.c")),
+         "-o", exe, "-lpthread", "-lm", "-ldl"],
         capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    # and over sealed links, through the libcrypto this process loaded
+    run = subprocess.run([exe, seal.load_libcrypto()], capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "WARNING" not in run.stderr and "ERROR" not in run.stderr, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert lines == EXCHANGE_CHECK_LINES, run.stdout
+    assert lines == EXCHANGE_CHECK_LINES + ["ok mesh 3 sealed", "ok kernels 5 sealed"], run.stdout
 
 
 EXCHANGE_CHECK_LINES = [

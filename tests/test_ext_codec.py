@@ -255,7 +255,7 @@ def test_codes_come_from_the_codec():
     families, sizes = _codes()
     assert {name for name, _ in families["Extension"]} == {"auth", "samples", "collectives", "mesh",
                                                            "per_block", "gradient_length", "steps",
-                                                           "balance", "elastic"}
+                                                           "balance", "elastic", "seal"}
     assert [(m.name.lower(), int(m)) for m in Extension] == families["Extension"]
     for enum, family in ((RefusalReason, "RefusalReason"), (CollectiveKind, "CollectiveKind"),
                          (ReduceOp, "ReduceOp"), (DType, "DType")):

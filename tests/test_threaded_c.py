@@ -17,7 +17,7 @@ CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler on PATH")
 
 SOURCES = [ROOT / "tests" / "c" / "threaded_check.c", CSRC / "threaded.c", CSRC / "sender.c",
-           CSRC / "wake.c", CSRC / "net.c", CSRC / "reduce.c"]
+           CSRC / "wake.c", CSRC / "net.c", CSRC / "reduce.c", CSRC / "link.c"]
 CASES = 42  # run_case calls in threaded_check.c's main
 SENDER_CASES = 4  # run_sender_case calls
 NAN_CASES = 8  # run_case calls with a NaN

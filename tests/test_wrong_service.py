@@ -225,11 +225,14 @@ def test_the_token_handshake_shares_the_joins_deadline():
     token = b"t" * 32
 
     def behave(conn: socket.socket) -> None:
-        # the JoinRequest carries the worker's nonce: the proof is made with it
-        nonce = bytes(recv_frame(conn).extensions[Extension.AUTH])
+        # the JoinRequest carries the worker's nonce (and its seal key
+        # share, which the proof covers): the proof is made with them
+        offer = recv_frame(conn).extensions
+        nonce = bytes(offer[Extension.AUTH])
         ours = auth.new_nonce()
         conn.sendall(encode_frame(ddpwire.AuthChallenge(
-            nonce=ours, proof=auth.coordinator_proof(token, nonce, ours))))
+            nonce=ours, proof=auth.coordinator_proof(token, nonce, ours,
+                                                     bytes(offer.get(Extension.SEAL, b""))))))
         conn.recv(4096)  # the worker's proof; no answer
     with FakeServer(behave) as srv:
         with pytest.raises(ddpwire.CoordinatorLost, match="past the deadline while waiting for "

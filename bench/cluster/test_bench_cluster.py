@@ -92,6 +92,10 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
         info["shaping_accuracy"] = info["goodput_bps"] / info["path_rate_bps"]
         return
     assert all(w["average_ok"] for w in summary["workers"]), summary["workers"]
+    if kind.startswith("ddpwire"):
+        # sealed only where a token is set and encryption left on
+        assert all(w.get("sealed", False) == kind.endswith("-sealed")
+                   for w in summary["workers"]), summary["workers"]
     if kind != "gloo":
         spec = procs.ddpwire_kind(kind)
         # the one the coordinator chose ("auto" picks the mesh when it can)

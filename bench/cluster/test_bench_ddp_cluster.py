@@ -59,8 +59,12 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
     ranks = summary["workers"]
     if kind != "ddp-ddpwire-bf16-free":  # a bound: its averages are left undone
         assert len({r["weights_sha256"] for r in ranks}) == 1, "the ranks' weights differ"
-    if kind in ("ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-bf16-free"):
+    if kind in ("ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-bf16-free", "ddp-ddpwire-sealed",
+                "ddp-ddpwire-clear"):
         assert all(r["rank_links"] for r in ranks), "a ddpwire rank did not use the rank links"
+    if kind.startswith("ddp-ddpwire"):
+        # sealed only where a token is set and encryption left on
+        assert all(r.get("sealed", False) == (kind == "ddp-ddpwire-sealed") for r in ranks), ranks
     benchmark.extra_info.update(
         kind=kind, workers=n, parameters=parameter_count(), rounds=rounds, warmup=WARMUP,
         step_spans=spans, step_span_median=statistics.median(spans),

@@ -413,7 +413,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                                          listen_host=self._group.listen_host,
                                          advertise=self._group.advertise, timeout=seconds,
                                          ports=ports_from_env(), heartbeat=heartbeat,
-                                         silence=silence)
+                                         silence=silence, sealed=self._group.sealed)
             except BaseException:
                 self._group.close(self._close_timeout)
                 raise
@@ -451,6 +451,11 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         links between the ranks (a ring's traffic), not through rank 0."""
         return self._links is not None
 
+    @property
+    def links_sealed(self) -> bool:
+        """True when those links are sealed (a token, encryption on: ddpwire.seal)."""
+        return self._links is not None and self._links.sealed
+
     def _open_p2p(self, heartbeat: float, silence: float) -> Any:
         """Point to point's route: direct links where the rank links
         opened, else the service (ddpwire.p2p)."""
@@ -461,7 +466,8 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                                              listen_host=self._group.listen_host,
                                              advertise=self._group.advertise,
                                              timeout=self._seconds, ports=ports_from_env(),
-                                             heartbeat=heartbeat, silence=silence)
+                                             heartbeat=heartbeat, silence=silence,
+                                             sealed=self._group.sealed)
             except BaseException:
                 self._links.close()
                 self._group.close(self._close_timeout)

@@ -127,6 +127,7 @@ def train_worker(
     threads: Optional[int] = 0,
     join_turn: Optional[RankOrder] = None,
     token: Optional[bytes] = None,
+    encrypt: bool = True,
     mesh: bool = True,
     tcp_congestion: Optional[str] = DEFAULT_CONGESTION,
     on_step: Optional[Callable[[StepResult], None]] = None,
@@ -140,7 +141,8 @@ def train_worker(
     machine, counted once every worker has joined, or torch's default where
     OMP_NUM_THREADS is set).
     ``join_turn``: under torchrun, join only after the previous rank did.
-    ``token``: authenticate both ways (docs/security.md).
+    ``token``: authenticate both ways and, with ``encrypt``, seal every
+    link (docs/security.md).
     ``heartbeat``: seconds between heartbeats on an idle connection (None: off).
     ``save``: a file for the model's ``state_dict`` when training ends
     (normally, stopped, or on an error), written whole or not at all.
@@ -170,7 +172,7 @@ def train_worker(
     def connect(resume_step: Optional[int] = None) -> Worker:
         return Worker.connect(addr, gpu_count=choice.gpu_count, backend=choice.backend,
                               node_id=node_id, timeout=timeout, heartbeat=heartbeat, token=token,
-                              samples_per_step=samples_per_step, mesh=mesh,
+                              encrypt=encrypt, samples_per_step=samples_per_step, mesh=mesh,
                               tcp_congestion=tcp_congestion, per_block=per_block,
                               gradient_length=gradient_length, resume_step=resume_step,
                               extensions={Extension.STEPS: b""})

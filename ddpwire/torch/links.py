@@ -34,7 +34,7 @@ from .. import mesh as _mesh
 from .. import plan as _plan
 from ..collectives import CollectiveAborted, DType, Kind, Op
 from ..channel import Heartbeats
-from ..errors import DdpwireError
+from ..errors import DdpwireError, IntegrityError, integrity_error
 from ..extensions import Codec, ReduceOp
 
 __all__ = ["PORTS_ENV", "RankLinks", "form_links", "open_channels"]
@@ -97,6 +97,11 @@ class RankLinks:
         self._beats = Heartbeats(heartbeat, lambda: [c for c in links if c is not None],
                                  f"ddpwire-rank-{rank}-links-heartbeat")
         self._beats.start(f"rank {rank}")
+
+    @property
+    def sealed(self) -> bool:
+        """Whether every link is sealed (ddpwire.seal)."""
+        return all(chan.conn.sealed for chan in self._links if chan is not None)
 
     def _runner(self, codec: Codec) -> _mesh.Mesh:
         runner = self._runners.get(codec)
@@ -168,7 +173,10 @@ def _aborted(exc: BaseException, seq: int) -> CollectiveAborted:
     if isinstance(exc, CollectiveAborted):
         return exc
     rank = getattr(exc, "worker_id", None)
-    return CollectiveAborted(f"rank link: {exc}", rank=rank, seq=seq)
+    # a tampered record stays an IntegrityError for whoever catches that
+    cls = integrity_error(CollectiveAborted) if isinstance(exc, IntegrityError) else \
+        CollectiveAborted
+    return cls(f"rank link: {exc}", rank=rank, seq=seq)
 
 
 def _record(host: str, port: int) -> np.ndarray:
@@ -191,7 +199,7 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
                max_frame: int = 1 << 30,
                fractions: Optional[Sequence[float]] = None,
                heartbeat: Optional[float] = None,
-               silence: Optional[float] = None) -> Optional[RankLinks]:
+               silence: Optional[float] = None, sealed: bool = False) -> Optional[RankLinks]:
     """Open this rank's links (every rank calls this once, right after the
     join, in the same order as its collectives). ``listen_host`` is the
     address the listener binds, ``advertise`` the one other ranks dial;
@@ -199,14 +207,15 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
     ``heartbeat`` (seconds between Heartbeats on an idle link) and
     ``silence`` (how long a peer may send nothing) go to :class:`RankLinks`
     (the fractions checked here first, a ValueError before any
-    collective). Returns None, on every rank alike, when some rank could
+    collective); ``sealed`` as for :func:`open_channels`. Returns None, on
+    every rank alike, when some rank could
     not open all its links: the group then keeps to the service, and the
     reason is logged."""
     if world < 2:
         return None
     fractions = _plan.check_fractions(fractions, world)
     links = open_channels(client, rank, world, listen_host=listen_host, advertise=advertise,
-                          timeout=timeout, ports=ports, max_frame=max_frame)
+                          timeout=timeout, ports=ports, max_frame=max_frame, sealed=sealed)
     if links is None:
         return None
     log.info("rank %d: direct links to the %d other ranks carry the large allreduces",
@@ -216,13 +225,17 @@ def form_links(client: object, rank: int, world: int, *, listen_host: str, adver
 
 def open_channels(client: object, rank: int, world: int, *, listen_host: str, advertise: str,
                   timeout: float, ports: Optional[Tuple[int, int]] = None,
-                  max_frame: int = 1 << 30, what: str = "allreduces") -> Optional[list]:
+                  max_frame: int = 1 << 30, what: str = "allreduces",
+                  sealed: bool = False) -> Optional[list]:
     """One authenticated channel from this rank to every other (None at
     this rank's index), or None on every rank alike when some rank could
     not open all of them (the reason logged). Three collectives through
     ``client``, which every rank runs in the same order: rank 0's fresh key
     (broadcast), every rank's listening address (allgather), every rank's
-    verdict (allgather). ``what`` names their traffic in the log."""
+    verdict (allgather). ``what`` names their traffic in the log. With
+    ``sealed`` (this rank's own connection to the group is sealed, so the
+    key came in secret) each link is sealed once both hellos crossed it;
+    the verdict says so too, and ranks that disagree keep to the service."""
     if world < 2:
         return None
     link_timeout = min(timeout, LINK_TIMEOUT)
@@ -249,21 +262,27 @@ def open_channels(client: object, rank: int, world: int, *, listen_host: str, ad
             try:
                 links = _mesh._connect_links(listener, _mesh.parse_peers(",".join(texts), world),
                                              rank, key.tobytes(), link_timeout, max_frame,
-                                             _mesh.check_congestion(_mesh.DEFAULT_CONGESTION))
+                                             _mesh.check_congestion(_mesh.DEFAULT_CONGESTION),
+                                             sealed)
             except (DdpwireError, OSError) as exc:
                 why = f"rank {rank}: {exc}"
     finally:
         if listener is not None:
             listener.close()
     verdicts = client.call(Kind.ALLGATHER, DType.UINT8, 0,  # type: ignore[attr-defined]
-                           np.array([links is not None], dtype=np.uint8), timeout)
-    if links is not None and verdicts.all():
+                           np.array([links is not None, sealed], dtype=np.uint8),
+                           timeout).reshape(world, 2)
+    mixed = [r for r in range(world) if verdicts[r, 1] != sealed]
+    if mixed and links is not None:
+        why = (f"rank {mixed[0]}'s connection is {'in the clear' if sealed else 'sealed'}, "
+               f"this rank's {'sealed' if sealed else 'in the clear'}")
+    if links is not None and verdicts[:, 0].all() and not mixed:
         return links
     if links is not None:
         for chan in links:
             if chan is not None:
                 chan.close()
-    failed = [r for r in range(world) if not verdicts[r]]
+    failed = [r for r in range(world) if not verdicts[r, 0]]
     log.warning("rank %d: the %s go through rank 0 (the links did not open%s%s)", rank, what,
                 f" on rank {', '.join(map(str, failed))}" if failed else "",
                 f": {why}" if why else "")

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Optional, Tuple
 
 from ..auth import TOKEN_ENV
+from ..seal import encrypt_from_env
 from ..collectives import CollectiveClient, CollectiveService, local_link
 from ..coordinator import Coordinator
 from ..errors import DdpwireError
@@ -56,6 +57,9 @@ class Rendezvous:
     #: its connection to it
     listen_host: str = "127.0.0.1"
     advertise: str = "127.0.0.1"
+    #: this rank's connection to the group is sealed (rank 0: every rank's
+    #: is), so the rank links are sealed too (ddpwire.torch.links)
+    sealed: bool = False
 
     def close(self, timeout: float) -> None:
         """Leave the group: the other ranks first, so no answer is cut short."""
@@ -104,14 +108,15 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
     """
     seconds, heartbeat, silence = timings(timeout)
     token = os.environ.get(TOKEN_ENV) or None
+    encrypt = encrypt_from_env()
     offer = {_COLLECTIVES: _COLLECTIVES_V1}
     if rank == 0:
-        return _host(store, world, seconds, heartbeat, silence, token, offer)
+        return _host(store, world, seconds, heartbeat, silence, token, encrypt, offer)
     addr = parse_addr(store.get(_ADDR_KEY).decode())
     store.wait([f"ddpwire/joined/{rank - 1}"], timeout)
     worker = Worker.connect(addr, timeout=seconds, heartbeat=heartbeat, heartbeat_timeout=silence,
-                            node_id=f"rank{rank}-{os.getpid()}", token=token, extensions=offer,
-                            max_frame=MAX_FRAME, mesh=False)
+                            node_id=f"rank{rank}-{os.getpid()}", token=token, encrypt=encrypt,
+                            extensions=offer, max_frame=MAX_FRAME, mesh=False)
     if worker.worker_id != rank - 1:
         worker.close()
         raise DdpwireError(f"joined as worker {worker.worker_id}, expected {rank - 1} for rank {rank}: "
@@ -123,11 +128,11 @@ def join_group(store: Any, rank: int, world: int, timeout: timedelta) -> Rendezv
     store.set(f"ddpwire/joined/{rank}", "1")
     local = worker.channel.conn.sock.getsockname()[0]
     return Rendezvous(rank, world, CollectiveClient(worker.channel, rank, world), worker,
-                      listen_host=local, advertise=local)
+                      listen_host=local, advertise=local, sealed=worker.channel.conn.sealed)
 
 
 def _host(store: Any, world: int, seconds: float, heartbeat: float, silence: float,
-          token: Optional[str], offer: dict) -> Rendezvous:
+          token: Optional[str], encrypt: bool, offer: dict) -> Rendezvous:
     service_end, client_end = local_link()
     coordinator = None
     channels = [service_end]
@@ -136,8 +141,8 @@ def _host(store: Any, world: int, seconds: float, heartbeat: float, silence: flo
         bind, advertised = _bind_and_advertise(store)
         coordinator = Coordinator(bind, world - 1, timeout=seconds, join_timeout=seconds,
                                   heartbeat=heartbeat, heartbeat_timeout=silence,
-                                  node_id="ddpwire-rank0", token=token, extensions=offer,
-                                  max_frame=MAX_FRAME, topology="star")
+                                  node_id="ddpwire-rank0", token=token, encrypt=encrypt,
+                                  extensions=offer, max_frame=MAX_FRAME, topology="star")
         host = f"[{advertised}]" if ":" in advertised else advertised
         store.set(_ADDR_KEY, f"{host}:{coordinator.local_addr[1]}")
         store.set("ddpwire/joined/0", "1")
@@ -149,5 +154,7 @@ def _host(store: Any, world: int, seconds: float, heartbeat: float, silence: flo
         channels += [coordinator.channel(w) for w in range(world - 1)]
     service = CollectiveService(channels, timeout=seconds).start()
     client = CollectiveClient(client_end, 0, world)
+    sealed = coordinator is not None and all(coordinator.channel(w).conn.sealed
+                                             for w in range(world - 1))
     return Rendezvous(0, world, client, None, coordinator, service, listen_host=bind[0],
-                      advertise=advertised)
+                      advertise=advertised, sealed=sealed)

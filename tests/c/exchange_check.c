@@ -7,10 +7,13 @@
  * ends a trickle, and the bounds; and ddpw_net_exchange_kernels' phases
  * (a 16-bit reduce-scatter narrowing as it sends and reducing as it
  * receives, an allgather widening as it receives) against whole-vector
- * passes, bit for bit, in the default and in tiny kernel steps. Prints one
- * "ok" line per case; exits non-zero on the first failure. */
+ * passes, bit for bit, in the default and in tiny kernel steps. Given a
+ * libcrypto to load (argv[1]), a mesh and the kernels again over sealed
+ * links (csrc/sealed.c). Prints one "ok" line per case; exits non-zero on
+ * the first failure. */
 #define _POSIX_C_SOURCE 200809L
 
+#include "aead.h"
 #include "net.h"
 #include "reduce.h"
 
@@ -27,10 +30,29 @@
 
 #define MAX_N 5
 
+/* every pair's links sealed (main, with a libcrypto to load) */
+static int sealed_mode = 0;
+
 static void die(const char *what, int rc)
 {
     printf("FAIL %s (rc %d)\n", what, rc);
     exit(1);
+}
+
+/* Member self's link to peer on fd: plain, or with sealed_mode sealed
+ * under a key per direction (the peer's side has them swapped). */
+static void open_link(ddpw_link *l, int fd, size_t self, size_t peer)
+{
+    uint8_t tx[DDPW_AEAD_KEY_BYTES], rx[DDPW_AEAD_KEY_BYTES];
+    int rc;
+    ddpw_link_plain(l, fd);
+    if (!sealed_mode)
+        return;
+    memset(tx, (int)(self * 16 + peer + 1), sizeof tx);
+    memset(rx, (int)(peer * 16 + self + 1), sizeof rx);
+    rc = ddpw_link_seal(l, fd, tx, rx);
+    if (rc != DDPW_NET_OK)
+        die("seal", rc);
 }
 
 static void make_pair(int fds[2])
@@ -55,6 +77,7 @@ static uint8_t pattern(size_t src, size_t dst, size_t k)
 typedef struct mesh_peer {
     size_t self, n;
     int fds[MAX_N];
+    ddpw_link links[MAX_N];
     uint8_t *out[MAX_N], *in[MAX_N];
     int rc;
     size_t failed;
@@ -84,7 +107,7 @@ static void *mesh_thread(void *arg)
     int err = 0;
     memset(io, 0, sizeof io);
     for (j = 0; j < p->n; j++) {
-        io[j].fd = p->fds[j];
+        io[j].link = p->fds[j] >= 0 ? &p->links[j] : NULL;
         io[j].out_iov = out_iov[j];
         io[j].out_cnt = j == p->self ? 0 : cut(out_iov[j], p->out[j], mesh_size(p->self, j), 4);
         io[j].in_iov = in_iov[j];
@@ -113,6 +136,8 @@ static void run_mesh(size_t n)
             make_pair(pair);
             peers[i].fds[j] = pair[0];
             peers[j].fds[i] = pair[1];
+            open_link(&peers[i].links[j], pair[0], i, j);
+            open_link(&peers[j].links[i], pair[1], j, i);
         }
     for (i = 0; i < n; i++)
         for (j = 0; j < n; j++) {
@@ -141,19 +166,23 @@ static void run_mesh(size_t n)
     }
     for (i = 0; i < n; i++)
         for (j = 0; j < n; j++) {
-            if (peers[i].fds[j] >= 0)
+            if (peers[i].fds[j] >= 0) {
+                ddpw_link_release(&peers[i].links[j]);
                 close(peers[i].fds[j]);
+            }
             free(peers[i].out[j]);
             free(peers[i].in[j]);
         }
-    printf("ok mesh %zu\n", n);
+    printf("ok mesh %zu%s\n", n, sealed_mode ? " sealed" : "");
 }
 
-static void one(ddpw_net_peer_io *io, int fd, struct iovec *out, uint8_t *obuf, size_t olen,
-                struct iovec *in, uint8_t *ibuf, size_t ilen)
+/* io over a plain link on fd (held in *l; fd < 0: an empty slot) */
+static void one(ddpw_net_peer_io *io, ddpw_link *l, int fd, struct iovec *out, uint8_t *obuf,
+                size_t olen, struct iovec *in, uint8_t *ibuf, size_t ilen)
 {
     memset(io, 0, sizeof *io);
-    io->fd = fd;
+    ddpw_link_plain(l, fd);
+    io->link = fd >= 0 ? l : NULL;
     out->iov_base = obuf;
     out->iov_len = olen;
     in->iov_base = ibuf;
@@ -168,14 +197,15 @@ static void run_eof(void)
 {
     static uint8_t obuf[1000], ibuf[2][1000];
     ddpw_net_peer_io io[3];
+    ddpw_link links[3];
     struct iovec out[3], in[3];
     int a[2], b[2], err = 0, rc;
     size_t failed = 99;
     make_pair(a);
     make_pair(b);
-    one(&io[0], -1, &out[0], obuf, 0, &in[0], NULL, 0);
-    one(&io[1], a[0], &out[1], obuf, 0, &in[1], ibuf[0], 1000);
-    one(&io[2], b[0], &out[2], obuf, 1000, &in[2], ibuf[1], 1000);
+    one(&io[0], &links[0], -1, &out[0], obuf, 0, &in[0], NULL, 0);
+    one(&io[1], &links[1], a[0], &out[1], obuf, 0, &in[1], ibuf[0], 1000);
+    one(&io[2], &links[2], b[0], &out[2], obuf, 1000, &in[2], ibuf[1], 1000);
     if (write(a[1], obuf, 1000) != 1000)
         die("write", errno);
     if (write(b[1], obuf, 100) != 100) /* a tenth of what it owes, then gone */
@@ -194,14 +224,15 @@ static void run_timeout(void)
 {
     static uint8_t big[4 << 20], ibuf[16];
     ddpw_net_peer_io io[2];
+    ddpw_link links[2];
     struct iovec out[2], in[2];
     int slow[2], silent[2], err = 0, rc;
     size_t failed = 99;
     make_pair(slow);
     make_pair(silent);
     /* slot 0 is only slow to read our bytes; slot 1 owes us bytes: name it */
-    one(&io[0], slow[0], &out[0], big, sizeof big, &in[0], NULL, 0);
-    one(&io[1], silent[0], &out[1], big, 0, &in[1], ibuf, sizeof ibuf);
+    one(&io[0], &links[0], slow[0], &out[0], big, sizeof big, &in[0], NULL, 0);
+    one(&io[1], &links[1], silent[0], &out[1], big, 0, &in[1], ibuf, sizeof ibuf);
     rc = ddpw_net_exchange_many(io, 2, 100, -1, &failed, &err);
     if (rc != DDPW_NET_TIMEOUT || failed != 1 || io[0].sent == 0 || io[0].sent >= sizeof big)
         die("timeout", rc);
@@ -227,12 +258,13 @@ static void run_deadline(void)
 {
     static uint8_t ibuf[1 << 20];
     ddpw_net_peer_io io[1];
+    ddpw_link links[1];
     struct iovec out[1], in[1];
     int pair[2], err = 0, rc;
     size_t failed = 99;
     pthread_t t;
     make_pair(pair);
-    one(&io[0], pair[0], &out[0], NULL, 0, &in[0], ibuf, sizeof ibuf);
+    one(&io[0], &links[0], pair[0], &out[0], NULL, 0, &in[0], ibuf, sizeof ibuf);
     if (pthread_create(&t, NULL, trickle, &pair[1]) != 0)
         die("pthread_create", 0);
     rc = ddpw_net_exchange_many(io, 1, 30000, ddpw_net_now_ms() + 200, &failed, &err);
@@ -248,6 +280,7 @@ static void run_bounds(void)
 {
     ddpw_net_peer_io *many = (ddpw_net_peer_io *)calloc(DDPW_NET_MAX_PEERS + 1, sizeof *many);
     ddpw_net_peer_io io[2];
+    ddpw_link stdin_link;
     struct iovec iov[9];
     int err = 0, rc;
     size_t failed = 99;
@@ -259,9 +292,10 @@ static void run_bounds(void)
         die("too many peers", rc);
     memset(io, 0, sizeof io);
     memset(iov, 0, sizeof iov);
-    io[0].fd = -1;
+    io[0].link = NULL;
     io[0].in_cnt = 9; /* an empty slot is not looked at */
-    io[1].fd = 0;
+    ddpw_link_plain(&stdin_link, 0);
+    io[1].link = &stdin_link;
     io[1].in_iov = iov;
     io[1].in_cnt = 9;
     rc = ddpw_net_exchange_many(io, 2, 100, -1, &failed, &err);
@@ -281,6 +315,7 @@ static void run_bounds(void)
 typedef struct kern_member {
     size_t self;
     int fds[K_N];
+    ddpw_link links[K_N];
     const float *grad;
     float *out;
     int rc;
@@ -311,7 +346,7 @@ static void *kern_thread(void *arg)
     memset(widened, 0, sizeof widened);
     for (j = 0; j < K_N; j++) {
         size_t a = k_lo(j), b = k_lo(j + 1);
-        io[j].fd = m->fds[j];
+        io[j].link = m->fds[j] >= 0 ? &m->links[j] : NULL;
         narrow[j] = NULL;
         if (j == m->self) {
             inputs[j] = wire + lo;
@@ -352,7 +387,7 @@ static void *kern_thread(void *arg)
     memset(&kern, 0, sizeof kern);
     for (j = 0; j < K_N; j++) {
         size_t a = k_lo(j), b = k_lo(j + 1);
-        io[j].fd = m->fds[j];
+        io[j].link = m->fds[j] >= 0 ? &m->links[j] : NULL;
         widen[j] = NULL;
         if (j == m->self)
             continue;
@@ -416,6 +451,8 @@ static void run_kernels(size_t chunk)
             make_pair(pair);
             members[i].fds[j] = pair[0];
             members[j].fds[i] = pair[1];
+            open_link(&members[i].links[j], pair[0], i, j);
+            open_link(&members[j].links[i], pair[1], j, i);
         }
     ddpw_net_set_kernel_chunk(chunk);
     for (i = 0; i < K_N; i++)
@@ -432,19 +469,22 @@ static void run_kernels(size_t chunk)
     }
     for (i = 0; i < K_N; i++) {
         for (j = 0; j < K_N; j++)
-            if (members[i].fds[j] >= 0)
+            if (members[i].fds[j] >= 0) {
+                ddpw_link_release(&members[i].links[j]);
                 close(members[i].fds[j]);
+            }
         free(grads[i]);
         free(half[i]);
         free(members[i].out);
     }
     free(want);
     free(avg);
-    printf("ok kernels %zu\n", chunk);
+    printf("ok kernels %zu%s\n", chunk, sealed_mode ? " sealed" : "");
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    char why[256];
     run_mesh(2);
     run_mesh(3);
     run_mesh(5);
@@ -454,5 +494,14 @@ int main(void)
     run_bounds();
     run_kernels(0);
     run_kernels(5);
+    if (argc > 1) {
+        if (ddpw_aead_load(argv[1], why, sizeof why) != 0) {
+            printf("FAIL %s\n", why);
+            return 1;
+        }
+        sealed_mode = 1;
+        run_mesh(3);
+        run_kernels(5);
+    }
     return 0;
 }

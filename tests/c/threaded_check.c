@@ -109,6 +109,8 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
     float *want = (float *)malloc(grad_bytes + 4);
     uint8_t *tails = (uint8_t *)malloc(n * TAIL_LEN);
     int *fds = (int *)malloc(n * sizeof(int));
+    ddpw_link *links = (ddpw_link *)malloc(n * sizeof(ddpw_link));
+    ddpw_link **link_of = (ddpw_link **)malloc(n * sizeof(ddpw_link *));
     size_t *sent = (size_t *)calloc(n, sizeof(size_t));
     peer *peers = (peer *)calloc(n, sizeof(peer));
     pthread_t *tids = (pthread_t *)malloc(2 * n * sizeof(pthread_t));
@@ -119,7 +121,8 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
     unsigned seed = (unsigned)(n * 7919 + count);
     int rc, err = 0;
 
-    if (!grads || !streams || !out || !want || !tails || !fds || !sent || !peers || !tids)
+    if (!grads || !streams || !out || !want || !tails || !fds || !links || !link_of || !sent ||
+        !peers || !tids)
         fail_case("out of memory", n, count);
     for (k = 0; k < HEAD_LEN; k++)
         head[k] = (uint8_t)(0xA0 + k);
@@ -151,6 +154,8 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
             fail_case("socketpair", n, count);
         fcntl(pair[0], F_SETFL, fcntl(pair[0], F_GETFL) | O_NONBLOCK);
         fds[i] = pair[0];
+        ddpw_link_plain(&links[i], pair[0]);
+        link_of[i] = &links[i];
         peers[i].fd = pair[1];
         peers[i].stream = streams + i * stream_len;
         peers[i].stream_len = stream_len;
@@ -163,7 +168,7 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
         pthread_create(&tids[2 * i], NULL, writer, &peers[i]);
         pthread_create(&tids[2 * i + 1], NULL, reader, &peers[i]);
     }
-    rc = ddpw_threaded_start(&h, &st, fds, out, tails, head, HEAD_LEN, sent, 5000, &err);
+    rc = ddpw_threaded_start(&h, &st, link_of, out, tails, head, HEAD_LEN, sent, 5000, &err);
     if (rc != DDPW_NET_OK)
         fail_case("threaded_start", n, count);
     do {
@@ -227,6 +232,8 @@ static void run_case(size_t n, size_t count, size_t ring, size_t bad_socket, siz
     free(want);
     free(tails);
     free(fds);
+    free(links);
+    free(link_of);
     free(sent);
     free(peers);
     free(tids);
@@ -240,6 +247,7 @@ static void run_sender_case(size_t len, int reading)
     uint8_t head[HEAD_LEN];
     struct iovec iov[2];
     ddpw_sender *h = NULL;
+    ddpw_link link;
     peer p;
     pthread_t tid;
     size_t k;
@@ -265,7 +273,8 @@ static void run_sender_case(size_t len, int reading)
     iov[0].iov_len = HEAD_LEN;
     iov[1].iov_base = frame;
     iov[1].iov_len = len;
-    if (ddpw_sender_start(&h, pair[0], iov, 2, 0, 5000, &err) != DDPW_NET_OK)
+    ddpw_link_plain(&link, pair[0]);
+    if (ddpw_sender_start(&h, &link, iov, 2, 0, 5000, &err) != DDPW_NET_OK)
         fail_case("sender_start", 1, len);
     if (reading) {
         do {
