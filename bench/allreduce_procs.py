@@ -156,21 +156,25 @@ def compressed_check(avg: np.ndarray, n: int, compression: str) -> Dict[str, Any
 
 def _serve(conn, setup: Callable[[], Any], step: Callable[[Any], None],
            finish: Callable[[Any], Dict[str, Any]]) -> None:
-    """The child's command loop: report ready, time each step, report the summary."""
+    """The child's command loop: report ready, time each step (and the CPU
+    time the process spent in it, every thread's), report the summary."""
     try:
         state = setup()
         conn.send(("ready", None))
+        cpu = []
         while True:
             cmd = conn.recv()
             if cmd == "step":
-                t0 = time.monotonic_ns()
+                t0, c0 = time.monotonic_ns(), time.process_time()
                 step(state)
+                cpu.append(time.process_time() - c0)
                 conn.send(("done", (t0, time.monotonic_ns())))
             elif cmd == "stop":
                 # before finish(), whose checks allocate temporaries of their own
                 peak = peak_rss_bytes()
                 summary = finish(state)
                 summary["peak_rss"] = peak
+                summary["step_cpu_s"] = cpu
                 conn.send(("summary", summary))
                 return
             else:

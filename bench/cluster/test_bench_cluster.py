@@ -92,6 +92,8 @@ def test_cluster_step(benchmark, cluster_plan, kind, n, size_mib):
         info["shaping_accuracy"] = info["goodput_bps"] / info["path_rate_bps"]
         return
     assert all(w["average_ok"] for w in summary["workers"]), summary["workers"]
+    # each worker's CPU seconds per timed step, all its threads
+    info["step_cpu_s"] = [w.get("step_cpu_s", [])[WARMUP:] for w in summary["workers"]]
     if kind.startswith("ddpwire"):
         # sealed only where a token is set and encryption left on
         assert all(w.get("sealed", False) == kind.endswith("-sealed")

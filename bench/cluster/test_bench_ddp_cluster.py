@@ -69,7 +69,11 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
         kind=kind, workers=n, parameters=parameter_count(), rounds=rounds, warmup=WARMUP,
         step_spans=spans, step_span_median=statistics.median(spans),
         worker_rate_bps=PARAMS.worker_rate, coord_rate_bps=PARAMS.coord_rate,
-        step_stamps=group.step_stamps)
+        step_stamps=group.step_stamps,
+        # each rank's CPU seconds per step (all its threads), timed steps only:
+        # where every emulated machine shares the same cores, what one kind
+        # adds in CPU shows in every kind's step
+        step_cpu_s=[r.get("step_cpu_s", [])[WARMUP:] for r in ranks])
     if any(r.get("buckets") for r in ranks):
         benchmark.extra_info["buckets"] = [r["buckets"] for r in ranks]
     if any(r.get("phases") for r in ranks):
