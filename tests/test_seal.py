@@ -134,6 +134,29 @@ def test_a_broadcast_and_an_exchange_go_sealed():
         conn.close()
 
 
+def test_records_are_aes_256_gcm_as_docs_extensions_md_writes_them():
+    """The bytes on the wire, against another AES-GCM (the cryptography
+    package's): u32 LE length, ciphertext and tag, the nonce 4 zero bytes
+    and the record's number (u64 LE), the length as additional data."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    sealed, plain = _pair()
+    key = bytes(range(32))
+    sealed.seal(key, os.urandom(32))
+    first, second = b"ddpwire", bytes(range(256)) * 300  # the second spans two records
+    sealed.send_parts([first], 10)
+    sealed.send_parts([second], 10)
+    wire = bytearray(len(first) + len(second) + 3 * (4 + 16))
+    plain.recv_into(wire, 10)
+    records = []
+    for number, text in enumerate([first, second[:FULL], second[FULL:]]):
+        head = len(text).to_bytes(4, "little")
+        nonce = bytes(4) + number.to_bytes(8, "little")
+        records.append(head + AESGCM(key).encrypt(nonce, text, head))
+    assert bytes(wire) == b"".join(records)
+    sealed.close(), plain.close()
+
+
 @pytest.mark.parametrize("length", [0, FULL + 1, 0xFFFFFFFF])
 def test_a_record_length_out_of_bounds_is_refused_before_anything_is_read(length):
     plain, sealed = _pair()
