@@ -531,9 +531,12 @@ class Admission:
         if self.resume and self.resume_step is None:
             # set by a worker admitted, not by one refused after the check
             self.resume_step = _resume_step_of(admitted)
-        log.info("worker %d joined: %s (%s, %d GPU) from %s", worker_id, p.join.node_id,
-                 p.join.backend, p.join.gpu_count, p.name)
-        if self.encrypt and not keys:
+        log.info("worker %d joined: %s (%s, %d GPU) from %s%s", worker_id, p.join.node_id,
+                 p.join.backend, p.join.gpu_count, p.name, ", its link sealed" if keys else "")
+        if offered is None:
+            log.info("worker %d speaks the reference protocol (no extensions): its frames "
+                     "travel in the clear", worker_id)
+        elif self.encrypt and not keys:
             log.warning("worker %d (%s) joined in the clear: it offered no encryption (--encrypt "
                         "off there, or a ddpwire without it); --require-encryption refuses such "
                         "workers", worker_id, p.name)

@@ -142,6 +142,14 @@ class Relay:
     def close(self) -> None:
         for s in [self.listener] + self._socks:
             try:
+                # a shutdown first: close() alone leaves a socket open while
+                # the other pump's thread is blocked in recv() on it, and the
+                # peer would hear nothing
+                if s is not self.listener:
+                    s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
                 s.close()
             except OSError:
                 pass
