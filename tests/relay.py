@@ -88,6 +88,13 @@ class Relay:
         #: sealed records forwarded, per direction
         self.records: Dict[str, int] = {UP: 0, DOWN: 0}
         self._socks: List[socket.socket] = []
+        # a socket is closed only by the last thread that uses it (the
+        # acceptor, then the last pump): one thread's close() under another's
+        # recv() would race for the descriptor; the others shut it down
+        self._lock = threading.Lock()
+        self._pumps = 0
+        self._closing = False
+        self._accepting = True
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -97,10 +104,18 @@ class Relay:
             client, _ = self.listener.accept()
         except OSError:
             return
+        finally:
+            with self._lock:
+                self._accepting = False
+                self.listener.close()
         server = socket.create_connection(self.target, timeout=60)
         for s in (client, server):
             s.settimeout(None)
-        self._socks = [client, server]
+        with self._lock:
+            self._socks = [client, server]
+            self._pumps = 2
+            if self._closing:
+                self._shut()
         for src, dst, direction in ((client, server, UP), (server, client, DOWN)):
             threading.Thread(target=self._pump, args=(src, dst, direction), daemon=True).start()
 
@@ -134,22 +149,31 @@ class Relay:
                 dst.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-            return
         except OSError:
-            pass
-        self.close()
+            with self._lock:
+                self._shut()
+        with self._lock:
+            self._pumps -= 1
+            if self._pumps == 0:
+                for s in self._socks:
+                    s.close()
+
+    def _shut(self) -> None:
+        """Both peers hear the end at once (the lock held)."""
+        for s in self._socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
-        for s in [self.listener] + self._socks:
-            try:
-                # a shutdown first: close() alone leaves a socket open while
-                # the other pump's thread is blocked in recv() on it, and the
-                # peer would hear nothing
-                if s is not self.listener:
-                    s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                s.close()
-            except OSError:
-                pass
+        """End the relay: the pumps wake, and the last one closes."""
+        with self._lock:
+            self._closing = True
+            self._shut()
+            if self._accepting:
+                try:
+                    # wakes the accept() still waiting: it closes the listener
+                    self.listener.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
