@@ -559,3 +559,25 @@ def test_a_state_tampered_on_its_way_from_the_source_drops_the_source_not_the_jo
     assert (0, False) in [(e.worker_id, e.joined) for e in coord.membership]
     for r in relays:
         r.close()
+
+
+def test_a_worker_in_the_clear_keeps_a_sealed_session_off_the_mesh(caplog):
+    """Its mesh links could not be sealed (the mesh key would reach it in
+    the clear): the flat steps take the star, and say why; topology "mesh"
+    refuses such a session."""
+    with caplog.at_level(logging.INFO, logger="ddpwire"):
+        with Coordinator(ADDR, expect_workers=2, token=TOKEN, shared_memory=False,
+                         timeout=15) as coord:
+            join = spawn(coord.wait_for_workers)
+            sealed = Worker.connect(coord.local_addr, node_id="w0", timeout=15, token=TOKEN)
+            clear = Worker.connect(coord.local_addr, node_id="w1", timeout=15, token=TOKEN,
+                                   encrypt=False)
+            join.join_result()
+            assert not coord.mesh
+            coord.set_total_samples(4)
+            outs, mine = _session_step(coord, [sealed, clear], n=1000)
+            assert not isinstance(mine, BaseException), mine
+            assert np.array_equal(outs[0].gradients, np.full(1000, 1.75, np.float32))
+            for w in (sealed, clear):
+                w.close()
+    assert "its link in the clear, and the others' are sealed" in caplog.text
