@@ -36,24 +36,10 @@ int ddpw_link_iov_advance(const struct iovec *iov, int iovcnt, size_t skip, stru
     return k;
 }
 
-static int plain_send_some(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t total,
-                           size_t *done, int *err)
+/* What a failed non-blocking socket call means: 0 (would block, or
+ * DDPW_NET_OK for a peek), or a DDPW_NET_* code. */
+static int socket_failure(int *err)
 {
-    struct iovec rest[DDPW_LINK_MAX_IOV];
-    struct msghdr msg;
-    ssize_t sent;
-    if (iovcnt < 0 || iovcnt > DDPW_LINK_MAX_IOV)
-        return DDPW_NET_NOMEM;
-    if (*done >= total)
-        return 1;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = rest;
-    msg.msg_iovlen = ddpw_link_iov_advance(iov, iovcnt, *done, rest);
-    sent = sendmsg(l->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (sent >= 0) {
-        *done += (size_t)sent;
-        return 1;
-    }
     if (errno == EINTR)
         return DDPW_NET_EINTR;
     if (errno == EAGAIN || errno == EWOULDBLOCK)
@@ -64,54 +50,76 @@ static int plain_send_some(ddpw_link *l, const struct iovec *iov, int iovcnt, si
     return DDPW_NET_ERRNO;
 }
 
-static int plain_recv_some(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t total,
-                           size_t *done, int *err)
+/* msg over what is left of iov from `done`: its entries, or DDPW_NET_NOMEM. */
+static int rest_of(const struct iovec *iov, int iovcnt, size_t done, struct iovec *rest,
+                   struct msghdr *msg)
+{
+    if (iovcnt < 0 || iovcnt > DDPW_LINK_MAX_IOV)
+        return DDPW_NET_NOMEM;
+    memset(msg, 0, sizeof *msg);
+    msg->msg_iov = rest;
+    msg->msg_iovlen = ddpw_link_iov_advance(iov, iovcnt, done, rest);
+    return DDPW_NET_OK;
+}
+
+int ddpw_link_sendmsg(int fd, const struct iovec *iov, int iovcnt, size_t total, size_t *done,
+                      int *err)
+{
+    struct iovec rest[DDPW_LINK_MAX_IOV];
+    struct msghdr msg;
+    ssize_t sent;
+    if (rest_of(iov, iovcnt, *done, rest, &msg) != DDPW_NET_OK)
+        return DDPW_NET_NOMEM;
+    if (*done >= total)
+        return 1;
+    sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent < 0)
+        return socket_failure(err);
+    *done += (size_t)sent;
+    return 1;
+}
+
+int ddpw_link_recvmsg(int fd, const struct iovec *iov, int iovcnt, size_t total, size_t *done,
+                      int *err)
 {
     struct iovec rest[DDPW_LINK_MAX_IOV];
     struct msghdr msg;
     ssize_t got;
-    if (iovcnt < 0 || iovcnt > DDPW_LINK_MAX_IOV)
+    if (rest_of(iov, iovcnt, *done, rest, &msg) != DDPW_NET_OK)
         return DDPW_NET_NOMEM;
     if (*done >= total)
         return 1;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = rest;
-    msg.msg_iovlen = ddpw_link_iov_advance(iov, iovcnt, *done, rest);
-    got = recvmsg(l->fd, &msg, MSG_DONTWAIT);
-    if (got > 0) {
-        *done += (size_t)got;
-        return 1;
-    }
+    got = recvmsg(fd, &msg, MSG_DONTWAIT);
     if (got == 0)
         return DDPW_NET_EOF;
-    if (errno == EINTR)
-        return DDPW_NET_EINTR;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return 0;
-    if (errno == ECONNRESET)
-        return DDPW_NET_EOF;
-    *err = errno;
-    return DDPW_NET_ERRNO;
+    if (got < 0)
+        return socket_failure(err);
+    *done += (size_t)got;
+    return 1;
+}
+
+static int plain_send_some(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t total,
+                           size_t *done, int *err)
+{
+    return ddpw_link_sendmsg(l->fd, iov, iovcnt, total, done, err);
+}
+
+static int plain_recv_some(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t total,
+                           size_t *done, int *err)
+{
+    return ddpw_link_recvmsg(l->fd, iov, iovcnt, total, done, err);
 }
 
 static int plain_peek(ddpw_link *l, void *buf, size_t len, size_t *got, int *err)
 {
     ssize_t n = recv(l->fd, buf, len, MSG_PEEK | MSG_DONTWAIT);
     *got = 0;
-    if (n > 0) {
-        *got = (size_t)n;
-        return DDPW_NET_OK;
-    }
     if (n == 0)
         return DDPW_NET_EOF;
-    if (errno == EINTR)
-        return DDPW_NET_EINTR;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return DDPW_NET_OK;
-    if (errno == ECONNRESET)
-        return DDPW_NET_EOF;
-    *err = errno;
-    return DDPW_NET_ERRNO;
+    if (n < 0)
+        return socket_failure(err); /* would block: nothing there, DDPW_NET_OK */
+    *got = (size_t)n;
+    return DDPW_NET_OK;
 }
 
 static size_t plain_held(const ddpw_link *l)

@@ -91,6 +91,16 @@ static inline size_t ddpw_link_held(const ddpw_link *l)
     return l->ops->held(l);
 }
 
+/* One non-blocking sendmsg (recvmsg) of bytes [*done, total) of the
+ * concatenation of iov on fd: 1 on progress (or nothing left), 0 if it
+ * would block, else a DDPW_NET_* code (the peer's close or reset:
+ * DDPW_NET_EOF). The plain link's calls, and the sealed link's on its
+ * record buffers: one place that reads errno. */
+int ddpw_link_sendmsg(int fd, const struct iovec *iov, int iovcnt, size_t total, size_t *done,
+                      int *err);
+int ddpw_link_recvmsg(int fd, const struct iovec *iov, int iovcnt, size_t total, size_t *done,
+                      int *err);
+
 /* Skip the first `skip` bytes of iov into out (at most DDPW_LINK_MAX_IOV
  * entries); returns the entries written. */
 int ddpw_link_iov_advance(const struct iovec *iov, int iovcnt, size_t skip, struct iovec *out);

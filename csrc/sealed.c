@@ -29,11 +29,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-
-#ifndef MSG_NOSIGNAL
-#define MSG_NOSIGNAL 0
-#endif
 
 #define HEAD 4
 #define TAG DDPW_AEAD_TAG_BYTES
@@ -74,23 +69,12 @@ static const uint8_t *iov_at(const struct iovec *iov, int iovcnt, size_t at)
     return NULL;
 }
 
-static int socket_error(int *err)
-{
-    if (errno == EINTR)
-        return DDPW_NET_EINTR;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return 0;
-    if (errno == EPIPE || errno == ECONNRESET)
-        return DDPW_NET_EOF;
-    *err = errno;
-    return DDPW_NET_ERRNO;
-}
-
 static int sealed_send_some(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t total,
                             size_t *done, int *err)
 {
     sealed *s = (sealed *)l->state;
-    ssize_t sent;
+    struct iovec record;
+    int rc;
     if (iovcnt < 0 || iovcnt > DDPW_LINK_MAX_IOV)
         return DDPW_NET_NOMEM;
     if (s->tx_failed)
@@ -132,10 +116,11 @@ static int sealed_send_some(ddpw_link *l, const struct iovec *iov, int iovcnt, s
         s->out_from = *done;
         s->out_src = iov_at(iov, iovcnt, *done);
     }
-    sent = send(l->fd, s->out + s->out_pos, s->out_len - s->out_pos, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (sent < 0)
-        return socket_error(err);
-    s->out_pos += (size_t)sent;
+    record.iov_base = s->out;
+    record.iov_len = s->out_len;
+    rc = ddpw_link_sendmsg(l->fd, &record, 1, s->out_len, &s->out_pos, err);
+    if (rc <= 0)
+        return rc;
     if (s->out_pos == s->out_len) {
         *done += s->out_plain;
         s->out_len = 0;
@@ -149,7 +134,8 @@ static int fill_record(ddpw_link *l, sealed *s, int *err)
 {
     for (;;) {
         size_t need = HEAD;
-        ssize_t got;
+        struct iovec record;
+        int rc;
         if (s->in_len >= HEAD) {
             uint32_t len = read_le32(s->in);
             if (len == 0 || len > DDPW_SEALED_RECORD) {
@@ -162,14 +148,11 @@ static int fill_record(ddpw_link *l, sealed *s, int *err)
         }
         /* exactly the record: bytes after it stay in the socket, where a
          * poll on fd sees them */
-        got = recv(l->fd, s->in + s->in_len, need - s->in_len, MSG_DONTWAIT);
-        if (got > 0) {
-            s->in_len += (size_t)got;
-            continue;
-        }
-        if (got == 0)
-            return DDPW_NET_EOF;
-        return socket_error(err);
+        record.iov_base = s->in;
+        record.iov_len = need;
+        rc = ddpw_link_recvmsg(l->fd, &record, 1, need, &s->in_len, err);
+        if (rc <= 0)
+            return rc;
     }
 }
 

@@ -546,9 +546,8 @@ class Admission:
         (ProtocolError for a share that is no key: a refusal, reason PROTOCOL)."""
         assert self.token is not None and p.join is not None
         p.share = seal.KeyShare()
-        context = p.join.extensions[Extension.AUTH] + p.coordinator_nonce + share + p.share.public
-        out.append(seal.derive(p.share.secret(share), self.token, seal.JOIN_LABEL, context,
-                               initiator=False))
+        out.append(seal.join_keys(p.share, share, self.token, p.join.extensions[Extension.AUTH],
+                                  p.coordinator_nonce, worker=False))
 
     def _checkstill_open(self, sel: selectors.BaseSelector, a: Admitted) -> None:
         if still_open(a.sock):

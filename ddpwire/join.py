@@ -211,9 +211,7 @@ def _seal(chan: Channel, share: Optional[seal.KeyShare], token: Optional[bytes],
                     "a ddpwire without it): this session's frames travel in the clear", where)
         return
     assert token is not None
-    context = nonce + theirs + share.public + answer
-    chan.conn.seal(*seal.derive(share.secret(answer), token, seal.JOIN_LABEL, context,
-                                initiator=True))
+    chan.conn.seal(*seal.join_keys(share, answer, token, nonce, theirs, worker=True))
 
 
 def _token_needed(where: str) -> AuthenticationFailed:

@@ -30,7 +30,7 @@ from . import _core
 from .errors import EncryptionUnavailable, ProtocolError
 
 __all__ = ["ENCRYPT_ENV", "JOIN_LABEL", "KEY_BYTES", "LIBCRYPTO_ENV", "PEER_LABEL", "PUBLIC_BYTES",
-           "KeyShare", "derive", "encrypt_from_env", "load_libcrypto"]
+           "KeyShare", "derive", "encrypt_from_env", "join_keys", "load_libcrypto"]
 
 #: bytes of one direction's AES-256 key
 KEY_BYTES = 32
@@ -152,6 +152,18 @@ class KeyShare:
             return self._private.exchange(X25519PublicKey.from_public_bytes(bytes(peer_public)))
         except ValueError:
             raise ProtocolError("the peer's seal key share is of low order") from None
+
+
+def join_keys(mine: KeyShare, theirs: bytes, token: bytes, worker_nonce: bytes,
+              coordinator_nonce: bytes, *, worker: bool) -> Tuple[bytes, bytes]:
+    """This side's (send key, receive key) for its connection at the join:
+    the exchange of ``mine`` with the peer's public key ``theirs``, bound
+    to the token and to what both sides said (the nonces, then the
+    worker's public key and the coordinator's). The worker dialed: it is
+    the initiator."""
+    publics = mine.public + theirs if worker else theirs + mine.public
+    return derive(mine.secret(theirs), token, JOIN_LABEL,
+                  worker_nonce + coordinator_nonce + publics, initiator=worker)
 
 
 def derive(secret: bytes, salt: bytes, label: bytes, context: bytes, *,
