@@ -102,6 +102,9 @@ def collective_result(seq: int, kind: int, dtype: int,
 
 NONCE_W = bytes(range(32))
 NONCE_C = bytes(range(0x80, 0xA0))
+# X25519 public keys as the seal entry (0x000A) carries them: 32 bytes each
+SHARE_W = bytes(range(0x40, 0x60))
+SHARE_C = bytes(range(0xC0, 0xE0))
 PROOF = bytes(range(0xE0, 0x100))
 SAMPLES_64 = struct.pack("<Q", 64)
 COLLECTIVES_V1 = struct.pack("<H", 1)
@@ -120,12 +123,16 @@ def vectors() -> List[Dict[str, Any]]:
          join_request("n\u0153ud-1", 2, "cuda", [(0x0002, SAMPLES_64), (0x0001, NONCE_W),
                                                  (0x7FFF, b"\x01\x02\x03"),
                                                  (0x0003, COLLECTIVES_V1)])),
+        ("join_request_seal", "auth then seal: the worker's nonce and its X25519 key share",
+         join_request("w0", 1, "cpu", [(0x0001, NONCE_W), (0x000A, SHARE_W)])),
         ("join_accepted_no_block", "reference bytes: nothing granted",
          join_accepted(0, 2, None)),
         ("join_accepted_empty_block", "a block with no entries",
          join_accepted(1, 2, [])),
         ("join_accepted_auth", "one entry: auth granted (empty value)",
          join_accepted(1, 4, [(0x0001, b"")])),
+        ("join_accepted_seal", "auth granted, then seal: the coordinator's X25519 key share",
+         join_accepted(1, 2, [(0x0001, b""), (0x000A, SHARE_C)])),
         ("join_accepted_several_with_unknown", "auth, samples, collectives and unknown 0x0010",
          join_accepted(3, 4, [(0x0001, b""), (0x0002, SAMPLES_64), (0x0003, COLLECTIVES_V1),
                               (0x0010, b"ring")])),
