@@ -40,11 +40,13 @@ DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None,
              "ddp-ddpwire-bf16-free": ("ddpwire", "bf16-free", False),
              "ddp-ddpwire-bf16-baseline": ("ddpwire", "bf16", True)}
 #: the environment of a kind's ranks beyond the backend's defaults: with a
-#: token every link is sealed (ddpwire.seal), or kept in the clear by choice
+#: token every link is sealed (ddpwire.seal), or kept in the clear by choice;
+#: "-baseline" sealed by the checkout $DDPWIRE_BASELINE names
 DDP_ENV = {"ddp-ddpwire-sealed": {"DDPWIRE_TOKEN": "ddpwire-bench-token"},
+           "ddp-ddpwire-sealed-baseline": {"DDPWIRE_TOKEN": "ddpwire-bench-token"},
            "ddp-ddpwire-clear": {"DDPWIRE_TOKEN": "ddpwire-bench-token",
                                  "DDPWIRE_ENCRYPT": "off"}}
-DDP_KINDS.update({kind: ("ddpwire", None, False) for kind in DDP_ENV})
+DDP_KINDS.update({kind: ("ddpwire", None, kind.endswith("-baseline")) for kind in DDP_ENV})
 #: what a run measures unless told otherwise: the baseline needs a checkout
 DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)

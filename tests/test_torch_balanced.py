@@ -19,7 +19,11 @@ sys.path.insert(0, str(SCRIPT.parent))
 import balanced_script  # noqa: E402
 
 
-def run_ranks(tmp_path, backend, mode, world=2, slow="1:0.0015"):
+# rank 1 sleeps 6 ms a sample, 192 ms at an equal shard: far past the
+# jitter of a loaded machine (tens of ms), which at 1.5 ms a sample kept
+# the model's error above the gain for all 12 steps (fresh-clone CI saw
+# [32, 32] throughout once; a noisy worker stays at equal shards by design)
+def run_ranks(tmp_path, backend, mode, world=2, slow="1:0.006"):
     run_script_ranks(SCRIPT, [tmp_path / "run", backend, mode], world, BALANCED_SLOW=slow)
     return [torch.load(tmp_path / f"run.rank{r}.pt") for r in range(world)]
 
@@ -47,8 +51,9 @@ def check(results):
     assert splits == results[1]["splits"]
     assert all(sum(s) == balanced_script.BATCH for s in splits)
     assert splits[0] == [32, 32]
-    # rank 1 sleeps 1.5 ms a sample: the fast rank ends up with most of the batch
-    assert splits[-1][0] >= 0.7 * balanced_script.BATCH, splits
+    # the fast rank gets most of the batch; the guard's trial of equal
+    # shards (a few steps, now and then) may be what the last steps run
+    assert max(s[0] for s in splits) >= 0.7 * balanced_script.BATCH, splits
     want = full_batch_weights()
     for name in want:
         torch.testing.assert_close(states[0][name], want[name], rtol=1e-5, atol=1e-6)

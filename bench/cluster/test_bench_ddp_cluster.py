@@ -8,8 +8,9 @@ memory, every bucket over the links. Kinds: "ddp-gloo" (torch's gloo),
 links), "ddp-ddpwire-bf16" (its bf16_wire_hook: bfloat16 on the wire) and,
 with DDPWIRE_CLUSTER_DDP_KINDS naming them, "ddp-ddpwire-baseline" and
 "ddp-ddpwire-bf16-baseline" (the backend of the checkout $DDPWIRE_BASELINE
-names) and "ddp-ddpwire-bf16-free"
-(a bound: the bf16 step with its 16-bit kernels made free, see
+names), "ddp-ddpwire-sealed" and "ddp-ddpwire-clear" (a token, encryption
+on and off), "ddp-ddpwire-sealed-baseline" (sealed, by that checkout) and
+"ddp-ddpwire-bf16-free" (a bound: the bf16 step with its 16-bit kernels made free, see
 bench/ddp_step.py; its ranks' weights differ), for each N of
 DDPWIRE_CLUSTER_WORKERS. Needs root, iproute2 and torch:
 
@@ -64,7 +65,8 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
         assert all(r["rank_links"] for r in ranks), "a ddpwire rank did not use the rank links"
     if kind.startswith("ddp-ddpwire"):
         # sealed only where a token is set and encryption left on
-        assert all(r.get("sealed", False) == (kind == "ddp-ddpwire-sealed") for r in ranks), ranks
+        assert all(r.get("sealed", False) == kind.startswith("ddp-ddpwire-sealed")
+                   for r in ranks), ranks
     benchmark.extra_info.update(
         kind=kind, workers=n, parameters=parameter_count(), rounds=rounds, warmup=WARMUP,
         step_spans=spans, step_span_median=statistics.median(spans),
