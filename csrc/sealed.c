@@ -12,9 +12,6 @@
  * that fits what the caller still wants is opened straight into the
  * caller's buffer: plaintext is copied only when a caller wants less than
  * a record. Nothing is given to the caller before its record is verified.
- * Syscalls are what a record adds beside the cipher: a sender seals up to
- * BATCH records and writes them in one call, and a receiver takes the next
- * record's length with the record before it.
  */
 #if !defined(_WIN32)
 #ifndef _POSIX_C_SOURCE
@@ -37,31 +34,21 @@
 #define TAG DDPW_AEAD_TAG_BYTES
 #define RECORD_BYTES (HEAD + DDPW_SEALED_RECORD + TAG)
 
-/* Records sealed ahead and sent in one call: one syscall per batch rather
- * than per record (bench/test_bench_seal.py measured what it saves). */
-#define BATCH 4
-
 typedef struct sealed {
     ddpw_aead *tx, *rx;
     uint64_t tx_count, rx_count;
     int tx_failed, rx_failed; /* the first failure of each direction, else 0 */
-    /* the records going out: out[out_pos, out_len) still to write. Record k
-     * ends at out_end[k] and holds out_plain[k] bytes of the caller's; the
-     * first out_sent are wholly in the socket and counted in the caller's
-     * *done, which was then out_from, its byte at out_src (a caller
-     * resuming with other bytes is refused, or its bytes sealed afresh
-     * when none of an uncounted record went out) */
-    size_t out_len, out_pos, out_from;
-    size_t out_end[BATCH], out_plain[BATCH];
-    int out_count, out_sent;
+    /* the record going out: out[out_pos, out_len) still to write; it holds
+     * out_plain bytes of the caller's from offset out_from, whose first
+     * byte was at out_src (a caller resuming with other bytes is refused) */
+    size_t out_len, out_pos, out_plain, out_from;
     const uint8_t *out_src;
-    /* the record coming in: in[0, in_len) received so far, and after a
-     * whole record at most HEAD bytes of the next one's length */
+    /* the record coming in: in[0, in_len) received so far */
     size_t in_len;
     /* an opened record the caller did not want all of */
     size_t plain_pos, plain_len;
-    uint8_t out[BATCH * RECORD_BYTES];
-    uint8_t in[RECORD_BYTES + HEAD];
+    uint8_t out[RECORD_BYTES];
+    uint8_t in[RECORD_BYTES];
     uint8_t plain[DDPW_SEALED_RECORD];
 } sealed;
 
@@ -82,43 +69,11 @@ static const uint8_t *iov_at(const struct iovec *iov, int iovcnt, size_t at)
     return NULL;
 }
 
-/* Seal records of the caller's bytes from *done (at most BATCH, each at
- * most DDPW_SEALED_RECORD) into out. */
-static int seal_batch(sealed *s, const struct iovec *iov, int iovcnt, size_t total, size_t done)
-{
-    s->out_len = s->out_pos = 0;
-    s->out_count = s->out_sent = 0;
-    s->out_from = done;
-    s->out_src = iov_at(iov, iovcnt, done);
-    while (s->out_count < BATCH && done < total) {
-        size_t len = total - done;
-        uint8_t *rec = s->out + s->out_len;
-        if (len > DDPW_SEALED_RECORD)
-            len = DDPW_SEALED_RECORD;
-        if (s->tx_count == UINT64_MAX) /* never in practice: 2^64 records */
-            return DDPW_NET_INTEGRITY;
-        rec[0] = (uint8_t)len;
-        rec[1] = (uint8_t)(len >> 8);
-        rec[2] = (uint8_t)(len >> 16);
-        rec[3] = (uint8_t)(len >> 24);
-        if (ddpw_aead_seal(s->tx, s->tx_count, rec, HEAD, iov, iovcnt, done, len, rec + HEAD,
-                           rec + HEAD + len) != 0)
-            return DDPW_NET_INTEGRITY;
-        s->tx_count++;
-        s->out_len += HEAD + len + TAG;
-        s->out_end[s->out_count] = s->out_len;
-        s->out_plain[s->out_count] = len;
-        s->out_count++;
-        done += len;
-    }
-    return DDPW_NET_OK;
-}
-
 static int sealed_send_some(ddpw_link *l, const struct iovec *iov, int iovcnt, size_t total,
                             size_t *done, int *err)
 {
     sealed *s = (sealed *)l->state;
-    struct iovec batch;
+    struct iovec record;
     int rc;
     if (iovcnt < 0 || iovcnt > DDPW_LINK_MAX_IOV)
         return DDPW_NET_NOMEM;
@@ -126,87 +81,92 @@ static int sealed_send_some(ddpw_link *l, const struct iovec *iov, int iovcnt, s
         return s->tx_failed;
     if (*done >= total)
         return 1;
-    if (s->out_sent < s->out_count &&
-        (s->out_from != *done || s->out_src != iov_at(iov, iovcnt, *done))) {
-        if (s->out_pos > (s->out_sent > 0 ? s->out_end[s->out_sent - 1] : 0)) {
-            /* part of a record is out: the peer can only be sent the rest */
+    if (s->out_len > 0 && (s->out_from != *done || s->out_src != iov_at(iov, iovcnt, *done))) {
+        if (s->out_pos > 0) {
+            /* half a record is out: the peer can only be sent the rest */
             *err = EPROTO;
             s->tx_failed = DDPW_NET_ERRNO;
             return DDPW_NET_ERRNO;
         }
-        /* sealed but not sent: seal the caller's bytes under their numbers */
-        s->tx_count -= (uint64_t)(s->out_count - s->out_sent);
-        s->out_count = s->out_sent = 0;
+        /* sealed but not sent: seal the caller's bytes under its number */
+        s->out_len = 0;
+        s->tx_count--;
     }
-    if (s->out_sent == s->out_count) {
-        rc = seal_batch(s, iov, iovcnt, total, *done);
-        if (rc != DDPW_NET_OK) {
-            s->tx_failed = rc;
-            return rc;
+    if (s->out_len == 0) {
+        size_t len = total - *done;
+        if (len > DDPW_SEALED_RECORD)
+            len = DDPW_SEALED_RECORD;
+        if (s->tx_count == UINT64_MAX) { /* never in practice: 2^64 records */
+            s->tx_failed = DDPW_NET_INTEGRITY;
+            return DDPW_NET_INTEGRITY;
         }
+        s->out[0] = (uint8_t)len;
+        s->out[1] = (uint8_t)(len >> 8);
+        s->out[2] = (uint8_t)(len >> 16);
+        s->out[3] = (uint8_t)(len >> 24);
+        if (ddpw_aead_seal(s->tx, s->tx_count, s->out, HEAD, iov, iovcnt, *done, len,
+                           s->out + HEAD, s->out + HEAD + len) != 0) {
+            s->tx_failed = DDPW_NET_INTEGRITY;
+            return DDPW_NET_INTEGRITY;
+        }
+        s->tx_count++;
+        s->out_len = HEAD + len + TAG;
+        s->out_pos = 0;
+        s->out_plain = len;
+        s->out_from = *done;
+        s->out_src = iov_at(iov, iovcnt, *done);
     }
-    batch.iov_base = s->out;
-    batch.iov_len = s->out_len;
-    rc = ddpw_link_sendmsg(l->fd, &batch, 1, s->out_len, &s->out_pos, err);
+    record.iov_base = s->out;
+    record.iov_len = s->out_len;
+    rc = ddpw_link_sendmsg(l->fd, &record, 1, s->out_len, &s->out_pos, err);
     if (rc <= 0)
         return rc;
-    while (s->out_sent < s->out_count && s->out_pos >= s->out_end[s->out_sent])
-        *done += s->out_plain[s->out_sent++];
-    s->out_from = *done;
-    s->out_src = iov_at(iov, iovcnt, *done);
+    if (s->out_pos == s->out_len) {
+        *done += s->out_plain;
+        s->out_len = 0;
+    }
     return 1;
 }
 
-/* Plaintext bytes of the record in `in`, its length known. */
-static size_t record_len(const sealed *s)
-{
-    return read_le32(s->in);
-}
-
 /* Receive until the current record is whole: 1 when it is, 0 if the socket
- * would block first, else a DDPW_NET_* code. A caller that wants more than
- * this record (`wanted` bytes) needs the next one too, so the same call
- * takes the next record's length with it: one syscall a record. */
-static int fill_record(ddpw_link *l, sealed *s, size_t wanted, int *err)
+ * would block first, else a DDPW_NET_* code. */
+static int fill_record(ddpw_link *l, sealed *s, int *err)
 {
     for (;;) {
-        size_t need = HEAD, take;
+        size_t need = HEAD;
         struct iovec record;
         int rc;
         if (s->in_len >= HEAD) {
-            size_t len = record_len(s);
+            uint32_t len = read_le32(s->in);
             if (len == 0 || len > DDPW_SEALED_RECORD) {
                 s->rx_failed = DDPW_NET_INTEGRITY;
                 return DDPW_NET_INTEGRITY;
             }
             need = HEAD + len + TAG;
-            if (s->in_len >= need)
+            if (s->in_len == need)
                 return 1;
         }
-        /* nothing past what the caller wants: bytes after it stay in the
-         * socket, where a poll on fd sees them */
-        take = need > HEAD && wanted > need - HEAD - TAG ? need + HEAD : need;
+        /* exactly the record: bytes after it stay in the socket, where a
+         * poll on fd sees them */
         record.iov_base = s->in;
-        record.iov_len = take;
-        rc = ddpw_link_recvmsg(l->fd, &record, 1, take, &s->in_len, err);
+        record.iov_len = need;
+        rc = ddpw_link_recvmsg(l->fd, &record, 1, need, &s->in_len, err);
         if (rc <= 0)
             return rc;
     }
 }
 
-/* Open the whole record in `in` into the concatenation of out from `skip`;
- * the next record's length, if it came with it, moves to the front. */
+/* Open the whole record in `in` into the concatenation of out from `skip`. */
 static int open_record(sealed *s, const struct iovec *out, int outcnt, size_t skip)
 {
-    size_t len = record_len(s), end = HEAD + len + TAG;
+    size_t len = s->in_len - HEAD - TAG;
     if (ddpw_aead_open(s->rx, s->rx_count, s->in, HEAD, s->in + HEAD, len, s->in + HEAD + len,
                        out, outcnt, skip) != 0) {
         s->rx_failed = DDPW_NET_INTEGRITY;
         return DDPW_NET_INTEGRITY;
     }
     s->rx_count++;
-    memmove(s->in, s->in + end, s->in_len - end);
-    s->in_len -= end;
+    s->in_len = 0;
     return DDPW_NET_OK;
 }
 
@@ -235,7 +195,7 @@ static void give_held(sealed *s, const struct iovec *iov, int iovcnt, size_t tot
 static int hold_record(sealed *s)
 {
     struct iovec p;
-    size_t len = record_len(s);
+    size_t len = s->in_len - HEAD - TAG;
     int rc;
     p.iov_base = s->plain;
     p.iov_len = len;
@@ -263,10 +223,10 @@ static int sealed_recv_some(ddpw_link *l, const struct iovec *iov, int iovcnt, s
     }
     if (s->rx_failed)
         return s->rx_failed;
-    rc = fill_record(l, s, total - *done, err);
+    rc = fill_record(l, s, err);
     if (rc <= 0)
         return rc;
-    len = record_len(s);
+    len = s->in_len - HEAD - TAG;
     if (len <= total - *done) {
         rc = open_record(s, iov, iovcnt, *done);
         if (rc != DDPW_NET_OK)
@@ -290,7 +250,7 @@ static int sealed_peek(ddpw_link *l, void *buf, size_t len, size_t *got, int *er
         int rc;
         if (s->rx_failed)
             return s->rx_failed;
-        rc = fill_record(l, s, 0, err);
+        rc = fill_record(l, s, err);
         if (rc <= 0)
             return rc;
         rc = hold_record(s);

@@ -1,10 +1,10 @@
 """csrc/sealed.c on its own, under AddressSanitizer with UBSan
-(tests/c/sealed_check.c): the resume and read-ahead paths of a sealed link
-that a session takes only by chance. Batches of records that a small socket
-takes a piece at a time, read in every size of call and with peeks between;
-a receiver that never takes a byte of the next record past what it wants;
-a batch that went nowhere sealed afresh with the caller's new bytes; a
-caller that changes its bytes after part of a record went out refused."""
+(tests/c/sealed_check.c): the resume paths of a sealed link that a session
+takes only by chance. Records that a small socket takes a piece at a time,
+read in every size of call and with peeks between; a receiver that never
+takes a byte of the next record past what it wants; a record that went
+nowhere sealed afresh with the caller's new bytes; a caller that changes
+its bytes after part of a record went out refused."""
 import pathlib
 import shutil
 import subprocess

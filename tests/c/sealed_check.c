@@ -1,11 +1,11 @@
 /* sealed_check.c: a sealed link (csrc/sealed.c) on its own, over socketpairs,
  * through the libcrypto named by argv[1]. The paths a whole session rarely
- * takes on purpose: a batch of records the socket takes a piece at a time,
+ * takes on purpose: records that a small socket takes a piece at a time,
  * read back in every size of call (one byte, a record and one byte more, a
- * peek between); a record never read ahead past what the caller wants (the
- * next one stays in the socket, where poll sees it); a batch that went
- * nowhere sealed afresh when the caller resumes with other bytes; and a
- * caller that changes its bytes after part of a record went out refused
+ * peek between); a receiver that takes no byte of the next record past
+ * what it wants (it stays in the socket, where poll sees it); a record that
+ * went nowhere sealed afresh when the caller resumes with other bytes; and
+ * a caller that changes its bytes after part of a record went out refused
  * with EPROTO. Prints one "ok" line per case; exits non-zero on the first
  * failure. */
 #define _POSIX_C_SOURCE 200809L
@@ -196,8 +196,8 @@ static void drain(int fd, size_t len)
     }
 }
 
-/* A batch sealed while the socket was full went nowhere: other bytes at
- * the same offset are sealed afresh, under the same record numbers. */
+/* A record sealed while the socket was full went nowhere: other bytes at
+ * the same offset are sealed afresh, under the same record number. */
 static void run_reseal(void)
 {
     ddpw_link a, b;
@@ -215,7 +215,7 @@ static void run_reseal(void)
     v.iov_len = BIG;
     rc = ddpw_link_send_some(&a, &v, 1, BIG, &sent, &err);
     if (rc != 0 || sent != 0)
-        fail("a full socket took a batch", rc);
+        fail("a full socket took a record", rc);
     drain(fds[1], junk);
     pump(&a, second, BIG, &sent, &b, dst, BIG, &got, BIG, 0);
     if (memcmp(second, dst, BIG) != 0)
