@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from . import auth, seal
 from ._core import FrameReader, encode_frame, tag_max_payload
 from ._text import counted
-from .channel import still_open
+from .channel import MAX_PENDING, still_open
 from .errors import JoinTimeout, NotACoordinator, ProtocolError
 from .extensions import (Extension, RefusalReason, decode_u64, encode_u64, samples_mismatch,
                          steps_mismatch)
@@ -45,9 +45,6 @@ __all__ = ["Admitted", "Admission", "Refuser"]
 
 log = logging.getLogger("ddpwire.coordinator")
 
-# Connections handshaking at once; past this a new one is closed unread, so
-# a flood of idle clients costs a bounded amount of memory.
-MAX_PENDING = 64
 PROGRESS_EVERY = 5.0
 
 

@@ -43,6 +43,10 @@ def check_timeout(name: str, value: float) -> float:
     return seconds
 
 
+#: connections a listener keeps handshaking at once (the coordinator's
+#: joins, a mesh member's peers owing their PeerHello): past this a new one
+#: is closed unread, so a flood of idle clients costs bounded memory
+MAX_PENDING = 64
 #: heartbeat intervals a peer may stay silent before it is lost, where
 #: ``heartbeat_timeout`` is not given: one lost or late heartbeat is no loss
 HEARTBEAT_MISSES = 3.0

@@ -71,8 +71,7 @@ from . import reduce as _reduce
 from . import seal
 from . import shm as _shm
 from ._text import counted
-from .channel import Channel, check_timeout
-from .admission import MAX_PENDING
+from .channel import MAX_PENDING, Channel, check_timeout
 from .errors import (GradientMismatch, NotACoordinator, ProtocolError,
                      ShutdownDuringReduce, UnexpectedMessage, WorkerLost)
 from .extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
