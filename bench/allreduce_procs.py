@@ -259,7 +259,7 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     # earlier "ddpwire" figures stay comparable
     "ddpwire-star": DdpwireKind({**_LOOP, "topology": "star"}, _LOOP),
     # the star with every connection's receive buffer left to the kernel,
-    # not bounded against incast (ddpwire.incast)
+    # not bounded against incast (ddpwire.plane.incast)
     "ddpwire-star-sysrcv": DdpwireKind({**_LOOP, "topology": "star", "receive_window": None},
                                        _LOOP),
     # the mesh over its links even on one host, so the earlier "ddpwire-mesh"
@@ -269,7 +269,7 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     "ddpwire-bf16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "bf16"}, _LOOP),
     "ddpwire-fp16": DdpwireKind({**_LOOP, "topology": "mesh", "compression": "fp16"}, _LOOP),
     # the mesh links under the system's TCP congestion control, not the
-    # library's choice (ddpwire.mesh.DEFAULT_CONGESTION)
+    # library's choice (ddpwire.plane.mesh.DEFAULT_CONGESTION)
     "ddpwire-mesh-systcp": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False},
                                        {**_LOOP, "tcp_congestion": None}),
     # the mesh with no part of the vector through the coordinator's link
@@ -277,7 +277,7 @@ DDPWIRE_KINDS: Dict[str, DdpwireKind] = {
     # and with fixed parts, the sweep that chose "auto"
     "ddpwire-mesh-noshare": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False,
                                          "coordinator_share": 0}, _LOOP),
-    # with a token, sealed (every link in AES-256-GCM records: ddpwire.seal)
+    # with a token, sealed (every link in AES-256-GCM records: ddpwire.wire.seal)
     # and in the clear: the join is the same, the frames after it differ
     "ddpwire-mesh-sealed": DdpwireKind({**_LOOP, "topology": "mesh", "shared_memory": False,
                                         "token": BENCH_TOKEN}, {**_LOOP, "token": BENCH_TOKEN}),

@@ -1,6 +1,6 @@
 """Shard sizes and step time, step by step, from a coordinator's metrics file
 (``ddpwire coordinator --metrics FILE``, or bench/results/balance-slowdown.jsonl
-from bench/test_bench_balance.py): ``ddpwire plot`` (ddpwire/plot.py, the
+from bench/test_bench_balance.py): ``ddpwire plot`` (ddpwire/cli/plot.py, the
 [plot] extra), with this bench's labels for workers whose metrics carry no
 name (files written before they did).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from ddpwire.plot import draw, read_metrics
+from ddpwire.cli.plot import draw, read_metrics
 
 
 def main(argv=None) -> int:

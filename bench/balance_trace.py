@@ -26,21 +26,21 @@ from typing import Callable, Iterator, List, Sequence, Tuple
 
 #: (class path, method, name in the trace)
 TRACED = (
-    ("ddpwire.shard_inbox.ShardInbox", "upload", "upload"),
-    ("ddpwire.shm.SharedPlane", "reduce_scatter", "plane reduce-scatter"),
-    ("ddpwire.shm.SharedPlane", "_wait", "plane barrier"),
-    ("ddpwire.shm.SharedPlane", "allgather", "plane allgather"),
-    ("ddpwire.mesh_step.MeshStep", "receive", "StepCommit and allgather"),
-    ("ddpwire.channel.Channel", "send", "send a frame"),
-    ("ddpwire.channel.Channel", "expect", "read a message"),
+    ("ddpwire.session.shard_inbox.ShardInbox", "upload", "upload"),
+    ("ddpwire.plane.shm.SharedPlane", "reduce_scatter", "plane reduce-scatter"),
+    ("ddpwire.plane.shm.SharedPlane", "_wait", "plane barrier"),
+    ("ddpwire.plane.shm.SharedPlane", "allgather", "plane allgather"),
+    ("ddpwire.plane.mesh_step.MeshStep", "receive", "StepCommit and allgather"),
+    ("ddpwire.wire.channel.Channel", "send", "send a frame"),
+    ("ddpwire.wire.channel.Channel", "expect", "read a message"),
 )
 
 #: the coordinator's side, traced in the benchmark's own process
 #: (bench/test_bench_balance.py, :func:`traced_here`): its wait for every
 #: StepReport, and its go-ahead
 COORDINATOR_TRACED = (
-    ("ddpwire.mesh_control.MeshControl", "_answers", "coordinator: every StepReport"),
-    ("ddpwire.mesh_control.MeshControl", "commit", "coordinator: StepCommit to all"),
+    ("ddpwire.session.mesh_control.MeshControl", "_answers", "coordinator: every StepReport"),
+    ("ddpwire.session.mesh_control.MeshControl", "commit", "coordinator: StepCommit to all"),
 )
 
 EVENTS: List[Tuple[str, float, float, float]] = []

@@ -40,7 +40,7 @@ DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None,
              "ddp-ddpwire-bf16-free": ("ddpwire", "bf16-free", False),
              "ddp-ddpwire-bf16-baseline": ("ddpwire", "bf16", True)}
 #: the environment of a kind's ranks beyond the backend's defaults: with a
-#: token every link is sealed (ddpwire.seal), or kept in the clear by choice;
+#: token every link is sealed (ddpwire.wire.seal), or kept in the clear by choice;
 #: "-baseline" sealed by the checkout $DDPWIRE_BASELINE names
 DDP_ENV = {"ddp-ddpwire-sealed": {"DDPWIRE_TOKEN": "ddpwire-bench-token"},
            "ddp-ddpwire-sealed-baseline": {"DDPWIRE_TOKEN": "ddpwire-bench-token"},
@@ -94,11 +94,11 @@ def _stamped(hook: Any, trace: list) -> Any:
 
 
 def _stamp_phases(phases: list) -> None:
-    """Wrap :class:`ddpwire.mesh.Mesh`'s two phases, in this process, to
+    """Wrap :class:`ddpwire.plane.mesh.Mesh`'s two phases, in this process, to
     stamp each one's start and end into ``phases``."""
     import time
 
-    from ddpwire.mesh import Mesh
+    from ddpwire.plane.mesh import Mesh
 
     def stamped(name: str, method: Any) -> Any:
         def run(self: Any, step: int, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +115,7 @@ def _free_half_kernels() -> None:
     """Make the rank links' 16-bit kernels cost nothing, in this process:
     the bytes still travel, and no element is narrowed, averaged or widened
     on the way (but for widening the rank's own slice after the allgather)."""
-    from ddpwire.mesh import Mesh
+    from ddpwire.plane.mesh import Mesh
 
     exchange = Mesh._exchange
 

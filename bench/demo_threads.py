@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 
-from ddpwire.threads import usable_cores
+from ddpwire.plane.threads import usable_cores
 
 THROUGHPUT = re.compile(r"throughput ([\d,]+) samples/s over ([\d.]+) s; allreduce ([\d.]+) ms")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from ddpwire import balance
+from ddpwire.session import balance
 from ddpwire.cli import main
 
 

@@ -11,8 +11,8 @@ import struct
 
 import numpy as np
 
-from ddpwire.errors import FrameTooLarge, ProtocolError
-from ddpwire.messages import (
+from ddpwire.wire.errors import FrameTooLarge, ProtocolError
+from ddpwire.wire.messages import (
     AveragedBlockGradient,
     AveragedGradient,
     AveragedNonBlockGradient,

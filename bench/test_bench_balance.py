@@ -56,7 +56,7 @@ with it; another period's slowdown lines go to
 bench/results/balance-slowdown-<period>us.jsonl), and DDPWIRE_BASELINE another
 checkout (built, as bench/ddp_procs.py takes it): ``test_rounds`` runs
 each round's set-up with its shard rules too (the Balancer of its
-ddpwire/balance.py, the coordinator staying this checkout's), and
+ddpwire/session/balance.py, the coordinator staying this checkout's), and
 ``test_ddp_rounds`` each round's DDP set-up with its ddpwire, beside this
 checkout's, in alternating order (``baseline_*`` in each round). Needs
 root (a writable /sys/fs/cgroup/cpu) and torch; skips otherwise.
@@ -80,8 +80,8 @@ import pytest
 import balance_trace  # bench/, beside this file
 from allreduce_procs import BASELINE_ENV, baseline_commit
 from ddpwire import Coordinator
-from ddpwire.metrics import MetricsFile
-from ddpwire.serve import serve
+from ddpwire.session.metrics import MetricsFile
+from ddpwire.cli.serve import serve
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -117,7 +117,7 @@ BASELINE = os.environ.get(BASELINE_ENV)
 
 def baseline_balancer(checkout: str):
     """A factory of another checkout's Balancer (n workers -> one), its
-    ddpwire/balance.py loaded on its own (it is arithmetic only), taking
+    ddpwire/session/balance.py loaded on its own (it is arithmetic only), taking
     what this checkout's Shards tell a Balancer and dropping what it did
     not know (the lags: before / ended)."""
     spec = importlib.util.spec_from_file_location(

@@ -39,7 +39,7 @@ from typing import List
 import pytest
 
 from ddpwire import Coordinator
-from ddpwire.serve import serve
+from ddpwire.cli.serve import serve
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "elastic_worker.py"

@@ -1,4 +1,4 @@
-"""16-bit gradients: ddpwire.reduce.to_half and mean_half side by side with
+"""16-bit gradients: ddpwire.plane.reduce.to_half and mean_half side by side with
 the numpy and torch ways of doing the same, in one run, on 64 MiB of float32
 (16 Mi elements; 32 MiB per 16-bit buffer).
 
@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 
-from ddpwire import reduce as R
+from ddpwire.plane import reduce as R
 
 try:
     import torch

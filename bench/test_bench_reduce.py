@@ -1,4 +1,4 @@
-"""Mean of k float32 buffers: ddpwire.reduce.mean side by side with numpy and
+"""Mean of k float32 buffers: ddpwire.plane.reduce.mean side by side with numpy and
 with a plain memcpy moving the same number of bytes (the machine's memory
 bandwidth limit), in one run.
 
@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 
-from ddpwire import reduce as R
+from ddpwire.plane import reduce as R
 
 SIZES_MIB = [1, 16, 64, 256]
 KS = [2, 4, 8]

@@ -1,6 +1,6 @@
 """What sealing costs a link (issue 42), on loopback, side by side in one run:
 64 MiB sent from one thread and received by another over a TCP connection
-in the clear and sealed (AES-256-GCM records, ddpwire/seal.py), and a
+in the clear and sealed (AES-256-GCM records, ddpwire/wire/seal.py), and a
 memcpy of the same bytes (numpy's copyto) as the yardstick; and the cipher
 alone, sealing 64 KiB records: "aesgcm-links" through the libcrypto the
 links load (its EVP calls through ctypes), "aesgcm-cryptography" through
@@ -28,7 +28,8 @@ import time
 import numpy as np
 import pytest
 
-from ddpwire import _core, seal
+from ddpwire import _core
+from ddpwire.wire import seal
 
 MIB = int(os.environ.get("DDPWIRE_SEAL_MIB", "64"))
 SIZE = MIB << 20

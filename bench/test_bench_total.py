@@ -1,5 +1,5 @@
 """Sum of k float32 buffers (the SUM collective's arithmetic):
-ddpwire.reduce.total in one pass, side by side in one run with the k-pass
+ddpwire.plane.reduce.total in one pass, side by side in one run with the k-pass
 way the shared-memory allreduce took before it (a copy, then one
 accumulate per later input: out is written k times and read k - 1 times)
 and with numpy doing the same k passes. All three give the same bits.
@@ -16,7 +16,7 @@ import functools
 import numpy as np
 import pytest
 
-from ddpwire import reduce as R
+from ddpwire.plane import reduce as R
 
 SIZES_MIB = [21, 32, 64]
 KS = [2, 3, 4]

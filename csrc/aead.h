@@ -5,11 +5,11 @@
  * loaded with dlopen rather than linked so that the wheel needs no OpenSSL
  * headers to build (every target cross-compiles) and ships no second copy of
  * it: the caller names the libcrypto the Python process already uses
- * (ddpwire/seal.py finds it). Seven EVP calls are declared below; their
+ * (ddpwire/wire/seal.py finds it). Seven EVP calls are declared below; their
  * signatures have been the same since OpenSSL 1.1.0.
  *
  * A record's nonce is 4 zero bytes and a 64-bit counter, little-endian: keys
- * are per link and per direction (ddpwire/seal.py derives them), so a
+ * are per link and per direction (ddpwire/wire/seal.py derives them), so a
  * counter never repeats under one key; the counter is never sent, so a
  * replayed, reordered or dropped record fails to authenticate.
  */

@@ -203,7 +203,7 @@ typedef struct ddpw_net_reduce_state {
     int finish_on_nonfinite; /* 0 after init: halt at the first non-finite value */
     /* NULL after init; else per socket a factor its elements are multiplied
      * by, once checked, before they are summed: the sample weight of a peer
-     * that cannot apply its own (ddpwire/balance.py). Owned by the caller. */
+     * that cannot apply its own (ddpwire/session/balance.py). Owned by the caller. */
     const float *scales;
 } ddpw_net_reduce_state;
 

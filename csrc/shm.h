@@ -12,7 +12,7 @@
  * One allreduce of n float32 elements (n * 4 <= region_bytes):
  *
  *   1. rank r copies its elements into input region r, all but its own
- *      slice (the caller's cut: ddpwire.plan's, any fractions, an empty
+ *      slice (the caller's cut: ddpwire.plane.plan's, any fractions, an empty
  *      slice included), and posts (n, op): ddpw_shm_stage;
  *   2. barrier g: every input is in place;
  *   3. rank r reduces element slice r across the inputs, in rank order,
@@ -45,7 +45,7 @@
  * afresh in step 1.
  *
  * The slices must tile [0, n) alike on every rank; nothing here can check
- * that, so every rank computes them from the same inputs (ddpwire.plan,
+ * that, so every rank computes them from the same inputs (ddpwire.plane.plan,
  * the same rule as the links), and DDPW_SHM_VERSION changes whenever the
  * rule does: a rank of another version cannot attach.
  *

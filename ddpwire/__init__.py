@@ -4,8 +4,9 @@ A compiled core (C and Cython) frames, encodes and decodes the wire protocol
 and averages float32 gradients in place; thin Python classes on top run a
 coordinator and its workers.
 """
-from .errors import (
+from .wire.errors import (
     AuthenticationFailed,
+    CollectiveAborted,
     CoordinatorLost,
     DdpwireError,
     DeviceUnavailable,
@@ -26,7 +27,7 @@ from .errors import (
     UnexpectedMessage,
     WorkerLost,
 )
-from .messages import (
+from .wire.messages import (
     AuthChallenge,
     AuthProof,
     CollectiveError,
@@ -64,13 +65,14 @@ from ._core import (
     encode_frame_parts,
     tag_max_payload,
 )
-from .extensions import Codec, CollectiveKind, DType, Extension, RefusalReason, ReduceOp
-from . import reduce
-from .coordinator import Coordinator
-from .worker import Worker
-from .options import CoordinatorOptions, SessionOptions
-from .results import BlockReduceResult, MembershipEvent, NonBlockReduceResult, ReduceResult
-from .sessioninfo import WorkerInfo
+from .wire.extensions import Codec, CollectiveKind, DType, Extension, RefusalReason, ReduceOp
+from .plane import reduce
+from .session.coordinator import Coordinator, CoordinatorState
+from .session.launch import parse_addr
+from .session.worker import Worker, WorkerState
+from .session.options import CoordinatorOptions, SessionOptions
+from .session.results import BlockReduceResult, MembershipEvent, NonBlockReduceResult, ReduceResult
+from .session.sessioninfo import WorkerInfo
 from ._version import __version__
 
 __all__ = [
@@ -144,4 +146,8 @@ __all__ = [
     "encode_frame",
     "encode_frame_parts",
     "reduce",
+    "CollectiveAborted",
+    "CoordinatorState",
+    "WorkerState",
+    "parse_addr",
 ]

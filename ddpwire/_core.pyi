@@ -7,8 +7,8 @@ from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Seq
 import numpy
 import numpy.typing
 
-from .errors import PeerLost
-from .messages import Message
+from .wire.errors import PeerLost
+from .wire.messages import Message
 
 # ---- the wire codec ----
 
@@ -240,7 +240,7 @@ def decode_tail(tag: int, tail: bytes) -> Tuple[float, int, int, float]: ...
 def read_tail(conn: Connection, head: FrameHead, timeout: float, *,
               step: Optional[int] = ...) -> Tuple[float, int, int, float]: ...
 
-# ---- the shared-memory allreduce (csrc/shm.h; public face ddpwire.shm) ----
+# ---- the shared-memory allreduce (csrc/shm.h; public face ddpwire.plane.shm) ----
 
 SHM_OK: int
 SHM_TIMEOUT: int
@@ -277,7 +277,7 @@ class ShmArena:
     def aborted(self) -> int: ...
     def stage(self, buf: _Buffer, op: int, start: int, count: int) -> None:
         """Copy float32 bytes, all but this rank's own slice (elements
-        [start, start + count): ddpwire.plan's cut, alike on every rank),
+        [start, start + count): ddpwire.plane.plan's cut, alike on every rank),
         into its input region and post their count and ``op`` (SUM 0, AVG
         1); ``buf`` must not change until :meth:`reduce`."""
     def agree(self) -> int: ...

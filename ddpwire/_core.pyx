@@ -2,7 +2,7 @@
 """ddpwire's compiled core: one extension module over every C unit in csrc/.
 
 The C units are linked once, here, so their process-wide state (the SIMD
-path and thread count of the kernels) is one state: ``ddpwire.reduce`` and
+path and thread count of the kernels) is one state: ``ddpwire.plane.reduce`` and
 the socket layer read the same settings. Each source file included below
 keeps one job: the codec (_wire.pxi), the kernels (_reduce.pxi), the
 socket layer (_net.pxi) and the shared-memory allreduce of ranks on one

@@ -18,7 +18,7 @@ import time as _time
 
 import numpy as _np
 
-from .errors import PeerLost, DdpwireError, ProtocolError, UnexpectedMessage, integrity_error
+from .wire.errors import PeerLost, DdpwireError, ProtocolError, UnexpectedMessage, integrity_error
 
 cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
@@ -156,7 +156,7 @@ cdef class Connection:
         under these 32-byte keys (csrc/sealed.c); the peer seals its side
         at the same byte of each stream, with the keys swapped. A record
         that fails to open raises IntegrityError naming the peer. Needs
-        libcrypto loaded (ddpwire.seal) and no call in flight."""
+        libcrypto loaded (ddpwire.wire.seal) and no call in flight."""
         cdef const uint8_t *tx
         cdef const uint8_t *rx
         cdef int rc
@@ -164,7 +164,7 @@ cdef class Connection:
                 len(send_key) != DDPW_AEAD_KEY_BYTES or len(recv_key) != DDPW_AEAD_KEY_BYTES:
             raise ValueError(f"seal: two keys of {DDPW_AEAD_KEY_BYTES} bytes are needed")
         if not ddpw_aead_ready():
-            raise RuntimeError("seal: libcrypto is not loaded (ddpwire.seal.load_libcrypto)")
+            raise RuntimeError("seal: libcrypto is not loaded (ddpwire.wire.seal.load_libcrypto)")
         self.check_open()
         if self.busy:
             raise RuntimeError("seal: a call is using the connection")
@@ -335,7 +335,7 @@ cdef class Connection:
 
 def load_libcrypto(path):
     """Load libcrypto's AES-256-GCM from ``path`` for sealed links
-    (ddpwire.seal.load_libcrypto chooses the file); OSError saying what is
+    (ddpwire.wire.seal.load_libcrypto chooses the file); OSError saying what is
     missing. Once loaded, later calls do nothing."""
     cdef char why[512]
     cdef bytes name = os.fsencode(path)
@@ -650,7 +650,7 @@ def allreduce_stream(list conns, out, size_t tail_len, head, make_tail, timeout,
     ``scales`` (None, or a float per connection) multiplies each
     connection's elements, rounded once in float32 and after they are
     checked, before they are summed: the sample weights of peers that do
-    not apply their own (ddpwire.balance). A scale of 1 changes nothing.
+    not apply their own (ddpwire.session.balance). A scale of 1 changes nothing.
     """
     cdef HeldBuffer o = get_float32(out, "out", True)
     cdef HeldBuffer h = get_bytes(head if head is not None else b"", "head")

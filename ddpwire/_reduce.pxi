@@ -1,5 +1,5 @@
 """Compiled glue for csrc/reduce.c: buffer checks in Python, arithmetic in C
-without the GIL. The public face is ddpwire.reduce."""
+without the GIL. The public face is ddpwire.plane.reduce."""
 from cpython.buffer cimport PyBuffer_Release
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.float cimport FLT_MAX
@@ -12,7 +12,7 @@ from numbers import Real
 
 import numpy
 
-from ddpwire.errors import NonFiniteGradient
+from ddpwire.wire.errors import NonFiniteGradient
 
 cdef str _arg(str name, Py_ssize_t index):
     return name if index < 0 else f"{name}[{index}]"

@@ -1,6 +1,6 @@
 """Compiled glue for csrc/shm.c: one rank's view of a shared mapping (its
 buffer held for the view's life, so the mapping cannot be closed under a
-running collective). The public face is ddpwire.shm."""
+running collective). The public face is ddpwire.plane.shm."""
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.string cimport memcpy, memset
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
@@ -190,7 +190,7 @@ cdef class ShmArena:
     def stage(self, buf, op, Py_ssize_t start, Py_ssize_t count):
         """Copy ``buf`` (float32 bytes) into this rank's input region, all
         but this rank's own slice (elements [start, start + count), the
-        cut every rank computes alike: ddpwire.plan), and post its element
+        cut every rank computes alike: ddpwire.plane.plan), and post its element
         count and ``op`` (SUM 0, AVG 1) for :meth:`agree`. :meth:`reduce`
         reduces that slice, reading it from ``buf`` itself: it must not
         change until then."""

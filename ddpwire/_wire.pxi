@@ -1,7 +1,7 @@
 """Python face of the wire codec in csrc/wire.c.
 
 The byte layout lives in C; this module moves values between Python message
-objects (ddpwire.messages) and the C structs, turns C errors into
+objects (ddpwire.wire.messages) and the C structs, turns C errors into
 ProtocolError text, and frames a byte stream (FrameReader).
 """
 from cpython.buffer cimport (
@@ -22,8 +22,8 @@ import sys
 
 import numpy as np
 
-from ddpwire.errors import FrameTooLarge, ProtocolError
-from ddpwire.messages import (
+from ddpwire.wire.errors import FrameTooLarge, ProtocolError
+from ddpwire.wire.messages import (
     AuthChallenge,
     AuthProof,
     CollectiveError,
@@ -909,7 +909,7 @@ def tag_max_payload(tag, max_frame):
 
 def _codes():
     """{family: [(name, value), ...]} for every code csrc/wire.h defines, and
-    {dtype value: size}: what ddpwire.extensions builds its enums from."""
+    {dtype value: size}: what ddpwire.wire.extensions builds its enums from."""
     cdef unsigned v
     cdef const char *name
     families = {

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpwire.torch  # noqa: F401  (registers "ddpwire")
-from ddpwire.collectives import CollectiveAborted
+from ddpwire.plane.collectives import CollectiveAborted
 
 STEPS = int(os.environ.get("DDP_STEPS", "6"))
 # a test that gives up on this rank asks it where every thread stands first
@@ -114,7 +114,7 @@ def run(backend: str, out: str, run_index: int) -> None:
     ddp = DDP(net, bucket_cap_mb=0.005)  # several buckets even for this small model
     if hook:  # each bucket averaged by a ddpwire coordinator, the group staying gloo
         from ddpwire import Worker
-        from ddpwire.launch import parse_addr
+        from ddpwire.session.launch import parse_addr
         from ddpwire.torch.comm_hook import CommHookState, comm_hook
 
         state = CommHookState(Worker.connect(parse_addr(os.environ["DDP_HOOK_ADDR"]), timeout=30,

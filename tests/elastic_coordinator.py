@@ -15,7 +15,7 @@ import signal
 import sys
 
 from ddpwire import Coordinator
-from ddpwire.serve import serve
+from ddpwire.cli.serve import serve
 from elastic_script import SILENCE
 
 

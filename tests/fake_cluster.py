@@ -19,7 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ddpwire.errors import CoordinatorLost, GradientMismatch, NonFiniteGradient, UnexpectedMessage
+from ddpwire.wire.errors import (
+    CoordinatorLost, GradientMismatch, NonFiniteGradient, UnexpectedMessage,
+)
 
 ShardAssignment = namedtuple("ShardAssignment", "step shard_start shard_end")
 AveragedGradient = namedtuple("AveragedGradient", "step gradients global_loss")

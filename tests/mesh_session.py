@@ -90,7 +90,7 @@ def run_flat_steps(grads, steps=3, *, mesh=True, **coordinator):
 def halted_step(n, body, **coordinator):
     """A session of ``n`` workers whose step 0 the coordinator halts: the
     Session (joined) and the coordinator's NonFiniteGradient."""
-    from ddpwire.errors import NonFiniteGradient
+    from ddpwire.wire.errors import NonFiniteGradient
 
     s = Session(n, body, coordinator=coordinator)
     try:
@@ -126,7 +126,7 @@ def mesh_group(n, codec=None, fractions=None, timeout=TIMEOUT):
     reach them); ``codec`` a compression name (None: float32)."""
     import socket
 
-    from ddpwire import mesh as meshmod
+    from ddpwire.plane import mesh as meshmod
 
     links = [[None] * n for _ in range(n)]
     try:
@@ -153,7 +153,7 @@ def mesh_allreduce(meshes, step, grads, op=None):
     where it did not come) and how many elements it averaged itself."""
     import time
 
-    from ddpwire.extensions import ReduceOp
+    from ddpwire.wire.extensions import ReduceOp
 
     n = len(meshes)
     outs, outcomes, errors, owned = [None] * n, [None] * n, [None] * n, [None] * n

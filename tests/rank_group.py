@@ -1,5 +1,5 @@
 """A process group's set-up collectives faked in threads, for
-ddpwire.torch.links.form_links: shared by tests/test_torch_links.py and
+ddpwire.plane.rank_links.form_links: shared by tests/test_torch_links.py and
 tests/test_flat_matrix.py. Needs torch (ddpwire.torch imports it)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-from ddpwire.collectives import Kind
+from ddpwire.plane.collectives import Kind
 
 
 class Group:
@@ -38,7 +38,7 @@ class Group:
 def form_all(world: int, per_rank: Callable[[int], Dict[str, Any]]) -> list:
     """form_links on ``world`` threads; ``per_rank(rank)`` gives its keyword
     arguments (a timeout of 10 s unless they give one). Returns each rank's RankLinks or None (or its exception)."""
-    from ddpwire.torch import links as _links
+    from ddpwire.plane import rank_links as _links
 
     group = Group(world)
     got: list = [None] * world

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import ddpwire
-from ddpwire import Coordinator, Worker, auth, encode_frame
-from ddpwire.extensions import Extension, RefusalReason
+from ddpwire import Coordinator, Worker, encode_frame
+from ddpwire.wire import auth
+from ddpwire.wire.extensions import Extension, RefusalReason
 
 from session_helpers import recv_frame, spawn
 

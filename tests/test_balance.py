@@ -1,4 +1,4 @@
-"""The shard sizes by measured speed (ddpwire.balance), arithmetic only."""
+"""The shard sizes by measured speed (ddpwire.session.balance), arithmetic only."""
 from __future__ import annotations
 
 import math
@@ -9,10 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpwire.balance import FLOOR, ROOM_LEAST, TOLERANCE, Balancer, equal_shards, sample_scale, shard_starts
-from ddpwire.guard import GUARD_FIRST, GUARD_LAST, GUARD_WIN, TRIAL_BUDGET
-from ddpwire.trials import BLOCK, WIN_PAIRS
-from ddpwire.step_model import StepModel
+from ddpwire.session.balance import (
+    FLOOR, ROOM_LEAST, TOLERANCE, Balancer, equal_shards, sample_scale, shard_starts,
+)
+from ddpwire.session.guard import GUARD_FIRST, GUARD_LAST, GUARD_WIN, TRIAL_BUDGET
+from ddpwire.session.trials import BLOCK, WIN_PAIRS
+from ddpwire.session.step_model import StepModel
 
 
 class Machines:
@@ -106,7 +108,7 @@ def test_the_scaled_plain_mean_is_the_sample_weighted_mean():
 
 
 def test_the_count_check_names_the_worker_out_of_proportion():
-    from ddpwire.balance import Shards
+    from ddpwire.session.balance import Shards
 
     shards = Shards([True] * 3, True)
     shards.plan(0, 300)
@@ -353,7 +355,7 @@ def test_shards_measure_each_arrival_and_the_last_ones_rest():
     """Shards on the coordinator's clock: an arrival is counted from when
     the shards went out, the rest of the step from the last arrival to the
     next plan; a step redone (the same number) measures no rest."""
-    from ddpwire.balance import Shards
+    from ddpwire.session.balance import Shards
 
     shards = Shards([True, True], True)
     now = 100.0
@@ -384,7 +386,7 @@ def test_in_a_mesh_the_rest_is_the_last_ones_until_its_report():
     """A mesh step goes on after its last part came in while every worker
     averages its slice: only the last one's time to its StepReport is its
     own (the others' is the same whoever came last)."""
-    from ddpwire.balance import Shards
+    from ddpwire.session.balance import Shards
 
     shards = Shards([True, True], True)
     for step in range(3):
@@ -478,8 +480,8 @@ def test_a_worker_at_the_floor_is_kept_only_when_it_wins_twice(twice):
     """The guard alone, its step times made up: the first challenger (worker
     0 at the floor) wins a trial; it is tried again at once and kept only
     if it wins that one too."""
-    from ddpwire.guard import Guard
-    from ddpwire.splits import at_floor
+    from ddpwire.session.guard import Guard
+    from ddpwire.session.splits import at_floor
 
     g = Guard()
     equal = [512, 512]

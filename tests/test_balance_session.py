@@ -15,10 +15,10 @@ import pytest
 import ddpwire
 from ddpwire import Coordinator, Worker
 from ddpwire import encode_frame
-from ddpwire.errors import GradientMismatch
-from ddpwire.metrics import MetricsFile
-from ddpwire.progress import ProgressBar
-from ddpwire.serve import serve
+from ddpwire.wire.errors import GradientMismatch
+from ddpwire.session.metrics import MetricsFile
+from ddpwire.session.progress import ProgressBar
+from ddpwire.cli.serve import serve
 
 from session_helpers import raw_join, recv_frame, reference_allreduce, spawn
 
@@ -172,7 +172,11 @@ def test_per_block_and_non_block_steps_are_weighted_too():
 
 
 def test_three_workers_at_full_half_and_quarter_speed():
-    run = Run([1e-4, 2e-4, 4e-4], 12, coordinator=dict(balance=True, topology="mesh",
+    # 40, 80 and 160 ms at equal shards: at 8, 16 and 32 ms the workers' own
+    # times were within a loaded machine's jitter (a full suite beside a CI
+    # run on 2 cores), and the model's error kept equal shards for all 12
+    # steps, as it should where speeds do not stand out of the noise
+    run = Run([5e-4, 1e-3, 2e-3], 12, coordinator=dict(balance=True, topology="mesh",
                                                         shared_memory=False))
     assert not run.errors, run.errors
     sizes = [run.shards[w, 11][1] - run.shards[w, 11][0] for w in range(3)]

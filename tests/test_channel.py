@@ -6,8 +6,8 @@ import socket
 import pytest
 
 from ddpwire import CoordinatorLost, WorkerLost
-from ddpwire.channel import Channel
-from ddpwire.messages import Shutdown, StepAborted
+from ddpwire.wire.channel import Channel
+from ddpwire.wire.messages import Shutdown, StepAborted
 
 
 @pytest.fixture

@@ -18,11 +18,12 @@ import pytest
 
 import ddpwire
 from ddpwire import cli
-from ddpwire.launch import Launch, from_environment, parse_addr
-from ddpwire.progress import PaceLog, ProgressBar, unit
-from ddpwire.serve import StepReport
-from ddpwire.threads import (connections_to, default_threads, threads_per_worker, usable_cores,
-                             workers_here)
+from ddpwire.session.launch import Launch, from_environment, parse_addr
+from ddpwire.session.progress import PaceLog, ProgressBar, unit
+from ddpwire.cli.serve import StepReport
+from ddpwire.plane.threads import (
+    connections_to, default_threads, threads_per_worker, usable_cores, workers_here,
+)
 
 PY = [sys.executable, "-m", "ddpwire"]
 
@@ -352,7 +353,7 @@ def test_port_in_use_is_one_clear_line():
 
 
 def test_coordinator_side_never_imports_torch():
-    code = ("import sys, ddpwire, ddpwire.cli, ddpwire.demo, ddpwire.serve; "
+    code = ("import sys, ddpwire, ddpwire.cli, ddpwire.cli.demo, ddpwire.cli.serve; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -690,7 +691,7 @@ def test_a_stopped_coordinator_tells_its_workers(tmp_path, sig, topology):
 
 
 def test_a_lost_peer_is_one_line_without_frame_internals():
-    from ddpwire.errors import CoordinatorLost
+    from ddpwire.wire.errors import CoordinatorLost
     exc = CoordinatorLost("coordinator 10.0.0.1:29400 disconnected while waiting for StepCommit "
                           "or Shutdown (0 of 4 bytes)", step=146)
     assert cli._one_line(exc) == ("coordinator 10.0.0.1:29400 disconnected while waiting for "

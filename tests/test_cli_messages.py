@@ -10,7 +10,7 @@ import pytest
 
 from ddpwire import Coordinator
 from ddpwire.cli import FLAGS
-from ddpwire.errors import OptionError
+from ddpwire.wire.errors import OptionError
 
 PY = [sys.executable, "-m", "ddpwire"]
 

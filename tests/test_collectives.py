@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ddpwire.collectives import (
+from ddpwire.plane.collectives import (
     NUMPY_DTYPES,
     CollectiveAborted,
     CollectiveClient,
@@ -21,7 +21,7 @@ from ddpwire.collectives import (
     rank_gone,
 )
 from ddpwire import decode_frame, encode_frame
-from ddpwire.errors import CoordinatorLost, WorkerLost
+from ddpwire.wire.errors import CoordinatorLost, WorkerLost
 
 _CLOSED = object()
 

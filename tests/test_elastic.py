@@ -20,8 +20,8 @@ import ddpwire
 from ddpwire import (Coordinator, GradientPayload, JoinRefused, JoinRequest, MembershipChanged,
                      Worker, WorkerDropped, WorkerLost, encode_frame)
 from ddpwire._core import encode_frame_parts
-from ddpwire.serve import serve
-from ddpwire.extensions import Extension, RefusalReason
+from ddpwire.cli.serve import serve
+from ddpwire.wire.extensions import Extension, RefusalReason
 
 from session_helpers import join_up_to, recv_frame, spawn
 

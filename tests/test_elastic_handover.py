@@ -21,10 +21,10 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 import pytest
 
-from ddpwire import (Coordinator, ModelState, PeerLost, Worker, WorkerDropped, WorkerLost,
-                     model_state)
-from ddpwire.coordinator import CoordinatorState
-from ddpwire.serve import serve
+from ddpwire import Coordinator, ModelState, PeerLost, Worker, WorkerDropped, WorkerLost
+from ddpwire.session import model_state
+from ddpwire.session.coordinator import CoordinatorState
+from ddpwire.cli.serve import serve
 
 from session_helpers import join_up_to, spawn
 from test_elastic import T, check_every_sample_once, full_mean, train

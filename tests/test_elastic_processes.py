@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ddpwire import Coordinator  # noqa: E402
-from ddpwire.serve import serve  # noqa: E402
+from ddpwire.cli.serve import serve  # noqa: E402
 from ddpwire.torch import classification_batch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

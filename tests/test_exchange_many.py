@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import ddpwire
-from ddpwire import seal
+from ddpwire.wire import seal
 from ddpwire._core import Connection, exchange_many
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -330,12 +330,12 @@ EXCHANGE_CHECK_LINES = [
 
 def kernel_phases(grads, codec, chunk, divide=True):
     """A reduce-scatter and an allgather over a full mesh of threads with
-    exchange_many's kernels, as ddpwire.mesh runs them: each member narrows
+    exchange_many's kernels, as ddpwire.plane.mesh runs them: each member narrows
     what it sends (16 bits), reduces its own slice as the others' arrive and
     widens what the allgather brings. Returns every member's result and its
     reduce's report."""
     from ddpwire import _core
-    from ddpwire.plan import slice_bounds
+    from ddpwire.plane.plan import slice_bounds
 
     n, count = len(grads), len(grads[0])
     bounds = slice_bounds(count, n)

@@ -271,7 +271,7 @@ def test_tag_max_payload():
               0x4B: 13, 0x4C: 17, 0x4D: 9}
     for tag in range(256):
         got = tag_max_payload(tag, 1000)
-        cls = ddpwire.messages.MESSAGE_TYPES.get(tag)
+        cls = ddpwire.wire.messages.MESSAGE_TYPES.get(tag)
         if cls is None:
             assert got == 0, tag
         elif tag in limits:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import ddpwire
-from ddpwire import ProtocolError, messages
+from ddpwire import ProtocolError
+from ddpwire.wire import messages
 
 DATA = Path(__file__).parent / "data"
 VECTORS = json.loads((DATA / "extension_vectors.json").read_text())["vectors"]

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from ddpwire import Coordinator, Worker, encode_frame
-from ddpwire.coordinator import CoordinatorState
-from ddpwire.errors import (
+from ddpwire.session.coordinator import CoordinatorState
+from ddpwire.wire.errors import (
     CoordinatorLost,
     DdpwireError,
     GradientMismatch,
@@ -27,9 +27,9 @@ from ddpwire.errors import (
     ShutdownDuringReduce,
     WorkerLost,
 )
-from ddpwire.lifecycle import Lifecycle
-from ddpwire.messages import AveragedGradient, GradientPayload
-from ddpwire.worker import WorkerState
+from ddpwire.session.lifecycle import Lifecycle
+from ddpwire.wire.messages import AveragedGradient, GradientPayload
+from ddpwire.session.worker import WorkerState
 
 from mesh_session import Session, gradients
 from session_helpers import fake_coordinator, recv_frame, spawn, start_workers, worker_and_raw_peer

@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 
 from ddpwire import _core
-from ddpwire import mesh as meshmod
-from ddpwire import plan as planmod
-from ddpwire.errors import GradientMismatch
-from ddpwire.extensions import ReduceOp
-from ddpwire.messages import NO_WORKER
+from ddpwire.plane import mesh as meshmod
+from ddpwire.plane import plan as planmod
+from ddpwire.wire.errors import GradientMismatch
+from ddpwire.wire.extensions import ReduceOp
+from ddpwire.wire.messages import NO_WORKER
 
 from mesh_session import bits, gradients, mesh_allreduce, mesh_group, run_flat_steps
 from session_helpers import reference_allreduce
@@ -261,8 +261,8 @@ RANK_FRACTIONS = [(0.0, 1.0, 2.0), (1.0, 0.0, 0.0), (0.25, 0.5, 0.25)]
 @pytest.mark.parametrize("fractions", RANK_FRACTIONS, ids=[_fid(f) for f in RANK_FRACTIONS])
 def test_rank_links_with_fractions_give_the_reference_bits(fractions, ranges):
     pytest.importorskip("torch")
-    from ddpwire.collectives import Op
-    from ddpwire.torch import links as _links
+    from ddpwire.plane.collectives import Op
+    from ddpwire.plane import rank_links as _links
     from rank_group import form_all, loopback
 
     world = len(fractions)
@@ -292,7 +292,7 @@ def test_rank_links_with_fractions_give_the_reference_bits(fractions, ranges):
 
 def test_rank_links_refuse_bad_fractions_before_the_set_up():
     pytest.importorskip("torch")
-    from ddpwire.torch import links as _links
+    from ddpwire.plane import rank_links as _links
 
     with pytest.raises(ValueError, match="fractions name 2 members"):
         _links.form_links(object(), 0, 3, listen_host="127.0.0.1", advertise="127.0.0.1",

@@ -1,4 +1,4 @@
-"""16-bit gradients (ddpwire.reduce.to_half, from_half, mean_half) bit for bit.
+"""16-bit gradients (ddpwire.plane.reduce.to_half, from_half, mean_half) bit for bit.
 
 References (the tests' one reference, tests/session_helpers.py): for fp16,
 numpy's float16 casts (round to nearest even); for bf16, a rounding written
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpwire import NonFiniteGradient
-from ddpwire import reduce as R
+from ddpwire.plane import reduce as R
 
 from session_helpers import from_half_bits, reference_allreduce, to_half_bits
 

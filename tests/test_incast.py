@@ -1,4 +1,4 @@
-"""The star's receive windows (ddpwire.incast, Coordinator(receive_window=))."""
+"""The star's receive windows (ddpwire.plane.incast, Coordinator(receive_window=))."""
 from __future__ import annotations
 
 import socket
@@ -7,8 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, Worker, incast
-from ddpwire.star import limit_receive
+from ddpwire import Coordinator, Worker
+from ddpwire.plane import incast
+from ddpwire.session.star import limit_receive
 
 from session_helpers import reference_allreduce
 

@@ -14,9 +14,10 @@ import tracemalloc
 import pytest
 
 import ddpwire
-from ddpwire import Coordinator, Worker, auth, encode_frame
-from ddpwire import mesh as meshmod
-from ddpwire.extensions import Extension, RefusalReason
+from ddpwire import Coordinator, Worker, encode_frame
+from ddpwire.wire import auth
+from ddpwire.plane import mesh as meshmod
+from ddpwire.wire.extensions import Extension, RefusalReason, decode_u64
 
 from session_helpers import recv_exact, recv_frame, spawn
 
@@ -272,7 +273,7 @@ def test_surplus_worker_mid_handshake_when_the_slots_fill_is_refused_as_full(top
         stalled = connect(coord)
         stalled.sendall(encode_frame(ddpwire.JoinRequest(
             node_id="stall", gpu_count=0, backend="cpu",
-            extensions={int(ddpwire.extensions.Extension.AUTH): b"n" * 32})))
+            extensions={int(ddpwire.wire.extensions.Extension.AUTH): b"n" * 32})))
         head = recv_exact(stalled, 4)
         challenge = ddpwire.decode_frame(head + recv_exact(stalled, int.from_bytes(head, "big")))
         assert isinstance(challenge, ddpwire.AuthChallenge)
@@ -370,7 +371,7 @@ def test_samples_per_step_must_agree():
         ok = worker(coord, samples_per_step=256)
         join.join_result()
         w = ok.join_result()
-        assert ddpwire.extensions.decode_u64(w.extensions[ddpwire.extensions.Extension.SAMPLES]) == 256
+        assert decode_u64(w.extensions[Extension.SAMPLES]) == 256
         w.close()
 
 
@@ -475,7 +476,7 @@ def test_binding_beyond_loopback_without_a_token_warns(caplog):
 
 
 def test_the_join_says_every_few_seconds_who_has_joined_and_how_long_is_left(caplog, monkeypatch):
-    from ddpwire import admission
+    from ddpwire.session import admission
     monkeypatch.setattr(admission, "PROGRESS_EVERY", 0.2)
     caplog.set_level(logging.INFO, logger="ddpwire.coordinator")
     with Coordinator(ADDR, expect_workers=2) as coord:
@@ -488,7 +489,7 @@ def test_the_join_says_every_few_seconds_who_has_joined_and_how_long_is_left(cap
 
 
 def test_samples_mismatch_reads_the_same_from_either_side():
-    from ddpwire.extensions import Extension, encode_u64, samples_mismatch
+    from ddpwire.wire.extensions import Extension, encode_u64, samples_mismatch
     offer = {int(Extension.SAMPLES): encode_u64(128)}
     grant = {int(Extension.SAMPLES): encode_u64(256)}
     want = "samples per step differ: coordinator 256, worker 128"

@@ -1,4 +1,4 @@
-"""The mesh: workers average flat steps among themselves (ddpwire.mesh).
+"""The mesh: workers average flat steps among themselves (ddpwire.plane.mesh).
 
 Every test runs a real Coordinator and real Workers over loopback TCP, the
 workers as threads. The averages are compared bit for bit with the tests'
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from ddpwire import Coordinator, Worker, _core
-from ddpwire import mesh as meshmod
-from ddpwire.errors import (
+from ddpwire.plane import mesh as meshmod
+from ddpwire.wire.errors import (
     DdpwireError,
     GradientMismatch,
     NonFiniteGradient,
@@ -25,10 +25,10 @@ from ddpwire.errors import (
     ProtocolError,
     WorkerLost,
 )
-from ddpwire.extensions import Codec
-from ddpwire.mesh_control import culprit
-from ddpwire.messages import MeshPeers, PeerHello
-from ddpwire.channel import Channel
+from ddpwire.wire.extensions import Codec
+from ddpwire.session.mesh_control import culprit
+from ddpwire.wire.messages import MeshPeers, PeerHello
+from ddpwire.wire.channel import Channel
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, flat_steps, gradients, halted_step,
                           run_flat_steps, untouched_out_step)
@@ -263,7 +263,7 @@ def test_a_worker_held_up_before_its_step_is_named_not_the_one_waiting_for_it():
     # message (step 0's go-ahead), as the coordinator's does, so it names
     # worker 1 to the coordinator in time, though both are silent at the
     # coordinator's deadline.
-    from ddpwire.mesh_control import MESH_BLAME_GRACE
+    from ddpwire.session.mesh_control import MESH_BLAME_GRACE
 
     grads = gradients(2, 1000, seed=9)
     release = threading.Event()
@@ -508,7 +508,7 @@ def test_a_lost_worker_is_named_with_short_ranges_and_no_thread_is_left(tiny_ran
 
 
 def test_the_coordinator_names_the_worker_that_vanished_not_one_that_gave_up_after_it():
-    from ddpwire.messages import CollectiveError, StepReport, NO_WORKER as NONE
+    from ddpwire.wire.messages import CollectiveError, StepReport, NO_WORKER as NONE
     report = StepReport(1, 0, 10, 0.0, 0, 0, NONE, 0, 0.0)
     # worker 2 vanished; worker 1 lost its link to 2 and closed its links;
     # worker 0 saw worker 1's link close first and blamed 1
@@ -529,7 +529,7 @@ def test_the_coordinator_names_the_worker_that_vanished_not_one_that_gave_up_aft
 
 
 def test_a_silent_worker_still_heard_from_is_not_named_for_one_that_is_not():
-    from ddpwire.messages import CollectiveError, StepReport, NO_WORKER as NONE
+    from ddpwire.wire.messages import CollectiveError, StepReport, NO_WORKER as NONE
     report = StepReport(2, 0, 10, 0.0, 0, 0, NONE, 0, 0.0)
     silent = [WorkerLost(f"worker {w} silent past the deadline", worker_id=w, step=2)
               for w in range(3)]

@@ -4,7 +4,7 @@ waits for it, however busy that worker or the machine is (issue 39, item
 
 The deadlines nest: the coordinator waits on a worker that may itself wait
 on a peer, so it listens for that worker's accusation as long as the
-worker's wait can last (:func:`ddpwire.deadlines.accusation_wait`), and
+worker's wait can last (:func:`ddpwire.plane.deadlines.accusation_wait`), and
 the worker's wait on its peers, the opening of its links at the first step
 included, ends ``timeout`` after it read the coordinator's last message,
 not ``timeout`` after it came to its step.
@@ -29,15 +29,16 @@ import types
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, WorkerLost, encode_frame, shm
-from ddpwire import mesh as meshmod
-from ddpwire import mesh_control
-from ddpwire.channel import Channel
-from ddpwire.deadlines import accusation_wait
-from ddpwire.mesh_control import MESH_BLAME_GRACE, MeshControl
-from ddpwire.mesh_step import MeshStep
-from ddpwire.messages import CollectiveError, MeshPeers
-from ddpwire.options import CoordinatorOptions
+from ddpwire import Coordinator, WorkerLost, encode_frame
+from ddpwire.plane import shm
+from ddpwire.plane import mesh as meshmod
+from ddpwire.session import mesh_control
+from ddpwire.wire.channel import Channel
+from ddpwire.plane.deadlines import accusation_wait
+from ddpwire.session.mesh_control import MESH_BLAME_GRACE, MeshControl
+from ddpwire.plane.mesh_step import MeshStep
+from ddpwire.wire.messages import CollectiveError, MeshPeers
+from ddpwire.session.options import CoordinatorOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from ddpwire import Coordinator, _core
-from ddpwire import mesh as meshmod
-from ddpwire import plan as planmod
-from ddpwire.errors import (GradientMismatch, NonFiniteGradient, PeerLost, ProtocolError,
+from ddpwire.plane import mesh as meshmod
+from ddpwire.plane import plan as planmod
+from ddpwire.wire.errors import (GradientMismatch, NonFiniteGradient, PeerLost, ProtocolError,
                             WorkerLost)
-from ddpwire.extensions import Codec
-from ddpwire.messages import MeshPeers
+from ddpwire.wire.extensions import Codec
+from ddpwire.wire.messages import MeshPeers
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, flat_steps, gradients, halted_step,
                           run_flat_steps, untouched_out_step)
@@ -251,8 +251,8 @@ class _Admitted:
     (2, ["10.0.0.2", "10.0.0.3"], [None] * 2, 0),
 ])
 def test_auto_share_is_taken_only_from_machines_of_their_own(n, addresses, hosts, want):
-    from ddpwire import shm
-    from ddpwire.mesh_control import choose_share
+    from ddpwire.plane import shm
+    from ddpwire.session.mesh_control import choose_share
     admitted = [_Admitted(i, a, "10.0.0.1") for i, a in enumerate(addresses)]
     hosts = [shm.host_id() if h == "here" else h for h in hosts]
     assert choose_share(admitted, hosts, "auto") == want

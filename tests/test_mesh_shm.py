@@ -1,4 +1,4 @@
-"""The mesh's shared-memory data plane (ddpwire.shm.SharedPlane): every
+"""The mesh's shared-memory data plane (ddpwire.plane.shm.SharedPlane): every
 worker on this host, so the coordinator grants it and the steps go through
 one shared segment; tests/test_mesh.py runs its own tests on both planes.
 
@@ -14,8 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from ddpwire import Coordinator, shm
-from ddpwire.errors import NonFiniteGradient, WorkerLost
+from ddpwire import Coordinator
+from ddpwire.plane import shm
+from ddpwire.wire.errors import NonFiniteGradient, WorkerLost
 
 from mesh_session import (ADDR, TIMEOUT, Session, bits, gradients, halted_step,
                           run_flat_steps, untouched_out_step)

@@ -1,4 +1,4 @@
-"""Strangers on a worker's mesh port (ddpwire.mesh): silent, garbage and
+"""Strangers on a worker's mesh port (ddpwire.plane.mesh): silent, garbage and
 flooding connections are handshaken beside the expected peers, each under
 its own short deadline, and dropped by address without costing the session.
 
@@ -16,9 +16,9 @@ import time
 import numpy as np
 import pytest
 
-from ddpwire import mesh as meshmod
-from ddpwire.extensions import Codec
-from ddpwire.messages import MeshPeers
+from ddpwire.plane import mesh as meshmod
+from ddpwire.wire.extensions import Codec
+from ddpwire.wire.messages import MeshPeers
 
 from mesh_session import TIMEOUT, Session, bits, flat_steps, gradients
 from session_helpers import reference_allreduce

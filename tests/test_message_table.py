@@ -1,5 +1,5 @@
 """Every place that describes a message agrees with the one table,
-ddpwire.messages.LAYOUTS: the C codec's tags (csrc/wire.h and its Cython
+ddpwire.wire.messages.LAYOUTS: the C codec's tags (csrc/wire.h and its Cython
 mirror), its bytes (each message encoded by the compiled codec against the
 bytes the table's layout gives, and decoded back), the Python classes, and
 the tables of docs/extensions.md and docs/protocol-notes.md. A message
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ddpwire import decode_frame, encode_frame
-from ddpwire.extensions import CollectiveKind, DType, ReduceOp
-from ddpwire.messages import LAYOUTS, MESSAGE_TYPES
+from ddpwire.wire.extensions import CollectiveKind, DType, ReduceOp
+from ddpwire.wire.messages import LAYOUTS, MESSAGE_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 

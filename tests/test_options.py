@@ -1,4 +1,4 @@
-"""One options object for both sides of a session (ddpwire.options)."""
+"""One options object for both sides of a session (ddpwire.session.options)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from ddpwire import Coordinator, CoordinatorOptions, SessionOptions, Worker
-from ddpwire.channel import heartbeat_limit
-from ddpwire.extensions import Extension
-from ddpwire.options import UNSET
+from ddpwire.wire.channel import heartbeat_limit
+from ddpwire.wire.extensions import Extension
+from ddpwire.session.options import UNSET
 
 from session_helpers import reference_allreduce, spawn
 

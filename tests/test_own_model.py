@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpwire.threads import threads_per_worker
+from ddpwire.plane.threads import threads_per_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "own-model.md"

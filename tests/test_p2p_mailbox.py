@@ -1,4 +1,4 @@
-"""ddpwire.p2p without torch: the mailbox (order, tags, any source, the
+"""ddpwire.plane.p2p without torch: the mailbox (order, tags, any source, the
 bound on held bytes, timeouts, failure), the service's relay of SEND
 requests (kind 6) with its checks, and the direct links over a socket pair."""
 import queue
@@ -8,14 +8,14 @@ import threading
 import numpy as np
 import pytest
 
-from ddpwire.channel import Channel
-from ddpwire.collectives import CollectiveAborted, DType, Kind, Op
-from ddpwire.errors import WorkerLost
-from ddpwire.collectives import DEPARTED_TAG, relayed_seq, split_relayed_seq
-from ddpwire.p2p import (Mailbox, Message, PeerLinks, PointToPointError,
+from ddpwire.wire.channel import Channel
+from ddpwire.plane.collectives import CollectiveAborted, DType, Kind, Op
+from ddpwire.wire.errors import WorkerLost
+from ddpwire.plane.collectives import DEPARTED_TAG, relayed_seq, split_relayed_seq
+from ddpwire.plane.p2p import (Mailbox, Message, PeerLinks, PointToPointError,
                          PointToPointMismatch, PointToPointOverflow, PointToPointTimeout,
                          ServiceRoute, check_tag)
-from ddpwire.messages import CollectiveRequest
+from ddpwire.wire.messages import CollectiveRequest
 
 from test_collectives import group, run
 
@@ -330,7 +330,7 @@ def test_mismatch_error_is_a_value_error_naming_ranks_and_tag():
 
 
 def test_a_message_over_one_frame_is_refused_before_it_is_sent():
-    from ddpwire.p2p import MAX_MESSAGE_BYTES, check_size
+    from ddpwire.plane.p2p import MAX_MESSAGE_BYTES, check_size
 
     check_size(MAX_MESSAGE_BYTES, "send")
     with pytest.raises(ValueError, match="send it in parts"):

@@ -1,4 +1,4 @@
-"""ddpwire.plan: the one cut of a vector among the mesh's members and the
+"""ddpwire.plane.plan: the one cut of a vector among the mesh's members and the
 coordinator. Pure arithmetic: no links, no threads."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpwire import mesh as meshmod
-from ddpwire import plan as planmod
-from ddpwire.extensions import Codec
-from ddpwire.plan import Plan, check_fractions, slice_bounds
+from ddpwire.plane import mesh as meshmod
+from ddpwire.plane import plan as planmod
+from ddpwire.wire.extensions import Codec
+from ddpwire.plane.plan import Plan, check_fractions, slice_bounds
 
 fraction_values = st.one_of(st.just(0.0), st.floats(1e-6, 1e6), st.integers(0, 50))
 
@@ -150,4 +150,4 @@ def test_the_plan_imports_nothing_above_it():
         elif isinstance(node, ast.Import):
             imported.update(a.name for a in node.names)
     assert imported <= {"__future__", "math", "numbers", "dataclasses", "typing",
-                        ".extensions"}, imported
+                        "..wire.extensions"}, imported

@@ -12,8 +12,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from ddpwire.balance import WorkerTiming
-from ddpwire.results import MembershipEvent, StepReport
+from ddpwire.session.balance import WorkerTiming
+from ddpwire.session.results import MembershipEvent, StepReport
 from test_cli import _session, needs_torch, run
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 import ddpwire
-from ddpwire import Coordinator, shm
-from ddpwire.mesh_control import MESH_BLAME_GRACE
+from ddpwire import Coordinator
+from ddpwire.plane import shm
+from ddpwire.session.mesh_control import MESH_BLAME_GRACE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

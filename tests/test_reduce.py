@@ -1,4 +1,4 @@
-"""ddpwire.reduce against the reference arithmetic, bit for bit.
+"""ddpwire.plane.reduce against the reference arithmetic, bit for bit.
 
 The reference is numpy float32 arithmetic done one step at a time in input
 order, ((x0 + x1) + x2) + ..., then (for the mean, not the total) a division
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import ddpwire
 from ddpwire import NonFiniteGradient
-from ddpwire import reduce as R
+from ddpwire.plane import reduce as R
 
 from session_helpers import reference_allreduce
 

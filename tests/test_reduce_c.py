@@ -50,12 +50,13 @@ def test_c_api_under_sanitizers(tmp_path):
 
 def test_kernel_settings_are_process_wide():
     """The kernels' SIMD path and threads live in one compiled module, so what
-    ddpwire.reduce sets is what the socket layer's streaming reduce uses."""
+    ddpwire.plane.reduce sets is what the socket layer's streaming reduce uses."""
     import glob
     import os
 
     import ddpwire
-    from ddpwire import _core, reduce
+    from ddpwire import _core
+    from ddpwire.plane import reduce
 
     here = os.path.dirname(ddpwire.__file__)
     compiled = sorted(os.path.basename(p).split(".")[0]

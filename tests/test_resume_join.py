@@ -67,7 +67,7 @@ def test_the_resume_step_stays_while_a_worker_admitted_still_holds_it():
     """Of two workers at step 7, one leaves: the other still goes on from
     7, so a worker at 5 is refused and one at 7 completes the join."""
     from ddpwire import JoinRefusedError
-    from ddpwire.extensions import RefusalReason
+    from ddpwire.wire.extensions import RefusalReason
     coord = Coordinator(("127.0.0.1", 0), 3, elastic=True, resume=True, samples_per_step=T,
                         timeout=WAIT, token=TOKEN)
     workers = []

@@ -1,4 +1,4 @@
-"""Sealed links (ddpwire/seal.py, csrc/link.c, csrc/sealed.c), with real
+"""Sealed links (ddpwire/wire/seal.py, csrc/link.c, csrc/sealed.c), with real
 sockets: every byte after the join in AES-256-GCM records, the same bits
 as in the clear, and a record altered, dropped, replayed, reordered or
 injected on the way raising IntegrityError naming the peer and the step,
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import ddpwire
-from ddpwire import Coordinator, IntegrityError, Worker, WorkerLost, _core, seal
-from ddpwire.errors import CoordinatorLost, OptionError, PeerLost
-from ddpwire.extensions import Extension, RefusalReason
-from ddpwire.messages import AuthProof, JoinAccepted, PeerHello
+from ddpwire import Coordinator, IntegrityError, Worker, WorkerLost, _core
+from ddpwire.wire import seal
+from ddpwire.wire.errors import CoordinatorLost, OptionError, PeerLost
+from ddpwire.wire.extensions import Extension, RefusalReason
+from ddpwire.wire.messages import AuthProof, JoinAccepted, PeerHello
 
 from relay import ALL, DOWN, FULL, UP, Relay, Tamper
 from session_helpers import spawn
@@ -171,10 +172,10 @@ def test_a_record_length_out_of_bounds_is_refused_before_anything_is_read(length
 
 
 def test_integrity_errors_are_the_peers_own_lost_error():
-    cls = ddpwire.errors.integrity_error(WorkerLost)
+    cls = ddpwire.wire.errors.integrity_error(WorkerLost)
     assert issubclass(cls, IntegrityError) and issubclass(cls, WorkerLost)
-    assert ddpwire.errors.integrity_error(WorkerLost) is cls
-    assert issubclass(ddpwire.errors.integrity_error(CoordinatorLost), CoordinatorLost)
+    assert ddpwire.wire.errors.integrity_error(WorkerLost) is cls
+    assert issubclass(ddpwire.wire.errors.integrity_error(CoordinatorLost), CoordinatorLost)
 
 
 def test_keys_are_checked_before_a_link_is_sealed():
@@ -186,7 +187,7 @@ def test_keys_are_checked_before_a_link_is_sealed():
 
 
 def test_a_missing_libcrypto_says_what_to_do():
-    code = ("import ddpwire.seal as s\n"
+    code = ("import ddpwire.wire.seal as s\n"
             "try:\n s.load_libcrypto()\nexcept Exception as e:\n print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, DDPWIRE_LIBCRYPTO="/nonexistent/libcrypto.so"),
@@ -352,7 +353,7 @@ def test_a_worker_in_the_clear_beside_sealed_ones_is_said_once(caplog):
 def test_taking_the_seal_offer_out_on_the_way_fails_the_proofs():
     """A relay that strips the worker's offer would leave the session in the
     clear: the proofs cover the offer, so the worker refuses the coordinator."""
-    from ddpwire import auth
+    from ddpwire.wire import auth
     token = TOKEN.encode()
     share = seal.KeyShare()
     w, c = os.urandom(32), os.urandom(32)
@@ -365,7 +366,7 @@ def test_taking_the_seal_offer_out_on_the_way_fails_the_proofs():
 def _relayed_peers(monkeypatch, module, tamper, relays):
     """Route the link worker (rank) 0 dials to 1 through a relay: its
     PeerHellos in the clear, then sealed records."""
-    from ddpwire import mesh as _mesh
+    from ddpwire.plane import mesh as _mesh
     real = _mesh.parse_peers
 
     def parse(text, world):
@@ -379,7 +380,7 @@ def _relayed_peers(monkeypatch, module, tamper, relays):
 
 @pytest.mark.parametrize("action", ["flip", "drop", "replay", "reorder", "inject"])
 def test_the_mesh_links_are_sealed_and_a_tampered_slice_is_named(monkeypatch, action):
-    from ddpwire import mesh as _mesh
+    from ddpwire.plane import mesh as _mesh
     relays: list = []
     tamper = Tamper(action, UP)
     _relayed_peers(monkeypatch, _mesh, tamper, relays)
@@ -402,7 +403,7 @@ def test_the_mesh_links_are_sealed_and_a_tampered_slice_is_named(monkeypatch, ac
 
 
 def test_the_mesh_links_carry_none_of_the_values_sealed(monkeypatch):
-    from ddpwire import mesh as _mesh
+    from ddpwire.plane import mesh as _mesh
     relays: list = []
     _relayed_peers(monkeypatch, _mesh, None, relays)
     with Coordinator(ADDR, expect_workers=2, token=TOKEN, topology="mesh", shared_memory=False,
@@ -425,8 +426,8 @@ def test_the_mesh_links_carry_none_of_the_values_sealed(monkeypatch):
 @pytest.mark.parametrize("action", ["flip", "drop", "replay", "reorder", "inject"])
 def test_the_rank_links_are_sealed_and_a_tampered_bucket_is_named(monkeypatch, action):
     pytest.importorskip("torch")
-    from ddpwire.collectives import Op
-    from ddpwire.torch import links as _links
+    from ddpwire.plane.collectives import Op
+    from ddpwire.plane import rank_links as _links
     from rank_group import form_all, loopback
 
     relays: list = []

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from ddpwire import seal
+from ddpwire.wire import seal
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"

@@ -15,7 +15,7 @@ import pytest
 
 import ddpwire
 from ddpwire import Coordinator, Worker, encode_frame
-from ddpwire.messages import (
+from ddpwire.wire.messages import (
     GradientPayload,
     ShardAssignment,
 )

@@ -11,7 +11,7 @@ import pytest
 
 import ddpwire
 from ddpwire import Coordinator, Worker, encode_frame
-from ddpwire.messages import GradientPayload, Heartbeat, ShardAssignment
+from ddpwire.wire.messages import GradientPayload, Heartbeat, ShardAssignment
 
 from session_helpers import (
     exact_mean,

@@ -23,7 +23,7 @@ import pytest
 
 import ddpwire
 from ddpwire import Coordinator, encode_frame
-from ddpwire.messages import GradientPayload
+from ddpwire.wire.messages import GradientPayload
 
 from session_helpers import exact_mean, join_up_to, raw_join, spawn, start_workers
 
@@ -141,7 +141,7 @@ import numpy as np
 sys.path.insert(0, {tests!r})
 import ddpwire
 from ddpwire import encode_frame
-from ddpwire.messages import GradientPayload
+from ddpwire.wire.messages import GradientPayload
 from session_helpers import recv_frame
 role, port = sys.argv[1], int(sys.argv[2])
 if role == "coordinator":
@@ -243,7 +243,7 @@ def test_ctrl_c_stops_the_workers_sending_thread():
 
 
 def test_defaults_choose_threads_for_large_vectors_with_cores_to_run_them(monkeypatch):
-    from ddpwire import socket_threads as policy
+    from ddpwire.plane import socket_threads as policy
     big, small = policy.MIN_BYTES, policy.MIN_BYTES - 4
     monkeypatch.setattr(policy, "usable_cores", lambda: 4)
     assert policy.for_coordinator(None, 3, big)

@@ -1,7 +1,7 @@
-"""The shared-memory allreduce of ranks on one host (csrc/shm.c, ddpwire.shm,
+"""The shared-memory allreduce of ranks on one host (csrc/shm.c, ddpwire.plane.shm,
 and its use by the "ddpwire" torch backend), in real processes.
 
-The segment tests drive ddpwire.shm.Segment from processes started with
+The segment tests drive ddpwire.plane.shm.Segment from processes started with
 'spawn' (ranks of their own, no service): bits against the tests' one
 reference (tests/session_helpers.py), a killed or absent rank named, an
 abort, Ctrl-C in a barrier. The backend tests run tests/shm_script.py and
@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpwire import _core, shm
-from ddpwire.collectives import CollectiveAborted, Op
-from ddpwire.plan import Plan, slice_bounds
+from ddpwire import _core
+from ddpwire.plane import shm
+from ddpwire.plane.collectives import CollectiveAborted, Op
+from ddpwire.plane.plan import Plan, slice_bounds
 
 from session_helpers import reference_allreduce
 
@@ -119,7 +120,7 @@ def test_attach_refuses_another_nonce():
 
 def test_a_segment_whose_creator_is_gone_is_swept():
     proc = subprocess.run([sys.executable, "-c", (
-        "import os; from ddpwire import shm\n"
+        "import os; from ddpwire.plane import shm\n"
         "seg = shm.Segment.create(2, 4096)\n"
         "print(seg.name, flush=True)\n"
         "os._exit(0)  # never unlinked, as if killed before the ranks answered\n")],
@@ -228,7 +229,7 @@ def in_process(world, body, region=REGION, planes=False):
     """``body(arena, rank, inputs)`` on a thread per rank of one mapping
     (``inputs``: the input regions as float32 rows, the layout's last
     world + 1 regions being the inputs then the output); with ``planes``
-    each rank's :class:`ddpwire.shm.SharedPlane` in place of its arena."""
+    each rank's :class:`ddpwire.plane.shm.SharedPlane` in place of its arena."""
     mapping = mmap.mmap(-1, _core.shm_size(world, region))
     segments = [shm.Segment("in-process", mapping, world, r, region, False)
                 for r in range(world)]
@@ -407,7 +408,8 @@ def test_ctrl_c_interrupts_a_barrier(tmp_path):
     seg = shm.Segment.create(2, REGION)
     seg.init(NONCE)
     mark = tmp_path / "waiting"
-    code = ("import sys, numpy as np; from ddpwire import shm; from ddpwire.collectives import Op\n"
+    code = ("import sys, numpy as np; from ddpwire.plane import shm\n"
+            "from ddpwire.plane.collectives import Op\n"
             f"seg = shm.Segment.attach({seg.name!r}, 2, 0, {REGION}, {NONCE!r})\n"
             f"open({str(mark)!r}, 'w').close()\n"
             # rank 1 never comes: only Ctrl-C ends this within the test's limit

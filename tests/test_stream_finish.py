@@ -190,7 +190,7 @@ def test_by_default_a_non_finite_value_stops_the_reply(socket_threads):
 
 @pytest.mark.parametrize("socket_threads", [False, True], ids=["poll", "threads"])
 def test_scales_weight_each_connection_as_a_peer_that_applies_its_own(socket_threads):
-    """``scales`` (the sample weights of reference workers, ddpwire.balance):
+    """``scales`` (the sample weights of reference workers, ddpwire.session.balance):
     each connection's elements multiplied once in float32 before the sum,
     the bits of the peers multiplying their own; checked before the weight,
     so a non-finite value is named as sent; a scale of 1 changes nothing."""

@@ -326,7 +326,7 @@ def test_int8_travels_and_a_sparse_tensor_is_summed_and_refused_elsewhere_by_nam
 def test_a_groups_failure_is_raised_once_at_the_next_step_and_not_after_it_is_closed():
     import torch
 
-    from ddpwire.collectives import CollectiveAborted
+    from ddpwire.plane.collectives import CollectiveAborted
     from ddpwire.torch.backend import _Pending
 
     pending, net = _Pending(), torch.nn.Linear(2, 2)

@@ -82,7 +82,7 @@ def test_a_loader_that_samples_ahead_without_lag_is_told_what_to_pass():
 def test_the_rank_ready_last_pays_the_rest_of_the_exchange():
     """The hook's small allreduce carries each rank's compute and its wait
     in the step before: the rank that waited least was the last one ready,
-    and the rest of the step is its lag (ddpwire.balance.Balancer.ended)."""
+    and the rest of the step is its lag (ddpwire.session.balance.Balancer.ended)."""
     from ddpwire.torch.balanced import BalancedBatchSampler
 
     sampler = BalancedBatchSampler(1000, 100, rank=0, world_size=2, shuffle=False)

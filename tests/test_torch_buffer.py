@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from ddpwire.errors import GradientMismatch  # noqa: E402
+from ddpwire.wire.errors import GradientMismatch  # noqa: E402
 from ddpwire.torch.buffer import GradientBuffer, Segment  # noqa: E402
 from ddpwire.torch.models import TinyTransformer  # noqa: E402
 

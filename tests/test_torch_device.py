@@ -3,7 +3,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ddpwire.errors import DeviceUnavailable  # noqa: E402
+from ddpwire.wire.errors import DeviceUnavailable  # noqa: E402
 from ddpwire.torch.device import DEVICE_ENV, choose_device  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The torch backend's rank-to-rank links (ddpwire/torch/links.py): DDP's
+"""The torch backend's rank-to-rank links (ddpwire/plane/rank_links.py): DDP's
 buckets reduce-scattered and allgathered between the ranks, with the bits
 the service computes, and a group that keeps to the service, never hangs,
 when the links cannot open."""
@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ddpwire.collectives import CollectiveAborted, Op  # noqa: E402
-from ddpwire.torch import links as _links  # noqa: E402
+from ddpwire.plane.collectives import CollectiveAborted, Op  # noqa: E402
+from ddpwire.plane import rank_links as _links  # noqa: E402
 
 import test_torch_backend as tb  # noqa: E402
 # the fake set-up collectives: shared with tests/test_flat_matrix.py
@@ -153,7 +153,7 @@ def test_the_listening_port_is_pinned_to_the_range_asked(monkeypatch):
 
 
 def test_a_port_range_is_parsed_or_refused():
-    from ddpwire.mesh import parse_ports
+    from ddpwire.plane.mesh import parse_ports
     assert parse_ports("29600-29700") == (29600, 29700)
     assert parse_ports("29600") == (29600, 29600)
     for bad in ("x", "5-2", "0-10", "1-70000"):

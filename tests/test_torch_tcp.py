@@ -16,7 +16,9 @@ from fake_cluster import FakeCluster, run_workers  # noqa: E402
 from session_helpers import spawn  # noqa: E402
 
 from ddpwire import Coordinator, Worker  # noqa: E402
-from ddpwire.errors import CoordinatorLost, NonFiniteGradient, ShutdownDuringReduce  # noqa: E402
+from ddpwire.wire.errors import (
+    CoordinatorLost, NonFiniteGradient, ShutdownDuringReduce,
+)  # noqa: E402
 from ddpwire.torch import (  # noqa: E402
     DataParallelTrainer,
     DigitsMLP,
@@ -291,9 +293,9 @@ def test_train_worker_is_refused_at_the_join_for_another_step_mode_or_model():
     """train_worker offers its step mode and its model's gradient length:
     a worker of another mode, or with another model, is refused at the
     join with what to change, and the others train on."""
-    from ddpwire.errors import JoinRefusedError
-    from ddpwire.extensions import RefusalReason
-    from ddpwire.serve import serve
+    from ddpwire.wire.errors import JoinRefusedError
+    from ddpwire.wire.extensions import RefusalReason
+    from ddpwire.cli.serve import serve
     from ddpwire.torch.job import build_task, train_worker
 
     def length(model):

@@ -9,7 +9,7 @@ from torch import nn  # noqa: E402
 
 from fake_cluster import FakeCluster, coordinator_average, run_workers  # noqa: E402
 
-from ddpwire.errors import GradientMismatch, NonFiniteGradient  # noqa: E402
+from ddpwire.wire.errors import GradientMismatch, NonFiniteGradient  # noqa: E402
 from ddpwire.torch import (  # noqa: E402
     DataParallelTrainer,
     DigitsMLP,
@@ -275,7 +275,7 @@ def test_a_mixed_speed_pair_with_balance_matches_one_process_on_the_whole_batch(
     import time
 
     from ddpwire import Coordinator, Worker
-    from ddpwire.serve import serve
+    from ddpwire.cli.serve import serve
 
     steps, total = 6, (200 if model_name == "digits" else 32)
     make = (lambda w, **kw: digits_trainer(w, samples_per_step=total, **kw)) if model_name == "digits" \
@@ -371,7 +371,7 @@ def test_local_rounds_compose_with_shards_by_speed_and_an_elastic_session():
     import time
 
     from ddpwire import Coordinator, Worker
-    from ddpwire.serve import serve
+    from ddpwire.cli.serve import serve
 
     # rounds enough for the held-back worker to be measured at a size three
     # times (after the leave and the join) before its share moves

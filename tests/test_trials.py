@@ -1,11 +1,11 @@
-"""Two splits compared by measured step times (ddpwire.trials), arithmetic only."""
+"""Two splits compared by measured step times (ddpwire.session.trials), arithmetic only."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from ddpwire.trials import BLOCK, LOST, MIN_PAIRS, TURN_MOST, WIN_PAIRS, WON, Trial
+from ddpwire.session.trials import BLOCK, LOST, MIN_PAIRS, TURN_MOST, WIN_PAIRS, WON, Trial
 
 
 def run(trial: Trial, time):

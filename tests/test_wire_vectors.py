@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ddpwire
-from ddpwire import messages
+from ddpwire.wire import messages
 from wire_cases import (
     FLOAT_FIELDS,
     STRING_FIELDS,

@@ -29,8 +29,8 @@ import pytest
 
 from ddpwire import Coordinator
 from ddpwire.cli import EXIT_STOPPED
-from ddpwire.extensions import Extension, encode_u64
-from ddpwire.serve import serve
+from ddpwire.wire.extensions import Extension, encode_u64
+from ddpwire.cli.serve import serve
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None,

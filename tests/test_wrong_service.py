@@ -18,9 +18,10 @@ from typing import Callable, List
 import pytest
 
 import ddpwire
-from ddpwire import Coordinator, NotACoordinator, Worker, auth, encode_frame
-from ddpwire.extensions import Extension, RefusalReason
-from ddpwire.join import _could_begin_a_frame
+from ddpwire import Coordinator, NotACoordinator, Worker, encode_frame
+from ddpwire.wire import auth
+from ddpwire.wire.extensions import Extension, RefusalReason
+from ddpwire.session.join import _could_begin_a_frame
 
 from session_helpers import recv_frame
 from test_join_hostile import connect, garbage_before_a_worker, peer_closed, worker

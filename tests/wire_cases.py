@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-import ddpwire.messages as messages
+import ddpwire.wire.messages as messages
 
 DATA = Path(__file__).parent / "data"
 

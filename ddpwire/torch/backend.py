@@ -27,13 +27,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import _ddpwire_autoload as _autoload
 
-from .. import p2p as _p2p
-from .. import shm as _shm
-from ..collectives import CollectiveAborted, DType, Kind, Op, check_op
-from .composed import (addressed_to, check_count, check_nonempty, check_root, check_sizes, copy_into,
-                       flatten, rank_major, rank_major_pieces, rooted_list, split_counts,
-                       split_mismatch, unflatten_into)
-from .links import RankLinks, form_links, ports_from_env
+from ..plane import p2p as _p2p
+from ..plane import shm as _shm
+from ..plane.collectives import CollectiveAborted, DType, Kind, Op, check_op
+from .composed import (
+    addressed_to, check_count, check_nonempty, check_root, check_sizes, copy_into, flatten,
+    rank_major, rank_major_pieces, rooted_list, split_counts, split_mismatch, unflatten_into,
+)
+from ..plane.rank_links import RankLinks, form_links, ports_from_env
 from .rendezvous import Rendezvous, join_group, timings
 from .sparse import sparse_sum
 from .staging import Staging
@@ -204,8 +205,8 @@ class DdpwireWork(dist._Work):
 
 
 class PeerWork(DdpwireWork):
-    """A send or receive in flight (:mod:`ddpwire.p2p`). ``wait`` raises
-    :class:`ddpwire.p2p.PointToPointTimeout` ("timed out") past the group's
+    """A send or receive in flight (:mod:`ddpwire.plane.p2p`). ``wait`` raises
+    :class:`ddpwire.plane.p2p.PointToPointTimeout` ("timed out") past the group's
     timeout, or the error that ended it: CollectiveAborted naming a rank
     that left, PointToPointMismatch for a message of another size. Its
     future (gloo's send/recv works have none) holds the tensors, or fails
@@ -376,7 +377,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     int32, int64, uint8, int8 and bool tensors on cpu, cuda and mps.
 
     Point to point as gloo has it: send, recv, isend, irecv, recv from any
-    source (``src=None``), batch_isend_irecv, with tags (:mod:`ddpwire.p2p`).
+    source (``src=None``), batch_isend_irecv, with tags (:mod:`ddpwire.plane.p2p`).
     Where the group has rank links the messages go on direct links between
     the two ranks (:attr:`p2p_direct`); otherwise the service on rank 0
     relays them (a request of kind SEND). Anything else
@@ -453,12 +454,12 @@ class DdpwireProcessGroup(dist.ProcessGroup):
 
     @property
     def links_sealed(self) -> bool:
-        """True when those links are sealed (a token, encryption on: ddpwire.seal)."""
+        """True when those links are sealed (a token, encryption on: ddpwire.wire.seal)."""
         return self._links is not None and self._links.sealed
 
     def _open_p2p(self, heartbeat: float, silence: float) -> Any:
         """Point to point's route: direct links where the rank links
-        opened, else the service (ddpwire.p2p)."""
+        opened, else the service (ddpwire.plane.p2p)."""
         mailbox = _p2p.Mailbox(self._rank, self._world)
         if self._links is not None:
             try:
@@ -1000,7 +1001,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         return self._issue(what, Kind.REDUCE_SCATTER, op, dtype, 0, rank_major(inputs, self._world),
                            [mine], outputs, deliver=lambda: unflatten_into(outputs, mine))
 
-    # ---- point to point (ddpwire.p2p) ----
+    # ---- point to point (ddpwire.plane.p2p) ----
 
     def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int) -> "PeerWork":
         """``send``/``isend`` of one tensor to ``dstRank`` with ``tag``: done
@@ -1032,7 +1033,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int) -> "PeerWork":
         """``recv``/``irecv`` of one tensor from ``srcRank`` with ``tag``:
         done once the message is in the tensor; a message of another dtype
-        or size fails it (:class:`ddpwire.p2p.PointToPointMismatch`)."""
+        or size fails it (:class:`ddpwire.plane.p2p.PointToPointMismatch`)."""
         src = self._peer(srcRank, "recv", "source")
         return self._receive(tensors, src, _p2p.check_tag(tag, "recv"), "recv")
 

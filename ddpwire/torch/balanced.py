@@ -10,7 +10,7 @@ NCCL)::
 
 Each step the ranks split one global batch of ``batch_size`` samples (a
 permutation every rank draws alike) by a fitted model of each rank's step,
-a fixed part plus a part per sample (:class:`ddpwire.balance.Balancer`, the
+a fixed part plus a part per sample (:class:`ddpwire.session.balance.Balancer`, the
 rules the coordinator uses; ``balance="auto"``, the default, with the guard's
 trials of even and nudged splits, kept where measured steps show them faster). The
 hook multiplies each rank's bucket by ``world * c_r / batch_size`` (its
@@ -25,7 +25,7 @@ optimizer step, forward and backward); a step's time for the guard is rank
 end of the step's last allreduce, is the rest of the exchange when it is
 the last rank ready (the one that waits least): that part a slow rank pays
 at its own speed whatever its batch, and the split is net of it
-(:class:`ddpwire.balance.Balancer`'s lags). The hook shares every rank's
+(:class:`ddpwire.session.balance.Balancer`'s lags). The hook shares every rank's
 compute and its previous step's wait with a small allreduce issued after
 the last bucket's, so all ranks feed the same figures to the same rules and
 agree on every split without a word more. With a DataLoader that
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..balance import Balancer, sample_scale, shard_starts
+from ..session.balance import Balancer, sample_scale, shard_starts
 
 __all__ = ["BalancedBatchSampler", "balanced_hook"]
 
@@ -120,7 +120,7 @@ class BalancedBatchSampler:
 
     @property
     def balancer(self) -> Balancer:
-        """The rules every rank applies alike (:class:`ddpwire.balance.Balancer`)."""
+        """The rules every rank applies alike (:class:`ddpwire.session.balance.Balancer`)."""
         if self._balancer is None:
             self._balancer = Balancer(self.world_size, guard=self.balance == "auto")
         return self._balancer

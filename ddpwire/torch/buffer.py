@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import GradientMismatch
-from ..messages import NON_BLOCK_COMPONENTS
+from ..wire.errors import GradientMismatch
+from ..wire.messages import NON_BLOCK_COMPONENTS
 
 __all__ = [
     "Component",
@@ -42,7 +42,7 @@ ParamsLike = Union[nn.Module, nn.Parameter, Iterable[nn.Parameter]]
 
 
 # The protocol's names: the 9 components of a transformer block, in wire order (the
-# non-block parts, with the code each carries, are ddpwire.messages.NON_BLOCK_COMPONENTS).
+# non-block parts, with the code each carries, are ddpwire.wire.messages.NON_BLOCK_COMPONENTS).
 BLOCK_COMPONENTS: Tuple[str, ...] = (
     "w_q", "w_k", "w_v", "w_o", "gate", "up", "down", "input_norm", "post_attn_norm",
 )

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..coordinator import Coordinator
-from ..errors import GradientMismatch
+from ..session.coordinator import Coordinator
+from ..wire.errors import GradientMismatch
 from .staging import Staging
 
 __all__ = ["CommHookState", "comm_hook", "serve_comm_hook"]

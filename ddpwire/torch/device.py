@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .._text import counted
-from ..errors import DeviceUnavailable
+from ..wire.errors import DeviceUnavailable
 
 __all__ = ["DeviceChoice", "choose_device", "DEVICE_ENV"]
 
@@ -68,7 +68,7 @@ def choose_device(override: Optional[str] = None) -> DeviceChoice:
     ``override`` (or, when it is ``None``, the ``DDPWIRE_DEVICE`` environment
     variable) may be ``"cuda"``, ``"cuda:<index>"``, ``"mps"`` or ``"cpu"``.
     Raises :class:`ValueError` for any other spelling and
-    :class:`~ddpwire.errors.DeviceUnavailable` for a device that is not present.
+    :class:`~ddpwire.wire.errors.DeviceUnavailable` for a device that is not present.
     """
     source = "argument"
     if override is None:

@@ -15,11 +15,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..errors import CoordinatorLost, ShutdownDuringReduce, WorkerDropped
-from ..extensions import Extension, decode_u64
-from ..mesh import DEFAULT_CONGESTION
-from ..progress import PaceLog, unit
-from ..worker import Worker
+from ..wire.errors import CoordinatorLost, ShutdownDuringReduce, WorkerDropped
+from ..wire.extensions import Extension, decode_u64
+from ..plane.mesh import DEFAULT_CONGESTION
+from ..session.progress import PaceLog, unit
+from ..session.worker import Worker
 from .data import ArrayDataset, digits_split, token_sequences
 from .device import choose_device
 from .models import DigitsMLP, TinyTransformer

@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Mapping, Optional
 
-from ..errors import JoinTimeout
+from ..wire.errors import JoinTimeout
 
 __all__ = ["RankOrder"]
 

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Tuple
 
-from ..auth import TOKEN_ENV
-from ..seal import encrypt_from_env
-from ..collectives import CollectiveClient, CollectiveService, local_link
-from ..coordinator import Coordinator
-from ..errors import DdpwireError
-from ..extensions import Extension, encode_u16
-from ..launch import PORT_ENV, is_loopback, parse_addr
-from ..worker import Worker
+from ..wire.auth import TOKEN_ENV
+from ..wire.seal import encrypt_from_env
+from ..plane.collectives import CollectiveClient, CollectiveService, local_link
+from ..session.coordinator import Coordinator
+from ..wire.errors import DdpwireError
+from ..wire.extensions import Extension, encode_u16
+from ..session.launch import PORT_ENV, is_loopback, parse_addr
+from ..session.worker import Worker
 
 __all__ = ["Rendezvous", "join_group", "HOST_ENV", "TOKEN_ENV", "HEARTBEAT_LIMIT"]
 
@@ -58,7 +58,7 @@ class Rendezvous:
     listen_host: str = "127.0.0.1"
     advertise: str = "127.0.0.1"
     #: this rank's connection to the group is sealed (rank 0: every rank's
-    #: is), so the rank links are sealed too (ddpwire.torch.links)
+    #: is), so the rank links are sealed too (ddpwire.plane.rank_links)
     sealed: bool = False
 
     def close(self, timeout: float) -> None:

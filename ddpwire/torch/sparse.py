@@ -14,7 +14,7 @@ from typing import Callable, List
 
 import torch
 
-from ..collectives import DType
+from ..plane.collectives import DType
 
 __all__ = ["MAX_DIMS", "sparse_sum"]
 

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._text import counted
-from ..errors import CoordinatorLost, GradientMismatch, MembershipChanged
-from ..threads import apply_threads, default_threads, usable_cores, workers_here
+from ..wire.errors import CoordinatorLost, GradientMismatch, MembershipChanged
+from ..plane.threads import apply_threads, default_threads, usable_cores, workers_here
 from .buffer import NON_BLOCK_COMPONENTS, GradientBuffer, Segment, block_segment
 from .data import ArrayDataset, ShardSampler
 from .local_steps import nesterov_outer

@@ -1,0 +1,149 @@
+"""Two shard splits compared by their measured step times: the guard's evidence.
+
+Arithmetic only (no I/O). A model of each worker's step predicts well
+where the time a worker costs a step falls where it is measured; a CPU
+quota that stalls a worker inside the exchange, after its part came in,
+is charged to the last one in, and the model then points the wrong way.
+So :class:`ddpwire.session.balance.Balancer` (``--balance auto``) tries another
+split now and then and keeps it where the clock says it is faster.
+
+A :class:`Trial` runs the current split (the base) and a challenger in
+turns, :data:`BLOCK` timed steps a turn (each turn's first step, a change
+of split, carries the change's cost and is not timed), and looks at the
+times after each pair of turns:
+
+- a turn's mean is one sample. Step times are not independent draws
+  (under a CPU quota a burst is followed by a stall, and the sum over a few
+  quota periods is steady where one step is not): means of consecutive
+  steps (batch means) are, nearly. Each challenger turn is set against the
+  mean of the base turns before and after it, so a drift of the machine's
+  speed, linear over a few turns, cancels, which arms run one after the
+  other would read as a difference;
+- the challenger wins when, after :data:`WIN_PAIRS` pairs, those
+  differences show it faster by ``margin`` (a fraction of the base's step)
+  and by more than :data:`SIGMAS` standard errors of their mean. A win is looked
+  for that once, at a sample size fixed in advance (looked for after every
+  pair, the noise would find one at one of them); a difference too small
+  to see by then is not worth a move. An outlier (a collection) widens its
+  side's spread, and so makes a win harder, never easier;
+- it loses as soon as it cannot win, from :data:`MIN_PAIRS` pairs on (even
+  the noise's benefit of the doubt would not bring it to the margin): a
+  split far off the best costs a few turns, not a trial.
+
+A caller whose step times come some steps late gets up to :data:`TURN_MOST`
+steps for a turn's times to come in; a caller that times nothing runs no
+challenger at all.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+from .step_model import spread
+
+__all__ = ["BLOCK", "LOST", "MIN_PAIRS", "SIGMAS", "TURN_MOST", "Trial", "WIN_PAIRS", "WON"]
+
+#: timed steps a turn
+BLOCK = 5
+#: the most steps a turn runs waiting for its times to come in
+TURN_MOST = 4 * (BLOCK + 1)
+#: pairs of turns before a loss can be seen, and the pairs a win is judged on
+MIN_PAIRS = 2
+WIN_PAIRS = 8
+#: standard errors of the difference a win must clear
+SIGMAS = 3.0
+
+#: a trial's verdicts (Trial.verdict)
+WON, LOST = "won", "lost"
+
+
+class Trial:
+    """The base split (``arms[0]``) against a challenger (``arms[1]``), each
+    given as (kind, split), in alternating turns; :attr:`verdict` is None
+    while it runs, then :data:`WON` (the challenger is faster) or
+    :data:`LOST`."""
+
+    def __init__(self, ident: int, arms: Sequence[Tuple[str, List[int]]],
+                 margin: float) -> None:
+        if len(arms) != 2:
+            raise ValueError(f"a trial compares two splits, got {len(arms)}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+        self.ident = ident
+        self.arms: List[Tuple[str, List[int]]] = [(k, list(s)) for k, s in arms]
+        self.margin = margin
+        #: each arm's turns: the step times of each
+        self.turns: List[List[List[float]]] = [[[]], []]
+        self.at = 0          # the arm whose turn it is
+        self._steps = 0      # steps planned in this turn
+        #: steps planned for each arm, timed or not
+        self.steps = [0, 0]
+        self.verdict: Optional[str] = None
+
+    def next_arm(self) -> Optional[int]:
+        """The arm the next step runs, or None once there is a verdict."""
+        if self.verdict is not None:
+            return None
+        turn = self.turns[self.at][-1]
+        if len(turn) >= BLOCK or self._steps >= TURN_MOST:
+            if not turn:
+                # nothing came in: a caller that times no step (or too late to use)
+                self.verdict = LOST
+                return None
+            if self.at == 1:
+                self._judge()
+                if self.verdict is not None:
+                    return None
+            self.at = 1 - self.at
+            self.turns[self.at].append([])
+            self._steps = 0
+        self._steps += 1
+        self.steps[self.at] += 1
+        return self.at
+
+    def on_base_for(self, steps: int) -> bool:
+        """Whether the last ``steps`` steps all ran the base, in this turn."""
+        return self.at == 0 and self._steps >= steps
+
+    def record(self, arm: int, seconds: float) -> None:
+        """A step of ``arm``'s turn under way took ``seconds`` end to end."""
+        if arm == self.at and self.verdict is None:
+            self.turns[arm][-1].append(seconds)
+
+    def means(self, arm: int) -> List[float]:
+        """``arm``'s turns' mean step times (the turns that have any)."""
+        return [sum(t) / len(t) for t in self.turns[arm] if t]
+
+    def mean(self, arm: int) -> float:
+        """``arm``'s step time: the mean of its turns' means."""
+        means = self.means(arm)
+        return sum(means) / len(means)
+
+    def cost(self) -> float:
+        """Seconds the challenger's steps cost beyond the base's: its steps
+        (the untimed first of each turn too) times how much slower a step
+        of it was, the means of their turns (0 when it was not slower, or
+        either arm has no time)."""
+        if not self.means(0) or not self.means(1):
+            return 0.0
+        return max(0.0, self.mean(1) - self.mean(0)) * self.steps[1]
+
+    def _judge(self) -> None:
+        base, other = self.means(0), self.means(1)
+        pairs = len(other)
+        if pairs < MIN_PAIRS or len(base) < pairs:
+            return
+        # each challenger turn against the base turns on either side of it
+        # (the last has only the one before): a drift of the machine's
+        # speed, linear over a few turns, cancels
+        gains = [(base[k] + base[k + 1]) / 2 - other[k] if k + 1 < len(base) else
+                 base[k] - other[k] for k in range(pairs)]
+        gain = sum(gains) / pairs
+        noise = SIGMAS * spread(gains) / math.sqrt(pairs)
+        needed = self.margin * sum(base) / len(base)
+        if pairs >= WIN_PAIRS:
+            # one look for a win, at a sample size fixed in advance (a win
+            # looked for at every pair would be found by noise at one of them)
+            self.verdict = WON if gain > max(needed, noise) else LOST
+        elif gain + noise < needed:
+            self.verdict = LOST
