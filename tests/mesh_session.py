@@ -126,7 +126,7 @@ def mesh_group(n, codec=None, fractions=None, timeout=TIMEOUT):
     reach them); ``codec`` a compression name (None: float32)."""
     import socket
 
-    from ddpwire.plane import mesh as meshmod
+    from ddpwire.plane import codecs, mesh as meshmod
 
     links = [[None] * n for _ in range(n)]
     try:
@@ -137,8 +137,8 @@ def mesh_group(n, codec=None, fractions=None, timeout=TIMEOUT):
                     b, _ = server.accept()
                 links[i][j] = meshmod._peer_channel(a, j, timeout, 1 << 30)
                 links[j][i] = meshmod._peer_channel(b, i, timeout, 1 << 30)
-        return [meshmod.Mesh(links[r], r, meshmod.codec_of(codec), timeout, fractions=fractions)
-                for r in range(n)]
+        code = codecs.codec_of(codec).code
+        return [meshmod.Mesh(links[r], r, code, timeout, fractions=fractions) for r in range(n)]
     except BaseException:
         for row in links:
             for chan in row:

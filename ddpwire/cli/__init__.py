@@ -21,6 +21,7 @@ from ..session.balance import CHOICES
 from ..session.coordinator import Coordinator
 from ..wire.errors import DdpwireError, OptionError, PeerLost, WorkerLost, without_frame_progress
 from ..wire.extensions import Extension, encode_u64
+from ..plane.codecs import names as codec_names
 from ..plane.incast import FLOOR
 from ..session.launch import from_environment, parse_addr
 from ..plane.mesh import DEFAULT_CONGESTION
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--topology", choices=["auto", "star", "mesh"], default="auto",
                    help="flat steps: auto (default: the workers average among themselves when "
                         "every one can), star (always through this coordinator) or mesh")
-    c.add_argument("--compression", choices=["bf16", "fp16"], default=None,
+    c.add_argument("--compression", choices=codec_names(), default=None,
                    help="send gradients between mesh workers as 16-bit words (default: float32)")
     c.add_argument("--coordinator-share", type=_share, default="auto", metavar="FRACTION",
                    help="part of each mesh step's vector this coordinator averages over its own "

@@ -23,6 +23,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
+from . import codecs as _codecs
 from . import reduce as _reduce
 # CollectiveAborted lives with the other errors; it stays importable from here
 from ..wire.errors import (
@@ -143,7 +144,7 @@ def combine(op: Op, dtype: DType, inputs: Sequence[np.ndarray]) -> np.ndarray:
     op, dtype = Op(op), DType(dtype)
     check_op(op, dtype)
     if dtype in (DType.FLOAT16, DType.BFLOAT16):
-        codec = "bf16" if dtype is DType.BFLOAT16 else "fp16"
+        codec = _codecs.by_dtype(dtype).half  # type: ignore[union-attr]
         if op is Op.AVG:
             return _half_mean(inputs, codec).view(NUMPY_DTYPES[dtype])
         wide = [_reduce.from_half(np.ascontiguousarray(x), codec=codec) for x in inputs]

@@ -66,6 +66,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
+from . import codecs as _codecs
 from . import plan as _plan
 from . import reduce as _reduce
 from ..wire import seal
@@ -80,21 +81,14 @@ from ..wire.messages import (
     PeerHello, Shutdown,
 )
 # the plan's helpers stay importable from here (their home before ddpwire.plane.plan)
-from .plan import Plan, coordinator_part, slice_bounds
+from .plan import Plan, coordinator_part, share_value, slice_bounds
 
-__all__ = ["CODECS", "Mesh", "SliceOutcome", "auto_share", "codec_of",
-           "coordinator_part", "format_peers", "listen", "parse_peers", "parse_ports", "offer",
-           "peer_host",
-           "peer_port", "share_value", "slice_bounds"]
+__all__ = ["Mesh", "SliceOutcome", "auto_share", "coordinator_part", "format_peers", "listen",
+           "parse_peers", "parse_ports", "offer", "peer_host", "peer_port", "share_value",
+           "slice_bounds"]
 
 log = logging.getLogger("ddpwire.mesh")
 
-#: the coordinator's ``compression`` names and their codes
-CODECS: Dict[Optional[str], Codec] = {None: Codec.FLOAT32, "bf16": Codec.BF16,
-                                      "fp16": Codec.FP16}
-_WIRE_DTYPE = {Codec.FLOAT32: DType.FLOAT32, Codec.BF16: DType.BFLOAT16,
-               Codec.FP16: DType.FLOAT16}
-_HALF_NAME = {Codec.BF16: "bf16", Codec.FP16: "fp16"}
 _HELLO_LABEL = b"ddpwire mesh hello v1"
 HOST_ID_BYTES = 16  # ddpwire.plane.shm.host_id()
 MAX_PEERS_TEXT = 60000  # MeshPeers.peers fits a small frame
@@ -115,15 +109,6 @@ SCRATCH_SIZES = 8
 #: Gbit/s cluster with 4 workers its flows left each link 87% busy against
 #: 93% for cubic (bench/results/notebook.md). None keeps the system's choice.
 DEFAULT_CONGESTION: Optional[str] = "cubic"
-
-
-def codec_of(compression: Optional[str]) -> Codec:
-    """The Codec for a ``compression`` argument (None, "bf16" or "fp16")."""
-    try:
-        return CODECS[compression]
-    except (KeyError, TypeError):
-        raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}") \
-            from None
 
 
 # ---- join: the offer, the peer table ----
@@ -235,13 +220,6 @@ def hello_proof(key: bytes, sender: int, receiver: int) -> bytes:
 def new_key() -> bytes:
     """A fresh mesh key for MeshPeers."""
     return secrets.token_bytes(32)
-
-
-def share_value(fraction: float) -> int:
-    """MeshPeers.coordinator_share for a fraction of the vector in [0, 1)."""
-    if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
-        raise ValueError(f"coordinator_share must be a fraction in [0, 1), got {fraction!r}")
-    return min(0xFFFF, round(fraction * 65536))
 
 
 def auto_share(workers: int) -> float:
@@ -538,8 +516,8 @@ class Mesh:
         self.world = len(links)
         self.codec = Codec(codec)
         self.timeout = timeout
-        self._dtype = _WIRE_DTYPE[self.codec]
-        self._half = _HALF_NAME.get(self.codec)
+        wire = _codecs.by_code(self.codec)
+        self._dtype, self._half = wire.dtype, wire.half
         self._scratch: Dict[Tuple[str, int, str], np.ndarray] = {}
         self._plans: Dict[int, Plan] = {}  # by vector length, as the scratch
         # the averaged slice between the two exchanges, and its step

@@ -42,7 +42,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from ..wire.extensions import Codec
 
-__all__ = ["MAX_SHARE", "Plan", "check_fractions", "coordinator_part", "slice_bounds"]
+__all__ = ["MAX_SHARE", "Plan", "check_fractions", "coordinator_part", "share_value",
+           "slice_bounds"]
 
 #: the largest MeshPeers.coordinator_share (65536ths of the vector)
 MAX_SHARE = 0xFFFF
@@ -61,6 +62,13 @@ def coordinator_part(count: int, share: int) -> int:
     coordinator averages itself, for MeshPeers.coordinator_share ``share``
     (65536ths of the vector, rounded down)."""
     return (count * share) >> 16
+
+
+def share_value(fraction: float) -> int:
+    """MeshPeers.coordinator_share for a fraction of the vector in [0, 1)."""
+    if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"coordinator_share must be a fraction in [0, 1), got {fraction!r}")
+    return min(MAX_SHARE, round(fraction * 65536))
 
 
 def check_fractions(fractions: Optional[Sequence[float]],

@@ -30,6 +30,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import codecs as _codecs
 from . import mesh as _mesh
 from . import plan as _plan
 from .collectives import CollectiveAborted, DType, Kind, Op
@@ -122,7 +123,7 @@ class RankLinks:
                 raise self.failure
             seq = self._seq
             self._seq += 1
-            runner = self._runner(_mesh.CODECS[compression])
+            runner = self._runner(_codecs.codec_of(compression).code)
             deadline = time.monotonic() + self.timeout
             try:
                 with self._sending(seq):

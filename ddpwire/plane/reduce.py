@@ -38,6 +38,7 @@ from .._core import (
     total,
 )
 from .._core import _set_path, _set_threads
+from . import codecs as _codecs
 
 __all__ = [
     "mean",
@@ -58,7 +59,8 @@ __all__ = [
 
 
 #: the 16-bit wire codecs the kernels take as ``codec=``: bfloat16 and IEEE binary16
-CODECS: Tuple[str, ...] = ("bf16", "fp16")
+#: (ddpwire.plane.codecs describes them)
+CODECS: Tuple[str, ...] = tuple(c.half for c in _codecs.CODECS if c.half is not None)
 
 
 class _Restore:

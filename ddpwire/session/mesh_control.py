@@ -13,6 +13,7 @@ import selectors
 import time
 from typing import AbstractSet, List, Optional, Sequence, Set, Tuple, cast
 
+from ..plane import codecs as _codecs
 from ..plane import mesh as _mesh
 from ..plane import plan as _plan
 from ..plane import shm as _shm
@@ -47,7 +48,7 @@ def choose_share(admitted: Sequence[Admitted], hosts: Sequence[Optional[bytes]],
     """MeshPeers.coordinator_share for a mesh over the links, from the
     coordinator's ``coordinator_share`` (a fraction, or "auto")."""
     if setting != "auto":
-        return _mesh.share_value(setting)  # type: ignore[arg-type]
+        return _plan.share_value(setting)  # type: ignore[arg-type]
     here = _shm.host_id()
     for a, host in zip(admitted, hosts):
         if host == here or is_loopback(a.address[0]) or \
@@ -55,7 +56,7 @@ def choose_share(admitted: Sequence[Admitted], hosts: Sequence[Optional[bytes]],
             log.info("worker %d runs on this host: the mesh takes no coordinator share",
                      a.worker_id)
             return 0
-    return _mesh.share_value(_mesh.auto_share(len(admitted)))
+    return _plan.share_value(_mesh.auto_share(len(admitted)))
 
 
 def culprit(answers: List[object], step: int, silent: AbstractSet[int] = frozenset(),
@@ -118,7 +119,7 @@ class MeshControl:
         self.star = star
         self.topology = config.topology
         self.elastic = config.elastic
-        self.codec = _mesh.codec_of(config.compression)
+        self.codec = _codecs.codec_of(config.compression).code
         self.shared_memory = config.shared_memory
         self.coordinator_share = config.coordinator_share
         #: whether flat steps run on the mesh (decided when the join completes)

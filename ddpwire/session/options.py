@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from ..plane import incast as _incast
-from ..plane import mesh as _mesh
+from ..plane import codecs as _codecs
+from ..plane import plan as _plan
 from ..wire.auth import normalize_token
 from ..wire.channel import DEFAULT_MAX_FRAME, check_timeout, heartbeat_limit
 from ..wire.errors import OptionError
@@ -222,12 +223,12 @@ class CoordinatorOptions:
         if self.resume and not self.elastic:
             raise OptionError("{resume} picks up an elastic session's run: it needs {elastic}",
                               resume=None, elastic=True)
-        _mesh.codec_of(self.compression)
+        _codecs.codec_of(self.compression)
         if self.compression is not None and self.topology == "star":
             raise OptionError("{compression} travels on the mesh: it cannot go with {topology}",
                               compression=None, topology="star")
         if self.coordinator_share != "auto":
-            _mesh.share_value(self.coordinator_share)  # type: ignore[arg-type]
+            _plan.share_value(self.coordinator_share)  # type: ignore[arg-type]
         # below a few dozen segments TCP stalls on its own delayed ACKs
         # (4 KiB took seconds per megabyte on loopback)
         window = self.receive_window

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..plane import codecs as _codecs
+
 __all__ = ["DiLoCo", "INT8_BLOCK", "dequantize_mean", "nesterov_outer", "quantize_int8"]
 
 
@@ -101,15 +103,21 @@ class DiLoCo:
                  wire: Optional[str] = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be at least 1, got {sync_every}")
-        if wire not in (None, "bf16", "fp16", "int8"):
-            raise ValueError(f"wire must be None (float32), 'bf16', 'fp16' or 'int8', "
-                             f"got {wire!r}")
+        # the flat allreduce's codecs (ddpwire.plane.codecs), and DiLoCo's own
+        # 8-bit words gathered from every rank (not yet a flat codec)
+        if wire != "int8":
+            try:
+                _codecs.codec_of(wire)
+            except ValueError:
+                choices = ", ".join(repr(n) for n in _codecs.names())
+                raise ValueError(f"wire must be None (float32), {choices} or 'int8', "
+                                 f"got {wire!r}") from None
         #: the pseudo-gradient's words on the wire: None (float32), "bf16" or
         #: "fp16" (the ddpwire backend's 16-bit average: half the bytes), or
         #: "int8" (a byte an element and a float32 scale per
         #: :data:`INT8_BLOCK`, gathered from every rank, on any process group)
         self.wire = wire
-        self._sixteen = _ddpwire_group(group) if wire in ("bf16", "fp16") else None
+        self._sixteen = _ddpwire_group(group) if wire in _codecs.names() else None
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no parameters to train")

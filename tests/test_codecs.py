@@ -1,0 +1,50 @@
+"""The codec table (ddpwire/plane/codecs.py): one description of each wire
+codec, and every layer that names a codec reading it there (issue 43)."""
+import numpy as np
+import pytest
+
+from ddpwire import Codec, DType, reduce
+from ddpwire.plane import codecs
+from ddpwire.plane.collectives import NUMPY_DTYPES
+
+
+def test_every_code_on_the_wire_is_described_once():
+    assert sorted(c.code for c in codecs.CODECS) == sorted(Codec)
+    assert len({c.name for c in codecs.CODECS}) == len(codecs.CODECS)
+    for c in codecs.CODECS:
+        assert codecs.by_code(c.code) is c and codecs.codec_of(c.name) is c
+        assert codecs.by_dtype(c.dtype) is c
+    assert codecs.codec_of(None) is codecs.FLOAT32 and codecs.FLOAT32.half is None
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS, ids=lambda c: str(c.name))
+def test_a_codec_s_width_and_kernels_are_what_its_elements_take(codec):
+    assert np.dtype(NUMPY_DTYPES[codec.dtype]).itemsize == codec.width
+    values = np.linspace(-3, 3, 64, dtype=np.float32)
+    if codec.half is None:
+        assert codec.width == 4
+        return
+    bits = reduce.to_half(values, codec=codec.half)
+    assert bits.nbytes == codec.width * values.size
+    np.testing.assert_allclose(reduce.from_half(bits, codec=codec.half), values, rtol=1e-2)
+
+
+def test_an_unknown_name_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"compression must be None or one of 'bf16', 'fp16', "
+                                         r"got 'int4'"):
+        codecs.codec_of("int4")
+    with pytest.raises(ValueError):
+        codecs.codec_of(["bf16"])  # unhashable: the same refusal, not a TypeError
+
+
+def test_the_command_and_the_kernels_take_the_table_s_names(capsys):
+    from ddpwire.cli import build_parser
+
+    assert reduce.CODECS == tuple(c.half for c in codecs.CODECS if c.half)
+    for name in codecs.names():
+        args = build_parser().parse_args(["coordinator", "--workers", "2", "--compression", name])
+        assert args.compression == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["coordinator", "--workers", "2", "--compression", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    assert codecs.by_dtype(DType.INT64) is None
