@@ -72,16 +72,21 @@ def imports(name: str, path: Path) -> Set[str]:
             found |= _resolve(base, node.module or "", node.names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith("ddpwire."):
+                if alias.name == "ddpwire":
+                    found.add("")
+                elif alias.name.startswith("ddpwire."):
                     found.add(alias.name[len("ddpwire."):])
     return {m for m in found if _is_module(m)}
 
 
 def _resolve(base, module: str, names) -> Set[str]:
+    """What "from <base + module> import <names>" imports: each name that is
+    a module, else the module it comes from ("" is the package's face)."""
     target = ".".join(base + ([module] if module else []))
-    out = {target} if module else set()  # "from . import x" imports x, not the package
-    for alias in names:  # "from . import mesh": the name may be a module
-        out.add(f"{target}.{alias.name}" if target else alias.name)
+    out = set()
+    for alias in names:
+        sub = f"{target}.{alias.name}" if target else alias.name
+        out.add(sub if _is_module(sub) else target)
     return {m for m in out if _is_module(m)}
 
 
@@ -115,6 +120,7 @@ def test_imports_only_go_down():
 def test_the_check_sees_an_upward_import(tmp_path):
     """The checker itself: an import up a layer, inside a function, is found."""
     module = tmp_path / "errors.py"
-    module.write_text("def f():\n    from ..session.coordinator import Coordinator\n")
-    assert "session.coordinator" in imports("wire.errors", module)
+    module.write_text("def f():\n    from ..session.coordinator import Coordinator\n"
+                      "def g():\n    import ddpwire\n")
+    assert {"session.coordinator", ""} <= imports("wire.errors", module)
     assert layer_of("session.coordinator") == "session" and layer_of("wire.errors") == "wire"
