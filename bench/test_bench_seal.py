@@ -20,6 +20,7 @@ DDPWIRE_SEAL_MIB sets the size (default 64).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import socket
 import threading
@@ -34,6 +35,7 @@ from ddpwire.wire import seal
 MIB = int(os.environ.get("DDPWIRE_SEAL_MIB", "64"))
 SIZE = MIB << 20
 GB = 1e9
+RECORD = _core.SEALED_RECORD  # the plaintext bytes of one sealed record
 
 
 def _pair(sealed: bool):
@@ -65,10 +67,16 @@ def _transfer(ca, cb, data: np.ndarray, out: np.ndarray, cpu: dict) -> None:
     sender.join()
 
 
+@functools.lru_cache(maxsize=None)
+def _links_libcrypto() -> ctypes.CDLL:
+    """The libcrypto the links load (ddpwire.wire.seal's choice)."""
+    return ctypes.CDLL(seal.load_libcrypto())
+
+
 def _openssl_versions() -> dict:
     """The OpenSSL the `cryptography` wheel carries, and the libcrypto the links load."""
     from cryptography.hazmat.backends.openssl import backend
-    lib = ctypes.CDLL(seal.load_libcrypto())
+    lib = _links_libcrypto()
     lib.OpenSSL_version.restype = ctypes.c_char_p
     lib.OpenSSL_version.argtypes = [ctypes.c_int]
     return {"cryptography_openssl": backend.openssl_version_text(),
@@ -77,7 +85,7 @@ def _openssl_versions() -> dict:
 
 def _links_sealer():
     """seal(record): AES-256-GCM through the links' libcrypto, as csrc/aead.c calls it."""
-    lib = ctypes.CDLL(seal.load_libcrypto())
+    lib = _links_libcrypto()
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.EVP_CIPHER_CTX_new.restype = p
     lib.EVP_aes_256_gcm.restype = p
@@ -87,7 +95,7 @@ def _links_sealer():
     lib.EVP_CIPHER_CTX_ctrl.argtypes = [p, i, i, ctypes.c_char_p]
     ctx = lib.EVP_CIPHER_CTX_new()
     assert lib.EVP_EncryptInit_ex(ctx, lib.EVP_aes_256_gcm(), None, os.urandom(32), bytes(12))
-    out, tag, n = ctypes.create_string_buffer(seal_record_bytes()), ctypes.create_string_buffer(16), i()
+    out, tag, n = ctypes.create_string_buffer(RECORD), ctypes.create_string_buffer(16), i()
 
     def seal_one(record: bytes) -> None:
         assert lib.EVP_EncryptInit_ex(ctx, None, None, None, bytes(12))
@@ -95,10 +103,6 @@ def _links_sealer():
         assert lib.EVP_EncryptFinal_ex(ctx, out, ctypes.byref(n))
         assert lib.EVP_CIPHER_CTX_ctrl(ctx, 0x10, 16, tag)  # EVP_CTRL_GCM_GET_TAG
     return seal_one
-
-
-def seal_record_bytes() -> int:
-    return _core.SEALED_RECORD
 
 
 @pytest.mark.parametrize("kind", ["memcpy", "clear", "sealed", "aesgcm-links",
@@ -125,8 +129,7 @@ def test_seal_cost(benchmark, kind):
 
             def seal_one(record: bytes) -> None:
                 aead.encrypt(bytes(12), record, None)
-        step = seal_record_bytes()
-        records = [data[k:k + step].tobytes() for k in range(0, SIZE, step)]
+        records = [data[k:k + RECORD].tobytes() for k in range(0, SIZE, RECORD)]
 
         def once() -> None:
             t = time.thread_time()

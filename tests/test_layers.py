@@ -65,15 +65,12 @@ def imports(name: str, path: Path) -> Set[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)]
-            elif node.module and (node.module == "ddpwire" or node.module.startswith("ddpwire.")):
-                base = []
-                node_module = node.module[len("ddpwire"):].lstrip(".")
-                found |= _resolve(base, node_module, node.names)
-                continue
+                base, module = package[:len(package) - (node.level - 1)], node.module or ""
+            elif node.module == "ddpwire" or (node.module or "").startswith("ddpwire."):
+                base, module = [], node.module[len("ddpwire."):]
             else:
                 continue
-            found |= _resolve(base, node.module or "", node.names)
+            found |= _resolve(base, module, node.names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "ddpwire":

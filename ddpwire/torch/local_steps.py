@@ -105,13 +105,9 @@ class DiLoCo:
             raise ValueError(f"sync_every must be at least 1, got {sync_every}")
         # the flat allreduce's codecs (ddpwire.plane.codecs), and DiLoCo's own
         # 8-bit words gathered from every rank (not yet a flat codec)
-        if wire != "int8":
-            try:
-                _codecs.codec_of(wire)
-            except ValueError:
-                choices = ", ".join(repr(n) for n in _codecs.names())
-                raise ValueError(f"wire must be None (float32), {choices} or 'int8', "
-                                 f"got {wire!r}") from None
+        if wire not in (None, *_codecs.names(), "int8"):
+            choices = ", ".join(repr(n) for n in _codecs.names())
+            raise ValueError(f"wire must be None (float32), {choices} or 'int8', got {wire!r}")
         #: the pseudo-gradient's words on the wire: None (float32), "bf16" or
         #: "fp16" (the ddpwire backend's 16-bit average: half the bytes), or
         #: "int8" (a byte an element and a float32 scale per
