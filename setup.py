@@ -14,7 +14,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 # every C unit, linked once into ddpwire._core
-C_SOURCES = ["csrc/wire.c", "csrc/reduce.c", "csrc/link.c", "csrc/sealed.c", "csrc/aead.c",
+C_SOURCES = ["csrc/wire.c", "csrc/reduce.c", "csrc/int8.c", "csrc/link.c", "csrc/sealed.c", "csrc/aead.c",
              "csrc/net.c", "csrc/threaded.c", "csrc/sender.c", "csrc/wake.c", "csrc/shm.c"]
 # aead.c loads libcrypto with dlopen, which glibc before 2.34 keeps in libdl
 LIBRARIES = ["dl"] if sys.platform.startswith("linux") else []
@@ -22,7 +22,9 @@ LIBRARIES = ["dl"] if sys.platform.startswith("linux") else []
 extra_compile_args = []
 extra_link_args = []
 if sys.platform != "win32":
-    extra_compile_args += ["-O3", "-Wall", "-Wextra"]
+    # no fused multiply-adds: the int8 codec's decode-and-sum must round each
+    # product, as torch and numpy do, on every CPU (aarch64 included)
+    extra_compile_args += ["-O3", "-Wall", "-Wextra", "-ffp-contract=off"]
     # DDPWIRE_SANITIZE=1 builds with AddressSanitizer and UBSan for the test
     # suite; DDPWIRE_SANITIZE=thread with ThreadSanitizer, for the coordinator's
     # socket threads (csrc/threaded.c).

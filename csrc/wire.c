@@ -76,7 +76,7 @@ static const char *const DTYPE_NAMES[] = {
     "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool", "int8",
 };
 static const uint8_t DTYPE_SIZES[] = {4, 8, 2, 2, 4, 8, 1, 1, 1};
-static const char *const CODEC_NAMES[] = {"float32", "bf16", "fp16"};
+static const char *const CODEC_NAMES[] = {"float32", "bf16", "fp16", "int8"};
 
 size_t ddpw_dtype_size(uint8_t dtype)
 {

@@ -95,7 +95,8 @@ typedef enum ddpw_ext_type {
 typedef enum ddpw_codec {
     DDPW_CODEC_FLOAT32 = 0,
     DDPW_CODEC_BF16 = 1,
-    DDPW_CODEC_FP16 = 2
+    DDPW_CODEC_FP16 = 2,
+    DDPW_CODEC_INT8 = 3   /* a byte an element, a float32 scale a block (int8.h) */
 } ddpw_codec;
 
 /* StepReport.bad_worker / StepCommit.bad_worker when nothing is wrong. */

@@ -75,3 +75,15 @@ cdef inline int acquire_uint16(object obj, Py_buffer *view, bint writable, str n
     """acquire_typed for 16-bit float bits (uint16 or float16 elements)."""
     return acquire_typed(obj, view, writable, name, 2, is_native_16bit, "uint16 (or float16)",
                          "numpy uint16 or float16 array, memoryview, array.array('H')")
+
+
+cdef inline bint is_bytes(const char *fmt) noexcept:
+    # encoded words are raw bytes: unsigned or signed, any order (one byte)
+    return fmt == NULL or strcmp(fmt, b"B") == 0 or strcmp(fmt, b"b") == 0 or \
+        strcmp(fmt, b"@B") == 0 or strcmp(fmt, b"=B") == 0 or strcmp(fmt, b"<B") == 0
+
+
+cdef inline int acquire_bytes(object obj, Py_buffer *view, bint writable, str name) except -1:
+    """acquire_typed for a codec's encoded bytes (uint8 or int8 elements)."""
+    return acquire_typed(obj, view, writable, name, 1, is_bytes, "bytes",
+                         "numpy uint8 array, bytes, bytearray, memoryview")

@@ -1,6 +1,6 @@
 """Stubs for ddpwire._core, the compiled core: the wire codec (_wire.pxi),
-the float32 kernels (_reduce.pxi), the socket layer (_net.pxi) and the
-shared-memory allreduce (_shm.pxi)."""
+the float32 kernels (_reduce.pxi), the int8 wire codec (_int8.pxi), the
+socket layer (_net.pxi) and the shared-memory allreduce (_shm.pxi)."""
 import socket
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
 
@@ -106,6 +106,42 @@ def mean_half(inputs: Sequence[_Buffer], out: None = None, *, codec: str
 @overload
 def mean_half(inputs: Sequence[_Buffer], out: _B, *, codec: str) -> _B:
     """As above, into ``out`` (uint16 or float16 elements, no overlap)."""
+
+# ---- the int8 wire codec (csrc/int8.h) ----
+
+#: elements that share one float32 scale
+INT8_BLOCK: int
+
+def int8_size(n: int) -> int:
+    """Bytes ``n`` elements take: ``n`` codes and 4 bytes of scale per
+    :data:`INT8_BLOCK` elements (a trailing partial block too)."""
+@overload
+def int8_encode(src: _Buffer, out: None = None) -> numpy.typing.NDArray[numpy.uint8]:
+    """Encode float32 ``src`` into a new uint8 array: per block, its scale
+    (max |x| / 127; NaN for a block holding a NaN or inf) and a code per
+    element rounded to nearest even. Non-finite values are not reported."""
+@overload
+def int8_encode(src: _Buffer, out: _B) -> _B:
+    """As above, into ``out`` (uint8 or int8 elements, no overlap)."""
+@overload
+def int8_decode(src: _Buffer, out: None = None) -> numpy.typing.NDArray[numpy.float32]:
+    """Decode an encoding (code times scale) into a new float32 array; its
+    count is the one ``src``'s length names (ValueError for a length no
+    encoding has)."""
+@overload
+def int8_decode(src: _Buffer, out: _B) -> _B:
+    """As above, into float32 ``out`` (no overlap)."""
+@overload
+def int8_mean(inputs: Sequence[_Buffer], out: None = None, *, divide: bool = ...
+              ) -> numpy.typing.NDArray[numpy.float32]:
+    """Each encoding decoded, summed in float32 in input order and (with
+    ``divide``) divided by their number: ``mean([int8_decode(x) for x in
+    inputs])`` bit for bit. Raises NonFiniteGradient for the first
+    non-finite decoded element (lowest input, then index), out complete
+    even then."""
+@overload
+def int8_mean(inputs: Sequence[_Buffer], out: _B, *, divide: bool = ...) -> _B:
+    """As above, into float32 ``out`` (no overlap)."""
 def available_paths() -> List[str]: ...
 def current_path() -> str: ...
 def current_threads() -> int: ...

@@ -6,7 +6,7 @@ Rank, world size and rendezvous come from the environment as torchrun sets
 them (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or from DDP_INIT (one
 comma-separated init_method per backend: ``env://``, ``tcp://host:port``,
 ``file://path``) with RANK and WORLD_SIZE. Backend ``gloo+hook`` is gloo with ddpwire's comm hook, its
-coordinator at DDP_HOOK_ADDR; ``ddpwire+bf16`` is ddpwire with its bf16_wire_hook. For each backend it trains a
+coordinator at DDP_HOOK_ADDR; ``ddpwire+bf16`` (``+int8``) is ddpwire with its bf16_wire_hook (int8_wire_hook). For each backend it trains a
 small model with BatchNorm over several buckets, runs the object and integer
 collectives, and saves what it got to OUT.<backend>.rank<r>.pt.
 DDP_KILL_AT=<rank>:<step> makes that rank exit abruptly at that step;
@@ -97,8 +97,9 @@ _KEEP = []
 
 def run(backend: str, out: str, run_index: int) -> None:
     hook = backend == "gloo+hook"
-    wire16 = backend == "ddpwire+bf16"  # ddpwire's bf16_wire_hook on its own backend
-    init("gloo" if hook else "ddpwire" if wire16 else backend, run_index)
+    # ddpwire's bf16_wire_hook or int8_wire_hook on its own backend
+    coded = backend.partition("+")[2] if backend.startswith("ddpwire+") else None
+    init("gloo" if hook else "ddpwire" if coded else backend, run_index)
     rank, world = dist.get_rank(), dist.get_world_size()
     kill = os.environ.get("DDP_KILL_AT")
     # DDP_DEVICE=cuda:0 DDP_DEVICE_RANKS=0 puts rank 0 on a GPU, the others on CPU
@@ -120,10 +121,10 @@ def run(backend: str, out: str, run_index: int) -> None:
         state = CommHookState(Worker.connect(parse_addr(os.environ["DDP_HOOK_ADDR"]), timeout=30,
                                              token=os.environ.get("DDPWIRE_TOKEN")))
         ddp.register_comm_hook(state, comm_hook)
-    if wire16:
-        from ddpwire.torch.hooks import bf16_wire_hook
+    if coded:
+        from ddpwire.torch import hooks
 
-        ddp.register_comm_hook(None, bf16_wire_hook)
+        ddp.register_comm_hook(None, getattr(hooks, f"{coded}_wire_hook"))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     steps_taken = 0

@@ -87,6 +87,40 @@ def from_half_bits(h: Any, codec: str) -> np.ndarray:
     raise ValueError(f"codec must be 'bf16' or 'fp16', got {codec!r}")
 
 
+#: elements per scale in the int8 codec (csrc/int8.h; written here again,
+#: so the reference does not take it from the code under test)
+INT8_BLOCK = 256
+
+
+def int8_round_trip(x: Any) -> np.ndarray:
+    """float32 through the int8 codec and back, written from its definition
+    in numpy: per block of 256 elements, scale = max |x| / 127 (NaN for a
+    block holding a NaN or inf), code = x / scale rounded to nearest even
+    and clamped to ±127 (0 for a scale of 0 or NaN), value = code × scale,
+    all in float32."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    n = len(x)
+    pad = (-n) % INT8_BLOCK
+    blocks = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, INT8_BLOCK)
+    with np.errstate(all="ignore"):
+        bad = ~np.isfinite(blocks).all(axis=1)
+        scale = np.abs(blocks).max(axis=1) / np.float32(127)
+        scale[bad] = np.nan
+        usable = ~bad & (scale > 0)
+        safe = np.where(usable, scale, np.float32(1))
+        codes = np.rint(np.clip(blocks / safe[:, None], -127, 127))
+        codes[~usable] = 0
+        # a code is a byte: -0.0 rounds to the code 0, which decodes as +0
+        out = codes.astype(np.int8).astype(np.float32) * scale[:, None].astype(np.float32)
+    return out.reshape(-1)[:n].astype(np.float32)
+
+
+def _round_trip(x: np.ndarray, codec: str) -> np.ndarray:
+    if codec == "int8":
+        return int8_round_trip(x)
+    return from_half_bits(to_half_bits(x, codec), codec)
+
+
 def reference_allreduce(vectors: Sequence[Any], op: Any = "avg",
                         codec: Optional[str] = None) -> np.ndarray:
     """What every member of a flat allreduce must end with, bit for bit.
@@ -94,7 +128,8 @@ def reference_allreduce(vectors: Sequence[Any], op: Any = "avg",
     float32 (``codec`` None): the sum in member order, ((x0 + x1) + x2) ...,
     then for AVG one true division by n. With ``codec`` "bf16" or "fp16":
     each input rounded once to 16 bits (nearest even) and widened, summed
-    as above, divided, the result rounded once to 16 bits and widened.
+    as above, divided, the result rounded once to 16 bits and widened; with
+    "int8" the same, each rounding :func:`int8_round_trip`.
     ``op`` is "avg" or "sum", or an enum (ReduceOp, Op) of that name.
     NaN and infinities go through as numpy's float32 arithmetic takes them.
     """
@@ -105,7 +140,7 @@ def reference_allreduce(vectors: Sequence[Any], op: Any = "avg",
     if not xs:
         raise ValueError("no vectors to reduce")
     if codec is not None:
-        xs = [from_half_bits(to_half_bits(x, codec), codec) for x in xs]
+        xs = [_round_trip(x, codec) for x in xs]
     with np.errstate(all="ignore"):  # overflow and NaN are part of the contract
         acc = np.array(xs[0], dtype=np.float32, copy=True)
         for x in xs[1:]:
@@ -113,7 +148,7 @@ def reference_allreduce(vectors: Sequence[Any], op: Any = "avg",
         if name == "avg":
             acc = np.divide(acc, np.float32(len(xs)), dtype=np.float32)
     if codec is not None:
-        acc = from_half_bits(to_half_bits(acc, codec), codec)
+        acc = _round_trip(acc, codec)
     return acc
 
 

@@ -13,14 +13,27 @@ def test_every_code_on_the_wire_is_described_once():
     assert len({c.name for c in codecs.CODECS}) == len(codecs.CODECS)
     for c in codecs.CODECS:
         assert codecs.by_code(c.code) is c and codecs.codec_of(c.name) is c
-        assert codecs.by_dtype(c.dtype) is c
+        # a collective's bfloat16 or float16 are a 16-bit codec's words; its
+        # uint8 may be anyone's bytes, int8's among them
+        assert codecs.by_dtype(c.dtype) is (None if c.block else c)
+    assert codecs.by_dtype(DType.UINT8) is None
     assert codecs.codec_of(None) is codecs.FLOAT32 and codecs.FLOAT32.half is None
 
 
 @pytest.mark.parametrize("codec", codecs.CODECS, ids=lambda c: str(c.name))
 def test_a_codec_s_width_and_kernels_are_what_its_elements_take(codec):
-    assert np.dtype(NUMPY_DTYPES[codec.dtype]).itemsize == codec.width
     values = np.linspace(-3, 3, 64, dtype=np.float32)
+    if codec.block:
+        # a scale per block: n codes and 4 bytes a block, a trailing part too
+        assert codec.width == 0 and codec.dtype is DType.UINT8
+        for n in (0, 1, 255, 256, 257, 1000):
+            assert codec.size(n) == n + 4 * -(-n // codec.block)
+        coded = reduce.int8_encode(values)
+        assert coded.nbytes == codec.size(values.size)
+        np.testing.assert_allclose(reduce.int8_decode(coded), values, atol=3 / 127 / 2 + 1e-7)
+        return
+    assert np.dtype(NUMPY_DTYPES[codec.dtype]).itemsize == codec.width
+    assert codec.size(10) == 10 * codec.width
     if codec.half is None:
         assert codec.width == 4
         return
@@ -31,7 +44,7 @@ def test_a_codec_s_width_and_kernels_are_what_its_elements_take(codec):
 
 def test_an_unknown_name_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"compression must be None or one of 'bf16', 'fp16', "
-                                         r"got 'int4'"):
+                                         r"'int8', got 'int4'"):
         codecs.codec_of("int4")
     with pytest.raises(ValueError):
         codecs.codec_of(["bf16"])  # unhashable: the same refusal, not a TypeError

@@ -2,20 +2,21 @@
 
 The reference is tests/session_helpers.py reference_allreduce (a float32
 sum in member order, a true division for AVG; for 16-bit codecs each input
-and the result rounded once to 16 bits). The paths:
+and the result rounded once to 16 bits; for int8 once each through the
+codec's blocks). The paths:
 
 * sessions (a real Coordinator, Workers in threads, loopback TCP): the
-  star and the mesh; on the mesh float32, bf16 and fp16; the links or the
+  star and the mesh; on the mesh float32, bf16, fp16 and int8; the links or the
   shared segment; 1 to 4 workers; a coordinator share of 0 or 0.25 (which
   float32 over the links allows); and unequal or zero fractions handed to
   each worker's Mesh (MeshPeers carries none: only a Mesh made with
   fractions cuts unequally, so the test hands them to Mesh.connect), on the
   links and on the shared segment alike;
 * Mesh runners on links made here: unequal and zero fractions, SUM and
-  AVG in float32, AVG in bf16 and fp16, the exchange's kernels in their
+  AVG in float32, AVG in bf16, fp16 and int8, the exchange's kernels in their
   default ranges and in ranges of a few elements;
 * the torch backend's RankLinks, set up through a fake service: the same
-  fractions, SUM and AVG, float32 and 16-bit buckets.
+  fractions, SUM and AVG, float32, 16-bit and int8 buckets.
 
 Vectors are small (a few thousand elements, some slices empty) so the whole
 matrix stays quick on two cores.
@@ -29,6 +30,7 @@ import numpy as np
 import pytest
 
 from ddpwire import _core
+from ddpwire.plane import codecs
 from ddpwire.plane import mesh as meshmod
 from ddpwire.plane import plan as planmod
 from ddpwire.wire.errors import GradientMismatch
@@ -73,7 +75,7 @@ def _session_cases() -> List[Case]:
         cases.append(Case("star", None, "links", n, 0.0))
         cases.append(Case("mesh", None, "links", n, 0.0))
         cases.append(Case("mesh", None, "shm", n, 0.0))
-        for codec in ("bf16", "fp16"):  # 16-bit words travel on the links only
+        for codec in ("bf16", "fp16", "int8"):  # compressed words travel on the links only
             cases.append(Case("mesh", codec, "links", n, 0.0))
         if n >= 2:  # a share needs float32 over the links
             cases.append(Case("mesh", None, "links", n, 0.25))
@@ -84,6 +86,8 @@ def _session_cases() -> List[Case]:
         Case("mesh", None, "links", 2, 0.0, (3.0, 1.0)),
         Case("mesh", "bf16", "links", 3, 0.0, (1.0, 0.0, 1.0)),
         Case("mesh", "fp16", "links", 2, 0.0, (0.0, 1.0)),
+        Case("mesh", "int8", "links", 3, 0.0, (1.0, 0.0, 1.0)),
+        Case("mesh", "int8", "links", 4, 0.0, (0.1, 0.2, 0.3, 0.4)),
         # the segment with unequal and zero fractions
         Case("mesh", None, "shm", 3, 0.0, (1.0, 2.0, 3.0)),
         Case("mesh", None, "shm", 2, 0.0, (0.0, 1.0)),
@@ -154,7 +158,7 @@ FRACTIONS = [
 ]
 #: (codec, op): SUM travels in float32 only
 REDUCTIONS = [(None, ReduceOp.SUM), (None, ReduceOp.AVG), ("bf16", ReduceOp.AVG),
-              ("fp16", ReduceOp.AVG)]
+              ("fp16", ReduceOp.AVG), ("int8", ReduceOp.AVG)]
 
 
 @pytest.fixture(params=["whole", "tiny"])
@@ -181,14 +185,20 @@ def test_mesh_runners_with_unequal_and_zero_fractions_give_the_reference_bits(
     meshes = mesh_group(n, codec, fractions)
     try:
         # two lengths, one after the other: the plans (and scratch) per length
-        for step, count in enumerate((1000, 37, 1000)):
+        for step, count in enumerate((1000, 37, 1000, 2560)):
             grads = gradients(n, count, seed=100 * step + n)
             plan = planmod.Plan(count, n, fractions, meshes[0].codec)
-            assert any(a == b for a, b in plan.bounds) == (0.0 in fractions)
+            wire = codecs.codec_of(codec)
+            # (a blocked codec also leaves a member with too few blocks empty)
+            assert any(a == b for a, b in plan.bounds) == (0.0 in fractions) or wire.block
             outs, outcomes, errors, owned = mesh_allreduce(meshes, step, grads, op)
             assert errors == [None] * n, errors
             # each averaged the slice the plan gives it, an empty one included
-            assert owned == [b - a for a, b in plan.bounds]
+            # (held as the codec's words: int8's as bytes)
+            assert owned == [wire.size(b) - wire.size(a) if wire.block else b - a
+                             for a, b in plan.bounds]
+            if wire.block:  # every slice that holds an element starts on a block
+                assert all(a % wire.block == 0 for a, b in plan.bounds if b > a)
             want = reference_allreduce(grads, op, codec)
             for r in range(n):
                 assert np.array_equal(bits(outs[r]), bits(want)), (step, r)

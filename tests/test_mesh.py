@@ -166,7 +166,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="topology"):
         Coordinator(ADDR, 1, topology="ring")
     with pytest.raises(ValueError, match="compression"):
-        Coordinator(ADDR, 1, compression="int8")
+        Coordinator(ADDR, 1, compression="int4")
     with pytest.raises(ValueError, match="travels on the mesh"):
         Coordinator(ADDR, 1, topology="star", compression="bf16")
 

@@ -149,5 +149,6 @@ def test_the_plan_imports_nothing_above_it():
             imported.add(("." * node.level) + (node.module or ""))
         elif isinstance(node, ast.Import):
             imported.update(a.name for a in node.names)
+    # the codec table beside it: a description (a blocked codec cuts in blocks)
     assert imported <= {"__future__", "math", "numbers", "dataclasses", "typing",
-                        "..wire.extensions"}, imported
+                        "..wire.extensions", ".codecs"}, imported

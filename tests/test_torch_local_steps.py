@@ -19,6 +19,7 @@ import local_steps_script as script  # noqa: E402
 
 
 def run_ranks(tmp_path, backend, mode, world=2):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     run_script_ranks(SCRIPT, [tmp_path / "run", backend, mode], world)
     return [torch.load(tmp_path / f"run.{mode}.rank{r}.pt") for r in range(world)]
 
@@ -70,18 +71,22 @@ def test_a_bf16_pseudo_gradient_is_within_bf16_rounding_of_the_float32_one(tmp_p
         DiLoCo(torch.nn.Linear(2, 2), None, sync_every=2, wire="int4")
 
 
-@pytest.mark.parametrize("backend", ["ddpwire", "gloo"])
-def test_an_int8_pseudo_gradient_is_within_its_block_scales_of_the_float32_one(tmp_path,
-                                                                               backend):
-    f32 = run_ranks(tmp_path, backend, "f32")[0]
-    q8 = run_ranks(tmp_path, backend, "int8")
-    for x, y in zip(q8[0][-1]["params"], q8[1][-1]["params"]):
-        assert torch.equal(x, y)  # the same bits on every rank
+def test_an_int8_pseudo_gradient_is_within_its_block_scales_and_the_same_on_any_backend(
+        tmp_path):
+    f32 = run_ranks(tmp_path / "f32", "ddpwire", "f32")[0]
+    # the ddpwire backend's flat int8 allreduce, and gloo's all_gather of
+    # every rank's bytes averaged by each rank: the same bits on every rank
+    q8 = run_ranks(tmp_path / "ddpwire", "ddpwire", "int8")
+    gloo = run_ranks(tmp_path / "gloo", "gloo", "int8")
+    for rank in q8[1:] + gloo:
+        for x, y in zip(q8[0][-1]["params"], rank[-1]["params"]):
+            assert torch.equal(x, y)
     start = f32[0]["anchor"]
     for s, a, b in zip(start, f32[-1]["params"], q8[0][-1]["params"]):
         step = (s - a).abs().max()  # lr 0.7 * (1 + 0.9) times the average
         # each rank's pseudo-gradient within half a block's scale (its
-        # largest magnitude over 127) of itself: 2**-8 of the largest
-        # value, with room for the ranks' values being larger than their average
-        assert (a - b).abs().max() <= step * 2.0 ** -7
+        # largest magnitude over 127) of itself, and the average again:
+        # 2**-8 of the largest value each time, with room for the ranks'
+        # values being larger than their average
+        assert (a - b).abs().max() <= step * 2.0 ** -6
         assert not torch.equal(a, b), "8 bits should round something"

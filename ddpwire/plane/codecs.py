@@ -1,27 +1,40 @@
 """The wire codecs of a flat allreduce, described once.
 
-A codec is how a vector's float32 elements travel: float32 itself, or
-rounded to 16 bits (bfloat16 or IEEE binary16: half the bytes, and the
-kernels widen them back to float32 before anything is summed). Each entry
-names the codec as a user does (``compression=``, ``--compression``), the
-code MeshPeers carries to every member (:class:`~ddpwire.Codec`), the
-element type a collective names it by (:class:`~ddpwire.DType`), its
-width, and the name the compiled 16-bit kernels take (``codec=`` of
-:mod:`ddpwire.reduce`). Every layer that picks, checks or sends a codec
-reads it here: the mesh, the coordinator's options, the command, the torch
-rank links and the collectives service.
+A codec is how a vector's float32 elements travel: float32 itself; rounded
+to 16 bits (bfloat16 or IEEE binary16: half the bytes, and the kernels
+widen them back to float32 before anything is summed); or int8, a byte an
+element and a float32 scale per block of :data:`INT8_BLOCK` elements
+(csrc/int8.h: about a quarter of the bytes). Every codec keeps one rule:
+each member's vector is rounded once, the members' values are summed in
+float32 in member order and divided, and the average is rounded once more,
+so every member ends with the same bits.
 
-A new codec is an entry here, its kernels in csrc/reduce.c registered in
-ddpwire/_reduce.pxi, and its code in docs/extensions.md's MeshPeers table.
+Each entry names the codec as a user does (``compression=``,
+``--compression``), the code MeshPeers carries to every member
+(:class:`~ddpwire.Codec`), the element type its slices travel as in a
+CollectiveRequest (:class:`~ddpwire.DType`), the bytes ``n`` elements take
+(:meth:`WireCodec.size`), the elements that share a scale (``block``; a
+slice of a blocked codec starts on a block) and the name the compiled
+16-bit kernels take (``codec=`` of :mod:`ddpwire.plane.reduce`). Every
+layer that picks, checks or sends a codec reads it here: the mesh and its
+plan, the coordinator's options, the command, the torch rank links, the
+collectives service and DiLoCo.
+
+A new codec is an entry here and its kernels: a C file in csrc/ (as
+csrc/int8.c) with its glue (ddpwire/_int8.pxi, included by _core.pyx, its
+source named in setup.py), its branch in :class:`ddpwire.plane.mesh.Mesh`,
+and its code in csrc/wire.h and docs/extensions.md's MeshPeers table.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from .._core import INT8_BLOCK, int8_size
 from ..wire.extensions import Codec, DType
 
-__all__ = ["CODECS", "FLOAT32", "WireCodec", "by_code", "by_dtype", "codec_of", "names"]
+__all__ = ["CODECS", "FLOAT32", "INT8", "INT8_BLOCK", "WireCodec", "by_code", "by_dtype",
+           "codec_of", "names"]
 
 
 @dataclass(frozen=True)
@@ -32,12 +45,18 @@ class WireCodec:
     name: Optional[str]
     #: MeshPeers's codec field
     code: Codec
-    #: the element type of a collective carrying it
+    #: the element type of a CollectiveRequest carrying its slices
     dtype: DType
-    #: bytes an element takes on the wire
+    #: bytes an element takes on the wire (0: see :meth:`size`)
     width: int
-    #: the 16-bit kernels' ``codec=`` name (None: float32 needs none)
+    #: the 16-bit kernels' ``codec=`` name (None: not a 16-bit codec)
     half: Optional[str]
+    #: elements that share one scale (0: none, every element stands alone)
+    block: int = 0
+
+    def size(self, n: int) -> int:
+        """Bytes ``n`` elements take on the wire."""
+        return n * self.width if not self.block else int8_size(n)
 
 
 FLOAT32 = WireCodec(None, Codec.FLOAT32, DType.FLOAT32, 4, None)
@@ -46,10 +65,15 @@ CODECS: Tuple[WireCodec, ...] = (
     FLOAT32,
     WireCodec("bf16", Codec.BF16, DType.BFLOAT16, 2, "bf16"),
     WireCodec("fp16", Codec.FP16, DType.FLOAT16, 2, "fp16"),
+    # its slices are raw bytes: scales and codes (csrc/int8.h)
+    WireCodec("int8", Codec.INT8, DType.UINT8, 0, None, INT8_BLOCK),
 )
+INT8 = CODECS[-1]
 _BY_NAME: Dict[Optional[str], WireCodec] = {c.name: c for c in CODECS}
 _BY_CODE: Dict[Codec, WireCodec] = {c.code: c for c in CODECS}
-_BY_DTYPE: Dict[DType, WireCodec] = {c.dtype: c for c in CODECS}
+# a collective of bfloat16 or float16 carries a 16-bit codec's words; one of
+# uint8 carries bytes, int8's or anyone's
+_BY_DTYPE: Dict[DType, WireCodec] = {c.dtype: c for c in CODECS if not c.block}
 
 
 def names() -> Tuple[str, ...]:

@@ -73,7 +73,7 @@ from ..wire import seal
 from . import shm as _shm
 from .._text import counted
 from ..wire.channel import MAX_PENDING, Channel, check_timeout
-from ..wire.errors import (GradientMismatch, NotACoordinator, ProtocolError,
+from ..wire.errors import (GradientMismatch, NonFiniteGradient, NotACoordinator, ProtocolError,
                      ShutdownDuringReduce, UnexpectedMessage, WorkerLost)
 from ..wire.extensions import Codec, CollectiveKind, DType, ReduceOp, decode_u16, encode_u16
 from ..wire.messages import (
@@ -516,7 +516,7 @@ class Mesh:
         self.world = len(links)
         self.codec = Codec(codec)
         self.timeout = timeout
-        wire = _codecs.by_code(self.codec)
+        self._wire = wire = _codecs.by_code(self.codec)
         self._dtype, self._half = wire.dtype, wire.half
         self._scratch: Dict[Tuple[str, int, str], np.ndarray] = {}
         self._plans: Dict[int, Plan] = {}  # by vector length, as the scratch
@@ -801,8 +801,8 @@ class Mesh:
         GradientPayload whose tail is ``tail`` (loss, correct, total), and
         their average comes back in the same calls."""
         op = ReduceOp(op)
-        if op not in (ReduceOp.AVG, ReduceOp.SUM) or (op is ReduceOp.SUM and
-                                                      (self._half or self.coordinator_share)):
+        if op not in (ReduceOp.AVG, ReduceOp.SUM) or (op is ReduceOp.SUM and (
+                self.codec != Codec.FLOAT32 or self.coordinator_share)):
             raise ValueError(f"the mesh reduces AVG, and SUM in float32 without a coordinator "
                              f"share, not {op.name} ({self.codec.name.lower()})")
         if self._want_shared:
@@ -815,6 +815,8 @@ class Mesh:
             return SliceOutcome() if bad is None else SliceOutcome(*bad)
         n, me = self.world, self.worker_id
         plan = self.plan_for(len(gradients))
+        if self._wire.block:
+            return self._reduce_scatter_blocks(step, gradients, deadline, plan)
         leg = self._leg(step, gradients, tail, plan)
         bounds = plan.bounds
         lo, hi = bounds[me]
@@ -861,6 +863,51 @@ class Mesh:
         self._part = None if leg is None else leg.into
         return outcome
 
+    def _byte_bounds(self, plan: Plan) -> List[Tuple[int, int]]:
+        """Each slice's bytes in a blocked codec's encoding of the vector
+        (its slices start on a block, so each is its blocks' bytes)."""
+        size = self._wire.size
+        return [(size(a), size(b)) for a, b in plan.bounds]
+
+    def _reduce_scatter_blocks(self, step: int, gradients: np.ndarray, deadline: float,
+                               plan: Plan) -> SliceOutcome:
+        """Phase 1 in a codec with a scale per block (int8), whose values
+        cannot be summed as they travel: the vector encoded once, the
+        slices exchanged as bytes, then this worker's slice decoded from
+        every worker and averaged in worker order, and its average encoded
+        for the allgather (every worker, this one too, decodes those bytes)."""
+        n, me = self.world, self.worker_id
+        wire = self._buffer("wire", self._wire.size(len(gradients)), np.dtype(np.uint8))
+        _reduce.int8_encode(gradients, wire)
+        spans = self._byte_bounds(plan)
+        lo, hi = plan.bounds[me]
+        a, b = spans[me]
+        inbox = self._buffer("inbox", (b - a) * max(n - 1, 1), wire.dtype)
+        recvs: List[Optional[np.ndarray]] = []
+        inputs: List[np.ndarray] = []
+        k = 0
+        for j in range(n):
+            if j == me:
+                recvs.append(None)
+                inputs.append(wire[a:b])
+            else:
+                part = inbox[k * (b - a):(k + 1) * (b - a)]
+                k += 1
+                recvs.append(part)
+                inputs.append(part)
+        sends = [None if j == me else wire[x:y] for j, (x, y) in enumerate(spans)]
+        self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline)
+        own = self._buffer("own", hi - lo, np.dtype(np.float32))
+        outcome = SliceOutcome()
+        if hi > lo:
+            try:
+                _reduce.int8_mean(inputs, own)
+            except NonFiniteGradient as exc:  # the whole slice is averaged even so
+                outcome = SliceOutcome(exc.input, lo + exc.index, exc.value)
+        self._own = _reduce.int8_encode(own, self._buffer("own bytes", b - a, wire.dtype))
+        self._step, self._part = step, None
+        return outcome
+
     def _leg(self, step: int, gradients: np.ndarray, tail: Tuple[float, int, int],
              plan: Plan) -> Optional[_CoordinatorLeg]:
         if not self.coordinator_share:
@@ -891,6 +938,15 @@ class Mesh:
         bounds = plan.bounds
         lo, hi = bounds[me]
         sends = [None if j == me else own for j in range(n)]
+        if self._wire.block:
+            # every slice's bytes, this worker's own too, decoded at once
+            spans = self._byte_bounds(plan)
+            coded = self._buffer("gathered", spans[-1][1], own.dtype)
+            recvs = [None if j == me else coded[a:b] for j, (a, b) in enumerate(spans)]
+            self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline)
+            a, b = spans[me]
+            coded[a:b] = own
+            return _reduce.int8_decode(coded, out)
         if self._half is None:
             # float32 lands where it belongs
             recvs = [None if j == me else out[a:b] for j, (a, b) in enumerate(bounds)]

@@ -23,7 +23,11 @@ power-of-two denominator, and member k's slice starts at element
     floor(ours · (w_0 + … + w_{k-1}) / (w_0 + … + w_{N-1}))
 
 (integer arithmetic, so no float rounding can differ between machines) and
-ends where member k+1's starts, the last at ``ours``. So the slices tile
+ends where member k+1's starts, the last at ``ours``. A codec with blocks
+(int8: a scale per 256 elements, :mod:`ddpwire.plane.codecs`) cuts the same
+way in whole blocks, ``ours`` rounded up to B blocks, block
+floor(B · (w_0 + … + w_{k-1}) / (w_0 + … + w_{N-1})) starting slice k
+(no later than ``ours``), so every slice starts on a block. So the slices tile
 [0, ours) exactly, in order, each within one element of its exact share; a
 member whose fraction is 0 owns no element (it still sends every other
 member its slice of its own vector and receives every slice of the
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from ..wire.extensions import Codec
+from .codecs import by_code
 
 __all__ = ["MAX_SHARE", "Plan", "check_fractions", "coordinator_part", "share_value",
            "slice_bounds"]
@@ -158,9 +163,11 @@ class Plan:
         # floor(ours·k·w / (N·w)) = floor(ours·k / N), slice_bounds exactly
         weights = [1] * members if fractions is None else _weights(fractions)
         total = sum(weights)
+        unit = by_code(codec).block or 1
+        units = -(-ours // unit)
         starts, prefix = [], 0
         for w in weights:
-            starts.append(ours * prefix // total)
+            starts.append(min(ours, units * prefix // total * unit))
             prefix += w
         bounds = list(zip(starts, starts[1:] + [ours]))
         for name, value in (("count", count), ("members", members), ("fractions", fractions),

@@ -19,10 +19,17 @@ Gradients may also travel as 16 bits (:data:`CODECS`: ``"bf16"``, ``"fp16"``):
 buffers in float32 and rounds once, the same bits as widening, :func:`mean`
 and narrowing, so every worker expands the same average. 16-bit buffers hold
 the bits as uint16 (or, for fp16, numpy.float16) elements.
+
+Or as int8 (csrc/int8.h: a byte an element and a float32 scale per
+:data:`INT8_BLOCK` elements): :func:`int8_encode` and :func:`int8_decode`,
+and :func:`int8_mean`, which decodes, sums in float32 in input order and
+divides, the same bits as decoding each input and calling :func:`mean`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .._core import (
     accumulate,
@@ -31,6 +38,11 @@ from .._core import (
     current_threads,
     first_non_finite,
     from_half,
+    INT8_BLOCK,
+    int8_decode,
+    int8_encode,
+    int8_mean,
+    int8_size,
     mean,
     mean_half,
     scale,
@@ -38,6 +50,7 @@ from .._core import (
     total,
 )
 from .._core import _set_path, _set_threads
+from ..wire.errors import NonFiniteGradient
 from . import codecs as _codecs
 
 __all__ = [
@@ -50,6 +63,12 @@ __all__ = [
     "to_half",
     "from_half",
     "mean_half",
+    "INT8_BLOCK",
+    "int8_size",
+    "int8_encode",
+    "int8_decode",
+    "int8_mean",
+    "int8_average",
     "available_paths",
     "current_path",
     "use_path",
@@ -61,6 +80,24 @@ __all__ = [
 #: the 16-bit wire codecs the kernels take as ``codec=``: bfloat16 and IEEE binary16
 #: (ddpwire.plane.codecs describes them)
 CODECS: Tuple[str, ...] = tuple(c.half for c in _codecs.CODECS if c.half is not None)
+
+
+def int8_average(encodings: Sequence[Any]) -> np.ndarray:
+    """What a flat int8 allreduce gives every member, from every member's
+    encoding (in member order; equal lengths): decoded, summed in float32
+    in order, divided by their number, and that average encoded once more
+    and decoded (csrc/int8.h). A NaN or infinity is passed on, as a float32
+    sum would, not raised. For a group whose members' bytes were gathered
+    (the collective service, a foreign process group)."""
+    parts = [np.ascontiguousarray(e).view(np.uint8).reshape(-1) for e in encodings]
+    nbytes = parts[0].size if parts else 0
+    # the count whose encoding takes nbytes (int8_mean refuses a length none has)
+    average = np.empty(nbytes - 4 * -(-nbytes // (INT8_BLOCK + 4)), dtype=np.float32)
+    try:
+        int8_mean(parts, average)
+    except NonFiniteGradient:
+        pass  # the average is written in full, NaN and inf in place
+    return int8_decode(int8_encode(average))
 
 
 class _Restore:

@@ -27,7 +27,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import _ddpwire_autoload as _autoload
 
+from ..plane import codecs as _codecs
 from ..plane import p2p as _p2p
+from ..plane import reduce as _reduce
 from ..plane import shm as _shm
 from ..plane.collectives import CollectiveAborted, DType, Kind, Op, check_op
 from .composed import (
@@ -749,34 +751,54 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         """Done once every rank has called it."""
         return self._issue("barrier", Kind.BARRIER, Op.SUM, DType.UINT8, 0, [], [], None)
 
-    def allreduce_16bit(self, tensor: torch.Tensor, codec: str = "bf16") -> DdpwireWork:
-        """Average a float32 tensor in place with 16 bits on the wire
-        (``codec`` "bf16" or "fp16"): each rank's values rounded once
-        (nearest even), summed in float32 in rank order, divided by the world
-        size and rounded once more; every rank widens the same 16-bit
-        average. Half the bytes of a float32 allreduce, for DDP buckets
-        (:func:`ddpwire.torch.hooks.bf16_wire_hook`). On the rank links
-        the float32 tensor is narrowed as it is sent; otherwise it travels
-        as a bfloat16/float16 AVG through the service, the same bits."""
-        if codec not in ("bf16", "fp16"):
-            raise ValueError(f"ddpwire allreduce_16bit: codec must be 'bf16' or 'fp16', "
-                             f"got {codec!r}")
+    def allreduce_compressed(self, tensor: torch.Tensor, compression: str = "bf16") -> DdpwireWork:
+        """Average a float32 tensor in place with ``compression`` on the
+        wire (a codec of :mod:`ddpwire.plane.codecs`: "bf16", "fp16" or
+        "int8", a byte an element and a scale per 256): each rank's values
+        rounded once, summed in float32 in rank order, divided by the world
+        size, the average rounded once more, and every rank decodes the same
+        average. For DDP buckets (:mod:`ddpwire.torch.hooks`) and DiLoCo's
+        pseudo-gradients. On the rank links the tensor is encoded as it is
+        sent; otherwise 16 bits travel as a bfloat16/float16 AVG through the
+        service, and int8 as every rank's bytes gathered through it, each
+        rank averaging them in rank order: the same bits either way."""
+        wire = _codecs.codec_of(compression)
+        if wire.name is None:
+            raise ValueError("ddpwire allreduce_compressed: compression names a codec "
+                             f"({', '.join(_codecs.names())}); use all_reduce for float32")
         if tensor.dtype != torch.float32:
-            raise TypeError(f"ddpwire allreduce_16bit: a float32 tensor is narrowed on the wire, "
-                            f"got {tensor.dtype}")
+            raise TypeError(f"ddpwire allreduce_compressed: a float32 tensor is encoded on the "
+                            f"wire, got {tensor.dtype}")
+        what = f"allreduce_compressed {wire.name}"
         links = self._links
         if links is not None and tensor.numel() * 4 >= LINKS_MIN_BYTES:
             data, ready, release = self._staging.outgoing([tensor])
             work = DdpwireWork(torch.futures.Future(), self._limit, -1,
-                               f"allreduce_16bit (rank {self._rank})", self._report)
+                               f"{what} (rank {self._rank})", self._report)
             return self._issue_local(work, lambda d: links.allreduce(d.view(np.float32), Op.AVG,
-                                                                     compression=codec),
+                                                                     compression=wire.name),
                                      data, ready, release, [tensor], [tensor], [tensor])
-        half = tensor.to(torch.bfloat16 if codec == "bf16" else torch.float16)
+        if wire.block:
+            coded = torch.from_numpy(_reduce.int8_encode(
+                tensor.detach().to("cpu").contiguous().view(-1).numpy()))
+            gathered = torch.empty(self._world * coded.numel(), dtype=torch.uint8)
+            return self._issue(what, Kind.ALLGATHER, Op.SUM, DType.UINT8, 0, [coded], [gathered],
+                               [tensor], deliver=lambda: copy_into(tensor, torch.from_numpy(
+                                   _reduce.int8_average(gathered.numpy().reshape(
+                                       self._world, -1)))))
+        half = tensor.to(torch.bfloat16 if wire.half == "bf16" else torch.float16)
         # widened into the caller's tensor before the work completes: its
         # future hands DDP the float32 bucket
-        return self._issue("allreduce_16bit", Kind.ALLREDUCE, Op.AVG, _dtype_of([half], "allreduce"),
+        return self._issue(what, Kind.ALLREDUCE, Op.AVG, _dtype_of([half], "allreduce"),
                            0, [half], [half], [tensor], deliver=lambda: copy_into(tensor, half))
+
+    def allreduce_16bit(self, tensor: torch.Tensor, codec: str = "bf16") -> DdpwireWork:
+        """:meth:`allreduce_compressed` with a 16-bit ``codec`` ("bf16" or
+        "fp16"), the name it had first."""
+        if codec not in ("bf16", "fp16"):
+            raise ValueError(f"ddpwire allreduce_16bit: codec must be 'bf16' or 'fp16', "
+                             f"got {codec!r}")
+        return self.allreduce_compressed(tensor, codec)
 
     # ---- composed from the collectives above, with gloo's semantics ----
 

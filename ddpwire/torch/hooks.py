@@ -1,5 +1,5 @@
-"""DDP communication hooks for the "ddpwire" backend: buckets with 16 bits
-on the wire.
+"""DDP communication hooks for the "ddpwire" backend: buckets with 16 or 8
+bits on the wire.
 
 torch's own ``bf16_compress_hook`` and ``fp16_compress_hook`` refuse every
 backend but NCCL (and XCCL), so CPU and MPS users have nothing like them.
@@ -10,9 +10,10 @@ links and through the service otherwise, with the same bits either way::
     ddp.register_comm_hook(None, ddpwire.torch.hooks.bf16_wire_hook)
 
 Each bucket is averaged (not summed): every rank's float32 gradients are
-rounded once to 16 bits, summed in float32 in rank order, divided by the
-world size and rounded once more, and every rank widens the same average,
-so the parameters stay bit-identical across ranks.
+rounded once to 16 bits (or to int8, a byte an element and a float32 scale
+per 256: ``int8_wire_hook``), summed in float32 in rank order, divided by
+the world size and rounded once more, and every rank decodes the same
+average, so the parameters stay bit-identical across ranks.
 """
 # no `from __future__ import annotations`: DDP checks these annotations as objects
 from typing import Any, Optional
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from .backend import DdpwireProcessGroup
 
-__all__ = ["bf16_wire_hook", "fp16_wire_hook"]
+__all__ = ["bf16_wire_hook", "fp16_wire_hook", "int8_wire_hook"]
 
 
 def _group(process_group: Optional[Any]) -> DdpwireProcessGroup:
@@ -43,7 +44,7 @@ def _group(process_group: Optional[Any]) -> DdpwireProcessGroup:
 def _compressed(process_group: Optional[Any], bucket: dist.GradBucket,
                 codec: str) -> "torch.futures.Future[torch.Tensor]":
     buffer = bucket.buffer()
-    fut = _group(process_group).allreduce_16bit(buffer, codec).get_future()
+    fut = _group(process_group).allreduce_compressed(buffer, codec).get_future()
     return fut.then(lambda _: buffer)
 
 
@@ -58,3 +59,11 @@ def fp16_wire_hook(process_group: Optional[Any],
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with IEEE float16 on the wire."""
     return _compressed(process_group, bucket, "fp16")
+
+
+def int8_wire_hook(process_group: Optional[Any],
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with int8 on the wire: about a quarter of
+    float32's bytes, each element within half its block's scale (the
+    block's largest magnitude over 127) of itself, rounded twice."""
+    return _compressed(process_group, bucket, "int8")

@@ -28,59 +28,41 @@ rounding.
 ddpwire backend (half the bytes again; OpenDiLoCo used float16): each
 rank's values rounded once, summed in float32, divided, rounded once more,
 so each averaged element is within about 2**-8 (bf16) of the float32
-average, relative to its size.
+average, relative to its size. ``wire="int8"`` sends a byte an element and
+a float32 scale per :data:`INT8_BLOCK` (csrc/int8.h), rounded the same two
+times, each time within half its block's scale (the block's largest
+magnitude over 127): on the ddpwire backend as its flat allreduce over the
+rank links, on any other process group as every rank's bytes gathered and
+averaged by each rank in rank order, the same bits.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..plane import codecs as _codecs
+from ..plane import reduce as _reduce
+from ..plane.codecs import INT8_BLOCK
 
-__all__ = ["DiLoCo", "INT8_BLOCK", "dequantize_mean", "nesterov_outer", "quantize_int8"]
+__all__ = ["DiLoCo", "INT8_BLOCK", "nesterov_outer"]
 
 
-def _ddpwire_group(group: Optional[Any]) -> Any:
-    from .hooks import _group  # the backend's process group, or a TypeError saying so
+def _ddpwire_group(group: Optional[Any], wire: str) -> Any:
+    """The ddpwire backend's process group under ``group``; None for another
+    backend's where ``wire`` can travel on it (int8's bytes gathered),
+    else a TypeError saying so."""
+    from .hooks import _group  # the backend's process group, or a TypeError
     try:
         return _group(group)
     except TypeError:
-        raise TypeError("DiLoCo(wire='bf16' or 'fp16') averages with the ddpwire backend's "
-                        "16-bit allreduce: init_process_group('ddpwire'), or leave wire=None") \
+        if _codecs.codec_of(wire).block:
+            return None
+        raise TypeError(f"DiLoCo(wire={wire!r}) averages with the ddpwire backend's 16-bit "
+                        f"allreduce: init_process_group('ddpwire'), or leave wire=None") \
             from None
-
-
-#: elements that share one scale in the 8-bit pseudo-gradient (wire="int8")
-INT8_BLOCK = 256
-
-
-def quantize_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A float32 vector as int8 codes and one float32 scale per
-    :data:`INT8_BLOCK` elements (the last block padded with zeros): the
-    scale is the block's largest magnitude over 127 (0 for a block of
-    zeros), a code its element over the scale rounded to nearest even, so
-    every element is within half its block's scale of code times scale."""
-    flat = x.reshape(-1).float()
-    pad = (-flat.numel()) % INT8_BLOCK
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, INT8_BLOCK)
-    scales = blocks.abs().amax(dim=1) / 127
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1), scales
-
-
-def dequantize_mean(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                    n: int) -> torch.Tensor:
-    """The mean of each rank's :func:`quantize_int8` vector, its first
-    ``n`` elements: code times scale summed in float32 in rank order, then
-    divided by the number of ranks (the same bits on every rank)."""
-    total = torch.zeros(codes[0].numel(), dtype=torch.float32)
-    for c, s in zip(codes, scales):
-        total.view(-1, INT8_BLOCK).add_(c.view(-1, INT8_BLOCK).float() * s[:, None])
-    return total[:n].div_(len(codes))
 
 
 def nesterov_outer(params: Any, lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
@@ -103,17 +85,18 @@ class DiLoCo:
                  wire: Optional[str] = None) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be at least 1, got {sync_every}")
-        # the flat allreduce's codecs (ddpwire.plane.codecs), and DiLoCo's own
-        # 8-bit words gathered from every rank (not yet a flat codec)
-        if wire not in (None, *_codecs.names(), "int8"):
+        # the flat allreduce's codecs (ddpwire.plane.codecs)
+        if wire not in (None, *_codecs.names()):
             choices = ", ".join(repr(n) for n in _codecs.names())
-            raise ValueError(f"wire must be None (float32), {choices} or 'int8', got {wire!r}")
+            raise ValueError(f"wire must be None (float32) or one of {choices}, got {wire!r}")
         #: the pseudo-gradient's words on the wire: None (float32), "bf16" or
         #: "fp16" (the ddpwire backend's 16-bit average: half the bytes), or
         #: "int8" (a byte an element and a float32 scale per
-        #: :data:`INT8_BLOCK`, gathered from every rank, on any process group)
+        #: :data:`INT8_BLOCK`, on any process group)
         self.wire = wire
-        self._sixteen = _ddpwire_group(group) if wire in _codecs.names() else None
+        # the ddpwire backend's compressed allreduce (None: float32, or int8
+        # gathered on another backend)
+        self._coded = None if wire is None else _ddpwire_group(group, wire)
         self.params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no parameters to train")
@@ -151,19 +134,17 @@ class DiLoCo:
         # one flat float32 vector: one allreduce, whatever the model's layout
         delta = torch.cat([(a - p.detach()).reshape(-1).float()
                            for a, p in zip(self._anchor, self.params)])
-        if self._sixteen is not None:
-            # rounded once to 16 bits, summed in float32, divided, rounded once more
-            self._sixteen.allreduce_16bit(delta, self.wire).wait()
-        elif self.wire == "int8":
-            # codes cannot be summed as they are (each rank has its own
-            # scales): every rank's are gathered, and summed in rank order
-            codes, scales = quantize_int8(delta)
-            all_codes = [torch.empty_like(codes).view(torch.uint8) for _ in range(world)]
-            all_scales = [torch.empty_like(scales) for _ in range(world)]
-            dist.all_gather(all_codes, codes.view(torch.uint8), group=self.group)
-            dist.all_gather(all_scales, scales, group=self.group)
-            delta = dequantize_mean([c.view(torch.int8) for c in all_codes], all_scales,
-                                    delta.numel())
+        if self._coded is not None:
+            # rounded once, summed in float32, divided, rounded once more
+            self._coded.allreduce_compressed(delta, self.wire).wait()
+        elif self.wire is not None:
+            # int8 on another backend: the same bits from every rank's bytes
+            device = delta.device  # where the group's collectives run (NCCL: the GPU)
+            coded = torch.from_numpy(_reduce.int8_encode(delta.cpu().numpy())).to(device)
+            every = [torch.empty_like(coded) for _ in range(world)]
+            dist.all_gather(every, coded, group=self.group)
+            delta = torch.from_numpy(
+                _reduce.int8_average([c.cpu().numpy() for c in every])).to(device)
         else:
             dist.all_reduce(delta, group=self.group)
             delta.div_(world)

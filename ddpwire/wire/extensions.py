@@ -33,7 +33,7 @@ RefusalReason = _enum("RefusalReason", "JoinRefused.reason codes.")
 CollectiveKind = _enum("CollectiveKind", "CollectiveRequest/CollectiveResult.kind codes.")
 ReduceOp = _enum("ReduceOp", "CollectiveRequest.op codes.")
 Codec = _enum("Codec", "MeshPeers.codec: how gradient slices travel between mesh workers "
-                       "(FLOAT32, BF16, FP16).")
+                       "(FLOAT32, BF16, FP16, INT8).")
 
 # numpy has no bfloat16: its elements are handled as raw 16-bit words
 _NUMPY: Dict[str, str] = {

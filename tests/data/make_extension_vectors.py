@@ -172,7 +172,8 @@ def vectors() -> List[Dict[str, Any]]:
                                      (1, 0, 0, "[fe80::1]:5000,h\u00f6st:1"), (2, 0, 0, ""),
                                      (0, 1, 0, "127.0.0.1:41000,127.0.0.1:41001"),
                                      (0, 0, 13107, "10.0.0.2:41000,10.0.0.3:41001"),
-                                     (2, 0, 0xFF00, "10.0.0.2:41000")):
+                                     (2, 0, 0xFF00, "10.0.0.2:41000"),
+                                     (3, 0, 0, "10.0.0.2:41000,10.0.0.3:41001")):
         name = (f"mesh_peers_codec{codec}" + ("_shm" if shm else "")
                 + (f"_share{share}" if share else ""))
         shapes.append((name, "key, codec, shared_memory, coordinator_share, peers", (
@@ -275,9 +276,9 @@ def malformed() -> List[Dict[str, Any]]:
         ("data_trailing", "one float32 and 2 bytes more",
          struct.pack("<BQBBQQ", COLLECTIVE_RESULT, 1, 1, 0, 1, 4) + bytes(6),
          r"^2 bytes after the last field of CollectiveResult$"),
-        ("mesh_peers_unknown_codec", "codec 3",
-         bytes([MESH_PEERS]) + bytes(32) + b"\x03\x00\x00\x00" + string(""),
-         r"^invalid MeshPeers\.codec: 3 \(unknown codec\)$"),
+        ("mesh_peers_unknown_codec", "codec 4",
+         bytes([MESH_PEERS]) + bytes(32) + b"\x04\x00\x00\x00" + string(""),
+         r"^invalid MeshPeers\.codec: 4 \(unknown codec\)$"),
         ("mesh_peers_shared_memory_2", "shared_memory 2",
          bytes([MESH_PEERS]) + bytes(32) + b"\x00\x02\x00\x00" + string(""),
          r"^invalid MeshPeers\.shared_memory: 2 \(not 0 or 1\)$"),
