@@ -179,6 +179,7 @@ def train(cfg: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
 
     snapshot(0)
     losses, averages = [], 0
+    rounds_s: List[float] = []
     for step in range(1, steps + 1):
         x, y = windows(torch, text, torch.randint(0, len(text) - CONTEXT - 1, (BATCH,),
                                                   generator=gen))
@@ -188,8 +189,13 @@ def train(cfg: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
         if local is None:
             opt.step()
             averages += 1
-        elif local.step():
-            averages += 1
+        else:
+            began = time.monotonic()
+            if local.step():
+                averages += 1
+                # the inner step and the round's average (the pseudo-gradient's
+                # allreduce and the outer step)
+                rounds_s.append(time.monotonic() - began)
         losses.append(loss.item())
         if step % every == 0:
             snapshot(step)
@@ -204,7 +210,7 @@ def train(cfg: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
         digest.update(p.detach().numpy().tobytes())
     dist.destroy_process_group()
     out: Dict[str, Any] = {
-        "rank": rank, "wall_s": wall, "averages": averages,
+        "rank": rank, "wall_s": wall, "averages": averages, "round_s": rounds_s,
         "weights_sha256": digest.hexdigest(),
         "train_loss_last_50": sum(losses[-50:]) / len(losses[-50:]),
         "net_rx_bytes": after["rx"] - before["rx"] if before and after else None,

@@ -15,7 +15,11 @@ byte over the links. Configurations, for each N of DDPWIRE_CLUSTER_WORKERS:
 - "H10-m0.5", "H50-m0.5": the same with momentum 0.5, the outer optimizer
   bench/cluster/diloco_sweep.py chose for a run of this length;
 - "H50-m0.5-int8": that with the pseudo-gradient in 8 bits
-  (DiLoCo(wire="int8")).
+  (DiLoCo(wire="int8")), and "H50-m0.5-bf16" in 16 bits;
+- "H10-m0.5-bf16", "H10-m0.5-int8": H = 10 in 16 and 8 bits, ten rounds
+  in 100 inner steps, for the cost of an average: each rank times every
+  step that averaged (the inner step, the pseudo-gradient's allreduce and
+  the outer step), recorded as round_s (rank 0's, each round).
 
 Every configuration runs the same inner steps (DDPWIRE_DILOCO_STEPS,
 default 500) on the same per-rank batches. Recorded per case: rank 0's
@@ -45,7 +49,7 @@ import pytest
 
 from .conftest import PARAMS
 from .diloco_rank import BATCH
-from ddpwire.torch.local_steps import INT8_BLOCK
+from ddpwire.plane.codecs import codec_of
 from .nodes import NodeProcess
 
 if importlib.util.find_spec("torch") is None:
@@ -57,7 +61,10 @@ EVAL_EVERY = 50
 #: (label, mode, sync_every, the outer optimizer's momentum, the pseudo-gradient's wire)
 CONFIGS = [("sync", "sync", 1, None, None), ("H10", "diloco", 10, 0.9, None),
            ("H50", "diloco", 50, 0.9, None), ("H10-m0.5", "diloco", 10, 0.5, None),
-           ("H50-m0.5", "diloco", 50, 0.5, None), ("H50-m0.5-int8", "diloco", 50, 0.5, "int8")]
+           ("H50-m0.5", "diloco", 50, 0.5, None), ("H50-m0.5-int8", "diloco", 50, 0.5, "int8"),
+           ("H50-m0.5-bf16", "diloco", 50, 0.5, "bf16"),
+           ("H10-m0.5-bf16", "diloco", 10, 0.5, "bf16"),
+           ("H10-m0.5-int8", "diloco", 10, 0.5, "int8")]
 ONLY = [c for c in os.environ.get("DDPWIRE_DILOCO_CONFIGS", "").split(",") if c]
 #: rank 0's store; a fresh pair of ports per run (the coordinator takes the next)
 BASE_PORT = 29700
@@ -127,9 +134,10 @@ def test_diloco(benchmark, cluster_plan, label, mode, h, momentum, wire, n):
         held_out_loss=zero["held_out_loss"], curve=zero["curve"], wall_s=zero["wall_s"],
         averages=zero["averages"],
         # the averaged vector: every step's gradients (DDP's float32 buckets)
-        # or every round's pseudo-gradient, 4 bytes a parameter (8 bits: one,
-        # and a float32 scale per INT8_BLOCK)
-        vector_bytes=zero["averages"] * params * (1 + 4 / INT8_BLOCK if wire == "int8" else 4),
+        # or every round's pseudo-gradient, in the codec's bytes a parameter
+        # (int8: one, and a float32 scale per 256)
+        vector_bytes=zero["averages"] * params * codec_of(wire).size(1 << 20) / (1 << 20),
+        round_s=zero["round_s"],
         tx_bytes=[r["net_tx_bytes"] for r in ranks], rx_bytes=[r["net_rx_bytes"] for r in ranks],
         train_loss_last_50=[r["train_loss_last_50"] for r in ranks],
         corpus=zero["corpus"], worker_rate_bps=PARAMS.worker_rate,
