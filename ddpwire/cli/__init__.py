@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flat steps: auto (default: the workers average among themselves when "
                         "every one can), star (always through this coordinator) or mesh")
     c.add_argument("--compression", choices=codec_names(), default=None,
-                   help="send gradients between mesh workers as 16-bit words (default: float32)")
+                   help="send gradients between mesh workers as 16-bit words (bf16, fp16) or a byte an "
+                        "element and a scale per 256 (int8) (default: float32)")
     c.add_argument("--coordinator-share", type=_share, default="auto", metavar="FRACTION",
                    help="part of each mesh step's vector this coordinator averages over its own "
                         "link, 0 to below 1 (default auto: 0.75/(N+1) from 3 workers on other "
