@@ -4,7 +4,8 @@ DDP cases, tests/test_cluster_harness.py).
 The model is an MLP of 15.7M float32 parameters (1024-4096-2048-1024-1024-10),
 trained with SGD on a batch of 8 per rank: an unmodified DDP script whose
 only knob is the backend's name ("gloo" or "ddpwire") and, for "ddpwire-bf16",
-ddpwire's 16-bit bucket hook. It speaks bench/allreduce_procs.py's step
+ddpwire's 16-bit bucket hook; the "fsdp-" kinds train the same model under
+FSDP2 (torch's fully_shard on every layer) instead of DDP. It speaks bench/allreduce_procs.py's step
 protocol: each "step" is one forward, backward (DDP's bucketed allreduces
 overlapping it) and optimizer step.
 
@@ -47,6 +48,10 @@ DDP_ENV = {"ddp-ddpwire-sealed": {"DDPWIRE_TOKEN": "ddpwire-bench-token"},
            "ddp-ddpwire-clear": {"DDPWIRE_TOKEN": "ddpwire-bench-token",
                                  "DDPWIRE_ENCRYPT": "off"}}
 DDP_KINDS.update({kind: ("ddpwire", None, kind.endswith("-baseline")) for kind in DDP_ENV})
+#: the same model under FSDP2 (fully_shard on every layer): each step
+#: all-gathers the parameters and reduce-scatters the gradients
+DDP_KINDS.update({"fsdp-gloo": ("gloo", None, False), "fsdp-ddpwire": ("ddpwire", None, False),
+                  "fsdp-ddpwire-baseline": ("ddpwire", None, True)})
 #: what a run measures unless told otherwise: the baseline needs a checkout
 DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
@@ -147,7 +152,16 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=n, timeout=timedelta(seconds=120))
-        ddp = DDP(_model())
+        if kind.startswith("fsdp"):
+            from torch.distributed.fsdp import fully_shard
+
+            ddp = _model()
+            for layer in ddp:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(ddp)
+        else:
+            ddp = DDP(_model())
         chosen = None
         if hook in ("bf16", "bf16-free"):
             from ddpwire.torch.hooks import bf16_wire_hook
@@ -177,8 +191,11 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
 
     def finish(st: Dict[str, Any]) -> Dict[str, Any]:
         digest = hashlib.sha256()
-        for p in st["ddp"].module.parameters():
-            digest.update(p.detach().numpy().tobytes())
+        model = getattr(st["ddp"], "module", st["ddp"])  # FSDP: the model itself
+        for p in model.parameters():
+            # an FSDP parameter is sharded: its whole tensor is an all-gather
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            digest.update(whole.detach().numpy().tobytes())
         st["dist"].destroy_process_group()
         # DDP keeps every rank's parameters identical: the test compares digests
         return {"average_ok": True, "weights_sha256": digest.hexdigest(),

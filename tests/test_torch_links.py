@@ -104,6 +104,53 @@ def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
             r.close()
 
 
+def _each_rank(ranks, call):
+    """call(r) on every rank at once; their results in rank order."""
+    out = [None] * len(ranks)
+
+    def one(r):
+        out[r] = call(r)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a rank's collective hung"
+    return out
+
+
+@pytest.mark.parametrize("fractions", [None, (0.0, 1.0, 2.0)])
+def test_the_links_reduce_scatter_and_all_gather_in_equal_chunks_as_the_service(fractions):
+    # whatever fractions the group's allreduces are cut by, a reduce-scatter
+    # hands rank r the r-th equal chunk and an all-gather lays the ranks'
+    # data out in rank order, with the service's bits (float32 in rank order)
+    world, chunk = 3, 33_335
+    ranks = _linked(world, lambda r: dict(_loopback(r), fractions=fractions))
+    rng = np.random.default_rng(9)
+    inputs = [rng.standard_normal(world * chunk).astype(np.float32) for _ in range(world)]
+    inputs[2][chunk + 5] = np.inf  # passed on, as gloo does
+    try:
+        for op in (Op.SUM, Op.AVG):
+            want = reference_allreduce(inputs, op)
+            got = _each_rank(ranks, lambda r: ranks[r].reduce_scatter(inputs[r].copy(), op))
+            for r in range(world):
+                assert np.array_equal(got[r].view(np.uint32),
+                                      want[r * chunk:(r + 1) * chunk].view(np.uint32)), (op, r)
+        mine = [x[:chunk].copy() for x in inputs]
+        got = _each_rank(ranks, lambda r: ranks[r].allgather(mine[r]))
+        for r in range(world):
+            assert np.array_equal(got[r].view(np.uint32), np.concatenate(mine).view(np.uint32))
+        # and the allreduces still follow the group's fractions, on the same links
+        bufs = [x.copy() for x in inputs]
+        _each_rank(ranks, lambda r: ranks[r].allreduce(bufs[r], Op.AVG))
+        assert all(np.array_equal(b.view(np.uint32),
+                                  reference_allreduce(inputs, Op.AVG).view(np.uint32))
+                   for b in bufs)
+    finally:
+        for r in ranks:
+            r.close()
+
+
 def test_a_rank_that_cannot_listen_keeps_every_rank_on_the_service(caplog):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -922,17 +922,38 @@ class Mesh:
                                self._buffer("coordinator part", len(data), np.dtype(np.float32)),
                                bytearray(4))
 
+    def reduced(self, step: int) -> np.ndarray:
+        """This member's slice of what :meth:`reduce_scatter` of ``step``
+        computed, taken instead of an allgather (a process group's
+        reduce-scatter: float32 over the links only). It is scratch: valid
+        until the next reduce-scatter."""
+        if self.codec != Codec.FLOAT32 or self.plane is not None or self.coordinator_share:
+            raise ValueError("a reduce-scatter alone is float32 on the links, no share")
+        return self._take_own(step)
+
+    def offer(self, step: int, own: np.ndarray) -> None:
+        """Give :meth:`allgather` of ``step`` this member's slice without a
+        reduce-scatter before it (a process group's all-gather: each member's
+        own float32 elements, over the links)."""
+        if self.codec != Codec.FLOAT32 or self.plane is not None or self.coordinator_share:
+            raise ValueError("an all-gather alone is float32 on the links, no share")
+        self._own, self._step, self._part = own, step, None
+
+    def _take_own(self, step: int) -> np.ndarray:
+        own = self._own
+        if own is None or self._step != step:
+            raise ProtocolError(f"allgather for step {step} without its reduce-scatter",
+                                worker_id=self.worker_id, step=step)
+        self._own = self._step = None
+        return own
+
     def allgather(self, step: int, out: np.ndarray, deadline: float) -> np.ndarray:
         """Phase 3, after the coordinator's go-ahead: every slice of the
         average into ``out`` (float32), this worker's own included."""
         if self.plane is not None:
             return self.plane.allgather(step, out, deadline)
-        own = self._own
-        if own is None or self._step != step:
-            raise ProtocolError(f"allgather for step {step} without its reduce-scatter",
-                                worker_id=self.worker_id, step=step)
+        own = self._take_own(step)
         part, self._part = self._part, None
-        self._own = self._step = None
         n, me = self.world, self.worker_id
         plan = self.plan_for(len(out))
         bounds = plan.bounds

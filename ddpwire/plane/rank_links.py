@@ -1,13 +1,16 @@
-"""Rank-to-rank links for a process group: its large allreduces as a ring.
+"""Rank-to-rank links for a process group: its large allreduces as a ring,
+and its reduce-scatters and all-gathers.
 
 Through the collective service every bucket crosses rank 0's link: (N-1)
 vectors each way there, where a reduce-scatter and allgather move
 2·(N-1)/N of one vector through each rank's link. So after the join every
 rank opens a direct link to every other, and float32 SUM/AVG allreduces
-(DDP's buckets) run on them with :class:`ddpwire.plane.mesh.Mesh`, the runner the
-Worker mesh steps with: the same heads, range cuts and kernels, rank r
-owning slice r and summing it in rank order, so every rank gets the bits the
-service would have computed.
+(DDP's buckets, in any codec of :mod:`ddpwire.plane.codecs`), float32
+SUM/AVG reduce-scatters and all-gathers (FSDP's) run on them with
+:class:`ddpwire.plane.mesh.Mesh`, the runner the Worker mesh steps with:
+the same heads, range cuts and kernels, rank r owning slice r and summing
+it in rank order, so every rank gets the bits the service would have
+computed.
 
 The set-up travels through the service, over the joins that the token (if
 any) authenticated: rank 0 broadcasts a fresh 32-byte key, every rank's
@@ -26,7 +29,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -89,9 +92,10 @@ class RankLinks:
         # ``silence`` (no byte, heartbeats included) is lost, whatever the
         # deadline says.
         self._read_limit = timeout if silence is None else min(silence, timeout)
-        # one runner per wire codec, over the same links: float32 for the
-        # default buckets, 16 bits for a bucket asked to travel in them
-        self._runners: Dict[Codec, _mesh.Mesh] = {}
+        # one runner per wire codec and cut, over the same links: float32 for
+        # the default buckets, another codec for a bucket asked to travel in
+        # it, equal chunks for a reduce-scatter or all-gather
+        self._runners: Dict[Tuple[Codec, Optional[Sequence[float]]], _mesh.Mesh] = {}
         self._seq = 0
         self._lock = threading.Lock()
         self.failure: Optional[CollectiveAborted] = None
@@ -100,35 +104,77 @@ class RankLinks:
         self._beats.start(f"rank {rank}")
 
     @property
+    def collectives(self) -> int:
+        """How many collectives these links have run (begun, failed included)."""
+        return self._seq
+
+    @property
     def sealed(self) -> bool:
         """Whether every link is sealed (ddpwire.wire.seal)."""
         return all(chan.conn.sealed for chan in self._links if chan is not None)
 
-    def _runner(self, codec: Codec) -> _mesh.Mesh:
-        runner = self._runners.get(codec)
+    def _runner(self, codec: Codec, fractions: Optional[Sequence[float]]) -> _mesh.Mesh:
+        key = (codec, fractions)
+        runner = self._runners.get(key)
         if runner is None:
-            runner = self._runners[codec] = _mesh.Mesh(self._links, self.rank, codec,
-                                                       self._read_limit, fractions=self.fractions)
+            runner = self._runners[key] = _mesh.Mesh(self._links, self.rank, codec,
+                                                     self._read_limit, fractions=fractions)
         return runner
 
     def allreduce(self, data: np.ndarray, op: Op, compression: Optional[str] = None) -> None:
         """Reduce float32 ``data`` in place across the group: SUM, or AVG (the
-        sum divided by the world size). With ``compression`` ("bf16",
-        "fp16"; AVG only) each rank's data travels rounded to 16 bits and
-        the average comes back in 16 bits, widened into ``data``. A NaN or
-        inf is passed on, as gloo does. Raises CollectiveAborted naming the
-        rank whose link failed."""
+        sum divided by the world size). With ``compression`` (a codec of
+        :mod:`ddpwire.plane.codecs`: "bf16", "fp16", "int8"; AVG only) each
+        rank's data travels encoded and the average comes back encoded,
+        decoded into ``data``. A NaN or inf is passed on, as gloo does.
+        Raises CollectiveAborted naming the rank whose link failed."""
+        runner = self._runner(_codecs.codec_of(compression).code, self.fractions)
+
+        def run(seq: int, deadline: float) -> None:
+            runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
+            runner.allgather(seq, data, deadline)
+        self._run(run)
+
+    def reduce_scatter(self, data: np.ndarray, op: Op) -> np.ndarray:
+        """Rank r's r-th of the world-size equal chunks of the SUM (or AVG) of
+        every rank's float32 ``data`` (a process group's reduce-scatter:
+        equal chunks, whatever this group's fractions), summed in rank
+        order. Errors as :meth:`allreduce`."""
+        runner = self._runner(Codec.FLOAT32, None)
+        out: List[np.ndarray] = []
+
+        def run(seq: int, deadline: float) -> None:
+            runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
+            out.append(runner.reduced(seq).copy())
+        self._run(run)
+        return out[0]
+
+    def allgather(self, data: np.ndarray) -> np.ndarray:
+        """Every rank's float32 ``data`` (equal lengths), in rank order (a
+        process group's all-gather). Errors as :meth:`allreduce`."""
+        runner = self._runner(Codec.FLOAT32, None)
+        out = np.empty(len(data) * self.world, dtype=np.float32)
+
+        def run(seq: int, deadline: float) -> None:
+            runner.offer(seq, data)
+            runner.allgather(seq, out, deadline)
+        self._run(run)
+        return out
+
+    def _run(self, collective: Callable[[int, float], None]) -> None:
+        """One collective on the links, ``collective(seq, deadline)``: in
+        issue order, within the group's timeout, with no Heartbeat inside
+        its frames; a failure closes the links and is raised again by every
+        later call."""
         with self._lock:
             if self.failure is not None:
                 raise self.failure
             seq = self._seq
             self._seq += 1
-            runner = self._runner(_codecs.codec_of(compression).code)
             deadline = time.monotonic() + self.timeout
             try:
                 with self._sending(seq):
-                    runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
-                    runner.allgather(seq, data, deadline)
+                    collective(seq, deadline)
             except BaseException as exc:
                 self.failure = _aborted(exc, seq)
                 self._close()

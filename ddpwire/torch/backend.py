@@ -450,9 +450,15 @@ class DdpwireProcessGroup(dist.ProcessGroup):
 
     @property
     def rank_links(self) -> bool:
-        """True when this group's large float32 allreduces run on direct
-        links between the ranks (a ring's traffic), not through rank 0."""
+        """True when this group's large float32 allreduces, reduce-scatters
+        and all-gathers run on direct links between the ranks (a ring's
+        traffic), not through rank 0."""
         return self._links is not None
+
+    @property
+    def links_collectives(self) -> int:
+        """How many collectives have run on the rank links so far (0 without them)."""
+        return 0 if self._links is None else self._links.collectives
 
     @property
     def links_sealed(self) -> bool:
@@ -560,14 +566,18 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         # before this returns
         work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
                            self._report, deliver)
-        if kind is Kind.ALLREDUCE and dtype is DType.FLOAT32 and op in (Op.SUM, Op.AVG):
+        if dtype is DType.FLOAT32 and (kind is Kind.ALLGATHER or op in (Op.SUM, Op.AVG)):
             seg, links, timeout = self._shm, self._links, self._seconds
-            if seg is not None and data.nbytes >= SHM_MIN_BYTES:
+            if kind is Kind.ALLREDUCE and seg is not None and data.nbytes >= SHM_MIN_BYTES:
                 return self._issue_local(work, lambda d: seg.allreduce(d, op, timeout), data,
                                          ready, release, inputs, outputs, value)
-            if links is not None and data.nbytes >= LINKS_MIN_BYTES:
-                return self._issue_local(work, lambda d: links.allreduce(d.view(np.float32), op), data, ready,
-                                         release, inputs, outputs, value)
+            # the rank links' runner: the same bits as the service, rank 0's
+            # link no busier than any other's
+            run = {Kind.ALLREDUCE: lambda d: links.allreduce(d.view(np.float32), op),
+                   Kind.REDUCE_SCATTER: lambda d: links.reduce_scatter(d.view(np.float32), op),
+                   Kind.ALLGATHER: lambda d: links.allgather(d.view(np.float32))}.get(kind)
+            if links is not None and run is not None and data.nbytes >= LINKS_MIN_BYTES:
+                return self._issue_local(work, run, data, ready, release, inputs, outputs, value)
         # element-wise collectives travel in pieces: the service reduces one
         # while the next arrives, and no frame nears the size limit
         pieces = [(0, data.nbytes)]
@@ -622,26 +632,30 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         work._keep = (inputs, outputs)
         return work
 
-    def _issue_local(self, work: DdpwireWork, reduce: Callable[[np.ndarray], None],
+    def _issue_local(self, work: DdpwireWork,
+                     reduce: Callable[[np.ndarray], Optional[np.ndarray]],
                      data: np.ndarray, ready: Optional[Callable[[], None]],
                      release: Callable[[], None], inputs: Sequence[torch.Tensor],
                      outputs: Sequence[torch.Tensor], value: Any) -> DdpwireWork:
-        """An allreduce this rank takes part in itself, ``reduce(data)`` in
-        place (shared memory, or the rank links): queued in issue order
-        with the service's collectives, run (GIL-free) on the sending thread."""
+        """A collective this rank takes part in itself (shared memory, or the
+        rank links): ``reduce(data)`` in place, or returning the result (a
+        reduce-scatter's chunk, an all-gather's whole), queued in issue
+        order with the service's collectives, run (GIL-free) on the sending
+        thread."""
         staging = self._staging
         if not data.flags.writeable:
             data = data.copy()  # the result lands in the host bytes, then in the outputs
+        result: List[Optional[np.ndarray]] = [None]
 
         def run() -> None:
             if ready is not None:
                 ready()
-            reduce(data)
+            result[0] = reduce(data)
 
         def done(_: Optional[np.ndarray], error: Optional[BaseException]) -> None:
             try:
                 if error is None:
-                    staging.incoming(outputs, data)
+                    staging.incoming(outputs, data if result[0] is None else result[0])
             except BaseException as exc:  # noqa: BLE001 - the caller sees it from wait()
                 error = exc
             release()
