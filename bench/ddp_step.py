@@ -3,8 +3,8 @@ DDP cases, tests/test_cluster_harness.py).
 
 The model is an MLP of 15.7M float32 parameters (1024-4096-2048-1024-1024-10),
 trained with SGD on a batch of 8 per rank: an unmodified DDP script whose
-only knob is the backend's name ("gloo" or "ddpwire") and, for "ddpwire-bf16",
-ddpwire's 16-bit bucket hook; the "fsdp-" kinds train the same model under
+only knob is the backend's name ("gloo" or "ddpwire") and, for "ddpwire-bf16"
+and "ddpwire-int8", ddpwire's 16-bit or 8-bit bucket hook; the "fsdp-" kinds train the same model under
 FSDP2 (torch's fully_shard on every layer) instead of DDP. It speaks bench/allreduce_procs.py's step
 protocol: each "step" is one forward, backward (DDP's bucketed allreduces
 overlapping it) and optimizer step.
@@ -37,6 +37,7 @@ from allreduce_procs import _serve, use_baseline
 #: whether ddpwire comes from the older checkout $DDPWIRE_BASELINE names)
 DDP_KINDS = {"ddp-gloo": ("gloo", None, False), "ddp-ddpwire": ("ddpwire", None, False),
              "ddp-ddpwire-bf16": ("ddpwire", "bf16", False),
+             "ddp-ddpwire-int8": ("ddpwire", "int8", False),
              "ddp-ddpwire-baseline": ("ddpwire", None, True),
              "ddp-ddpwire-bf16-free": ("ddpwire", "bf16-free", False),
              "ddp-ddpwire-bf16-baseline": ("ddpwire", "bf16", True)}
@@ -163,10 +164,10 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         else:
             ddp = DDP(_model())
         chosen = None
-        if hook in ("bf16", "bf16-free"):
-            from ddpwire.torch.hooks import bf16_wire_hook
+        if hook in ("bf16", "bf16-free", "int8"):
+            from ddpwire.torch import hooks
 
-            chosen = bf16_wire_hook
+            chosen = hooks.int8_wire_hook if hook == "int8" else hooks.bf16_wire_hook
         trace: list = []
         if os.environ.get(TRACE_ENV) == "1":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

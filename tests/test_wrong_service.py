@@ -165,6 +165,22 @@ def test_a_silent_server_is_given_up_at_the_timeout_saying_so():
                                f"within 1 s: is it a ddpwire coordinator?")
 
 
+@pytest.mark.parametrize("connecting, shown", [(0.01, "3"), (0.14, "3"), (1.5, "1.5")])
+def test_the_silence_is_reported_as_the_timeout_unless_connecting_took_a_visible_part(
+        connecting, shown):
+    # the answer's window is what the timeout left after connecting: a busy
+    # machine's few milliseconds still read as the user's 3 s (the deadline
+    # is already past, so nothing waits)
+    from ddpwire.session.join import _await_first_bytes
+
+    a, b = socket.socketpair()
+    with a, b:
+        now = time.monotonic()
+        with pytest.raises(ddpwire.CoordinatorLost) as info:
+            _await_first_bytes(a, now, "h:1", now - (3.0 - connecting), 3.0)
+    assert f"sent nothing within {shown} s:" in str(info.value)
+
+
 def test_only_a_length_over_every_first_frames_limit_is_another_protocol():
     """The first frame of a coordinator is at most 64 KiB: a length prefix up
     to that is left to the frame reader, whatever follows; one byte more,

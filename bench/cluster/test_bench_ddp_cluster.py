@@ -6,7 +6,8 @@ a tbf-shaped link, so nothing can take two ranks for one host: no shared
 memory, every bucket over the links. Kinds: "ddp-gloo" (torch's gloo),
 "ddp-ddpwire" (the backend's default, DDP's float32 buckets on the rank
 links), "ddp-ddpwire-bf16" (its bf16_wire_hook: bfloat16 on the wire) and,
-with DDPWIRE_CLUSTER_DDP_KINDS naming them, "ddp-ddpwire-baseline" and
+with DDPWIRE_CLUSTER_DDP_KINDS naming them, "ddp-ddpwire-int8" (its
+int8_wire_hook), "ddp-ddpwire-baseline" and
 "ddp-ddpwire-bf16-baseline" (the backend of the checkout $DDPWIRE_BASELINE
 names), "ddp-ddpwire-sealed" and "ddp-ddpwire-clear" (a token, encryption
 on and off), "ddp-ddpwire-sealed-baseline" (sealed, by that checkout) and
@@ -62,7 +63,7 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
     if kind != "ddp-ddpwire-bf16-free":  # a bound: its averages are left undone
         assert len({r["weights_sha256"] for r in ranks}) == 1, "the ranks' weights differ"
     if kind in ("ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-bf16-free", "ddp-ddpwire-sealed",
-                "ddp-ddpwire-clear", "fsdp-ddpwire", "fsdp-ddpwire-baseline"):
+                "ddp-ddpwire-clear", "ddp-ddpwire-int8", "fsdp-ddpwire", "fsdp-ddpwire-baseline"):
         assert all(r["rank_links"] for r in ranks), "a ddpwire rank did not use the rank links"
     if kind.startswith("ddp-ddpwire"):
         # sealed only where a token is set and encryption left on
