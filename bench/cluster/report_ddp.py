@@ -5,7 +5,8 @@
 
 One row per rank count: each kind's median step (from its rounds' spans,
 first rank's start to last rank's end) and its ratio to gloo's in the same
-file, with the commit and the link rate the run recorded.
+file (DDP's, and FSDP2's in a table of its own), with the commit and the
+link rate the run recorded.
 
     python bench/cluster/report_ddp.py --trace bench/results/cluster-ddp-1g-trace4.json
 
@@ -25,13 +26,18 @@ import sys
 from collections import defaultdict
 from typing import Dict
 
-KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-baseline",
-         "ddp-ddpwire-bf16-baseline", "ddp-ddpwire-bf16-free")
+KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-int8",
+         "ddp-ddpwire-baseline", "ddp-ddpwire-bf16-baseline", "ddp-ddpwire-bf16-free")
 LABELS = {"ddp-ddpwire": "ddpwire", "ddp-ddpwire-bf16": "ddpwire bf16",
+          "ddp-ddpwire-int8": "ddpwire int8",
           "ddp-ddpwire-baseline": "baseline", "ddp-ddpwire-bf16-baseline": "bf16 baseline",
-          "ddp-ddpwire-bf16-free": "bf16, free kernels"}
+          "ddp-ddpwire-bf16-free": "bf16, free kernels",
+          "fsdp-ddpwire": "ddpwire", "fsdp-ddpwire-baseline": "baseline"}
+#: the same model under FSDP2: a table of its own, against FSDP on gloo
+FSDP_KINDS = ("fsdp-gloo", "fsdp-ddpwire", "fsdp-ddpwire-baseline")
 #: columns shown only where the file has them
-OPTIONAL = ("ddp-ddpwire-baseline", "ddp-ddpwire-bf16-baseline", "ddp-ddpwire-bf16-free")
+OPTIONAL = ("ddp-ddpwire-int8", "ddp-ddpwire-baseline", "ddp-ddpwire-bf16-baseline",
+            "ddp-ddpwire-bf16-free", "fsdp-ddpwire-baseline")
 
 
 def table(path: str) -> str:
@@ -45,21 +51,26 @@ def table(path: str) -> str:
         med[info["workers"]][info["kind"]] = statistics.median(info["step_spans"])
         rate = info.get("worker_rate_bps", rate)
     commit = data.get("commit_info", {})
-    kinds = [k for k in KINDS[1:] if k not in OPTIONAL or any(k in by for by in med.values())]
     rows = [f"`{path}`: commit {commit.get('id', '?')[:7]}"
             f"{' (dirty)' if commit.get('dirty') else ''}, links "
-            f"{(rate or 0) / 1e9:g} Gbit/s", "",
-            "| ranks | gloo ms | " + " | ".join(f"{LABELS[k]} ms | / gloo" for k in kinds) + " |",
-            "|---:|---:|" + "---:|---:|" * len(kinds)]
-    for n in sorted(med):
-        by = med[n]
-        gloo = by.get("ddp-gloo")
-        cells = [str(n), f"{gloo * 1e3:.0f}" if gloo else "–"]
-        for kind in kinds:
-            value = by.get(kind)
-            cells.append(f"{value * 1e3:.0f}" if value else "–")
-            cells.append(f"{value / gloo:.2f}x" if value and gloo else "–")
-        rows.append("| " + " | ".join(cells) + " |")
+            f"{(rate or 0) / 1e9:g} Gbit/s"]
+    for family in (KINDS, FSDP_KINDS):
+        if not any(k in by for by in med.values() for k in family):
+            continue
+        kinds = [k for k in family[1:]
+                 if k not in OPTIONAL or any(k in by for by in med.values())]
+        rows += ["", f"{'FSDP2' if family is FSDP_KINDS else 'DDP'}:", "",
+                 "| ranks | gloo ms | " + " | ".join(f"{LABELS[k]} ms | / gloo" for k in kinds)
+                 + " |", "|---:|---:|" + "---:|---:|" * len(kinds)]
+        for n in sorted(med):
+            by = med[n]
+            gloo = by.get(family[0])
+            cells = [str(n), f"{gloo * 1e3:.0f}" if gloo else "–"]
+            for kind in kinds:
+                value = by.get(kind)
+                cells.append(f"{value * 1e3:.0f}" if value else "–")
+                cells.append(f"{value / gloo:.2f}x" if value and gloo else "–")
+            rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
