@@ -704,8 +704,9 @@ static void reduce_ready(const ddpw_net_peer_io *peers, ddpw_net_kernels *kern)
             ddpw_to_half((uint16_t *)ins[j], kern->own_from + kern->reduced, n, kern->codec);
     }
     if (width == 2)
-        bad = ddpw_mean_half((uint16_t *)kern->out + kern->reduced,
-                             (const uint16_t *const *)ins, kern->k, n, kern->codec, &bad_input);
+        bad = (kern->divide ? ddpw_mean_half : ddpw_total_half)(
+            (uint16_t *)kern->out + kern->reduced, (const uint16_t *const *)ins, kern->k, n,
+            kern->codec, &bad_input);
     else if (kern->divide)
         bad = ddpw_mean((float *)kern->out + kern->reduced, (const float *const *)ins, kern->k,
                         n, &bad_input);

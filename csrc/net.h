@@ -136,7 +136,7 @@ typedef struct ddpw_net_kernels {
     size_t *widened;
     /* the slice's reduce (k == 0: none): out[0, count) from k inputs in
      * member order, as ddpw_mean (divide) or ddpw_total (float32), or
-     * ddpw_mean_half (16-bit), element range by element range as every
+     * ddpw_mean_half or ddpw_total_half (16-bit), range by range as every
      * input has it. Input j is peer from[j]'s in_iov[0], or with from[j] ==
      * DDPW_NET_OWN this member's own: in 16 bits narrowed from own_from into
      * inputs[j] just before its range is reduced. */

@@ -541,7 +541,8 @@ static void note(first_bad *fb, size_t input, const float *block, size_t at, siz
 }
 
 enum {
-    OP_MEAN, OP_TOTAL, OP_ACCUMULATE, OP_COPY, OP_SCALE, OP_TO_HALF, OP_FROM_HALF, OP_MEAN_HALF
+    OP_MEAN, OP_TOTAL, OP_ACCUMULATE, OP_COPY, OP_SCALE, OP_TO_HALF, OP_FROM_HALF, OP_MEAN_HALF,
+    OP_TOTAL_HALF
 };
 
 /* One call's work on elements [from, to). For OP_ACCUMULATE and OP_SCALE,
@@ -649,7 +650,7 @@ static void run_mean_half(task *t)
                 x[g] = wide[g];
             }
             /* widened blocks hold a non-finite exactly where the inputs do */
-            if (K->group[j > 0][j + c == k][c - 1](acc, x, t->d, m))
+            if (K->group[j > 0][t->op == OP_MEAN_HALF && j + c == k][c - 1](acc, x, t->d, m))
                 for (g = 0; g < c; g++)
                     note(&t->fb, j + g, x[g], at, m);
         }
@@ -694,6 +695,7 @@ static void run_task(task *t)
         }
         break;
     case OP_MEAN_HALF:
+    case OP_TOTAL_HALF:
         run_mean_half(t);
         break;
     default:
@@ -870,8 +872,8 @@ int64_t ddpw_from_half(float *restrict dst, const uint16_t *restrict src, size_t
     return run_split(&t, n).index;
 }
 
-int64_t ddpw_mean_half(uint16_t *restrict out, const uint16_t *const *inputs, size_t k, size_t n,
-                      int codec, size_t *bad_input)
+static int64_t run_half_k(int op, uint16_t *restrict out, const uint16_t *const *inputs,
+                          size_t k, size_t n, int codec, size_t *bad_input)
 {
     task t;
     first_bad fb;
@@ -879,7 +881,7 @@ int64_t ddpw_mean_half(uint16_t *restrict out, const uint16_t *const *inputs, si
         return DDPW_HALF_BAD_CODEC;
     if (k == 0)
         return -1;
-    t = make_task(OP_MEAN_HALF, NULL, NULL, k, (float)k);
+    t = make_task(op, NULL, NULL, k, (float)k);
     t.codec = codec;
     t.hout = out;
     t.hin = inputs;
@@ -887,4 +889,16 @@ int64_t ddpw_mean_half(uint16_t *restrict out, const uint16_t *const *inputs, si
     if (fb.index >= 0 && bad_input != NULL)
         *bad_input = fb.input;
     return fb.index;
+}
+
+int64_t ddpw_mean_half(uint16_t *restrict out, const uint16_t *const *inputs, size_t k, size_t n,
+                      int codec, size_t *bad_input)
+{
+    return run_half_k(OP_MEAN_HALF, out, inputs, k, n, codec, bad_input);
+}
+
+int64_t ddpw_total_half(uint16_t *restrict out, const uint16_t *const *inputs, size_t k,
+                        size_t n, int codec, size_t *bad_input)
+{
+    return run_half_k(OP_TOTAL_HALF, out, inputs, k, n, codec, bad_input);
 }

@@ -140,4 +140,9 @@ int64_t ddpw_from_half(float *restrict dst, const uint16_t *restrict src, size_t
 int64_t ddpw_mean_half(uint16_t *restrict out, const uint16_t *const *inputs, size_t k, size_t n,
                       int codec, size_t *bad_input);
 
+/* out[i] = narrow(((wide(inputs[0][i]) + wide(inputs[1][i])) + ...)), the
+ * sum without the division (a SUM of 16-bit values), as ddpw_mean_half. */
+int64_t ddpw_total_half(uint16_t *restrict out, const uint16_t *const *inputs, size_t k,
+                        size_t n, int codec, size_t *bad_input);
+
 #endif

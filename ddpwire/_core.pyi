@@ -106,6 +106,15 @@ def mean_half(inputs: Sequence[_Buffer], out: None = None, *, codec: str
 @overload
 def mean_half(inputs: Sequence[_Buffer], out: _B, *, codec: str) -> _B:
     """As above, into ``out`` (uint16 or float16 elements, no overlap)."""
+@overload
+def total_half(inputs: Sequence[_Buffer], out: None = None, *, codec: str
+               ) -> numpy.typing.NDArray[numpy.uint16]:
+    """The float32 sum of 16-bit buffers in input order, rounded once to
+    ``codec``: ``to_half(total([from_half(x) for x in inputs]))`` bit for
+    bit; errors as :func:`mean_half`."""
+@overload
+def total_half(inputs: Sequence[_Buffer], out: _B, *, codec: str) -> _B:
+    """As above, into ``out`` (uint16 or float16 elements, no overlap)."""
 
 # ---- the int8 wire codec (csrc/int8.h) ----
 

@@ -277,6 +277,18 @@ def mean_half(inputs, out=None, *, codec):
     empty sequence, an unknown codec, a non-contiguous or read-only buffer,
     or mismatched lengths.
     """
+    return _half_k(inputs, out, codec, True)
+
+
+def total_half(inputs, out=None, *, codec):
+    """Element-wise sum of equal-length 16-bit buffers (a SUM of bfloat16 or
+    float16 values), into out: :func:`mean_half` without the division, bit
+    for bit to_half(total([from_half(x) for x in inputs])). Arguments,
+    result and errors as :func:`mean_half`."""
+    return _half_k(inputs, out, codec, False)
+
+
+cdef object _half_k(inputs, out, codec, bint divide):
     cdef int c = _codec(codec)
     cdef Py_ssize_t k, j, n, held = 0
     cdef Py_buffer *views = NULL
@@ -320,8 +332,12 @@ def mean_half(inputs, out=None, *, codec):
             if _overlap(&outview, &views[j]):
                 raise ValueError(f"out overlaps inputs[{j}]")
         with nogil:
-            bad = ddpw_mean_half(<uint16_t *>outview.buf, ptrs, <size_t>k, <size_t>n, c,
-                                 &bad_input)
+            if divide:
+                bad = ddpw_mean_half(<uint16_t *>outview.buf, ptrs, <size_t>k, <size_t>n, c,
+                                     &bad_input)
+            else:
+                bad = ddpw_total_half(<uint16_t *>outview.buf, ptrs, <size_t>k, <size_t>n, c,
+                                      &bad_input)
         if bad >= 0:
             raise NonFiniteGradient(<Py_ssize_t>bad_input, bad,
                                     _value16(&views[bad_input], bad, c))

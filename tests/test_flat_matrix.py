@@ -13,7 +13,7 @@ codec's blocks). The paths:
   fractions cuts unequally, so the test hands them to Mesh.connect), on the
   links and on the shared segment alike;
 * Mesh runners on links made here: unequal and zero fractions, SUM and
-  AVG in float32, AVG in bf16, fp16 and int8, the exchange's kernels in their
+  AVG in float32, bf16, fp16 and int8, the exchange's kernels in their
   default ranges and in ranges of a few elements;
 * the torch backend's RankLinks, set up through a fake service: the same
   fractions, SUM and AVG, float32, 16-bit and int8 buckets.
@@ -156,9 +156,9 @@ FRACTIONS = [
     (1.0, 0.0, 1.0), (0.5, 0.25, 0.25), (0.0, 0.0, 1.0),
     (0.0, 0.0, 0.0, 1.0), (0.1, 0.2, 0.3, 0.4), (0.2, 0.0, 0.8, 0.0),
 ]
-#: (codec, op): SUM travels in float32 only
-REDUCTIONS = [(None, ReduceOp.SUM), (None, ReduceOp.AVG), ("bf16", ReduceOp.AVG),
-              ("fp16", ReduceOp.AVG), ("int8", ReduceOp.AVG)]
+#: (codec, op): every codec sums and averages
+REDUCTIONS = [(codec, op) for codec in (None, "bf16", "fp16", "int8")
+              for op in (ReduceOp.SUM, ReduceOp.AVG)]
 
 
 @pytest.fixture(params=["whole", "tiny"])

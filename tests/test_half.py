@@ -1,4 +1,5 @@
-"""16-bit gradients (ddpwire.plane.reduce.to_half, from_half, mean_half) bit for bit.
+"""16-bit gradients (ddpwire.plane.reduce.to_half, from_half, mean_half,
+total_half) bit for bit.
 
 References (the tests' one reference, tests/session_helpers.py): for fp16,
 numpy's float16 casts (round to nearest even); for bf16, a rounding written
@@ -317,6 +318,22 @@ def test_mean_half_lengths_and_groups(path, codec, k, n):
     R.mean_half(inputs, out, codec=codec)
     np.testing.assert_array_equal(out, widen_mean_narrow(inputs, codec))
     np.testing.assert_array_equal(out, ref_mean_half(inputs, codec))
+
+
+@pytest.mark.parametrize("codec", R.CODECS)
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("n", [0, 1, 1025, 4097])
+def test_total_half_is_widen_sum_narrow_on_every_path(path, codec, k, n):
+    rng = np.random.default_rng(k * 1000 + n + 7)
+    inputs = [shifted(R.to_half((rng.standard_normal(n) * 10.0 ** rng.integers(-6, 4, n))
+                                .astype(np.float32), codec=codec), j % 2) for j in range(k)]
+    out = shifted(np.zeros(n, np.uint16), 1)
+    assert R.total_half(inputs, out, codec=codec) is out
+    want = REF_TO[codec](reference_allreduce([REF_FROM[codec](x) for x in inputs], "sum",
+                                             codec=codec))
+    assert_same_half(out, want, codec)
+    if k > 1 and n:  # the sum, not the mean
+        assert not np.array_equal(out, R.mean_half(inputs, codec=codec))
 
 
 @pytest.mark.parametrize("codec", R.CODECS)

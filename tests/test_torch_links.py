@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,6 +103,27 @@ def test_the_links_sum_and_average_in_rank_order_as_the_service_does():
     finally:
         for r in ranks:
             r.close()
+
+
+@pytest.mark.slow
+def test_half_tensors_reduce_scatters_and_all_gathers_take_the_links_with_the_service_s_bits(
+        tmp_path):
+    script = Path(__file__).resolve().parent / "links_script.py"
+
+    def run(label, env):
+        tb.run_script_ranks(script, [tmp_path / label], 3, **env)
+        return [torch.load(tmp_path / f"{label}.rank{r}.pt") for r in range(3)]
+
+    links, service = run("links", ON_LINKS), run("service", ON_SERVICE)
+    # 4 half allreduces, 2 reduce-scatters and 1 all-gather on every rank's links
+    assert [r["links"] for r in links] == [7] * 3
+    assert [r["links"] for r in service] == [0] * 3
+    for r in range(3):
+        for key, value in links[r]["got"].items():
+            assert value.dtype == service[r]["got"][key].dtype
+            assert torch.equal(value.view(-1).view(torch.uint8),
+                               service[r]["got"][key].view(-1).view(torch.uint8)), (key, r)
+            assert torch.equal(value, links[0]["got"][key]) or key[0] == "reduce_scatter_tensor"
 
 
 def _each_rank(ranks, call):

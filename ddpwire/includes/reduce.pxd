@@ -36,3 +36,5 @@ cdef extern from "reduce.h" nogil:
     int64_t ddpw_from_half(float *dst, const uint16_t *src, size_t n, int codec)
     int64_t ddpw_mean_half(uint16_t *out, const uint16_t **inputs, size_t k, size_t n, int codec,
                            size_t *bad_input)
+    int64_t ddpw_total_half(uint16_t *out, const uint16_t **inputs, size_t k, size_t n, int codec,
+                           size_t *bad_input)

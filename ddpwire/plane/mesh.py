@@ -793,18 +793,18 @@ class Mesh:
                        tail: Tuple[float, int, int] = (0.0, 0, 0), *,
                        op: ReduceOp = ReduceOp.AVG) -> SliceOutcome:
         """Phase 1: this worker's slice of the average (``op`` AVG) or of the
-        sum (SUM, float32 only: a process group's all_reduce), kept until
-        :meth:`allgather`. Non-finite elements are reported, not raised: the
+        sum (SUM, without a coordinator share: a process group's all_reduce),
+        kept until :meth:`allgather`. Non-finite elements are reported, not raised: the
         coordinator decides for the whole vector (a process group passes
         them on, as gloo does). With a coordinator share, the last
         :func:`coordinator_part` elements go to the coordinator in a
         GradientPayload whose tail is ``tail`` (loss, correct, total), and
         their average comes back in the same calls."""
         op = ReduceOp(op)
-        if op not in (ReduceOp.AVG, ReduceOp.SUM) or (op is ReduceOp.SUM and (
-                self.codec != Codec.FLOAT32 or self.coordinator_share)):
-            raise ValueError(f"the mesh reduces AVG, and SUM in float32 without a coordinator "
-                             f"share, not {op.name} ({self.codec.name.lower()})")
+        if op not in (ReduceOp.AVG, ReduceOp.SUM) or (op is ReduceOp.SUM and
+                                                      self.coordinator_share):
+            raise ValueError(f"the mesh reduces AVG, and SUM without a coordinator share, "
+                             f"not {op.name} ({self.codec.name.lower()})")
         if self._want_shared:
             self._want_shared = False
             self.plane = self._share(step, len(gradients), deadline)
@@ -816,7 +816,7 @@ class Mesh:
         n, me = self.world, self.worker_id
         plan = self.plan_for(len(gradients))
         if self._wire.block:
-            return self._reduce_scatter_blocks(step, gradients, deadline, plan)
+            return self._reduce_scatter_blocks(step, gradients, deadline, plan, op)
         leg = self._leg(step, gradients, tail, plan)
         bounds = plan.bounds
         lo, hi = bounds[me]
@@ -870,12 +870,13 @@ class Mesh:
         return [(size(a), size(b)) for a, b in plan.bounds]
 
     def _reduce_scatter_blocks(self, step: int, gradients: np.ndarray, deadline: float,
-                               plan: Plan) -> SliceOutcome:
+                               plan: Plan, op: ReduceOp) -> SliceOutcome:
         """Phase 1 in a codec with a scale per block (int8), whose values
         cannot be summed as they travel: the vector encoded once, the
         slices exchanged as bytes, then this worker's slice decoded from
-        every worker and averaged in worker order, and its average encoded
-        for the allgather (every worker, this one too, decodes those bytes)."""
+        every worker and averaged (or summed) in worker order, and that
+        encoded for the allgather (every worker, this one too, decodes those
+        bytes)."""
         n, me = self.world, self.worker_id
         wire = self._buffer("wire", self._wire.size(len(gradients)), np.dtype(np.uint8))
         _reduce.int8_encode(gradients, wire)
@@ -896,12 +897,12 @@ class Mesh:
                 recvs.append(part)
                 inputs.append(part)
         sends = [None if j == me else wire[x:y] for j, (x, y) in enumerate(spans)]
-        self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline)
+        self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline, op=op)
         own = self._buffer("own", hi - lo, np.dtype(np.float32))
         outcome = SliceOutcome()
         if hi > lo:
             try:
-                _reduce.int8_mean(inputs, own)
+                _reduce.int8_mean(inputs, own, divide=op is ReduceOp.AVG)
             except NonFiniteGradient as exc:  # the whole slice is averaged even so
                 outcome = SliceOutcome(exc.input, lo + exc.index, exc.value)
         self._own = _reduce.int8_encode(own, self._buffer("own bytes", b - a, wire.dtype))

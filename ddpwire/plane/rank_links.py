@@ -5,8 +5,9 @@ Through the collective service every bucket crosses rank 0's link: (N-1)
 vectors each way there, where a reduce-scatter and allgather move
 2·(N-1)/N of one vector through each rank's link. So after the join every
 rank opens a direct link to every other, and float32 SUM/AVG allreduces
-(DDP's buckets, in any codec of :mod:`ddpwire.plane.codecs`), float32
-SUM/AVG reduce-scatters and all-gathers (FSDP's) run on them with
+(DDP's buckets, in any codec of :mod:`ddpwire.plane.codecs`; bfloat16 and
+float16 tensors in their own codec), float32 SUM/AVG reduce-scatters and
+all-gathers (FSDP's) run on them with
 :class:`ddpwire.plane.mesh.Mesh`, the runner the Worker mesh steps with:
 the same heads, range cuts and kernels, rank r owning slice r and summing
 it in rank order, so every rank gets the bits the service would have
@@ -124,9 +125,9 @@ class RankLinks:
     def allreduce(self, data: np.ndarray, op: Op, compression: Optional[str] = None) -> None:
         """Reduce float32 ``data`` in place across the group: SUM, or AVG (the
         sum divided by the world size). With ``compression`` (a codec of
-        :mod:`ddpwire.plane.codecs`: "bf16", "fp16", "int8"; AVG only) each
-        rank's data travels encoded and the average comes back encoded,
-        decoded into ``data``. A NaN or inf is passed on, as gloo does.
+        :mod:`ddpwire.plane.codecs`: "bf16", "fp16", "int8") each rank's data
+        travels encoded and the result comes back encoded, decoded into
+        ``data``. A NaN or inf is passed on, as gloo does.
         Raises CollectiveAborted naming the rank whose link failed."""
         runner = self._runner(_codecs.codec_of(compression).code, self.fractions)
 

@@ -17,7 +17,8 @@ Gradients may also travel as 16 bits (:data:`CODECS`: ``"bf16"``, ``"fp16"``):
 :func:`to_half` narrows float32 with round-to-nearest-even (torch's bits),
 :func:`from_half` widens exactly, and :func:`mean_half` averages 16-bit
 buffers in float32 and rounds once, the same bits as widening, :func:`mean`
-and narrowing, so every worker expands the same average. 16-bit buffers hold
+and narrowing, so every worker expands the same average (:func:`total_half`:
+the same sum without the division). 16-bit buffers hold
 the bits as uint16 (or, for fp16, numpy.float16) elements.
 
 Or as int8 (csrc/int8.h: a byte an element and a float32 scale per
@@ -46,6 +47,7 @@ from .._core import (
     mean,
     mean_half,
     scale,
+    total_half,
     to_half,
     total,
 )
@@ -63,6 +65,7 @@ __all__ = [
     "to_half",
     "from_half",
     "mean_half",
+    "total_half",
     "INT8_BLOCK",
     "int8_size",
     "int8_encode",

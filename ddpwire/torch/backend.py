@@ -17,6 +17,7 @@ import os
 import threading
 import weakref
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -578,6 +579,14 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                    Kind.ALLGATHER: lambda d: links.allgather(d.view(np.float32))}.get(kind)
             if links is not None and run is not None and data.nbytes >= LINKS_MIN_BYTES:
                 return self._issue_local(work, run, data, ready, release, inputs, outputs, value)
+        wire = _codecs.by_dtype(dtype)
+        if (kind is Kind.ALLREDUCE and op in (Op.SUM, Op.AVG) and wire is not None and wire.half
+                and self._links is not None and data.nbytes >= LINKS_MIN_BYTES):
+            # bfloat16 and float16 tensors: their own words are the 16-bit
+            # codec's, so the runner sums them in float32 in rank order and
+            # rounds once, as the service does
+            return self._issue_local(work, partial(_half_on_links, self._links, op, wire), data,
+                                     ready, release, inputs, outputs, value)
         # element-wise collectives travel in pieces: the service reduces one
         # while the next arrives, and no frame nears the size limit
         pieces = [(0, data.nbytes)]
@@ -675,9 +684,9 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     # ---- collectives ----
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> DdpwireWork:
-        """``all_reduce`` of one tensor in place (float32/16-bit SUM and AVG
-        of a large one on the rank links or shared memory; the rest on the
-        service)."""
+        """``all_reduce`` of one tensor in place (float32 SUM and AVG of a
+        large one on the rank links or shared memory, bfloat16 and float16
+        on the rank links; the rest on the service)."""
         t = _one(tensors, "allreduce")
         if t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, opts, tensors)
@@ -1130,6 +1139,15 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     for _name in ("monitored_barrier",):
         locals()[_name] = _unsupported(_name)
     del _name, _unsupported
+
+
+def _half_on_links(links: RankLinks, op: Op, wire: _codecs.WireCodec, data: np.ndarray) -> None:
+    """A bfloat16 or float16 allreduce in place on the rank links: widened
+    (exactly), reduced with the 16-bit codec, narrowed back (exactly)."""
+    words = data.view(np.uint16)
+    wide = _reduce.from_half(words, codec=wire.half)
+    links.allreduce(wide, op, compression=wire.name)
+    _reduce.to_half(wide, words, codec=wire.half)
 
 
 def _nothing() -> None:
