@@ -8,7 +8,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import ddpwire.torch  # noqa: F401  (registers "ddpwire")
 
@@ -17,6 +17,10 @@ STEPS = 4
 
 def main():
     out, backend = sys.argv[1:3]
+    # "bf16": mixed precision, parameters all-gathered and gradients
+    # reduce-scattered in bfloat16 (gloo aborts on that on CPU)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
+        if sys.argv[3:] == ["bf16"] else MixedPrecisionPolicy()
     dist.init_process_group(backend)
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -27,8 +31,8 @@ def main():
                                 torch.nn.Linear(300, 5))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
@@ -36,7 +40,7 @@ def main():
         x = torch.randn(16, 32, generator=gen)
         y = torch.randint(0, 5, (16,), generator=gen)
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())

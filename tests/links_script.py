@@ -1,6 +1,7 @@
 """One rank of tests/test_torch_links.py's collectives through the backend:
-bfloat16 and float16 all_reduce (SUM, AVG), float32 reduce_scatter_tensor
-(SUM, AVG) and all_gather_into_tensor, on random values large enough for the
+bfloat16 and float16 all_reduce (SUM, AVG), reduce_scatter_tensor (float32,
+bfloat16, float16) and all_gather_into_tensor (float32, bfloat16, int64),
+on random values large enough for the
 rank links (or, with DDPWIRE_LINKS_MIN_BYTES set high, through the
 service). Saves every result and how many collectives the links ran."""
 import os
@@ -25,15 +26,20 @@ def main():
             t = (torch.randn(N, generator=gen) * 3).to(dtype)
             dist.all_reduce(t, op=op)
             got[(str(dtype), name)] = t
-    for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
-        src = torch.randn(N * world, generator=gen)
-        chunk = torch.empty(N)
+    for dtype, name, op in ((torch.float32, "sum", dist.ReduceOp.SUM),
+                            (torch.float32, "avg", dist.ReduceOp.AVG),
+                            (torch.bfloat16, "sum", dist.ReduceOp.SUM),
+                            (torch.float16, "avg", dist.ReduceOp.AVG)):
+        src = (torch.randn(N * world, generator=gen) * 3).to(dtype)
+        chunk = torch.empty(N, dtype=dtype)
         dist.reduce_scatter_tensor(chunk, src, op=op)
-        got[("reduce_scatter_tensor", name)] = chunk
-    mine = torch.randn(N, generator=gen)
-    whole = torch.empty(N * world)
-    dist.all_gather_into_tensor(whole, mine)
-    got[("all_gather_into_tensor", "")] = whole
+        got[("reduce_scatter_tensor", str(dtype), name)] = chunk
+    # an all-gather moves bytes: any dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        mine = (torch.randn(N, generator=gen) * 1000).to(dtype)
+        whole = torch.empty(N * world, dtype=dtype)
+        dist.all_gather_into_tensor(whole, mine)
+        got[("all_gather_into_tensor", str(dtype))] = whole
     pg = dist.distributed_c10d._get_default_group()
     torch.save({"got": got, "links": pg.links_collectives}, f"{out}.rank{rank}.pt")
     dist.destroy_process_group()

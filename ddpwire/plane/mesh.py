@@ -926,10 +926,11 @@ class Mesh:
     def reduced(self, step: int) -> np.ndarray:
         """This member's slice of what :meth:`reduce_scatter` of ``step``
         computed, taken instead of an allgather (a process group's
-        reduce-scatter: float32 over the links only). It is scratch: valid
-        until the next reduce-scatter."""
-        if self.codec != Codec.FLOAT32 or self.plane is not None or self.coordinator_share:
-            raise ValueError("a reduce-scatter alone is float32 on the links, no share")
+        reduce-scatter, over the links): float32, or a 16-bit codec's words.
+        It is scratch: valid until the next reduce-scatter."""
+        if self._wire.block or self.plane is not None or self.coordinator_share:
+            raise ValueError("a reduce-scatter alone is float32 or 16-bit on the links, "
+                             "no share")
         return self._take_own(step)
 
     def offer(self, step: int, own: np.ndarray) -> None:

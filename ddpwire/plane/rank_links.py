@@ -136,12 +136,14 @@ class RankLinks:
             runner.allgather(seq, data, deadline)
         self._run(run)
 
-    def reduce_scatter(self, data: np.ndarray, op: Op) -> np.ndarray:
+    def reduce_scatter(self, data: np.ndarray, op: Op,
+                       compression: Optional[str] = None) -> np.ndarray:
         """Rank r's r-th of the world-size equal chunks of the SUM (or AVG) of
         every rank's float32 ``data`` (a process group's reduce-scatter:
         equal chunks, whatever this group's fractions), summed in rank
-        order. Errors as :meth:`allreduce`."""
-        runner = self._runner(Codec.FLOAT32, None)
+        order: float32, or with a 16-bit ``compression`` ("bf16", "fp16")
+        its 16-bit words. Errors as :meth:`allreduce`."""
+        runner = self._runner(_codecs.codec_of(compression).code, None)
         out: List[np.ndarray] = []
 
         def run(seq: int, deadline: float) -> None:

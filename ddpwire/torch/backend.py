@@ -17,7 +17,6 @@ import os
 import threading
 import weakref
 from datetime import timedelta
-from functools import partial
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
@@ -567,26 +566,18 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         # before this returns
         work = DdpwireWork(torch.futures.Future(), self._limit, -1, f"{what} (rank {self._rank})",
                            self._report, deliver)
-        if dtype is DType.FLOAT32 and (kind is Kind.ALLGATHER or op in (Op.SUM, Op.AVG)):
-            seg, links, timeout = self._shm, self._links, self._seconds
-            if kind is Kind.ALLREDUCE and seg is not None and data.nbytes >= SHM_MIN_BYTES:
-                return self._issue_local(work, lambda d: seg.allreduce(d, op, timeout), data,
-                                         ready, release, inputs, outputs, value)
-            # the rank links' runner: the same bits as the service, rank 0's
-            # link no busier than any other's
-            run = {Kind.ALLREDUCE: lambda d: links.allreduce(d.view(np.float32), op),
-                   Kind.REDUCE_SCATTER: lambda d: links.reduce_scatter(d.view(np.float32), op),
-                   Kind.ALLGATHER: lambda d: links.allgather(d.view(np.float32))}.get(kind)
-            if links is not None and run is not None and data.nbytes >= LINKS_MIN_BYTES:
-                return self._issue_local(work, run, data, ready, release, inputs, outputs, value)
-        wire = _codecs.by_dtype(dtype)
-        if (kind is Kind.ALLREDUCE and op in (Op.SUM, Op.AVG) and wire is not None and wire.half
-                and self._links is not None and data.nbytes >= LINKS_MIN_BYTES):
-            # bfloat16 and float16 tensors: their own words are the 16-bit
-            # codec's, so the runner sums them in float32 in rank order and
-            # rounds once, as the service does
-            return self._issue_local(work, partial(_half_on_links, self._links, op, wire), data,
+        seg, links = self._shm, self._links
+        if (kind is Kind.ALLREDUCE and dtype is DType.FLOAT32 and op in (Op.SUM, Op.AVG)
+                and seg is not None and data.nbytes >= SHM_MIN_BYTES):
+            timeout = self._seconds
+            return self._issue_local(work, lambda d: seg.allreduce(d, op, timeout), data,
                                      ready, release, inputs, outputs, value)
+        # the collective's whole vector: an all-gather's is every rank's input
+        size = data.nbytes * (self._world if kind is Kind.ALLGATHER else 1)
+        run = None if links is None or size < LINKS_MIN_BYTES else \
+            _links_route(links, kind, op, dtype, data.nbytes)
+        if run is not None:
+            return self._issue_local(work, run, data, ready, release, inputs, outputs, value)
         # element-wise collectives travel in pieces: the service reduces one
         # while the next arrives, and no frame nears the size limit
         pieces = [(0, data.nbytes)]
@@ -1141,13 +1132,40 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     del _name, _unsupported
 
 
-def _half_on_links(links: RankLinks, op: Op, wire: _codecs.WireCodec, data: np.ndarray) -> None:
-    """A bfloat16 or float16 allreduce in place on the rank links: widened
-    (exactly), reduced with the 16-bit codec, narrowed back (exactly)."""
-    words = data.view(np.uint16)
-    wide = _reduce.from_half(words, codec=wire.half)
-    links.allreduce(wide, op, compression=wire.name)
-    _reduce.to_half(wide, words, codec=wire.half)
+Route = Callable[[np.ndarray], Optional[np.ndarray]]
+
+
+def _links_route(links: RankLinks, kind: Kind, op: Op, dtype: DType,
+                 nbytes: int) -> Optional[Route]:
+    """How the rank links' runner takes a collective of ``nbytes`` (its
+    data's raw bytes in, the result in place or returned), or None for the
+    service; either way the bits are the service's, and rank 0's link is no
+    busier than any other's. float32 SUM/AVG allreduces and reduce-scatters;
+    bfloat16 and float16 ones in their own 16-bit codec (widened exactly,
+    summed in float32 in rank order, rounded once); all-gathers of any
+    dtype, as bytes (float32 words: their length a multiple of 4)."""
+    if kind is Kind.ALLGATHER:
+        return (lambda d: links.allgather(d.view(np.float32))) if nbytes % 4 == 0 else None
+    if kind not in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER) or op not in (Op.SUM, Op.AVG):
+        return None
+    if dtype is DType.FLOAT32:
+        if kind is Kind.ALLREDUCE:
+            return lambda d: links.allreduce(d.view(np.float32), op)
+        return lambda d: links.reduce_scatter(d.view(np.float32), op)
+    wire = _codecs.by_dtype(dtype)
+    if wire is None or wire.half is None:
+        return None
+    codec = wire.half
+
+    def half(d: np.ndarray) -> Optional[np.ndarray]:
+        words = d.view(np.uint16)
+        wide = _reduce.from_half(words, codec=codec)
+        if kind is Kind.REDUCE_SCATTER:
+            return links.reduce_scatter(wide, op, compression=wire.name)  # this rank's words
+        links.allreduce(wide, op, compression=wire.name)
+        _reduce.to_half(wide, words, codec=codec)
+        return None
+    return half
 
 
 def _nothing() -> None:
