@@ -6,8 +6,8 @@ vectors each way there, where a reduce-scatter and allgather move
 2·(N-1)/N of one vector through each rank's link. So after the join every
 rank opens a direct link to every other, and float32 SUM/AVG allreduces
 (DDP's buckets, in any codec of :mod:`ddpwire.plane.codecs`; bfloat16 and
-float16 tensors in their own codec), float32 SUM/AVG reduce-scatters and
-all-gathers (FSDP's) run on them with
+float16 tensors in their own codec), SUM/AVG reduce-scatters (float32 and
+16 bits) and all-gathers (of any bytes: FSDP's) run on them with
 :class:`ddpwire.plane.mesh.Mesh`, the runner the Worker mesh steps with:
 the same heads, range cuts and kernels, rank r owning slice r and summing
 it in rank order, so every rank gets the bits the service would have
@@ -129,12 +129,10 @@ class RankLinks:
         travels encoded and the result comes back encoded, decoded into
         ``data``. A NaN or inf is passed on, as gloo does.
         Raises CollectiveAborted naming the rank whose link failed."""
-        runner = self._runner(_codecs.codec_of(compression).code, self.fractions)
-
-        def run(seq: int, deadline: float) -> None:
+        def run(runner: _mesh.Mesh, seq: int, deadline: float) -> None:
             runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
             runner.allgather(seq, data, deadline)
-        self._run(run)
+        self._run(_codecs.codec_of(compression).code, self.fractions, run)
 
     def reduce_scatter(self, data: np.ndarray, op: Op,
                        compression: Optional[str] = None) -> np.ndarray:
@@ -143,32 +141,31 @@ class RankLinks:
         equal chunks, whatever this group's fractions), summed in rank
         order: float32, or with a 16-bit ``compression`` ("bf16", "fp16")
         its 16-bit words. Errors as :meth:`allreduce`."""
-        runner = self._runner(_codecs.codec_of(compression).code, None)
         out: List[np.ndarray] = []
 
-        def run(seq: int, deadline: float) -> None:
+        def run(runner: _mesh.Mesh, seq: int, deadline: float) -> None:
             runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
             out.append(runner.reduced(seq).copy())
-        self._run(run)
+        self._run(_codecs.codec_of(compression).code, None, run)
         return out[0]
 
     def allgather(self, data: np.ndarray) -> np.ndarray:
         """Every rank's float32 ``data`` (equal lengths), in rank order (a
         process group's all-gather). Errors as :meth:`allreduce`."""
-        runner = self._runner(Codec.FLOAT32, None)
         out = np.empty(len(data) * self.world, dtype=np.float32)
 
-        def run(seq: int, deadline: float) -> None:
+        def run(runner: _mesh.Mesh, seq: int, deadline: float) -> None:
             runner.offer(seq, data)
             runner.allgather(seq, out, deadline)
-        self._run(run)
+        self._run(Codec.FLOAT32, None, run)
         return out
 
-    def _run(self, collective: Callable[[int, float], None]) -> None:
-        """One collective on the links, ``collective(seq, deadline)``: in
-        issue order, within the group's timeout, with no Heartbeat inside
-        its frames; a failure closes the links and is raised again by every
-        later call."""
+    def _run(self, codec: Codec, fractions: Optional[Sequence[float]],
+             collective: Callable[[_mesh.Mesh, int, float], None]) -> None:
+        """One collective on the links, ``collective(runner, seq, deadline)``
+        with the runner of ``codec`` and ``fractions``: in issue order,
+        within the group's timeout, with no Heartbeat inside its frames; a
+        failure closes the links and is raised again by every later call."""
         with self._lock:
             if self.failure is not None:
                 raise self.failure
@@ -176,8 +173,9 @@ class RankLinks:
             self._seq += 1
             deadline = time.monotonic() + self.timeout
             try:
+                runner = self._runner(codec, fractions)
                 with self._sending(seq):
-                    collective(seq, deadline)
+                    collective(runner, seq, deadline)
             except BaseException as exc:
                 self.failure = _aborted(exc, seq)
                 self._close()

@@ -1132,11 +1132,11 @@ class DdpwireProcessGroup(dist.ProcessGroup):
     del _name, _unsupported
 
 
-Route = Callable[[np.ndarray], Optional[np.ndarray]]
+_Route = Callable[[np.ndarray], Optional[np.ndarray]]
 
 
 def _links_route(links: RankLinks, kind: Kind, op: Op, dtype: DType,
-                 nbytes: int) -> Optional[Route]:
+                 nbytes: int) -> Optional[_Route]:
     """How the rank links' runner takes a collective of ``nbytes`` (its
     data's raw bytes in, the result in place or returned), or None for the
     service; either way the bits are the service's, and rank 0's link is no
