@@ -63,6 +63,10 @@ static void encode_block(uint8_t *restrict dst, const float *restrict src, size_
     }
     int8_t *codes = (int8_t *)(dst + SCALE_BYTES);
     float scale = non_finite ? NAN : amax / 127.0f;
+    /* a block within a rounding of FLT_MAX: 127 * scale would decode to
+     * inf, one step lower does not (its largest code clamps to 127) */
+    if (!non_finite && !(scale * 127.0f <= FLT_MAX))
+        scale = nextafterf(scale, 0.0f);
     *bad = non_finite;
     put_scale(dst, scale);
     if (non_finite || scale == 0.0f) {

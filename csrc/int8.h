@@ -16,14 +16,14 @@
  *     the whole block decodes to NaN (a non-finite element is passed on,
  *     as a float32 sum would; its exact value and index within the block
  *     are not kept);
- *   - otherwise scale = max |x| / 127.0f, and each code is x / scale
- *     rounded to nearest, ties to even, clamped to [-127, 127]; a scale of
- *     0 (a block of zeros, or one too small for a float32 scale) gives
- *     codes 0.
- * Decoding: x = (float)code * scale, exact in float32 for every finite
- * scale. Both follow torch's float32 operations step by step (amax,
- * division, torch.round, clamp), so ddpwire.torch.local_steps quantizes
- * to the same bytes.
+ *   - otherwise scale = max |x| / 127.0f (the next float32 towards 0
+ *     where 127.0f * scale would round past FLT_MAX, so that no finite
+ *     element decodes to inf), and each code is x / scale rounded to
+ *     nearest, ties to even, clamped to [-127, 127]; a scale of 0 (a block
+ *     of zeros, or one too small for a float32 scale) gives codes 0.
+ * Decoding: x = (float)code * scale, rounded to float32 (finite for
+ * every scale an encoder writes; a peer's NaN or huge scale decodes to
+ * NaN or inf, reported).
  *
  * The mean of k encoded vectors decodes every element and sums in float32
  * in input order, ((x0 + x1) + x2) + ..., then divides by (float)k (a true

@@ -94,10 +94,10 @@ INT8_BLOCK = 256
 
 def int8_round_trip(x: Any) -> np.ndarray:
     """float32 through the int8 codec and back, written from its definition
-    in numpy: per block of 256 elements, scale = max |x| / 127 (NaN for a
-    block holding a NaN or inf), code = x / scale rounded to nearest even
-    and clamped to ±127 (0 for a scale of 0 or NaN), value = code × scale,
-    all in float32."""
+    in numpy: per block of 256 elements, scale = max |x| / 127 (one float32
+    step lower where 127 x scale would overflow; NaN for a block holding a
+    NaN or inf), code = x / scale rounded to nearest even and clamped to
+    ±127 (0 for a scale of 0 or NaN), value = code × scale, all in float32."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     n = len(x)
     pad = (-n) % INT8_BLOCK
@@ -105,6 +105,9 @@ def int8_round_trip(x: Any) -> np.ndarray:
     with np.errstate(all="ignore"):
         bad = ~np.isfinite(blocks).all(axis=1)
         scale = np.abs(blocks).max(axis=1) / np.float32(127)
+        # within a rounding of float32's largest, one step lower: 127 x scale stays finite
+        over = ~bad & ~(scale * np.float32(127) <= np.finfo(np.float32).max)
+        scale[over] = np.nextafter(scale[over], np.float32(0))
         scale[bad] = np.nan
         usable = ~bad & (scale > 0)
         safe = np.where(usable, scale, np.float32(1))
