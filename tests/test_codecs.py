@@ -16,6 +16,8 @@ def test_every_code_on_the_wire_is_described_once():
         # a collective's bfloat16 or float16 are a 16-bit codec's words; its
         # uint8 may be anyone's bytes, int8's among them
         assert codecs.by_dtype(c.dtype) is (None if c.block else c)
+        # a codec with blocks carries its kernels; the others run in the exchange
+        assert (c.kernels is not None) == bool(c.block)
     assert codecs.by_dtype(DType.UINT8) is None
     assert codecs.codec_of(None) is codecs.FLOAT32 and codecs.FLOAT32.half is None
 

@@ -1,13 +1,14 @@
-"""The int8 wire codec (csrc/int8.c, ddpwire.plane.reduce.int8_*): a byte an
-element and a float32 scale per 256, against its definition written again
-in numpy (tests/session_helpers.py int8_round_trip), bit for bit."""
+"""The int8 wire codec (csrc/int8.c, ddpwire.plane.reduce.int8_*, the codec
+table's kernels and average): a byte an element and a float32 scale per
+256, against its definition written again in numpy
+(tests/session_helpers.py int8_round_trip), bit for bit."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpwire import NonFiniteGradient
-from ddpwire.plane import reduce
+from ddpwire.plane import codecs, reduce
 
 from session_helpers import INT8_BLOCK, int8_round_trip, reference_allreduce
 
@@ -90,7 +91,7 @@ def test_the_mean_decodes_sums_in_order_and_divides(k, n, seed):
     assert np.array_equal(bits(reduce.int8_mean(coded)), bits(reduce.mean(decoded)))
     assert np.array_equal(bits(reduce.int8_mean(coded, divide=False)), bits(reduce.total(decoded)))
     # and a flat int8 allreduce's result from every member's bytes is the reference's
-    assert np.array_equal(bits(reduce.int8_average(coded)),
+    assert np.array_equal(bits(codecs.INT8.average(coded)),
                           bits(reference_allreduce(xs, codec="int8")))
 
 
@@ -105,8 +106,8 @@ def test_the_mean_names_the_first_non_finite_input_and_still_writes_everything()
     assert (info.value.input, info.value.index) == (1, INT8_BLOCK)
     assert np.isnan(info.value.value)
     assert np.isnan(out[:2 * INT8_BLOCK]).all() and (out[2 * INT8_BLOCK:] == 1).all()
-    # int8_average passes it on instead
-    assert np.isnan(reduce.int8_average(coded)[:2 * INT8_BLOCK]).all()
+    # the codec's average passes it on instead
+    assert np.isnan(codecs.INT8.average(coded)[:2 * INT8_BLOCK]).all()
 
 
 def test_bad_arguments_are_named():

@@ -14,7 +14,8 @@ Each entry names the codec as a user does (``compression=``,
 (:class:`~ddpwire.Codec`), the element type its slices travel as in a
 CollectiveRequest (:class:`~ddpwire.DType`), the bytes ``n`` elements take
 (:meth:`WireCodec.size`), the elements that share a scale (``block``; a
-slice of a blocked codec starts on a block) and the name the compiled
+slice of a blocked codec starts on a block) with that codec's kernels
+(:class:`BlockKernels`, which the runner calls), and the name the compiled
 16-bit kernels take (``codec=`` of :mod:`ddpwire.plane.reduce`). Every
 layer that picks, checks or sends a codec reads it here: the mesh and its
 plan, the coordinator's options, the command, the torch rank links, the
@@ -22,19 +23,42 @@ collectives service and DiLoCo.
 
 A new codec is an entry here and its kernels: a C file in csrc/ (as
 csrc/int8.c) with its glue (ddpwire/_int8.pxi, included by _core.pyx, its
-source named in setup.py), its branch in :class:`ddpwire.plane.mesh.Mesh`,
-and its code in csrc/wire.h and docs/extensions.md's MeshPeers table.
+source named in setup.py), and its code in csrc/wire.h and
+docs/extensions.md's MeshPeers table. A codec with blocks runs on the mesh
+runner's blocked branch through its :class:`BlockKernels`; one encoded as
+its bytes move would need its kernels in csrc/net.c's exchange, as the
+16-bit ones have.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from .._core import INT8_BLOCK, int8_size
+import numpy as np
+
+from .._core import INT8_BLOCK, int8_decode, int8_encode, int8_mean, int8_size
+from ..wire.errors import NonFiniteGradient
 from ..wire.extensions import Codec, DType
 
-__all__ = ["CODECS", "FLOAT32", "INT8", "INT8_BLOCK", "WireCodec", "by_code", "by_dtype",
-           "codec_of", "names"]
+__all__ = ["BlockKernels", "CODECS", "FLOAT32", "INT8", "INT8_BLOCK", "WireCodec", "by_code",
+           "by_dtype", "codec_of", "names"]
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """A codec with a scale per block: its compiled kernels, in csrc/int8.h's
+    shape (the runner calls them here, not by name)."""
+
+    #: bytes n elements take
+    size: Callable[[int], int]
+    #: float32 into the codec's bytes: encode(src, out=None)
+    encode: Callable[..., np.ndarray]
+    #: the codec's bytes into float32: decode(src, out=None)
+    decode: Callable[..., np.ndarray]
+    #: encodings decoded, summed in input order, divided when ``divide``:
+    #: mean(inputs, out=None, *, divide=True); NonFiniteGradient names the
+    #: first non-finite element, the result written in full even then
+    mean: Callable[..., np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -53,10 +77,30 @@ class WireCodec:
     half: Optional[str]
     #: elements that share one scale (0: none, every element stands alone)
     block: int = 0
+    #: the kernels of a codec with blocks (None: none)
+    kernels: Optional[BlockKernels] = None
 
     def size(self, n: int) -> int:
         """Bytes ``n`` elements take on the wire."""
-        return n * self.width if not self.block else int8_size(n)
+        return n * self.width if self.kernels is None else self.kernels.size(n)
+
+    def average(self, encodings: Sequence[Any]) -> np.ndarray:
+        """What a flat allreduce of this blocked codec gives every member,
+        from every member's encoding (in member order, equal lengths):
+        decoded, summed in float32 in order, divided by their number, and
+        that encoded once more and decoded. A NaN or infinity is passed on,
+        not raised. For a group whose members' bytes were gathered (the
+        collective service, a foreign process group)."""
+        k = self.kernels
+        assert k is not None, f"{self.name} has no blocks"
+        parts = [np.ascontiguousarray(e).view(np.uint8).reshape(-1) for e in encodings]
+        count = k.decode(parts[0]).size  # a length no encoding has is a ValueError
+        average = np.empty(count, dtype=np.float32)
+        try:
+            k.mean(parts, average)
+        except NonFiniteGradient:
+            pass  # the average is written in full, NaN and inf in place
+        return k.decode(k.encode(average))
 
 
 FLOAT32 = WireCodec(None, Codec.FLOAT32, DType.FLOAT32, 4, None)
@@ -66,7 +110,8 @@ CODECS: Tuple[WireCodec, ...] = (
     WireCodec("bf16", Codec.BF16, DType.BFLOAT16, 2, "bf16"),
     WireCodec("fp16", Codec.FP16, DType.FLOAT16, 2, "fp16"),
     # its slices are raw bytes: scales and codes (csrc/int8.h)
-    WireCodec("int8", Codec.INT8, DType.UINT8, 0, None, INT8_BLOCK),
+    WireCodec("int8", Codec.INT8, DType.UINT8, 0, None, INT8_BLOCK,
+              BlockKernels(int8_size, int8_encode, int8_decode, int8_mean)),
 )
 INT8 = CODECS[-1]
 _BY_NAME: Dict[Optional[str], WireCodec] = {c.name: c for c in CODECS}

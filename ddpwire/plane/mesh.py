@@ -871,15 +871,18 @@ class Mesh:
 
     def _reduce_scatter_blocks(self, step: int, gradients: np.ndarray, deadline: float,
                                plan: Plan, op: ReduceOp) -> SliceOutcome:
-        """Phase 1 in a codec with a scale per block (int8), whose values
+        """Phase 1 in a codec with a scale per block (int8: its
+        :class:`~ddpwire.plane.codecs.BlockKernels`), whose values
         cannot be summed as they travel: the vector encoded once, the
         slices exchanged as bytes, then this worker's slice decoded from
         every worker and averaged (or summed) in worker order, and that
         encoded for the allgather (every worker, this one too, decodes those
         bytes)."""
         n, me = self.world, self.worker_id
+        kernels = self._wire.kernels
+        assert kernels is not None
         wire = self._buffer("wire", self._wire.size(len(gradients)), np.dtype(np.uint8))
-        _reduce.int8_encode(gradients, wire)
+        kernels.encode(gradients, wire)
         spans = self._byte_bounds(plan)
         lo, hi = plan.bounds[me]
         a, b = spans[me]
@@ -902,10 +905,10 @@ class Mesh:
         outcome = SliceOutcome()
         if hi > lo:
             try:
-                _reduce.int8_mean(inputs, own, divide=op is ReduceOp.AVG)
+                kernels.mean(inputs, own, divide=op is ReduceOp.AVG)
             except NonFiniteGradient as exc:  # the whole slice is averaged even so
                 outcome = SliceOutcome(exc.input, lo + exc.index, exc.value)
-        self._own = _reduce.int8_encode(own, self._buffer("own bytes", b - a, wire.dtype))
+        self._own = kernels.encode(own, self._buffer("own bytes", b - a, wire.dtype))
         self._step, self._part = step, None
         return outcome
 
@@ -969,7 +972,9 @@ class Mesh:
             self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline)
             a, b = spans[me]
             coded[a:b] = own
-            return _reduce.int8_decode(coded, out)
+            kernels = self._wire.kernels
+            assert kernels is not None
+            return kernels.decode(coded, out)
         if self._half is None:
             # float32 lands where it belongs
             recvs = [None if j == me else out[a:b] for j, (a, b) in enumerate(bounds)]

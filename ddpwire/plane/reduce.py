@@ -28,9 +28,7 @@ divides, the same bits as decoding each input and calling :func:`mean`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
-
-import numpy as np
+from typing import Any, Callable, Optional, Tuple
 
 from .._core import (
     accumulate,
@@ -52,7 +50,6 @@ from .._core import (
     total,
 )
 from .._core import _set_path, _set_threads
-from ..wire.errors import NonFiniteGradient
 from . import codecs as _codecs
 
 __all__ = [
@@ -71,7 +68,6 @@ __all__ = [
     "int8_encode",
     "int8_decode",
     "int8_mean",
-    "int8_average",
     "available_paths",
     "current_path",
     "use_path",
@@ -83,24 +79,6 @@ __all__ = [
 #: the 16-bit wire codecs the kernels take as ``codec=``: bfloat16 and IEEE binary16
 #: (ddpwire.plane.codecs describes them)
 CODECS: Tuple[str, ...] = tuple(c.half for c in _codecs.CODECS if c.half is not None)
-
-
-def int8_average(encodings: Sequence[Any]) -> np.ndarray:
-    """What a flat int8 allreduce gives every member, from every member's
-    encoding (in member order; equal lengths): decoded, summed in float32
-    in order, divided by their number, and that average encoded once more
-    and decoded (csrc/int8.h). A NaN or infinity is passed on, as a float32
-    sum would, not raised. For a group whose members' bytes were gathered
-    (the collective service, a foreign process group)."""
-    parts = [np.ascontiguousarray(e).view(np.uint8).reshape(-1) for e in encodings]
-    nbytes = parts[0].size if parts else 0
-    # the count whose encoding takes nbytes (int8_mean refuses a length none has)
-    average = np.empty(nbytes - 4 * -(-nbytes // (INT8_BLOCK + 4)), dtype=np.float32)
-    try:
-        int8_mean(parts, average)
-    except NonFiniteGradient:
-        pass  # the average is written in full, NaN and inf in place
-    return int8_decode(int8_encode(average))
 
 
 class _Restore:

@@ -793,13 +793,14 @@ class DdpwireProcessGroup(dist.ProcessGroup):
                                                                      compression=wire.name),
                                      data, ready, release, [tensor], [tensor], [tensor])
         if wire.block:
-            coded = torch.from_numpy(_reduce.int8_encode(
+            kernels = wire.kernels
+            assert kernels is not None
+            coded = torch.from_numpy(kernels.encode(
                 tensor.detach().to("cpu").contiguous().view(-1).numpy()))
             gathered = torch.empty(self._world * coded.numel(), dtype=torch.uint8)
             return self._issue(what, Kind.ALLGATHER, Op.SUM, DType.UINT8, 0, [coded], [gathered],
                                [tensor], deliver=lambda: copy_into(tensor, torch.from_numpy(
-                                   _reduce.int8_average(gathered.numpy().reshape(
-                                       self._world, -1)))))
+                                   wire.average(gathered.numpy().reshape(self._world, -1)))))
         half = tensor.to(torch.bfloat16 if wire.half == "bf16" else torch.float16)
         # widened into the caller's tensor before the work completes: its
         # future hands DDP the float32 bucket

@@ -44,7 +44,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plane import codecs as _codecs
-from ..plane import reduce as _reduce
 from ..plane.codecs import INT8_BLOCK
 
 __all__ = ["DiLoCo", "INT8_BLOCK", "nesterov_outer"]
@@ -139,12 +138,13 @@ class DiLoCo:
             self._coded.allreduce_compressed(delta, self.wire).wait()
         elif self.wire is not None:
             # int8 on another backend: the same bits from every rank's bytes
+            wire = _codecs.codec_of(self.wire)
+            assert wire.kernels is not None
             device = delta.device  # where the group's collectives run (NCCL: the GPU)
-            coded = torch.from_numpy(_reduce.int8_encode(delta.cpu().numpy())).to(device)
+            coded = torch.from_numpy(wire.kernels.encode(delta.cpu().numpy())).to(device)
             every = [torch.empty_like(coded) for _ in range(world)]
             dist.all_gather(every, coded, group=self.group)
-            delta = torch.from_numpy(
-                _reduce.int8_average([c.cpu().numpy() for c in every])).to(device)
+            delta = torch.from_numpy(wire.average([c.cpu().numpy() for c in every])).to(device)
         else:
             dist.all_reduce(delta, group=self.group)
             delta.div_(world)
