@@ -188,6 +188,22 @@ def test_a_nan_halts_the_step_before_any_worker_applies_anything(culprits):
         assert isinstance(exc, NonFiniteGradient) and exc.worker_id == first and exc.step == 0
 
 
+def test_an_int8_session_halts_on_a_non_finite_element_naming_the_worker_and_its_block():
+    # int8 carries a NaN or infinity as its whole block's NaN scale: the
+    # owner names the first worker whose block holds one, and that block's
+    # first element, before any worker applies anything
+    count = 12_000
+    grads = gradients(3, count, seed=5)
+    grads[2][7_000] = np.inf   # block 27 (6912-7167), in worker 1's slice
+    grads[1][7_100] = np.nan   # the same block, a lower worker
+    body = untouched_out_step(grads, np.float32(-7.5))
+    s, halted = halted_step(3, body, topology="mesh", compression="int8")
+    assert halted.worker_id == 1 and halted.step == 0
+    assert halted.index == 27 * 256 and np.isnan(halted.value)
+    for exc in s.errors.values():
+        assert isinstance(exc, NonFiniteGradient) and exc.worker_id == 1 and exc.step == 0
+
+
 def test_an_infinity_in_the_coordinator_side_slice_of_worker_0_is_named():
     grads = gradients(2, 100, seed=2)
     grads[0][3] = -np.inf
