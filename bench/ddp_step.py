@@ -5,7 +5,8 @@ The model is an MLP of 15.7M float32 parameters (1024-4096-2048-1024-1024-10),
 trained with SGD on a batch of 8 per rank: an unmodified DDP script whose
 only knob is the backend's name ("gloo" or "ddpwire") and, for "ddpwire-bf16"
 and "ddpwire-int8", ddpwire's 16-bit or 8-bit bucket hook; the "fsdp-" kinds train the same model under
-FSDP2 (torch's fully_shard on every layer) instead of DDP. It speaks bench/allreduce_procs.py's step
+FSDP2 (torch's fully_shard on every layer) instead of DDP, the "bf16model-"
+kinds the same DDP with the model and its input in bfloat16. It speaks bench/allreduce_procs.py's step
 protocol: each "step" is one forward, backward (DDP's bucketed allreduces
 overlapping it) and optimizer step.
 
@@ -53,6 +54,10 @@ DDP_KINDS.update({kind: ("ddpwire", None, kind.endswith("-baseline")) for kind i
 #: all-gathers the parameters and reduce-scatters the gradients
 DDP_KINDS.update({"fsdp-gloo": ("gloo", None, False), "fsdp-ddpwire": ("ddpwire", None, False),
                   "fsdp-ddpwire-baseline": ("ddpwire", None, True)})
+#: the same model held in bfloat16 under DDP (its buckets bfloat16 tensors)
+DDP_KINDS.update({"bf16model-gloo": ("gloo", None, False),
+                  "bf16model-ddpwire": ("ddpwire", None, False),
+                  "bf16model-ddpwire-baseline": ("ddpwire", None, True)})
 #: what a run measures unless told otherwise: the baseline needs a checkout
 DEFAULT_DDP_KINDS = ("ddp-gloo", "ddp-ddpwire", "ddp-ddpwire-bf16")
 WIDTHS = (1024, 4096, 2048, 1024, 1024, 10)
@@ -161,6 +166,8 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
                 if isinstance(layer, torch.nn.Linear):
                     fully_shard(layer)
             fully_shard(ddp)
+        elif kind.startswith("bf16model"):
+            ddp = DDP(_model().to(torch.bfloat16))
         else:
             ddp = DDP(_model())
         chosen = None
@@ -179,7 +186,8 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         group = dist.distributed_c10d._get_default_group()
         return {"dist": dist, "torch": torch, "ddp": ddp,
                 "opt": torch.optim.SGD(ddp.parameters(), lr=0.01),
-                "x": torch.randn(BATCH, WIDTHS[0], generator=gen),
+                "x": torch.randn(BATCH, WIDTHS[0], generator=gen).to(
+                    torch.bfloat16 if kind.startswith("bf16model") else torch.float32),
                 "y": torch.randint(0, WIDTHS[-1], (BATCH,), generator=gen),
                 "links": bool(getattr(group, "rank_links", False)), "trace": trace,
                 "sealed": bool(getattr(group, "links_sealed", False)),

@@ -5,7 +5,8 @@
 
 One row per rank count: each kind's median step (from its rounds' spans,
 first rank's start to last rank's end) and its ratio to gloo's in the same
-file (DDP's, and FSDP2's in a table of its own), with the commit and the
+file (DDP's, FSDP2's and DDP's of a bfloat16 model in tables of their
+own), with the commit and the
 link rate the run recorded.
 
     python bench/cluster/report_ddp.py --trace bench/results/cluster-ddp-1g-trace4.json
@@ -32,12 +33,15 @@ LABELS = {"ddp-ddpwire": "ddpwire", "ddp-ddpwire-bf16": "ddpwire bf16",
           "ddp-ddpwire-int8": "ddpwire int8",
           "ddp-ddpwire-baseline": "baseline", "ddp-ddpwire-bf16-baseline": "bf16 baseline",
           "ddp-ddpwire-bf16-free": "bf16, free kernels",
-          "fsdp-ddpwire": "ddpwire", "fsdp-ddpwire-baseline": "baseline"}
+          "fsdp-ddpwire": "ddpwire", "fsdp-ddpwire-baseline": "baseline",
+          "bf16model-ddpwire": "ddpwire", "bf16model-ddpwire-baseline": "baseline"}
 #: the same model under FSDP2: a table of its own, against FSDP on gloo
 FSDP_KINDS = ("fsdp-gloo", "fsdp-ddpwire", "fsdp-ddpwire-baseline")
+#: the model in bfloat16 under DDP: a table of its own
+BF16_MODEL_KINDS = ("bf16model-gloo", "bf16model-ddpwire", "bf16model-ddpwire-baseline")
 #: columns shown only where the file has them
 OPTIONAL = ("ddp-ddpwire-int8", "ddp-ddpwire-baseline", "ddp-ddpwire-bf16-baseline",
-            "ddp-ddpwire-bf16-free", "fsdp-ddpwire-baseline")
+            "ddp-ddpwire-bf16-free", "fsdp-ddpwire-baseline", "bf16model-ddpwire-baseline")
 
 
 def table(path: str) -> str:
@@ -54,12 +58,13 @@ def table(path: str) -> str:
     rows = [f"`{path}`: commit {commit.get('id', '?')[:7]}"
             f"{' (dirty)' if commit.get('dirty') else ''}, links "
             f"{(rate or 0) / 1e9:g} Gbit/s"]
-    for family in (KINDS, FSDP_KINDS):
+    titles = {KINDS: "DDP", FSDP_KINDS: "FSDP2", BF16_MODEL_KINDS: "DDP, the model in bfloat16"}
+    for family, title in titles.items():
         if not any(k in by for by in med.values() for k in family):
             continue
         kinds = [k for k in family[1:]
                  if k not in OPTIONAL or any(k in by for by in med.values())]
-        rows += ["", f"{'FSDP2' if family is FSDP_KINDS else 'DDP'}:", "",
+        rows += ["", f"{title}:", "",
                  "| ranks | gloo ms | " + " | ".join(f"{LABELS[k]} ms | / gloo" for k in kinds)
                  + " |", "|---:|---:|" + "---:|---:|" * len(kinds)]
         for n in sorted(med):

@@ -13,7 +13,8 @@ names), "ddp-ddpwire-sealed" and "ddp-ddpwire-clear" (a token, encryption
 on and off), "ddp-ddpwire-sealed-baseline" (sealed, by that checkout) and
 "ddp-ddpwire-bf16-free" (a bound: the bf16 step with its 16-bit kernels made free, see
 bench/ddp_step.py; its ranks' weights differ), and "fsdp-gloo", "fsdp-ddpwire" and
-"fsdp-ddpwire-baseline" (the same model under FSDP2), for each N of
+"fsdp-ddpwire-baseline" (the same model under FSDP2), "bf16model-gloo",
+"bf16model-ddpwire" and "bf16model-ddpwire-baseline" (the model in bfloat16), for each N of
 DDPWIRE_CLUSTER_WORKERS. Needs root, iproute2 and torch:
 
     DDPWIRE_CLUSTER_WORKERS=2,4 python -m pytest bench/cluster/test_bench_ddp_cluster.py \\
@@ -63,7 +64,8 @@ def test_ddp_step(benchmark, cluster_plan, kind, n):
     if kind != "ddp-ddpwire-bf16-free":  # a bound: its averages are left undone
         assert len({r["weights_sha256"] for r in ranks}) == 1, "the ranks' weights differ"
     if kind in ("ddp-ddpwire", "ddp-ddpwire-bf16", "ddp-ddpwire-bf16-free", "ddp-ddpwire-sealed",
-                "ddp-ddpwire-clear", "ddp-ddpwire-int8", "fsdp-ddpwire", "fsdp-ddpwire-baseline"):
+                "ddp-ddpwire-clear", "ddp-ddpwire-int8", "fsdp-ddpwire", "fsdp-ddpwire-baseline",
+                "bf16model-ddpwire", "bf16model-ddpwire-baseline"):
         assert all(r["rank_links"] for r in ranks), "a ddpwire rank did not use the rank links"
     if kind.startswith("ddp-ddpwire"):
         # sealed only where a token is set and encryption left on
