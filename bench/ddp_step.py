@@ -204,7 +204,7 @@ def _ddp_rank(conn, kind: str, port: int, rank: int, n: int, host: str,
         for p in model.parameters():
             # an FSDP parameter is sharded: its whole tensor is an all-gather
             whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-            digest.update(whole.detach().numpy().tobytes())
+            digest.update(whole.detach().float().numpy().tobytes())  # bfloat16: no numpy type
         st["dist"].destroy_process_group()
         # DDP keeps every rank's parameters identical: the test compares digests
         return {"average_ok": True, "weights_sha256": digest.hexdigest(),
