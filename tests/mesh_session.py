@@ -164,7 +164,9 @@ def mesh_allreduce(meshes, step, grads, op=None):
             outcomes[r] = meshes[r].reduce_scatter(step, grads[r], deadline,
                                                    op=ReduceOp.AVG if op is None else op)
             owned[r] = len(meshes[r]._own)
-            out = np.full(len(grads[r]), np.float32(-7.0), dtype=np.float32)
+            # 16-bit words in, 16-bit words out (a bfloat16 tensor's); else float32
+            out = np.full(len(grads[r]), 7, dtype=np.uint16) if grads[r].dtype == np.uint16 \
+                else np.full(len(grads[r]), np.float32(-7.0), dtype=np.float32)
             outs[r] = meshes[r].allgather(step, out, deadline)
         except BaseException as exc:  # handed to the test
             errors[r] = exc

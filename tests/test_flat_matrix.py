@@ -38,7 +38,7 @@ from ddpwire.wire.extensions import ReduceOp
 from ddpwire.wire.messages import NO_WORKER
 
 from mesh_session import bits, gradients, mesh_allreduce, mesh_group, run_flat_steps
-from session_helpers import reference_allreduce
+from session_helpers import reference_allreduce, to_half_bits
 
 COUNT = 3001  # odd: slices of unequal length, and a coordinator part that is not a slice's
 
@@ -203,6 +203,27 @@ def test_mesh_runners_with_unequal_and_zero_fractions_give_the_reference_bits(
             for r in range(n):
                 assert np.array_equal(bits(outs[r]), bits(want)), (step, r)
                 assert outcomes[r].bad_worker == NO_WORKER
+    finally:
+        for m in meshes:
+            m.close()
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG], ids=["sum", "avg"])
+def test_16_bit_words_given_as_they_are_give_the_reference_s_words(codec, op, ranges):
+    # a bfloat16 tensor's words travel without widening or narrowing, with
+    # the bits of the same values given in float32
+    fractions = (1.0, 0.0, 2.0)
+    meshes = mesh_group(3, codec, fractions)
+    try:
+        grads = gradients(3, 3001, seed=8)
+        words = [to_half_bits(g, codec) for g in grads]
+        outs, outcomes, errors, _ = mesh_allreduce(meshes, 0, words, op)
+        assert errors == [None] * 3, errors
+        want = to_half_bits(reference_allreduce(grads, op, codec), codec)
+        for r in range(3):
+            assert outs[r].dtype == np.uint16 and np.array_equal(outs[r], want), r
+            assert outcomes[r].bad_worker == NO_WORKER
     finally:
         for m in meshes:
             m.close()

@@ -821,8 +821,11 @@ class Mesh:
         bounds = plan.bounds
         lo, hi = bounds[me]
         half = self._half
-        wire = gradients if half is None else self._buffer("wire", len(gradients),
-                                                            np.dtype(np.uint16))
+        # 16-bit words given as they are (a bfloat16 tensor's) travel without
+        # narrowing; float32 is narrowed just ahead of its bytes
+        words = half is not None and gradients.dtype == np.uint16
+        wire = gradients if half is None or words else self._buffer("wire", len(gradients),
+                                                                     np.dtype(np.uint16))
         mine = hi - lo
         inbox = self._buffer("inbox", mine * max(n - 1, 1), wire.dtype)
         recvs: List[Optional[np.ndarray]] = []
@@ -846,10 +849,10 @@ class Mesh:
         # worker's own slice averaged range by range as every peer's arrives;
         # a worker with fraction 0 owns no element: it only sends (its heads
         # say count 0 to every owner)
-        narrow = None if half is None else [
+        narrow = None if half is None or words else [
             None if j == me or b == a else gradients[a:b] for j, (a, b) in enumerate(bounds)]
         reduce = None if mine == 0 else (inputs, sources, own, op is ReduceOp.AVG,
-                                         None if half is None else gradients[lo:hi])
+                                         None if half is None or words else gradients[lo:hi])
         bad = self._exchange(step, CollectiveKind.REDUCE_SCATTER, sends, recvs, deadline, leg,
                              op, narrow_from=narrow, reduce=reduce)
         outcome = SliceOutcome()
@@ -954,7 +957,8 @@ class Mesh:
 
     def allgather(self, step: int, out: np.ndarray, deadline: float) -> np.ndarray:
         """Phase 3, after the coordinator's go-ahead: every slice of the
-        average into ``out`` (float32), this worker's own included."""
+        average into ``out`` (float32; with a 16-bit codec, or its uint16
+        words as they are), this worker's own included."""
         if self.plane is not None:
             return self.plane.allgather(step, out, deadline)
         own = self._take_own(step)
@@ -964,6 +968,12 @@ class Mesh:
         bounds = plan.bounds
         lo, hi = bounds[me]
         sends = [None if j == me else own for j in range(n)]
+        if self._half is not None and out.dtype == np.uint16:
+            # 16-bit words wanted as they are: received in place
+            recvs = [None if j == me else out[a:b] for j, (a, b) in enumerate(bounds)]
+            self._exchange(step, CollectiveKind.ALLGATHER, sends, recvs, deadline)
+            out[lo:hi] = own
+            return out
         if self._wire.block:
             # every slice's bytes, this worker's own too, decoded at once
             spans = self._byte_bounds(plan)

@@ -127,7 +127,8 @@ class RankLinks:
         sum divided by the world size). With ``compression`` (a codec of
         :mod:`ddpwire.plane.codecs`: "bf16", "fp16", "int8") each rank's data
         travels encoded and the result comes back encoded, decoded into
-        ``data``. A NaN or inf is passed on, as gloo does.
+        ``data``; with a 16-bit one ``data`` may be its uint16 words (a
+        bfloat16 tensor's), sent and written back as they are. A NaN or inf is passed on, as gloo does.
         Raises CollectiveAborted naming the rank whose link failed."""
         def run(runner: _mesh.Mesh, seq: int, deadline: float) -> None:
             runner.reduce_scatter(seq, data, deadline, op=ReduceOp(int(op)))
@@ -140,7 +141,8 @@ class RankLinks:
         every rank's float32 ``data`` (a process group's reduce-scatter:
         equal chunks, whatever this group's fractions), summed in rank
         order: float32, or with a 16-bit ``compression`` ("bf16", "fp16")
-        its 16-bit words. Errors as :meth:`allreduce`."""
+        its 16-bit words (``data`` float32 or those words). Errors as
+        :meth:`allreduce`."""
         out: List[np.ndarray] = []
 
         def run(runner: _mesh.Mesh, seq: int, deadline: float) -> None:

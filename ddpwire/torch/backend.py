@@ -29,7 +29,6 @@ import _ddpwire_autoload as _autoload
 
 from ..plane import codecs as _codecs
 from ..plane import p2p as _p2p
-from ..plane import reduce as _reduce
 from ..plane import shm as _shm
 from ..plane.collectives import CollectiveAborted, DType, Kind, Op, check_op
 from .composed import (
@@ -1142,8 +1141,8 @@ def _links_route(links: RankLinks, kind: Kind, op: Op, dtype: DType,
     data's raw bytes in, the result in place or returned), or None for the
     service; either way the bits are the service's, and rank 0's link is no
     busier than any other's. float32 SUM/AVG allreduces and reduce-scatters;
-    bfloat16 and float16 ones in their own 16-bit codec (widened exactly,
-    summed in float32 in rank order, rounded once); all-gathers of any
+    bfloat16 and float16 ones in their own 16-bit codec (their words sent as
+    they are, summed in float32 in rank order, rounded once); all-gathers of any
     dtype, as bytes (float32 words: their length a multiple of 4)."""
     if kind is Kind.ALLGATHER:
         return (lambda d: links.allgather(d.view(np.float32))) if nbytes % 4 == 0 else None
@@ -1156,15 +1155,12 @@ def _links_route(links: RankLinks, kind: Kind, op: Op, dtype: DType,
     wire = _codecs.by_dtype(dtype)
     if wire is None or wire.half is None:
         return None
-    codec = wire.half
 
     def half(d: np.ndarray) -> Optional[np.ndarray]:
-        words = d.view(np.uint16)
-        wide = _reduce.from_half(words, codec=codec)
+        # the tensor's words travel as they are
         if kind is Kind.REDUCE_SCATTER:
-            return links.reduce_scatter(wide, op, compression=wire.name)  # this rank's words
-        links.allreduce(wide, op, compression=wire.name)
-        _reduce.to_half(wide, words, codec=codec)
+            return links.reduce_scatter(d.view(np.uint16), op, compression=wire.name)
+        links.allreduce(d.view(np.uint16), op, compression=wire.name)
         return None
     return half
 
