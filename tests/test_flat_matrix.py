@@ -229,6 +229,17 @@ def test_16_bit_words_given_as_they_are_give_the_reference_s_words(codec, op, ra
             m.close()
 
 
+def test_a_runner_refuses_words_its_codec_does_not_carry():
+    for codec, dtype in ((None, np.uint16), ("bf16", np.float64), ("int8", np.uint16)):
+        meshes = mesh_group(2, codec)
+        try:
+            with pytest.raises(TypeError, match="the mesh reduces float32"):
+                meshes[0].reduce_scatter(0, np.zeros(8, dtype), 1.0)
+        finally:
+            for m in meshes:
+                m.close()
+
+
 @pytest.mark.parametrize("codec", [None, "bf16"])
 def test_the_owner_of_a_non_finite_element_reports_it_and_a_zero_member_reports_nothing(
         codec):

@@ -1,7 +1,6 @@
 """FSDP2 (fully_shard) on backend "ddpwire", three CPU ranks: its
 reduce-scatters and all-gathers run on the rank links, with the bits of the
 collective service, and training follows gloo's."""
-import sys
 from pathlib import Path
 
 import pytest

@@ -805,6 +805,9 @@ class Mesh:
                                                       self.coordinator_share):
             raise ValueError(f"the mesh reduces AVG, and SUM without a coordinator share, "
                              f"not {op.name} ({self.codec.name.lower()})")
+        if gradients.dtype != np.float32 and not (self._half and gradients.dtype == np.uint16):
+            raise TypeError(f"the mesh reduces float32{' or its uint16 words' if self._half else ''}"
+                            f", not {gradients.dtype} ({self.codec.name.lower()})")
         if self._want_shared:
             self._want_shared = False
             self.plane = self._share(step, len(gradients), deadline)
