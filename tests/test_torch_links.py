@@ -244,6 +244,29 @@ def test_after_a_failure_every_later_call_raises_the_first_cause():
     ranks[0].close()
 
 
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "allreduce_words"])
+def test_a_rank_that_leaves_is_named_in_a_reduce_scatter_or_all_gather_too(collective):
+    # two ranks: with three, a survivor may see the other survivor's links
+    # close (it gave up on the same rank) before the leaver's
+    ranks = _linked(2, _loopback)
+    ranks[1].close()  # rank 1 leaves
+    calls = {"reduce_scatter": lambda r: r.reduce_scatter(np.ones(3000, np.float32), Op.SUM),
+             "allgather": lambda r: r.allgather(np.ones(1000, np.float32)),
+             "allreduce_words": lambda r: r.allreduce(np.ones(3000, np.uint16), Op.AVG,
+                                                      compression="bf16")}
+    try:
+        with pytest.raises(CollectiveAborted) as first:
+            calls[collective](ranks[0])
+        assert first.value.rank == 1
+        # and every later collective raises the same first error
+        with pytest.raises(CollectiveAborted) as again:
+            ranks[0].allgather(np.ones(10, np.float32))
+        assert again.value is first.value
+    finally:
+        for r in ranks:
+            r.close()
+
+
 def _beating(rank):
     # heartbeats every 50 ms, a peer silent for 0.5 s lost; the group's
     # deadline far beyond both
