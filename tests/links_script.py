@@ -1,6 +1,7 @@
 """One rank of tests/test_torch_links.py's collectives through the backend:
 bfloat16 and float16 all_reduce (SUM, AVG), reduce_scatter_tensor (float32,
-bfloat16, float16) and all_gather_into_tensor (float32, bfloat16, int64),
+bfloat16, float16), all_gather_into_tensor and broadcast (float32, bfloat16,
+int64),
 on random values large enough for the
 rank links (or, with DDPWIRE_LINKS_MIN_BYTES set high, through the
 service). Saves every result and how many collectives the links ran."""
@@ -40,6 +41,11 @@ def main():
         whole = torch.empty(N * world, dtype=dtype)
         dist.all_gather_into_tensor(whole, mine)
         got[("all_gather_into_tensor", str(dtype))] = whole
+    # a broadcast moves bytes too: a scatter from the root, then an all-gather
+    for dtype, root in ((torch.float32, 1), (torch.int64, 2), (torch.bfloat16, 0)):
+        t = (torch.randn(N, generator=gen) * 1000).to(dtype)
+        dist.broadcast(t, src=root)
+        got[("broadcast", str(dtype), root)] = t
     pg = dist.distributed_c10d._get_default_group()
     torch.save({"got": got, "links": pg.links_collectives}, f"{out}.rank{rank}.pt")
     dist.destroy_process_group()

@@ -115,8 +115,9 @@ def test_half_tensors_reduce_scatters_and_all_gathers_take_the_links_with_the_se
         return [torch.load(tmp_path / f"{label}.rank{r}.pt") for r in range(3)]
 
     links, service = run("links", ON_LINKS), run("service", ON_SERVICE)
-    # 4 half allreduces, 4 reduce-scatters and 3 all-gathers on every rank's links
-    assert [r["links"] for r in links] == [11] * 3
+    # 4 half allreduces, 4 reduce-scatters, 3 all-gathers and 3 broadcasts
+    # on every rank's links
+    assert [r["links"] for r in links] == [14] * 3
     assert [r["links"] for r in service] == [0] * 3
     for r in range(3):
         for key, value in links[r]["got"].items():
@@ -124,6 +125,9 @@ def test_half_tensors_reduce_scatters_and_all_gathers_take_the_links_with_the_se
             assert torch.equal(value.view(-1).view(torch.uint8),
                                service[r]["got"][key].view(-1).view(torch.uint8)), (key, r)
             assert torch.equal(value, links[0]["got"][key]) or key[0] == "reduce_scatter_tensor"
+    for key, value in links[0]["got"].items():
+        if key[0] == "broadcast":  # the root's values, every rank alike, not rank 0's own
+            assert not torch.equal(value, torch.zeros_like(value))
 
 
 def _each_rank(ranks, call):
@@ -244,7 +248,25 @@ def test_after_a_failure_every_later_call_raises_the_first_cause():
     ranks[0].close()
 
 
-@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "allreduce_words"])
+@pytest.mark.parametrize("root", [0, 2])
+def test_the_links_broadcast_the_root_s_bytes_whatever_the_group_s_fractions(root):
+    world = 3
+    ranks = _linked(world, lambda r: dict(_loopback(r), fractions=(0.0, 1.0, 2.0)))
+    rng = np.random.default_rng(root)
+    mine = [rng.standard_normal(50_001).astype(np.float32) for _ in range(world)]
+    mine[root][17] = np.nan  # bytes, whatever they hold
+    want = mine[root].copy()
+    try:
+        _each_rank(ranks, lambda r: ranks[r].broadcast(mine[r], root))
+        for r in range(world):
+            assert np.array_equal(mine[r].view(np.uint32), want.view(np.uint32)), r
+    finally:
+        for r in ranks:
+            r.close()
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather", "allreduce_words",
+                                        "broadcast"])
 def test_a_rank_that_leaves_is_named_in_a_reduce_scatter_or_all_gather_too(collective):
     # two ranks: with three, a survivor may see the other survivor's links
     # close (it gave up on the same rank) before the leaver's
@@ -253,7 +275,8 @@ def test_a_rank_that_leaves_is_named_in_a_reduce_scatter_or_all_gather_too(colle
     calls = {"reduce_scatter": lambda r: r.reduce_scatter(np.ones(3000, np.float32), Op.SUM),
              "allgather": lambda r: r.allgather(np.ones(1000, np.float32)),
              "allreduce_words": lambda r: r.allreduce(np.ones(3000, np.uint16), Op.AVG,
-                                                      compression="bf16")}
+                                                      compression="bf16"),
+             "broadcast": lambda r: r.broadcast(np.ones(3000, np.float32), 0)}
     try:
         with pytest.raises(CollectiveAborted) as first:
             calls[collective](ranks[0])

@@ -950,6 +950,23 @@ class Mesh:
             raise ValueError("an all-gather alone is float32 on the links, no share")
         self._own, self._step, self._part = own, step, None
 
+    def scatter(self, step: int, data: np.ndarray, root: int, deadline: float) -> None:
+        """The first half of a broadcast from ``root`` (a process group's,
+        over the links): the root sends each member its slice of float32
+        ``data``, which lands in that member's ``data`` in place and is
+        offered to :meth:`allgather` of ``step``, the second half."""
+        if self.codec != Codec.FLOAT32 or self.plane is not None or self.coordinator_share:
+            raise ValueError("a broadcast is float32 on the links, no share")
+        me, bounds = self.worker_id, self.plan_for(len(data)).bounds
+        empty = data[:0]
+        sends = [empty if me != root or j == me else data[a:b]
+                 for j, (a, b) in enumerate(bounds)]
+        recvs = [data[bounds[me][0]:bounds[me][1]] if j == root and j != me else empty
+                 for j in range(self.world)]
+        # only the root's heads carry elements; the others' say count 0
+        self._exchange(step, CollectiveKind.BROADCAST, sends, recvs, deadline, op=ReduceOp.SUM)
+        self.offer(step, data[bounds[me][0]:bounds[me][1]])
+
     def _take_own(self, step: int) -> np.ndarray:
         own = self._own
         if own is None or self._step != step:

@@ -7,7 +7,8 @@ vectors each way there, where a reduce-scatter and allgather move
 rank opens a direct link to every other, and float32 SUM/AVG allreduces
 (DDP's buckets, in any codec of :mod:`ddpwire.plane.codecs`; bfloat16 and
 float16 tensors in their own codec), SUM/AVG reduce-scatters (float32 and
-16 bits) and all-gathers (of any bytes: FSDP's) run on them with
+16 bits), all-gathers (of any bytes: FSDP's) and broadcasts (a scatter,
+then an all-gather) run on them with
 :class:`ddpwire.plane.mesh.Mesh`, the runner the Worker mesh steps with:
 the same heads, range cuts and kernels, rank r owning slice r and summing
 it in rank order, so every rank gets the bits the service would have
@@ -161,6 +162,16 @@ class RankLinks:
             runner.allgather(seq, out, deadline)
         self._run(Codec.FLOAT32, None, run)
         return out
+
+    def broadcast(self, data: np.ndarray, root: int) -> None:
+        """``root``'s float32 ``data`` into every rank's ``data`` (a process
+        group's broadcast): the root scatters equal chunks, then every rank
+        all-gathers them, so the root's link sends 2·(N-1)/N of the vector
+        where the service's sends N-1 of it. Errors as :meth:`allreduce`."""
+        def run(runner: _mesh.Mesh, seq: int, deadline: float) -> None:
+            runner.scatter(seq, data, root, deadline)
+            runner.allgather(seq, data, deadline)
+        self._run(Codec.FLOAT32, None, run)
 
     def _run(self, codec: Codec, fractions: Optional[Sequence[float]],
              collective: Callable[[_mesh.Mesh, int, float], None]) -> None:

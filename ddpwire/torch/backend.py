@@ -574,7 +574,7 @@ class DdpwireProcessGroup(dist.ProcessGroup):
         # the collective's whole vector: an all-gather's is every rank's input
         size = data.nbytes * (self._world if kind is Kind.ALLGATHER else 1)
         run = None if links is None or size < LINKS_MIN_BYTES else \
-            _links_route(links, kind, op, dtype, data.nbytes)
+            _links_route(links, kind, op, dtype, data.nbytes, root)
         if run is not None:
             return self._issue_local(work, run, data, ready, release, inputs, outputs, value)
         # element-wise collectives travel in pieces: the service reduces one
@@ -1135,17 +1135,22 @@ class DdpwireProcessGroup(dist.ProcessGroup):
 _Route = Callable[[np.ndarray], Optional[np.ndarray]]
 
 
-def _links_route(links: RankLinks, kind: Kind, op: Op, dtype: DType,
-                 nbytes: int) -> Optional[_Route]:
+def _links_route(links: RankLinks, kind: Kind, op: Op, dtype: DType, nbytes: int,
+                 root: int) -> Optional[_Route]:
     """How the rank links' runner takes a collective of ``nbytes`` (its
     data's raw bytes in, the result in place or returned), or None for the
     service; either way the bits are the service's, and rank 0's link is no
     busier than any other's. float32 SUM/AVG allreduces and reduce-scatters;
     bfloat16 and float16 ones in their own 16-bit codec (their words sent as
-    they are, summed in float32 in rank order, rounded once); all-gathers of any
-    dtype, as bytes (float32 words: their length a multiple of 4)."""
+    they are, summed in float32 in rank order, rounded once); all-gathers
+    and broadcasts (from ``root``) of any dtype, as bytes (float32 words:
+    their length a multiple of 4)."""
+    if kind in (Kind.ALLGATHER, Kind.BROADCAST) and nbytes % 4:
+        return None
     if kind is Kind.ALLGATHER:
-        return (lambda d: links.allgather(d.view(np.float32))) if nbytes % 4 == 0 else None
+        return lambda d: links.allgather(d.view(np.float32))
+    if kind is Kind.BROADCAST:
+        return lambda d: links.broadcast(d.view(np.float32), root)
     if kind not in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER) or op not in (Op.SUM, Op.AVG):
         return None
     if dtype is DType.FLOAT32:
