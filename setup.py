@@ -4,6 +4,7 @@ C unit in csrc/ once (so process-wide C state really is process-wide).
 Wheels must stay portable, so nothing here targets the build machine's CPU
 (no -march=native); faster instruction sets are chosen at run time in C.
 """
+import glob
 import hashlib
 import os
 import sys
@@ -53,6 +54,9 @@ extensions = [
         "ddpwire._core",
         ["ddpwire/_core.pyx", *C_SOURCES],
         include_dirs=["csrc", numpy.get_include()],
+        # the headers and the message table every unit includes: a change to
+        # one rebuilds the module
+        depends=sorted(glob.glob("csrc/*.h")) + ["csrc/messages.def"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
         extra_link_args=extra_link_args,

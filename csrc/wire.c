@@ -1,70 +1,221 @@
 /*
  * wire.c: see wire.h. Plain C99, no allocation, no dependency beyond libc.
+ *
+ * Every message's layout comes from messages.def; the reader and the writer
+ * below walk those tables, so no message is spelled out here.
  */
 #include "wire.h"
 
 #include <float.h>
+#include <stddef.h>
 #include <string.h>
+
+#define COUNT(table) (sizeof (table) / sizeof *(table))
 
 /* ------------------------------------------------------------------ */
 /* Message table                                                       */
 /* ------------------------------------------------------------------ */
 
-static const char *const TYPE_NAMES[12] = {
-    NULL,
-    "JoinRequest",
-    "JoinAccepted",
-    "ShardAssignment",
-    "GradientPayload",
-    "AveragedGradient",
-    "Heartbeat",
-    "Shutdown",
-    "BlockGradientPayload",
-    "AveragedBlockGradient",
-    "NonBlockGradientPayload",
-    "AveragedNonBlockGradient",
+/* The name a variable field's count or length goes by in errors. */
+#define COUNT_NAME_U8(name) NULL
+#define COUNT_NAME_U16(name) NULL
+#define COUNT_NAME_U32(name) NULL
+#define COUNT_NAME_U64(name) NULL
+#define COUNT_NAME_F32(name) NULL
+#define COUNT_NAME_BYTES32(name) NULL
+#define COUNT_NAME_STRING(name) #name " length"
+#define COUNT_NAME_U32LIST(name) #name " count"
+#define COUNT_NAME_F32VEC(name) #name " count"
+#define COUNT_NAME_BYTES(name) #name " length"
+
+/* One field table per message, each ended by an entry without a name. */
+#define DDPW_F(type, name, member, rule)                                     \
+    {#name, COUNT_NAME_##type(name), DDPW_WT_##type, DDPW_RULE_##rule,        \
+     (uint16_t)offsetof(ddpw_message, member)},
+#define DDPW_MESSAGE(tag, ENUM, Class, direction, extensible, fields, doc) \
+    static const ddpw_field FIELDS_##ENUM[] = {fields{NULL, NULL, 0, 0, 0}};
+#include "messages.def"
+#undef DDPW_MESSAGE
+#undef DDPW_F
+
+#define DDPW_F(type, name, member, rule)
+#define DDPW_MESSAGE(tag, ENUM, Class, direction, extensible, fields, doc)                   \
+    static const ddpw_layout LAYOUT_##ENUM = {tag, extensible,                                \
+                                              (uint8_t)(COUNT(FIELDS_##ENUM) - 1), #Class,   \
+                                              direction, doc, FIELDS_##ENUM};
+#include "messages.def"
+#undef DDPW_MESSAGE
+
+#define DDPW_MESSAGE(tag, ENUM, Class, direction, extensible, fields, doc) &LAYOUT_##ENUM,
+static const ddpw_layout *const LAYOUTS[] = {
+#include "messages.def"
+};
+#undef DDPW_MESSAGE
+
+#define DDPW_MESSAGE(tag, ENUM, Class, direction, extensible, fields, doc) [tag] = &LAYOUT_##ENUM,
+static const ddpw_layout *const BY_TAG[256] = {
+#include "messages.def"
+};
+#undef DDPW_MESSAGE
+#undef DDPW_F
+
+/* A member that does not fit its field's wire type stops the build: each
+ * message gets a struct whose bit-field widths are 1 where the member's size
+ * is right and -1 (an error) where it is not. */
+#define SIZE_U8 1
+#define SIZE_U16 2
+#define SIZE_U32 4
+#define SIZE_U64 8
+#define SIZE_F32 4
+#define SIZE_STRING sizeof(ddpw_str)
+#define SIZE_BYTES32 sizeof(const uint8_t *)
+#define SIZE_U32LIST sizeof(ddpw_span)
+#define SIZE_F32VEC sizeof(ddpw_span)
+#define SIZE_BYTES sizeof(ddpw_span)
+#define DDPW_F(type, name, member, rule) \
+    unsigned name : sizeof(((ddpw_message *)0)->member) == SIZE_##type ? 1 : -1;
+#define DDPW_MESSAGE(tag, ENUM, Class, direction, extensible, fields, doc) \
+    struct member_fits_##ENUM {                                            \
+        unsigned tag_ : 1;                                                 \
+        fields                                                             \
+    };
+#include "messages.def"
+#undef DDPW_MESSAGE
+#undef DDPW_F
+
+static const char *const WIRE_TYPE_NAMES[] = {
+    "u8", "u16", "u32", "u64", "f32", "string", "bytes32", "u32list", "f32vec", "bytes",
+};
+static const char *const RULE_NAMES[] = {
+    "none", "codec", "flag", "scale", "dtype", "count_of_dtype", "within_total", "last",
 };
 
-static const char *const EXT_TYPE_NAMES[15] = {
-    "AuthChallenge",
-    "AuthProof",
-    "JoinRefused",
-    "CollectiveRequest",
-    "CollectiveResult",
-    "CollectiveError",
-    "MeshPeers",
-    "PeerHello",
-    "StepReport",
-    "StepCommit",
-    "StepTiming",
-    "ShardScale",
-    "StepAborted",
-    "StateRequest",
-    "ModelState",
-};
+const ddpw_layout *ddpw_layout_of(uint8_t tag)
+{
+    return BY_TAG[tag];
+}
+
+const ddpw_layout *ddpw_layout_at(size_t i)
+{
+    return i < COUNT(LAYOUTS) ? LAYOUTS[i] : NULL;
+}
+
+const char *ddpw_wire_type_name(unsigned type)
+{
+    return type < COUNT(WIRE_TYPE_NAMES) ? WIRE_TYPE_NAMES[type] : NULL;
+}
+
+const char *ddpw_rule_name(unsigned rule)
+{
+    return rule < COUNT(RULE_NAMES) ? RULE_NAMES[rule] : NULL;
+}
 
 const char *ddpw_message_type(uint8_t tag)
 {
-    if (tag < 12)
-        return TYPE_NAMES[tag];
-    if (tag >= DDPW_AUTH_CHALLENGE && tag <= DDPW_MODEL_STATE)
-        return EXT_TYPE_NAMES[tag - DDPW_AUTH_CHALLENGE];
-    return NULL;
+    return BY_TAG[tag] ? BY_TAG[tag]->name : NULL;
 }
 
-static int is_collective_bulk(uint8_t tag)
+static int is_bulk(uint8_t type)
 {
-    return tag == DDPW_COLLECTIVE_REQUEST || tag == DDPW_COLLECTIVE_RESULT;
+    return type == DDPW_WT_F32VEC || type == DDPW_WT_BYTES;
+}
+
+/* Bytes of a fixed-size wire type; 0 for a variable one. */
+static size_t fixed_size(uint8_t type)
+{
+    switch (type) {
+    case DDPW_WT_U8:
+        return 1;
+    case DDPW_WT_U16:
+        return 2;
+    case DDPW_WT_U32:
+    case DDPW_WT_F32:
+        return 4;
+    case DDPW_WT_U64:
+        return 8;
+    case DDPW_WT_BYTES32:
+        return DDPW_AUTH_BYTES;
+    default:
+        return 0;
+    }
+}
+
+/* Index of the layout's bulk field, or field_count where it has none. */
+static unsigned bulk_of(const ddpw_layout *L)
+{
+    unsigned i;
+    for (i = 0; i < L->field_count; i++)
+        if (is_bulk(L->fields[i].type))
+            break;
+    return i;
+}
+
+/* Bytes of the fields after field `from` (all fixed-size: messages.def). */
+static size_t fixed_after(const ddpw_layout *L, unsigned from)
+{
+    size_t size = 0;
+    unsigned i;
+    for (i = from + 1; i < L->field_count; i++)
+        size += fixed_size(L->fields[i].type);
+    return size;
+}
+
+/* The bulk field of the message with this tag (and its layout in *layout),
+ * or NULL where it has none or the tag is unknown. */
+static const ddpw_field *bulk_field(uint8_t tag, const ddpw_layout **layout)
+{
+    const ddpw_layout *L = BY_TAG[tag];
+    unsigned bulk;
+    if (L == NULL)
+        return NULL;
+    bulk = bulk_of(L);
+    *layout = L;
+    return bulk < L->field_count ? &L->fields[bulk] : NULL;
 }
 
 int ddpw_has_bulk(uint8_t tag)
 {
-    return ddpw_has_gradients(tag) || is_collective_bulk(tag) || tag == DDPW_MODEL_STATE;
+    const ddpw_layout *L;
+    return bulk_field(tag, &L) != NULL;
 }
+
+int ddpw_has_gradients(uint8_t tag)
+{
+    const ddpw_layout *L;
+    const ddpw_field *f = bulk_field(tag, &L);
+    return f != NULL && f->type == DDPW_WT_F32VEC;
+}
+
+size_t ddpw_tail_len(uint8_t tag)
+{
+    const ddpw_layout *L = NULL;
+    const ddpw_field *f = bulk_field(tag, &L);
+    return f != NULL ? fixed_after(L, (unsigned)(f - L->fields)) : 0;
+}
+
+uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
+{
+    const ddpw_layout *L = BY_TAG[tag];
+    uint64_t size = 1;
+    unsigned i;
+    if (L == NULL)
+        return 0;
+    if (bulk_of(L) < L->field_count)
+        return max_frame;
+    if (L->extensible)
+        return DDPW_SMALL_MAX_PAYLOAD;
+    for (i = 0; i < L->field_count; i++) {
+        const size_t n = fixed_size(L->fields[i].type);
+        if (n == 0)
+            return DDPW_SMALL_MAX_PAYLOAD;
+        size += n;
+    }
+    return size;
+}
+
 
 /* Indexed by code; NULL marks a gap. One table per family keeps each code's
  * name next to nothing but its number, and its length is its bound. */
-#define COUNT(table) (sizeof (table) / sizeof *(table))
 static const char *const REFUSAL_NAMES[] = {
     NULL, "full", "training", "auth_required", "auth_failed", "mismatch", "protocol",
 };
@@ -120,67 +271,6 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
         return value < COUNT(CODEC_NAMES) ? CODEC_NAMES[value] : NULL;
     }
     return NULL;
-}
-
-uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
-{
-    switch (tag) {
-    case DDPW_SHARD_ASSIGNMENT:
-        return 1 + 8 + 8 + 8;
-    case DDPW_SHUTDOWN:
-        return 1;
-    case DDPW_AUTH_CHALLENGE:
-        return 1 + 2 * DDPW_AUTH_BYTES;
-    case DDPW_AUTH_PROOF:
-        return 1 + DDPW_AUTH_BYTES;
-    case DDPW_PEER_HELLO:
-        return 1 + 4 + DDPW_AUTH_BYTES;
-    case DDPW_STEP_REPORT:
-        return 1 + 8 + 4 + 8 + 4 + 8 + 8 + 4 + 8 + 4;
-    case DDPW_STEP_COMMIT:
-        return 1 + 8 + 4 + 4 + 8 + 4;
-    case DDPW_STEP_TIMING:
-        return 1 + 8 + 8;
-    case DDPW_SHARD_SCALE:
-        return 1 + 8 + 4;
-    case DDPW_STEP_ABORTED:
-        return 1 + 8 + 4 + 4;
-    case DDPW_STATE_REQUEST:
-        return 1 + 8;
-    case DDPW_MESH_PEERS:
-    case DDPW_JOIN_REQUEST:
-    case DDPW_JOIN_ACCEPTED:
-    case DDPW_HEARTBEAT:
-    case DDPW_JOIN_REFUSED:
-    case DDPW_COLLECTIVE_ERROR:
-        return DDPW_SMALL_MAX_PAYLOAD;
-    default:
-        return ddpw_has_bulk(tag) ? max_frame : 0;
-    }
-}
-
-int ddpw_has_gradients(uint8_t tag)
-{
-    switch (tag) {
-    case DDPW_GRADIENT_PAYLOAD:
-    case DDPW_AVERAGED_GRADIENT:
-    case DDPW_BLOCK_GRADIENT_PAYLOAD:
-    case DDPW_AVERAGED_BLOCK_GRADIENT:
-    case DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
-    case DDPW_AVERAGED_NON_BLOCK_GRADIENT:
-        return 1;
-    default:
-        return 0;
-    }
-}
-
-size_t ddpw_tail_len(uint8_t tag)
-{
-    if (tag == DDPW_GRADIENT_PAYLOAD)
-        return 4 + 8 + 8; /* loss, correct, total */
-    if (tag == DDPW_AVERAGED_GRADIENT)
-        return 4; /* global_loss */
-    return 0;
 }
 
 /* ------------------------------------------------------------------ */
@@ -519,17 +609,6 @@ static ddpw_status read_str(ddpw_reader *r, ddpw_str *v, const char *type, const
     return DDPW_OK;
 }
 
-/* The (bad_worker, bad_index, bad_value) triple ending StepReport and StepCommit. */
-static ddpw_status read_bad(ddpw_reader *r, ddpw_message *m, const char *type, ddpw_error *err)
-{
-    ddpw_status st = read_u32(r, &m->bad_worker, type, "bad_worker", err);
-    if (st == DDPW_OK)
-        st = read_u64(r, &m->bad_index, type, "bad_index", err);
-    if (st == DDPW_OK)
-        st = read_f32(r, &m->bad_value, type, "bad_value", err);
-    return st;
-}
-
 /* Bytes after the last field: an error unless the caller accepts them. */
 static ddpw_status check_end(const ddpw_reader *r, size_t end, int flags, const char *type,
                              ddpw_error *err)
@@ -538,6 +617,7 @@ static ddpw_status check_end(const ddpw_reader *r, size_t end, int flags, const 
         return fail(err, DDPW_ERR_TRAILING, type, NULL, r->len, end);
     return DDPW_OK;
 }
+
 
 /* ------------------------------------------------------------------ */
 /* Decoding                                                            */
@@ -550,153 +630,169 @@ static ddpw_status check_end(const ddpw_reader *r, size_t end, int flags, const 
             return st_;                    \
     } while (0)
 
-/* The tail's fields one by one, so a short tail names the field it cuts. */
-static ddpw_status check_tail_fits(uint8_t tag, size_t left, const char *type, ddpw_error *err)
+#define MEMBER(m, f) ((void *)((uint8_t *)(m) + (f)->offset))
+#define CMEMBER(m, f) ((const void *)((const uint8_t *)(m) + (f)->offset))
+
+/* The field's rule, on a value read or about to be written. */
+static ddpw_status check_rule(const char *type, const ddpw_field *f, const ddpw_message *m,
+                              ddpw_error *err)
 {
-    static const char *const gp_fields[3] = {"loss", "correct", "total"};
-    static const size_t gp_sizes[3] = {4, 8, 8};
-    size_t i;
-    if (tag == DDPW_GRADIENT_PAYLOAD) {
-        for (i = 0; i < 3; i++) {
-            if (gp_sizes[i] > left)
-                return fail(err, DDPW_ERR_TRUNCATED, type, gp_fields[i], left, gp_sizes[i]);
-            left -= gp_sizes[i];
+    switch (f->rule) {
+    case DDPW_RULE_CODEC: {
+        const uint8_t v = *(const uint8_t *)CMEMBER(m, f);
+        if (ddpw_code_name(DDPW_CODES_CODEC, v) == NULL)
+            return fail_invalid(err, type, f->name, v, "unknown codec");
+        return DDPW_OK;
+    }
+    case DDPW_RULE_FLAG: {
+        const uint8_t v = *(const uint8_t *)CMEMBER(m, f);
+        if (v > 1)
+            return fail_invalid(err, type, f->name, v, "not 0 or 1");
+        return DDPW_OK;
+    }
+    case DDPW_RULE_SCALE: {
+        const float v = *(const float *)CMEMBER(m, f);
+        if (scale_refusal(v) != NULL)
+            return fail_invalid_f32(err, type, f->name, v, scale_refusal(v));
+        return DDPW_OK;
+    }
+    case DDPW_RULE_DTYPE: {
+        const uint8_t v = *(const uint8_t *)CMEMBER(m, f);
+        if (ddpw_dtype_size(v) == 0)
+            return fail_invalid(err, type, f->name, v, "unknown dtype code");
+        return DDPW_OK;
+    }
+    default:
+        return DDPW_OK;
+    }
+}
+
+/* A bulk of bytes against its message's other fields, before a byte of it
+ * is read or written (the rules name the fields they compare with). */
+static ddpw_status check_bytes_rule(const char *type, const ddpw_field *f, const ddpw_message *m,
+                                    uint64_t bytes, ddpw_error *err)
+{
+    if (f->rule == DDPW_RULE_COUNT_OF_DTYPE) {
+        const uint64_t item = ddpw_dtype_size(m->dtype); /* not 0: the DTYPE rule came first */
+        if (m->count > UINT64_MAX / item)
+            return fail_invalid(err, type, "count", m->count,
+                                "elements whose byte length overflows 64 bits");
+        if (bytes != m->count * item)
+            return fail(err, DDPW_ERR_MISMATCH, type, f->name, bytes, m->count * item);
+    } else if (f->rule == DDPW_RULE_WITHIN_TOTAL && bytes > m->total) {
+        return fail_invalid(err, type, f->count_name, bytes, "more than the state's total");
+    }
+    return DDPW_OK;
+}
+
+/* One field that is not a bulk. */
+static ddpw_status read_field(ddpw_reader *r, const char *type, const ddpw_field *f,
+                              ddpw_message *m, ddpw_error *err)
+{
+    void *at = MEMBER(m, f);
+    switch (f->type) {
+    case DDPW_WT_U8:
+        TRY(read_u8(r, (uint8_t *)at, type, f->name, err));
+        break;
+    case DDPW_WT_U16:
+        TRY(read_u16(r, (uint16_t *)at, type, f->name, err));
+        break;
+    case DDPW_WT_U32:
+        TRY(read_u32(r, (uint32_t *)at, type, f->name, err));
+        break;
+    case DDPW_WT_U64:
+        TRY(read_u64(r, (uint64_t *)at, type, f->name, err));
+        break;
+    case DDPW_WT_F32:
+        TRY(read_f32(r, (float *)at, type, f->name, err));
+        break;
+    case DDPW_WT_STRING:
+        TRY(read_str(r, (ddpw_str *)at, type, f->name, f->count_name, err));
+        break;
+    case DDPW_WT_BYTES32:
+        TRY(take(r, DDPW_AUTH_BYTES, (const uint8_t **)at, type, f->name, err));
+        break;
+    default: { /* DDPW_WT_U32LIST */
+        ddpw_span *span = (ddpw_span *)at;
+        const uint8_t *p;
+        uint32_t n;
+        TRY(read_u32(r, &n, type, f->count_name, err));
+        /* n <= 2^32 - 1, so n * 4 cannot overflow 64 bits */
+        TRY(take(r, (uint64_t)n * 4, &p, type, f->name, err));
+        span->data = p;
+        span->count = n;
+        break;
+    }
+    }
+    return check_rule(type, f, m, err);
+}
+
+static ddpw_status read_fields(ddpw_reader *r, const ddpw_layout *L, unsigned from, unsigned to,
+                               ddpw_message *m, ddpw_error *err)
+{
+    unsigned i;
+    for (i = from; i < to; i++)
+        TRY(read_field(r, L->name, &L->fields[i], m, err));
+    return DDPW_OK;
+}
+
+/* The fields after the bulk one by one, so a short tail names the field it
+ * cuts. */
+static ddpw_status check_tail_fits(const ddpw_layout *L, unsigned bulk, size_t left,
+                                   ddpw_error *err)
+{
+    unsigned i;
+    for (i = bulk + 1; i < L->field_count; i++) {
+        const size_t n = fixed_size(L->fields[i].type);
+        if (n > left)
+            return fail(err, DDPW_ERR_TRUNCATED, L->name, L->fields[i].name, left, n);
+        left -= n;
+    }
+    return DDPW_OK;
+}
+
+/* The bulk's count, then the checks that the bulk and the fields after it
+ * fill the payload exactly, without touching the bulk: a streaming reader
+ * learns of every problem before the bulk arrives. The bulk's span gets its
+ * count; its data pointer is the caller's to set, once the bytes are there. */
+static ddpw_status read_bulk_head(ddpw_reader *r, const ddpw_layout *L, unsigned bulk, int flags,
+                                  ddpw_message *m, ddpw_head *h, ddpw_error *err)
+{
+    const ddpw_field *f = &L->fields[bulk];
+    ddpw_span *span = (ddpw_span *)MEMBER(m, f);
+    uint64_t count, bytes;
+    size_t left, tail, end;
+
+    TRY(read_u64(r, &count, L->name, f->count_name, err));
+    if (f->type == DDPW_WT_F32VEC) {
+        if (count > UINT64_MAX / 4) {
+            err->value = count;
+            return fail(err, DDPW_ERR_OVERFLOW, L->name, f->name, r->len - r->pos, UINT64_MAX);
         }
-    } else if (tag == DDPW_AVERAGED_GRADIENT && left < 4) {
-        return fail(err, DDPW_ERR_TRUNCATED, type, "global_loss", left, 4);
+        bytes = count * 4;
+    } else {
+        bytes = count;
+        TRY(check_bytes_rule(L->name, f, m, bytes, err));
     }
-    return DDPW_OK;
-}
-
-/* Read a gradient message up to its gradient elements and check that the
- * elements and tail fit the payload exactly, without touching the elements. */
-static ddpw_status read_gradient_head(ddpw_reader *r, uint8_t tag, const char *type, int flags,
-                                      ddpw_head *h, ddpw_error *err)
-{
-    const uint8_t *sizes = NULL;
-    uint64_t count, grad_bytes;
-    size_t left, tail_len, end;
-
-    TRY(read_u64(r, &h->step, type, "step", err));
-    switch (tag) {
-    case DDPW_GRADIENT_PAYLOAD:
-        TRY(read_u32(r, &h->worker_id, type, "worker_id", err));
-        break;
-    case DDPW_AVERAGED_GRADIENT:
-        break;
-    case DDPW_BLOCK_GRADIENT_PAYLOAD:
-        TRY(read_u32(r, &h->worker_id, type, "worker_id", err));
-        TRY(read_u32(r, &h->block_idx, type, "block_idx", err));
-        TRY(read_u32(r, &h->num_blocks, type, "num_blocks", err));
-        TRY(read_u32(r, &h->component_count, type, "component_sizes count", err));
-        /* count <= 2^32 - 1, so count * 4 cannot overflow 64 bits */
-        TRY(take(r, (uint64_t)h->component_count * 4, &sizes, type, "component_sizes", err));
-        break;
-    case DDPW_AVERAGED_BLOCK_GRADIENT:
-        TRY(read_u32(r, &h->block_idx, type, "block_idx", err));
-        TRY(read_u32(r, &h->component_count, type, "component_sizes count", err));
-        TRY(take(r, (uint64_t)h->component_count * 4, &sizes, type, "component_sizes", err));
-        break;
-    case DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
-        TRY(read_u32(r, &h->worker_id, type, "worker_id", err));
-        TRY(read_u8(r, &h->component, type, "component", err));
-        break;
-    default: /* DDPW_AVERAGED_NON_BLOCK_GRADIENT */
-        TRY(read_u8(r, &h->component, type, "component", err));
-        break;
-    }
-    h->component_sizes = sizes;
-    TRY(read_u64(r, &count, type, "gradients count", err));
-
-    if (count > UINT64_MAX / 4) {
-        err->value = count;
-        return fail(err, DDPW_ERR_OVERFLOW, type, "gradients", r->len - r->pos, UINT64_MAX);
-    }
-    grad_bytes = count * 4;
     left = r->len - r->pos;
-    if (grad_bytes > (uint64_t)left)
-        return fail(err, DDPW_ERR_TRUNCATED, type, "gradients", left, grad_bytes);
-    left -= (size_t)grad_bytes;
-    tail_len = ddpw_tail_len(tag);
-    TRY(check_tail_fits(tag, left, type, err));
-    end = r->pos + (size_t)grad_bytes + tail_len;
-    TRY(check_end(r, end, flags, type, err));
+    if (bytes > (uint64_t)left)
+        return fail(err, DDPW_ERR_TRUNCATED, L->name, f->name, left, bytes);
+    left -= (size_t)bytes;
+    TRY(check_tail_fits(L, bulk, left, err));
+    tail = fixed_after(L, bulk);
+    end = r->pos + (size_t)bytes + tail;
+    TRY(check_end(r, end, flags, L->name, err));
 
-    h->gradient_count = count;
-    h->gradient_offset = r->pos;
-    h->tail_len = tail_len;
-    h->trailing_len = r->len - end;
-    h->has_gradients = 1;
+    span->count = count;
     h->has_bulk = 1;
+    h->has_gradients = f->type == DDPW_WT_F32VEC;
     h->bulk_offset = r->pos;
-    h->bulk_len = grad_bytes;
-    return DDPW_OK;
-}
-
-/* A bulk of `data_len` raw bytes that ends the payload (a collective's
- * data, a ModelState piece): all of it must be there, then only what
- * `flags` allows after it. */
-static ddpw_status bytes_bulk(ddpw_reader *r, uint64_t data_len, const char *type, int flags,
-                              ddpw_head *h, ddpw_error *err)
-{
-    const size_t left = r->len - r->pos;
-    size_t end;
-    if (data_len > (uint64_t)left)
-        return fail(err, DDPW_ERR_TRUNCATED, type, "data", left, data_len);
-    end = r->pos + (size_t)data_len;
-    TRY(check_end(r, end, flags, type, err));
-    h->has_bulk = 1;
-    h->bulk_offset = r->pos;
-    h->bulk_len = data_len;
-    h->tail_len = 0;
+    h->bulk_len = bytes;
+    h->tail_len = tail;
     h->trailing_len = r->len - end;
     return DDPW_OK;
 }
 
-/* CollectiveRequest / CollectiveResult up to their data, checking that the
- * data's byte count matches count and dtype and fills the payload exactly,
- * so a streaming reader knows every problem before the data arrives. */
-static ddpw_status read_collective_head(ddpw_reader *r, uint8_t tag, const char *type, int flags,
-                                        ddpw_head *h, ddpw_error *err)
-{
-    uint64_t data_len, size;
-
-    TRY(read_u64(r, &h->seq, type, "seq", err));
-    TRY(read_u8(r, &h->kind, type, "kind", err));
-    if (tag == DDPW_COLLECTIVE_REQUEST)
-        TRY(read_u8(r, &h->op, type, "op", err));
-    TRY(read_u8(r, &h->dtype, type, "dtype", err));
-    size = ddpw_dtype_size(h->dtype);
-    if (size == 0)
-        return fail_invalid(err, type, "dtype", h->dtype, "unknown dtype code");
-    if (tag == DDPW_COLLECTIVE_REQUEST)
-        TRY(read_u32(r, &h->root, type, "root", err));
-    TRY(read_u64(r, &h->count, type, "count", err));
-    TRY(read_u64(r, &data_len, type, "data length", err));
-    if (h->count > UINT64_MAX / size)
-        return fail_invalid(err, type, "count", h->count,
-                            "elements whose byte length overflows 64 bits");
-    if (data_len != h->count * size)
-        return fail(err, DDPW_ERR_MISMATCH, type, "data", data_len, h->count * size);
-    return bytes_bulk(r, data_len, type, flags, h, err);
-}
-
-/* ModelState up to its data: step, the whole state's length, the digest,
- * the data's byte count, which must fill the payload exactly and not pass
- * the whole state's length. */
-static ddpw_status read_state_head(ddpw_reader *r, const char *type, int flags, ddpw_head *h,
-                                   uint64_t *total, const uint8_t **digest, ddpw_error *err)
-{
-    uint64_t data_len;
-
-    TRY(read_u64(r, &h->step, type, "step", err));
-    TRY(read_u64(r, total, type, "total", err));
-    TRY(take(r, DDPW_AUTH_BYTES, digest, type, "digest", err));
-    TRY(read_u64(r, &data_len, type, "data length", err));
-    if (data_len > *total)
-        return fail_invalid(err, type, "data length", data_len, "more than the state's total");
-    return bytes_bulk(r, data_len, type, flags, h, err);
-}
 
 static const uint8_t EXT_MAGIC[DDPW_EXT_MAGIC_LEN] = {0x44, 0x44, 0x50, 0x58}; /* "DDPX" */
 
@@ -778,193 +874,72 @@ static ddpw_status read_tag(ddpw_reader *r, uint8_t *tag, const char **type, ddp
     return DDPW_OK;
 }
 
+
 ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len, int flags,
                              ddpw_head *head, ddpw_error *err)
 {
     ddpw_reader r;
+    const ddpw_layout *L;
     const char *type = NULL;
+    unsigned bulk;
     ddpw_status st;
 
     memset(head, 0, sizeof *head);
     reader_init(&r, p, avail, payload_len);
-    st = read_tag(&r, &head->tag, &type, err);
-    if (st == DDPW_OK && ddpw_has_gradients(head->tag))
-        st = read_gradient_head(&r, head->tag, type, flags, head, err);
-    else if (st == DDPW_OK && is_collective_bulk(head->tag))
-        st = read_collective_head(&r, head->tag, type, flags, head, err);
-    else if (st == DDPW_OK && head->tag == DDPW_MODEL_STATE) {
-        const uint8_t *digest = NULL;
-        uint64_t total = 0;
-        st = read_state_head(&r, type, flags, head, &total, &digest, err);
+    st = read_tag(&r, &head->msg.tag, &type, err);
+    if (st == DDPW_OK) {
+        L = BY_TAG[head->msg.tag];
+        bulk = bulk_of(L);
+        if (bulk < L->field_count) {
+            st = read_fields(&r, L, 0, bulk, &head->msg, err);
+            if (st == DDPW_OK)
+                st = read_bulk_head(&r, L, bulk, flags, &head->msg, head, err);
+        }
     }
     if (st == DDPW_NEED_MORE)
         head->need = err->need;
     return st;
 }
 
-ddpw_status ddpw_decode_tail(uint8_t tag, const uint8_t *p, size_t avail, ddpw_tail *tail,
+ddpw_status ddpw_decode_tail(uint8_t tag, const uint8_t *p, size_t avail, ddpw_message *msg,
                              ddpw_error *err)
 {
+    const ddpw_layout *L = BY_TAG[tag];
     ddpw_reader r;
-    const char *type = ddpw_message_type(tag);
-    memset(tail, 0, sizeof *tail);
-    reader_init(&r, p, avail, avail);
-    if (tag == DDPW_GRADIENT_PAYLOAD) {
-        TRY(read_f32(&r, &tail->loss, type, "loss", err));
-        TRY(read_u64(&r, &tail->correct, type, "correct", err));
-        TRY(read_u64(&r, &tail->total, type, "total", err));
-    } else if (tag == DDPW_AVERAGED_GRADIENT) {
-        TRY(read_f32(&r, &tail->global_loss, type, "global_loss", err));
+    if (L == NULL) {
+        err->tag = tag;
+        return fail(err, DDPW_ERR_UNKNOWN_TAG, NULL, "tag", 0, 0);
     }
-    return DDPW_OK;
+    reader_init(&r, p, avail, avail);
+    return read_fields(&r, L, bulk_of(L) + 1, L->field_count, msg, err);
 }
 
 ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_message *msg,
                                 ddpw_error *err)
 {
     ddpw_reader r;
+    const ddpw_layout *L;
     const char *type = NULL;
-    uint8_t tag = 0;
+    unsigned bulk;
 
     memset(msg, 0, sizeof *msg);
     reader_init(&r, p, len, len);
-    TRY(read_tag(&r, &tag, &type, err));
-    msg->tag = tag;
-
-    if (ddpw_has_gradients(tag)) {
-        ddpw_head h;
-        ddpw_tail t;
-        memset(&h, 0, sizeof h);
-        TRY(read_gradient_head(&r, tag, type, flags, &h, err));
-        msg->step = h.step;
-        msg->worker_id = h.worker_id;
-        msg->block_idx = h.block_idx;
-        msg->num_blocks = h.num_blocks;
-        msg->component = h.component;
-        msg->component_sizes = h.component_sizes;
-        msg->component_count = h.component_count;
-        msg->gradients = p + h.gradient_offset;
-        msg->gradient_count = h.gradient_count;
-        /* read_gradient_head proved the tail lies inside the payload */
-        TRY(ddpw_decode_tail(tag, p + h.gradient_offset + (size_t)h.gradient_count * 4,
-                             h.tail_len, &t, err));
-        msg->loss = t.loss;
-        msg->correct = t.correct;
-        msg->total = t.total;
-        msg->global_loss = t.global_loss;
-        return DDPW_OK;
-    }
-
-    if (is_collective_bulk(tag)) {
+    TRY(read_tag(&r, &msg->tag, &type, err));
+    L = BY_TAG[msg->tag];
+    bulk = bulk_of(L);
+    if (bulk < L->field_count) {
         ddpw_head h;
         memset(&h, 0, sizeof h);
-        TRY(read_collective_head(&r, tag, type, flags, &h, err));
-        msg->seq = h.seq;
-        msg->kind = h.kind;
-        msg->op = h.op;
-        msg->dtype = h.dtype;
-        msg->root = h.root;
-        msg->count = h.count;
-        msg->data = p + h.bulk_offset;
-        msg->data_len = h.bulk_len;
-        return DDPW_OK;
+        TRY(read_fields(&r, L, 0, bulk, msg, err));
+        TRY(read_bulk_head(&r, L, bulk, flags, msg, &h, err));
+        ((ddpw_span *)MEMBER(msg, &L->fields[bulk]))->data = p + h.bulk_offset;
+        /* read_bulk_head proved the tail lies inside the payload */
+        r.pos = h.bulk_offset + (size_t)h.bulk_len;
+        return read_fields(&r, L, bulk + 1, L->field_count, msg, err);
     }
-
-    if (tag == DDPW_MODEL_STATE) {
-        ddpw_head h;
-        memset(&h, 0, sizeof h);
-        TRY(read_state_head(&r, type, flags, &h, &msg->total, &msg->digest, err));
-        msg->step = h.step;
-        msg->data = p + h.bulk_offset;
-        msg->data_len = h.bulk_len;
-        return DDPW_OK;
-    }
-
-    switch (tag) {
-    case DDPW_JOIN_REQUEST:
-        TRY(read_str(&r, &msg->node_id, type, "node_id", "node_id length", err));
-        TRY(read_u32(&r, &msg->gpu_count, type, "gpu_count", err));
-        TRY(read_str(&r, &msg->backend, type, "backend", "backend length", err));
+    TRY(read_fields(&r, L, 0, L->field_count, msg, err));
+    if (L->extensible)
         return read_ext_block(&r, flags, type, msg, err);
-    case DDPW_JOIN_ACCEPTED:
-        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
-        TRY(read_u32(&r, &msg->total_workers, type, "total_workers", err));
-        return read_ext_block(&r, flags, type, msg, err);
-    case DDPW_AUTH_CHALLENGE:
-        TRY(take(&r, DDPW_AUTH_BYTES, &msg->nonce, type, "nonce", err));
-        TRY(take(&r, DDPW_AUTH_BYTES, &msg->proof, type, "proof", err));
-        break;
-    case DDPW_AUTH_PROOF:
-        TRY(take(&r, DDPW_AUTH_BYTES, &msg->proof, type, "proof", err));
-        break;
-    case DDPW_JOIN_REFUSED:
-        TRY(read_u8(&r, &msg->reason, type, "reason", err));
-        TRY(read_str(&r, &msg->detail, type, "detail", "detail length", err));
-        break;
-    case DDPW_COLLECTIVE_ERROR:
-        TRY(read_u64(&r, &msg->seq, type, "seq", err));
-        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
-        TRY(read_str(&r, &msg->detail, type, "detail", "detail length", err));
-        break;
-    case DDPW_MESH_PEERS:
-        TRY(take(&r, DDPW_AUTH_BYTES, &msg->key, type, "key", err));
-        TRY(read_u8(&r, &msg->codec, type, "codec", err));
-        if (ddpw_code_name(DDPW_CODES_CODEC, msg->codec) == NULL)
-            return fail_invalid(err, type, "codec", msg->codec, "unknown codec");
-        TRY(read_u8(&r, &msg->shared_memory, type, "shared_memory", err));
-        if (msg->shared_memory > 1)
-            return fail_invalid(err, type, "shared_memory", msg->shared_memory, "not 0 or 1");
-        TRY(read_u16(&r, &msg->coordinator_share, type, "coordinator_share", err));
-        TRY(read_str(&r, &msg->peers, type, "peers", "peers length", err));
-        break;
-    case DDPW_PEER_HELLO:
-        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
-        TRY(take(&r, DDPW_AUTH_BYTES, &msg->proof, type, "proof", err));
-        break;
-    case DDPW_STEP_REPORT:
-        TRY(read_u64(&r, &msg->step, type, "step", err));
-        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
-        TRY(read_u64(&r, &msg->count, type, "count", err));
-        TRY(read_f32(&r, &msg->loss, type, "loss", err));
-        TRY(read_u64(&r, &msg->correct, type, "correct", err));
-        TRY(read_u64(&r, &msg->total, type, "total", err));
-        TRY(read_bad(&r, msg, type, err));
-        break;
-    case DDPW_STEP_COMMIT:
-        TRY(read_u64(&r, &msg->step, type, "step", err));
-        TRY(read_f32(&r, &msg->global_loss, type, "global_loss", err));
-        TRY(read_bad(&r, msg, type, err));
-        break;
-    case DDPW_STEP_TIMING:
-        TRY(read_u64(&r, &msg->step, type, "step", err));
-        TRY(read_u64(&r, &msg->compute_us, type, "compute_us", err));
-        break;
-    case DDPW_SHARD_SCALE:
-        TRY(read_u64(&r, &msg->step, type, "step", err));
-        TRY(read_f32(&r, &msg->scale, type, "scale", err));
-        if (scale_refusal(msg->scale) != NULL)
-            return fail_invalid_f32(err, type, "scale", msg->scale, scale_refusal(msg->scale));
-        break;
-    case DDPW_STATE_REQUEST:
-        TRY(read_u64(&r, &msg->step, type, "step", err));
-        break;
-    case DDPW_STEP_ABORTED:
-        TRY(read_u64(&r, &msg->step, type, "step", err));
-        TRY(read_u32(&r, &msg->worker_id, type, "worker_id", err));
-        TRY(read_u32(&r, &msg->total_workers, type, "workers", err));
-        break;
-    case DDPW_SHARD_ASSIGNMENT:
-        TRY(read_u64(&r, &msg->step, type, "step", err));
-        TRY(read_u64(&r, &msg->shard_start, type, "shard_start", err));
-        TRY(read_u64(&r, &msg->shard_end, type, "shard_end", err));
-        break;
-    case DDPW_HEARTBEAT:
-        TRY(read_str(&r, &msg->node_id, type, "node_id", "node_id length", err));
-        TRY(read_u64(&r, &msg->timestamp_ms, type, "timestamp_ms", err));
-        break;
-    default: /* DDPW_SHUTDOWN: no body */
-        break;
-    }
     return check_end(&r, r.pos, flags, type, err);
 }
 
@@ -1123,146 +1098,117 @@ static ddpw_status check_ext_entries(const ddpw_message *m, const char *type, dd
     return DDPW_OK;
 }
 
-/* Payload bytes before the bulk field (all of them for a message without
- * one). */
-static uint64_t head_fields_size(const ddpw_message *m)
+/* Payload bytes of a field; for a bulk, of its count alone. */
+static uint64_t field_size(const ddpw_field *f, const ddpw_message *m)
 {
-    switch (m->tag) {
-    case DDPW_JOIN_REQUEST:
-        return 1 + 4 + (uint64_t)m->node_id.len + 4 + 4 + (uint64_t)m->backend.len +
-               ext_block_size(m);
-    case DDPW_JOIN_ACCEPTED:
-        return 1 + 4 + 4 + ext_block_size(m);
-    case DDPW_AUTH_CHALLENGE:
-        return 1 + 2 * DDPW_AUTH_BYTES;
-    case DDPW_AUTH_PROOF:
-        return 1 + DDPW_AUTH_BYTES;
-    case DDPW_JOIN_REFUSED:
-        return 1 + 1 + 4 + (uint64_t)m->detail.len;
-    case DDPW_COLLECTIVE_REQUEST:
-        return 1 + 8 + 1 + 1 + 1 + 4 + 8 + 8;
-    case DDPW_COLLECTIVE_RESULT:
-        return 1 + 8 + 1 + 1 + 8 + 8;
-    case DDPW_MODEL_STATE:
-        return 1 + 8 + 8 + DDPW_AUTH_BYTES + 8;
-    case DDPW_COLLECTIVE_ERROR:
-        return 1 + 8 + 4 + 4 + (uint64_t)m->detail.len;
-    case DDPW_MESH_PEERS:
-        return 1 + DDPW_AUTH_BYTES + 1 + 1 + 2 + 4 + (uint64_t)m->peers.len;
-    case DDPW_PEER_HELLO:
-        return 1 + 4 + DDPW_AUTH_BYTES;
-    case DDPW_STEP_REPORT:
-        return 1 + 8 + 4 + 8 + 4 + 8 + 8 + 4 + 8 + 4;
-    case DDPW_STEP_COMMIT:
-        return 1 + 8 + 4 + 4 + 8 + 4;
-    case DDPW_STEP_TIMING:
-        return 1 + 8 + 8;
-    case DDPW_SHARD_SCALE:
-        return 1 + 8 + 4;
-    case DDPW_STEP_ABORTED:
-        return 1 + 8 + 4 + 4;
-    case DDPW_STATE_REQUEST:
-        return 1 + 8;
-    case DDPW_SHARD_ASSIGNMENT:
-        return 1 + 8 + 8 + 8;
-    case DDPW_GRADIENT_PAYLOAD:
-        return 1 + 8 + 4 + 8;
-    case DDPW_AVERAGED_GRADIENT:
-        return 1 + 8 + 8;
-    case DDPW_HEARTBEAT:
-        return 1 + 4 + (uint64_t)m->node_id.len + 8;
-    case DDPW_SHUTDOWN:
-        return 1;
-    case DDPW_BLOCK_GRADIENT_PAYLOAD:
-        return 1 + 8 + 4 + 4 + 4 + 4 + 4 * (uint64_t)m->component_count + 8;
-    case DDPW_AVERAGED_BLOCK_GRADIENT:
-        return 1 + 8 + 4 + 4 + 4 * (uint64_t)m->component_count + 8;
-    case DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
-        return 1 + 8 + 4 + 1 + 8;
-    default: /* DDPW_AVERAGED_NON_BLOCK_GRADIENT */
-        return 1 + 8 + 1 + 8;
+    const void *at = CMEMBER(m, f);
+    switch (f->type) {
+    case DDPW_WT_STRING:
+        return 4 + (uint64_t)((const ddpw_str *)at)->len;
+    case DDPW_WT_U32LIST:
+        return 4 + 4 * ((const ddpw_span *)at)->count; /* count checked < 2^32 */
+    case DDPW_WT_F32VEC:
+    case DDPW_WT_BYTES:
+        return 8;
+    default:
+        return fixed_size(f->type);
     }
+}
+
+/* Payload bytes before the bulk, the bulk's count included (all of them
+ * for a message without a bulk). */
+static uint64_t head_fields_size(const ddpw_layout *L, const ddpw_message *m)
+{
+    const unsigned bulk = bulk_of(L);
+    uint64_t size = 1 + (L->extensible ? ext_block_size(m) : 0);
+    unsigned i;
+    for (i = 0; i < L->field_count && i <= bulk; i++)
+        size += field_size(&L->fields[i], m);
+    return size;
+}
+
+/* The encoder refuses what the decoder would refuse, field by field. */
+static ddpw_status check_field(const char *type, const ddpw_field *f, const ddpw_message *m,
+                               ddpw_error *err)
+{
+    const void *at = CMEMBER(m, f);
+    switch (f->type) {
+    case DDPW_WT_STRING: {
+        const ddpw_str *s = (const ddpw_str *)at;
+        if ((uint64_t)s->len > UINT32_MAX) {
+            err->value = s->len;
+            return fail(err, DDPW_ERR_VALUE, type, f->name, s->len, UINT32_MAX);
+        }
+        if (s->len && s->data == NULL)
+            return fail(err, DDPW_ERR_VALUE, type, f->name, 0, s->len);
+        break;
+    }
+    case DDPW_WT_BYTES32:
+        if (*(const uint8_t *const *)at == NULL)
+            return fail(err, DDPW_ERR_VALUE, type, f->name, 0, DDPW_AUTH_BYTES);
+        break;
+    case DDPW_WT_U32LIST:
+    case DDPW_WT_F32VEC:
+    case DDPW_WT_BYTES: {
+        const ddpw_span *span = (const ddpw_span *)at;
+        if (f->type == DDPW_WT_U32LIST && span->count > UINT32_MAX) {
+            err->value = span->count;
+            return fail(err, DDPW_ERR_VALUE, type, f->name, span->count, UINT32_MAX);
+        }
+        if (span->count && span->data == NULL)
+            return fail(err, DDPW_ERR_VALUE, type, f->name, 0, span->count);
+        break;
+    }
+    default:
+        break;
+    }
+    return check_rule(type, f, m, err);
 }
 
 ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error *err)
 {
-    const char *type = ddpw_message_type(m->tag);
-    uint64_t head, count = 0;
-    if (type == NULL) {
+    const ddpw_layout *L = BY_TAG[m->tag];
+    uint64_t head, tail;
+    unsigned i, bulk;
+    if (L == NULL) {
         err->tag = m->tag;
         return fail(err, DDPW_ERR_UNKNOWN_TAG, NULL, "tag", 0, 0);
     }
-    if ((uint64_t)m->node_id.len > UINT32_MAX) {
-        err->value = m->node_id.len;
-        return fail(err, DDPW_ERR_VALUE, type, "node_id", m->node_id.len, UINT32_MAX);
-    }
-    if ((uint64_t)m->backend.len > UINT32_MAX) {
-        err->value = m->backend.len;
-        return fail(err, DDPW_ERR_VALUE, type, "backend", m->backend.len, UINT32_MAX);
-    }
-    if ((uint64_t)m->detail.len > UINT32_MAX) {
-        err->value = m->detail.len;
-        return fail(err, DDPW_ERR_VALUE, type, "detail", m->detail.len, UINT32_MAX);
-    }
-    if ((uint64_t)m->peers.len > UINT32_MAX) {
-        err->value = m->peers.len;
-        return fail(err, DDPW_ERR_VALUE, type, "peers", m->peers.len, UINT32_MAX);
-    }
-    if ((m->tag == DDPW_AUTH_CHALLENGE && m->nonce == NULL) ||
-        ((m->tag == DDPW_AUTH_CHALLENGE || m->tag == DDPW_AUTH_PROOF ||
-          m->tag == DDPW_PEER_HELLO) && m->proof == NULL))
-        return fail(err, DDPW_ERR_VALUE, type, m->nonce == NULL ? "nonce" : "proof", 0,
-                    DDPW_AUTH_BYTES);
-    if (m->tag == DDPW_MODEL_STATE && (m->digest == NULL || (m->data == NULL && m->data_len)))
-        return fail(err, DDPW_ERR_VALUE, type, m->digest == NULL ? "digest" : "data", 0,
-                    m->digest == NULL ? DDPW_AUTH_BYTES : m->data_len);
-    if (m->tag == DDPW_MODEL_STATE && m->data_len > m->total)
-        return fail_invalid(err, type, "data length", m->data_len, "more than the state's total");
-    if (m->tag == DDPW_MESH_PEERS && m->key == NULL)
-        return fail(err, DDPW_ERR_VALUE, type, "key", 0, DDPW_AUTH_BYTES);
-    if (m->tag == DDPW_MESH_PEERS && ddpw_code_name(DDPW_CODES_CODEC, m->codec) == NULL)
-        return fail_invalid(err, type, "codec", m->codec, "unknown codec");
-    if (m->tag == DDPW_MESH_PEERS && m->shared_memory > 1)
-        return fail_invalid(err, type, "shared_memory", m->shared_memory, "not 0 or 1");
-    if (m->tag == DDPW_SHARD_SCALE && scale_refusal(m->scale) != NULL)
-        return fail_invalid_f32(err, type, "scale", m->scale, scale_refusal(m->scale));
-    TRY(check_ext_entries(m, type, err));
-    head = head_fields_size(m); /* each term < 2^35: no overflow */
-    if (is_collective_bulk(m->tag)) {
-        const size_t item = ddpw_dtype_size(m->dtype);
-        if (item == 0)
-            return fail_invalid(err, type, "dtype", m->dtype, "unknown dtype code");
-        if (m->count > UINT64_MAX / item)
-            return fail_invalid(err, type, "count", m->count,
-                                "elements whose byte length overflows 64 bits");
-        if (m->data_len != m->count * item)
-            return fail(err, DDPW_ERR_MISMATCH, type, "data", m->data_len, m->count * item);
-        if (m->data_len > UINT64_MAX - head)
-            return fail(err, DDPW_ERR_TOO_LARGE, type, NULL, UINT64_MAX, UINT32_MAX);
-        *size = head + m->data_len;
-    } else if (m->tag == DDPW_MODEL_STATE) {
-        if (m->data_len > UINT64_MAX - head)
-            return fail(err, DDPW_ERR_TOO_LARGE, type, NULL, UINT64_MAX, UINT32_MAX);
-        *size = head + m->data_len;
-    } else {
-        if (ddpw_has_gradients(m->tag))
-            count = m->gradient_count;
-        if (count > (UINT64_MAX - head - ddpw_tail_len(m->tag)) / 4) {
-            err->value = count;
-            return fail(err, DDPW_ERR_OVERFLOW, type, "gradients", 0, UINT64_MAX);
+    for (i = 0; i < L->field_count; i++)
+        TRY(check_field(L->name, &L->fields[i], m, err));
+    if (L->extensible)
+        TRY(check_ext_entries(m, L->name, err));
+    head = head_fields_size(L, m); /* each term < 2^35: no overflow */
+    bulk = bulk_of(L);
+    *size = head;
+    if (bulk < L->field_count) {
+        const ddpw_field *f = &L->fields[bulk];
+        const uint64_t count = ((const ddpw_span *)CMEMBER(m, f))->count;
+        tail = fixed_after(L, bulk);
+        if (f->type == DDPW_WT_F32VEC) {
+            if (count > (UINT64_MAX - head - tail) / 4) {
+                err->value = count;
+                return fail(err, DDPW_ERR_OVERFLOW, L->name, f->name, 0, UINT64_MAX);
+            }
+            *size = head + 4 * count + tail;
+        } else {
+            TRY(check_bytes_rule(L->name, f, m, count, err));
+            if (count > UINT64_MAX - head - tail)
+                return fail(err, DDPW_ERR_TOO_LARGE, L->name, NULL, UINT64_MAX, UINT32_MAX);
+            *size = head + count + tail;
         }
-        *size = head + 4 * count + ddpw_tail_len(m->tag);
     }
     if (*size > UINT32_MAX)
-        return fail(err, DDPW_ERR_TOO_LARGE, type, NULL, *size, UINT32_MAX);
+        return fail(err, DDPW_ERR_TOO_LARGE, L->name, NULL, *size, UINT32_MAX);
     return DDPW_OK;
 }
 
 size_t ddpw_head_size(const ddpw_message *m)
 {
-    if (ddpw_message_type(m->tag) == NULL)
+    const ddpw_layout *L = BY_TAG[m->tag];
+    if (L == NULL)
         return 0;
-    return DDPW_PREFIX_LEN + (size_t)head_fields_size(m);
+    return DDPW_PREFIX_LEN + (size_t)head_fields_size(L, m);
 }
 
 static ddpw_status finish(const ddpw_writer *w, size_t *written, const char *type, uint64_t need,
@@ -1289,164 +1235,62 @@ static void write_ext_block(ddpw_writer *w, const ddpw_message *m)
     }
 }
 
-static void write_head(ddpw_writer *w, const ddpw_message *m, uint32_t payload_size)
+/* One field; for a bulk, its count alone. */
+static void write_field(ddpw_writer *w, const ddpw_field *f, const ddpw_message *m)
 {
-    put_prefix(w, payload_size);
-    put_u8(w, m->tag);
-    switch (m->tag) {
-    case DDPW_JOIN_REQUEST:
-        put_str(w, m->node_id);
-        put_u32(w, m->gpu_count);
-        put_str(w, m->backend);
-        write_ext_block(w, m);
+    const void *at = CMEMBER(m, f);
+    switch (f->type) {
+    case DDPW_WT_U8:
+        put_u8(w, *(const uint8_t *)at);
         break;
-    case DDPW_JOIN_ACCEPTED:
-        put_u32(w, m->worker_id);
-        put_u32(w, m->total_workers);
-        write_ext_block(w, m);
+    case DDPW_WT_U16:
+        put_u16(w, *(const uint16_t *)at);
         break;
-    case DDPW_AUTH_CHALLENGE:
-        put_bytes(w, m->nonce, DDPW_AUTH_BYTES);
-        put_bytes(w, m->proof, DDPW_AUTH_BYTES);
+    case DDPW_WT_U32:
+        put_u32(w, *(const uint32_t *)at);
         break;
-    case DDPW_AUTH_PROOF:
-        put_bytes(w, m->proof, DDPW_AUTH_BYTES);
+    case DDPW_WT_U64:
+        put_u64(w, *(const uint64_t *)at);
         break;
-    case DDPW_JOIN_REFUSED:
-        put_u8(w, m->reason);
-        put_str(w, m->detail);
+    case DDPW_WT_F32:
+        put_f32(w, *(const float *)at);
         break;
-    case DDPW_COLLECTIVE_REQUEST:
-        put_u64(w, m->seq);
-        put_u8(w, m->kind);
-        put_u8(w, m->op);
-        put_u8(w, m->dtype);
-        put_u32(w, m->root);
-        put_u64(w, m->count);
-        put_u64(w, m->data_len);
+    case DDPW_WT_STRING:
+        put_str(w, *(const ddpw_str *)at);
         break;
-    case DDPW_COLLECTIVE_RESULT:
-        put_u64(w, m->seq);
-        put_u8(w, m->kind);
-        put_u8(w, m->dtype);
-        put_u64(w, m->count);
-        put_u64(w, m->data_len);
+    case DDPW_WT_BYTES32:
+        put_bytes(w, *(const uint8_t *const *)at, DDPW_AUTH_BYTES);
         break;
-    case DDPW_COLLECTIVE_ERROR:
-        put_u64(w, m->seq);
-        put_u32(w, m->worker_id);
-        put_str(w, m->detail);
+    case DDPW_WT_U32LIST: {
+        const ddpw_span *span = (const ddpw_span *)at;
+        put_u32(w, (uint32_t)span->count); /* ddpw_payload_size checked it fits */
+        put_words(w, span->data, span->count);
         break;
-    case DDPW_MESH_PEERS:
-        put_bytes(w, m->key, DDPW_AUTH_BYTES);
-        put_u8(w, m->codec);
-        put_u8(w, m->shared_memory);
-        put_u16(w, m->coordinator_share);
-        put_str(w, m->peers);
-        break;
-    case DDPW_PEER_HELLO:
-        put_u32(w, m->worker_id);
-        put_bytes(w, m->proof, DDPW_AUTH_BYTES);
-        break;
-    case DDPW_STEP_REPORT:
-        put_u64(w, m->step);
-        put_u32(w, m->worker_id);
-        put_u64(w, m->count);
-        put_f32(w, m->loss);
-        put_u64(w, m->correct);
-        put_u64(w, m->total);
-        put_u32(w, m->bad_worker);
-        put_u64(w, m->bad_index);
-        put_f32(w, m->bad_value);
-        break;
-    case DDPW_STEP_COMMIT:
-        put_u64(w, m->step);
-        put_f32(w, m->global_loss);
-        put_u32(w, m->bad_worker);
-        put_u64(w, m->bad_index);
-        put_f32(w, m->bad_value);
-        break;
-    case DDPW_STEP_TIMING:
-        put_u64(w, m->step);
-        put_u64(w, m->compute_us);
-        break;
-    case DDPW_SHARD_SCALE:
-        put_u64(w, m->step);
-        put_f32(w, m->scale);
-        break;
-    case DDPW_STATE_REQUEST:
-        put_u64(w, m->step);
-        break;
-    case DDPW_MODEL_STATE:
-        put_u64(w, m->step);
-        put_u64(w, m->total);
-        put_bytes(w, m->digest, DDPW_AUTH_BYTES);
-        put_u64(w, m->data_len);
-        break;
-    case DDPW_STEP_ABORTED:
-        put_u64(w, m->step);
-        put_u32(w, m->worker_id);
-        put_u32(w, m->total_workers);
-        break;
-    case DDPW_SHARD_ASSIGNMENT:
-        put_u64(w, m->step);
-        put_u64(w, m->shard_start);
-        put_u64(w, m->shard_end);
-        break;
-    case DDPW_GRADIENT_PAYLOAD:
-        put_u64(w, m->step);
-        put_u32(w, m->worker_id);
-        put_u64(w, m->gradient_count);
-        break;
-    case DDPW_AVERAGED_GRADIENT:
-        put_u64(w, m->step);
-        put_u64(w, m->gradient_count);
-        break;
-    case DDPW_HEARTBEAT:
-        put_str(w, m->node_id);
-        put_u64(w, m->timestamp_ms);
-        break;
-    case DDPW_SHUTDOWN:
-        break;
-    case DDPW_BLOCK_GRADIENT_PAYLOAD:
-        put_u64(w, m->step);
-        put_u32(w, m->worker_id);
-        put_u32(w, m->block_idx);
-        put_u32(w, m->num_blocks);
-        put_u32(w, m->component_count);
-        put_words(w, m->component_sizes, m->component_count);
-        put_u64(w, m->gradient_count);
-        break;
-    case DDPW_AVERAGED_BLOCK_GRADIENT:
-        put_u64(w, m->step);
-        put_u32(w, m->block_idx);
-        put_u32(w, m->component_count);
-        put_words(w, m->component_sizes, m->component_count);
-        put_u64(w, m->gradient_count);
-        break;
-    case DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
-        put_u64(w, m->step);
-        put_u32(w, m->worker_id);
-        put_u8(w, m->component);
-        put_u64(w, m->gradient_count);
-        break;
-    default: /* DDPW_AVERAGED_NON_BLOCK_GRADIENT */
-        put_u64(w, m->step);
-        put_u8(w, m->component);
-        put_u64(w, m->gradient_count);
+    }
+    default: /* a bulk's count */
+        put_u64(w, ((const ddpw_span *)at)->count);
         break;
     }
 }
 
-static void write_tail(ddpw_writer *w, const ddpw_message *m)
+static void write_head(ddpw_writer *w, const ddpw_layout *L, const ddpw_message *m,
+                       uint32_t payload_size)
 {
-    if (m->tag == DDPW_GRADIENT_PAYLOAD) {
-        put_f32(w, m->loss);
-        put_u64(w, m->correct);
-        put_u64(w, m->total);
-    } else if (m->tag == DDPW_AVERAGED_GRADIENT) {
-        put_f32(w, m->global_loss);
-    }
+    const unsigned bulk = bulk_of(L);
+    unsigned i;
+    put_prefix(w, payload_size);
+    put_u8(w, m->tag);
+    for (i = 0; i < L->field_count && i <= bulk; i++)
+        write_field(w, &L->fields[i], m);
+    if (L->extensible)
+        write_ext_block(w, m);
+}
+
+static void write_tail(ddpw_writer *w, const ddpw_layout *L, const ddpw_message *m)
+{
+    unsigned i;
+    for (i = bulk_of(L) + 1; i < L->field_count; i++)
+        write_field(w, &L->fields[i], m);
 }
 
 ddpw_status ddpw_encode_head(const ddpw_message *m, uint8_t *out, size_t cap, size_t *written,
@@ -1456,37 +1300,44 @@ ddpw_status ddpw_encode_head(const ddpw_message *m, uint8_t *out, size_t cap, si
     uint64_t size;
     TRY(ddpw_payload_size(m, &size, err));
     writer_init(&w, out, cap);
-    write_head(&w, m, (uint32_t)size);
+    write_head(&w, BY_TAG[m->tag], m, (uint32_t)size);
     return finish(&w, written, ddpw_message_type(m->tag), ddpw_head_size(m), err);
 }
 
 ddpw_status ddpw_encode_tail(const ddpw_message *m, uint8_t *out, size_t cap, size_t *written,
                              ddpw_error *err)
 {
+    const ddpw_layout *L = BY_TAG[m->tag];
     ddpw_writer w;
-    const char *type = ddpw_message_type(m->tag);
-    if (type == NULL) {
+    if (L == NULL) {
         err->tag = m->tag;
         return fail(err, DDPW_ERR_UNKNOWN_TAG, NULL, "tag", 0, 0);
     }
     writer_init(&w, out, cap);
-    write_tail(&w, m);
-    return finish(&w, written, type, ddpw_tail_len(m->tag), err);
+    write_tail(&w, L, m);
+    return finish(&w, written, L->name, ddpw_tail_len(m->tag), err);
 }
 
 ddpw_status ddpw_encode_frame(const ddpw_message *m, uint8_t *out, size_t cap, size_t *written,
                               ddpw_error *err)
 {
+    const ddpw_layout *L;
     ddpw_writer w;
     uint64_t size;
+    unsigned bulk;
     TRY(ddpw_payload_size(m, &size, err));
+    L = BY_TAG[m->tag];
+    bulk = bulk_of(L);
     writer_init(&w, out, cap);
-    write_head(&w, m, (uint32_t)size);
-    if (ddpw_has_gradients(m->tag)) {
-        put_words(&w, m->gradients, m->gradient_count);
-        write_tail(&w, m);
-    } else if (is_collective_bulk(m->tag) || m->tag == DDPW_MODEL_STATE) {
-        put_bytes(&w, m->data, m->data_len);
+    write_head(&w, L, m, (uint32_t)size);
+    if (bulk < L->field_count) {
+        const ddpw_field *f = &L->fields[bulk];
+        const ddpw_span *span = (const ddpw_span *)CMEMBER(m, f);
+        if (f->type == DDPW_WT_F32VEC)
+            put_words(&w, span->data, span->count);
+        else
+            put_bytes(&w, (const uint8_t *)span->data, span->count);
+        write_tail(&w, L, m);
     }
-    return finish(&w, written, ddpw_message_type(m->tag), DDPW_PREFIX_LEN + size, err);
+    return finish(&w, written, L->name, DDPW_PREFIX_LEN + size, err);
 }

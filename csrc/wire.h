@@ -26,39 +26,66 @@ extern "C" {
 /* Bytes in the big-endian length prefix. */
 #define DDPW_PREFIX_LEN 4u
 
+/* Every message's tag, from messages.def: DDPW_JOIN_REQUEST = 0x01, ... */
 typedef enum ddpw_tag {
-    DDPW_JOIN_REQUEST = 0x01,
-    DDPW_JOIN_ACCEPTED = 0x02,
-    DDPW_SHARD_ASSIGNMENT = 0x03,
-    DDPW_GRADIENT_PAYLOAD = 0x04,
-    DDPW_AVERAGED_GRADIENT = 0x05,
-    DDPW_HEARTBEAT = 0x06,
-    DDPW_SHUTDOWN = 0x07,
-    DDPW_BLOCK_GRADIENT_PAYLOAD = 0x08,
-    DDPW_AVERAGED_BLOCK_GRADIENT = 0x09,
-    DDPW_NON_BLOCK_GRADIENT_PAYLOAD = 0x0A,
-    DDPW_AVERAGED_NON_BLOCK_GRADIENT = 0x0B,
-    /* Extension messages (docs/extensions.md): sent only on a connection
-     * where their extension was offered or granted. */
-    DDPW_AUTH_CHALLENGE = 0x40,
-    DDPW_AUTH_PROOF = 0x41,
-    DDPW_JOIN_REFUSED = 0x42,
-    DDPW_COLLECTIVE_REQUEST = 0x43,
-    DDPW_COLLECTIVE_RESULT = 0x44,
-    DDPW_COLLECTIVE_ERROR = 0x45,
-    /* The mesh extension (docs/extensions.md, "The mesh"). */
-    DDPW_MESH_PEERS = 0x46,
-    DDPW_PEER_HELLO = 0x47,
-    DDPW_STEP_REPORT = 0x48,
-    DDPW_STEP_COMMIT = 0x49,
-    /* The balance extension (docs/extensions.md, "Shards by measured speed"). */
-    DDPW_STEP_TIMING = 0x4A,
-    DDPW_SHARD_SCALE = 0x4B,
-    /* The elastic extension (docs/extensions.md, "Membership that follows the machines"). */
-    DDPW_STEP_ABORTED = 0x4C,
-    DDPW_STATE_REQUEST = 0x4D,
-    DDPW_MODEL_STATE = 0x4E
+#define DDPW_F(type, name, member, rule)
+#define DDPW_MESSAGE(tag, ENUM, Class, direction, extensible, fields, doc) DDPW_##ENUM = tag,
+#include "messages.def"
+#undef DDPW_MESSAGE
+#undef DDPW_F
 } ddpw_tag;
+
+/* A field's type on the wire (messages.def). Numbers and f32 are
+ * little-endian. */
+typedef enum ddpw_wire_type {
+    DDPW_WT_U8 = 0,
+    DDPW_WT_U16 = 1,
+    DDPW_WT_U32 = 2,
+    DDPW_WT_U64 = 3,
+    DDPW_WT_F32 = 4,
+    DDPW_WT_STRING = 5,  /* u32 byte count, then UTF-8 */
+    DDPW_WT_BYTES32 = 6, /* DDPW_AUTH_BYTES raw bytes */
+    DDPW_WT_U32LIST = 7, /* u32 count, then u32 elements */
+    DDPW_WT_F32VEC = 8,  /* u64 count, then float32 elements: a bulk */
+    DDPW_WT_BYTES = 9    /* u64 byte count, then the bytes: a bulk */
+} ddpw_wire_type;
+
+/* What a field's value may be (messages.def): a decoder refuses, and an
+ * encoder will not write, anything else. */
+typedef enum ddpw_rule {
+    DDPW_RULE_NONE = 0,
+    DDPW_RULE_CODEC = 1,          /* a known ddpw_codec */
+    DDPW_RULE_FLAG = 2,           /* 0 or 1 */
+    DDPW_RULE_SCALE = 3,          /* f32, finite and >= 0 */
+    DDPW_RULE_DTYPE = 4,          /* a known ddpw_dtype */
+    DDPW_RULE_COUNT_OF_DTYPE = 5, /* bytes: exactly `count` elements of `dtype` */
+    DDPW_RULE_WITHIN_TOTAL = 6,   /* bytes: no more than `total` */
+    DDPW_RULE_LAST = 7            /* no rule on the wire; the Python class takes it last,
+                                     with a default of 0 */
+} ddpw_rule;
+
+/* One field of a message: its name, the name its count or length goes by
+ * in errors ("node_id length"; NULL for a fixed-size field), its
+ * ddpw_wire_type and ddpw_rule, and where ddpw_message holds it. */
+typedef struct ddpw_field {
+    const char *name;
+    const char *count_name;
+    uint8_t type;
+    uint8_t rule;
+    uint16_t offset;
+} ddpw_field;
+
+/* One message of messages.def: `fields` holds field_count entries in wire
+ * order; `extensible` is 1 where the extension block may follow them. */
+typedef struct ddpw_layout {
+    uint8_t tag;
+    uint8_t extensible;
+    uint8_t field_count;
+    const char *name;
+    const char *direction;
+    const char *doc;
+    const ddpw_field *fields;
+} ddpw_layout;
 
 /* The extension block that may follow the last field of JoinRequest and
  * JoinAccepted: magic "DDPX", u8 version, u16 LE entry count, then entries
@@ -212,6 +239,12 @@ typedef struct ddpw_str {
     size_t len;
 } ddpw_str;
 
+/* A run of elements: `count` of them at `data`. */
+typedef struct ddpw_span {
+    const void *data;
+    uint64_t count;
+} ddpw_span;
+
 /* One entry of an extension block. */
 typedef struct ddpw_ext_entry {
     uint16_t type;
@@ -219,13 +252,14 @@ typedef struct ddpw_ext_entry {
     const uint8_t *value;
 } ddpw_ext_entry;
 
-/* Every field of every message, flat; `tag` says which are meaningful.
+/* Every field of every message, flat; `tag` says which are meaningful, and
+ * messages.def which member holds which message's field.
  *
- * gradients / component_sizes hold `gradient_count` binary32 values and
- * `component_count` u32 values. After decoding they point into the payload,
- * in wire order (little-endian, possibly unaligned). For encoding they point
- * to the caller's values in host order (float / uint32_t). On a little-endian
- * host the two are the same bytes. */
+ * gradients and component_sizes hold binary32 and u32 values. After
+ * decoding they point into the payload, in wire order (little-endian,
+ * possibly unaligned). For encoding they point to the caller's values in
+ * host order (float / uint32_t). On a little-endian host the two are the
+ * same bytes. data's count is in bytes. */
 typedef struct ddpw_message {
     uint8_t tag;
     ddpw_str node_id;          /* JoinRequest, Heartbeat */
@@ -241,10 +275,8 @@ typedef struct ddpw_message {
     uint32_t block_idx;        /* BlockGradientPayload, AveragedBlockGradient */
     uint32_t num_blocks;       /* BlockGradientPayload */
     uint8_t component;         /* NonBlockGradientPayload, AveragedNonBlockGradient */
-    const void *component_sizes;
-    uint32_t component_count;
-    const void *gradients;
-    uint64_t gradient_count;
+    ddpw_span component_sizes; /* BlockGradientPayload, AveragedBlockGradient */
+    ddpw_span gradients;       /* the six gradient messages */
     float loss;                /* GradientPayload, StepReport */
     uint64_t correct;          /* GradientPayload, StepReport */
     uint64_t total;            /* GradientPayload, StepReport; ModelState: the state's bytes */
@@ -268,8 +300,8 @@ typedef struct ddpw_message {
     uint8_t dtype;             /* CollectiveRequest, CollectiveResult */
     uint32_t root;             /* CollectiveRequest */
     uint64_t count;            /* CollectiveRequest, CollectiveResult, StepReport: elements */
-    const uint8_t *data;       /* CollectiveRequest, CollectiveResult, ModelState */
-    uint64_t data_len;         /* bytes at data: count * ddpw_dtype_size(dtype) (collectives) */
+    ddpw_span data;            /* CollectiveRequest, CollectiveResult, ModelState: bytes;
+                                  count * ddpw_dtype_size(dtype) of them (collectives) */
     const uint8_t *digest;     /* ModelState: DDPW_AUTH_BYTES bytes, SHA-256 of data */
     const uint8_t *key;        /* MeshPeers: DDPW_AUTH_BYTES bytes */
     uint8_t codec;             /* MeshPeers */
@@ -286,52 +318,39 @@ typedef struct ddpw_message {
     float scale;               /* ShardScale: finite and >= 0 */
 } ddpw_message;
 
-/* What precedes the gradient elements of a payload, for a reader that
- * receives the elements straight into their final buffer. */
+/* What precedes the bulk of a payload (gradient elements, a collective's
+ * or a state's data), for a reader that receives the bulk straight into its
+ * final buffer. */
 typedef struct ddpw_head {
-    uint8_t tag;
-    int has_gradients;         /* 0: not a gradient message, decode it whole */
-    uint64_t step;
-    uint32_t worker_id;
-    uint32_t block_idx;
-    uint32_t num_blocks;
-    uint8_t component;
-    const uint8_t *component_sizes;  /* component_count little-endian u32, inside p */
-    uint32_t component_count;
-    uint64_t gradient_count;
-    size_t gradient_offset;    /* payload offset of the first gradient byte */
-    size_t tail_len;           /* bytes after the gradients: 20, 4 or 0 */
-    size_t trailing_len;       /* bytes after the last field (only with DDPW_ALLOW_TRAILING) */
-    size_t need;               /* with DDPW_NEED_MORE: payload bytes needed to go on */
-    /* Messages with one bulk field a reader may receive straight into its
-     * own buffer: the six gradient messages (bulk = the gradient elements)
-     * and CollectiveRequest/CollectiveResult (bulk = data, tail_len 0; for
-     * these has_gradients stays 0, so a reader that knows only gradients
-     * decodes them whole). */
-    int has_bulk;
+    /* The fields before the bulk, and the bulk's count (gradients.count,
+     * data.count); pointers point into the payload. A message without a
+     * bulk has only its tag here: decode it whole. */
+    ddpw_message msg;
+    int has_gradients;         /* the bulk is gradients (and has_bulk is 1) */
+    int has_bulk;              /* the bulk is gradients or data */
     size_t bulk_offset;        /* payload offset of the first bulk byte */
     uint64_t bulk_len;         /* bulk bytes */
-    uint64_t seq;              /* Collective*: the fields before data */
-    uint8_t kind;
-    uint8_t op;
-    uint8_t dtype;
-    uint32_t root;
-    uint64_t count;
+    size_t tail_len;           /* bytes of the fields after the bulk (ddpw_tail_len) */
+    size_t trailing_len;       /* bytes after the last field (only with DDPW_ALLOW_TRAILING) */
+    size_t need;               /* with DDPW_NEED_MORE: payload bytes needed to go on */
 } ddpw_head;
-
-/* The fields that follow the gradient elements. */
-typedef struct ddpw_tail {
-    float loss;                /* GradientPayload */
-    uint64_t correct;
-    uint64_t total;
-    float global_loss;         /* AveragedGradient */
-} ddpw_tail;
 
 /* Decoder flag: accept bytes after the last field, as the reference does. */
 #define DDPW_ALLOW_TRAILING 1
 
 /* Name of a message type ("GradientPayload"), or NULL for an unknown tag. */
 const char *ddpw_message_type(uint8_t tag);
+
+/* The layout of the message with this tag, or NULL for an unknown tag. */
+const ddpw_layout *ddpw_layout_of(uint8_t tag);
+
+/* The i-th layout of messages.def (tag order), or NULL past the last. */
+const ddpw_layout *ddpw_layout_at(size_t i);
+
+/* Lower-case name of a wire type ("u32", "string", "f32vec") or rule
+ * ("codec", "last"), or NULL for an unknown one. */
+const char *ddpw_wire_type_name(unsigned type);
+const char *ddpw_rule_name(unsigned rule);
 
 /* 1 for the six messages that carry an f32vec of gradients. */
 int ddpw_has_gradients(uint8_t tag);
@@ -357,7 +376,8 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame);
  * 0; returns 1 and fills *entry while entries remain, 0 after the last. */
 int ddpw_ext_next(const uint8_t *block, size_t block_len, size_t *pos, ddpw_ext_entry *entry);
 
-/* Bytes after the gradient elements for this tag: 20, 4 or 0. */
+/* Bytes of the fields after the bulk for this tag: 20 (GradientPayload), 4
+ * (AveragedGradient), else 0. */
 size_t ddpw_tail_len(uint8_t tag);
 
 /* The big-endian length prefix at p[0..4). */
@@ -372,21 +392,22 @@ ddpw_status ddpw_check_frame_len(uint64_t payload_len, uint64_t max_frame, ddpw_
 ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags,
                                 ddpw_message *msg, ddpw_error *err);
 
-/* Decode the part of a payload of `payload_len` bytes that precedes the
- * gradient elements, from the first `avail` bytes received at p.
+/* Decode the part of a payload of `payload_len` bytes that precedes its
+ * bulk, from the first `avail` bytes received at p.
  * DDPW_NEED_MORE: head->need payload bytes are needed before trying again.
- * DDPW_OK with has_gradients == 0: a message without gradients (only the
- * tag was read): decode it whole with ddpw_decode_payload.
- * DDPW_OK with has_gradients == 1: every head field is set, and
- * gradient_offset + 4 * gradient_count + tail_len (+ trailing_len) equals
- * payload_len; anything else is an error, found before the elements arrive. */
+ * DDPW_OK with has_bulk == 0: a message without a bulk (only the tag was
+ * read): decode it whole with ddpw_decode_payload.
+ * DDPW_OK with has_bulk == 1: every field before the bulk is in head->msg,
+ * and bulk_offset + bulk_len + tail_len (+ trailing_len) equals
+ * payload_len; anything else is an error, found before the bulk arrives. */
 ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len, int flags,
                              ddpw_head *head, ddpw_error *err);
 
-/* Decode the tail of a gradient message (`tag`) from `avail` bytes at p,
- * which points just past the gradient elements. */
+/* Decode the fields after the bulk of a message with this tag (its tail)
+ * from `avail` bytes at p, which points just past the bulk, into msg's
+ * members for them (msg's other members are left as they are). */
 ddpw_status ddpw_decode_tail(uint8_t tag, const uint8_t *p, size_t avail,
-                             ddpw_tail *tail, ddpw_error *err);
+                             ddpw_message *msg, ddpw_error *err);
 
 /* Copy `count` little-endian u32 at src into host-order values at dst. */
 void ddpw_load_u32s(const uint8_t *src, size_t count, uint32_t *dst);

@@ -35,6 +35,16 @@ def tag_max_payload(tag: int, max_frame: int) -> int:
     messages, 65,536 for small variable ones, ``max_frame`` for bulk ones, 0
     for an unknown tag."""
 
+def message_layouts() -> Tuple[
+    Tuple[int, str, str, bool, str, Tuple[Tuple[str, str, str], ...]], ...
+]:
+    """Every message of csrc/messages.def in tag order: (tag, name,
+    direction, extensible, doc, fields), each field (name, wire type, rule)."""
+
+def register_message_class(cls: type) -> None:
+    """Make ``cls`` what decoding gives for ``cls.TAG`` and what encoding
+    accepts (with its subclasses)."""
+
 def _codes() -> Tuple[Dict[str, List[Tuple[str, int]]], Dict[int, int]]:
     """The codes of csrc/wire.h by family, and the dtype sizes."""
 

@@ -1058,7 +1058,7 @@ cdef object head_from_peek(Connection conn, const uint8_t *look, size_t got, tim
         conn.recv_into(bytearray(4 + payload_len), timeout, step=step, what=what)
         return msg
     fh = make_head(&head)
-    conn.recv_into(bytearray(4 + (head.gradient_offset if head.has_gradients else head.bulk_offset)),
+    conn.recv_into(bytearray(4 + head.bulk_offset),
                    timeout, step=step, what=what)
     return fh
 
@@ -1114,27 +1114,28 @@ cdef object decode_or_raise(bytearray payload, object peer_id, object step):
 
 cdef FrameHead make_head(const ddpw_head *head):
     cdef FrameHead fh = FrameHead()
+    cdef const ddpw_message *m = &head.msg
     cdef uint32_t[::1] sizes
-    fh.tag = head.tag
-    fh.message_type = (<bytes>ddpw_message_type(head.tag)).decode("ascii")
-    fh.step = head.step
-    fh.worker_id = head.worker_id
-    fh.block_idx = head.block_idx
-    fh.num_blocks = head.num_blocks
-    fh.component = head.component
-    fh.component_sizes = _np.empty(head.component_count, dtype=_np.uint32)
-    if head.component_count:
+    fh.tag = m.tag
+    fh.message_type = (<bytes>ddpw_message_type(m.tag)).decode("ascii")
+    fh.step = m.step
+    fh.worker_id = m.worker_id
+    fh.block_idx = m.block_idx
+    fh.num_blocks = m.num_blocks
+    fh.component = m.component
+    fh.component_sizes = _np.empty(m.component_sizes.count, dtype=_np.uint32)
+    if m.component_sizes.count:
         sizes = fh.component_sizes
-        ddpw_load_u32s(head.component_sizes, head.component_count, &sizes[0])
-    fh.gradient_count = head.gradient_count
+        ddpw_load_u32s(<const uint8_t *>m.component_sizes.data, m.component_sizes.count, &sizes[0])
+    fh.gradient_count = m.gradients.count
     fh.tail_len = head.tail_len
     fh.bulk_len = head.bulk_len
-    fh.seq = head.seq
-    fh.kind = head.kind
-    fh.op = head.op
-    fh.dtype = head.dtype
-    fh.root = head.root
-    fh.count = head.count
+    fh.seq = m.seq
+    fh.kind = m.kind
+    fh.op = m.op
+    fh.dtype = m.dtype
+    fh.root = m.root
+    fh.count = m.count
     return fh
 
 
@@ -1148,9 +1149,10 @@ cdef object with_context(object exc, object peer_id, object step):
 def decode_tail(int tag, tail):
     """(loss, correct, total, global_loss) from the bytes after a gradient
     message's elements (fields the message lacks are 0)."""
-    cdef ddpw_tail t
+    cdef ddpw_message t
     cdef ddpw_error err
     cdef const uint8_t[::1] view = tail
+    memset(&t, 0, sizeof(ddpw_message))
     if ddpw_decode_tail(<uint8_t>tag, &view[0] if len(view) else NULL, len(view), &t, &err) != DDPW_OK:
         raise wire_error(&err)
     return (ddpw_f32_to_f64(t.loss), t.correct, t.total, ddpw_f32_to_f64(t.global_loss))

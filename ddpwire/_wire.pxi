@@ -1,8 +1,10 @@
 """Python face of the wire codec in csrc/wire.c.
 
-The byte layout lives in C; this module moves values between Python message
-objects (ddpwire.wire.messages) and the C structs, turns C errors into
-ProtocolError text, and frames a byte stream (FrameReader).
+The byte layout lives in C (csrc/messages.def); this module moves values
+between Python message objects (ddpwire.wire.messages, whose classes are
+made from the same tables) and the C structs by walking each message's
+fields, turns C errors into ProtocolError text, and frames a byte stream
+(FrameReader).
 """
 from cpython.buffer cimport (
     PyBUF_C_CONTIGUOUS,
@@ -23,34 +25,6 @@ import sys
 import numpy as np
 
 from ddpwire.wire.errors import FrameTooLarge, ProtocolError
-from ddpwire.wire.messages import (
-    AuthChallenge,
-    AuthProof,
-    CollectiveError,
-    CollectiveRequest,
-    CollectiveResult,
-    JoinRefused,
-    MeshPeers,
-    PeerHello,
-    ShardScale,
-    StepAborted,
-    StateRequest,
-    ModelState,
-    StepCommit,
-    StepReport,
-    StepTiming,
-    AveragedBlockGradient,
-    AveragedGradient,
-    AveragedNonBlockGradient,
-    BlockGradientPayload,
-    GradientPayload,
-    Heartbeat,
-    JoinAccepted,
-    JoinRequest,
-    NonBlockGradientPayload,
-    ShardAssignment,
-    Shutdown,
-)
 
 cdef extern from "Python.h":
     ctypedef struct PyTypeObject
@@ -74,34 +48,68 @@ cdef object _U32 = np.dtype("<u4")
 cdef object _NATIVE_U32 = np.dtype(np.uint32)
 cdef object _ndarray = np.ndarray
 
-cdef dict _TAGS = {
-    JoinRequest: DDPW_JOIN_REQUEST,
-    JoinAccepted: DDPW_JOIN_ACCEPTED,
-    ShardAssignment: DDPW_SHARD_ASSIGNMENT,
-    GradientPayload: DDPW_GRADIENT_PAYLOAD,
-    AveragedGradient: DDPW_AVERAGED_GRADIENT,
-    Heartbeat: DDPW_HEARTBEAT,
-    Shutdown: DDPW_SHUTDOWN,
-    BlockGradientPayload: DDPW_BLOCK_GRADIENT_PAYLOAD,
-    AveragedBlockGradient: DDPW_AVERAGED_BLOCK_GRADIENT,
-    NonBlockGradientPayload: DDPW_NON_BLOCK_GRADIENT_PAYLOAD,
-    AveragedNonBlockGradient: DDPW_AVERAGED_NON_BLOCK_GRADIENT,
-    AuthChallenge: DDPW_AUTH_CHALLENGE,
-    AuthProof: DDPW_AUTH_PROOF,
-    JoinRefused: DDPW_JOIN_REFUSED,
-    CollectiveRequest: DDPW_COLLECTIVE_REQUEST,
-    CollectiveResult: DDPW_COLLECTIVE_RESULT,
-    CollectiveError: DDPW_COLLECTIVE_ERROR,
-    MeshPeers: DDPW_MESH_PEERS,
-    PeerHello: DDPW_PEER_HELLO,
-    StepReport: DDPW_STEP_REPORT,
-    StepCommit: DDPW_STEP_COMMIT,
-    StepTiming: DDPW_STEP_TIMING,
-    ShardScale: DDPW_SHARD_SCALE,
-    StepAborted: DDPW_STEP_ABORTED,
-    StateRequest: DDPW_STATE_REQUEST,
-    ModelState: DDPW_MODEL_STATE,
-}
+cdef class _Layout:
+    """One message of csrc/messages.def, with its Python class once
+    ddpwire.wire.messages has made it."""
+    cdef const ddpw_layout *c
+    cdef tuple names      # the fields' names, in wire order
+    cdef object cls
+
+
+# by tag; None where no message has the tag
+cdef list _LAYOUT_OF_TAG = [None] * 256
+# by message class (register_message_class)
+cdef dict _LAYOUT_OF_CLASS = {}
+
+
+cdef _load_layouts():
+    cdef size_t i = 0
+    cdef const ddpw_layout *c = ddpw_layout_at(0)
+    cdef _Layout lay
+    while c != NULL:
+        lay = _Layout.__new__(_Layout)
+        lay.c = c
+        lay.names = tuple(sys.intern(c.fields[j].name.decode("ascii"))
+                          for j in range(c.field_count))
+        _LAYOUT_OF_TAG[c.tag] = lay
+        i += 1
+        c = ddpw_layout_at(i)
+
+
+_load_layouts()
+
+
+def message_layouts():
+    """Every message of csrc/messages.def, in tag order, as
+    ``(tag, name, direction, extensible, doc, fields)`` with ``fields`` a
+    tuple of ``(name, wire type, rule)`` (lower-case names, as
+    ddpwire.wire.messages.Layout spells them)."""
+    out = []
+    cdef _Layout lay
+    cdef const ddpw_field *f
+    for lay in _LAYOUT_OF_TAG:
+        if lay is None:
+            continue
+        fields = []
+        for j in range(lay.c.field_count):
+            f = &lay.c.fields[j]
+            fields.append((lay.names[j], ddpw_wire_type_name(f.type).decode("ascii"),
+                           ddpw_rule_name(f.rule).decode("ascii")))
+        out.append((lay.c.tag, lay.c.name.decode("ascii"), lay.c.direction.decode("utf-8"),
+                    bool(lay.c.extensible), lay.c.doc.decode("utf-8"), tuple(fields)))
+    return tuple(out)
+
+
+def register_message_class(cls):
+    """Make ``cls`` the class that decoding gives for the tag ``cls.TAG``, and
+    that encoding accepts (with its subclasses): ddpwire.wire.messages calls
+    it for every class it makes from :func:`message_layouts`."""
+    cdef _Layout lay = _LAYOUT_OF_TAG[_uint(cls.TAG, 0xFF, "register_message_class", "TAG")]
+    if lay is None:
+        raise ValueError(f"no message has the tag 0x{cls.TAG:02x}")
+    lay.cls = cls
+    _LAYOUT_OF_CLASS[cls] = lay
+
 
 cdef object _U8 = np.dtype(np.uint8)
 
@@ -290,24 +298,19 @@ cdef object _u32_array(object value, str type_name, str field):
     return out
 
 
-cdef inline void _set_gradients(ddpw_message *out, object msg, list keep) except *:
-    cdef HeldBuffer buf = _float32_buffer(msg.gradients, f"{type(msg).__name__}.gradients")
-    keep.append(buf)
-    out.gradients = buf.view.buf
-    out.gradient_count = <uint64_t>(buf.view.len // 4)
-
-
-cdef inline void _set_component_sizes(ddpw_message *out, object msg, list keep) except *:
+cdef ddpw_span _u32_span(object value, object msg, str field, list keep) except *:
     cdef str type_name = type(msg).__name__
-    sizes = _u32_array(msg.component_sizes, type_name, "component_sizes")
+    cdef ddpw_span span
+    sizes = _u32_array(value, type_name, field)
     if sizes.shape[0] > 0xFFFFFFFF:
-        raise ValueError(f"{type_name}.component_sizes: more than 4294967295 entries")
+        raise ValueError(f"{type_name}.{field}: more than 4294967295 entries")
     cdef HeldBuffer buf = HeldBuffer.__new__(HeldBuffer)
     PyObject_GetBuffer(sizes, &buf.view, PyBUF_C_CONTIGUOUS)
     buf.held = True
     keep.append(buf)
-    out.component_sizes = buf.view.buf
-    out.component_count = <uint32_t>sizes.shape[0]
+    span.data = buf.view.buf
+    span.count = <uint64_t>sizes.shape[0]
+    return span
 
 
 cdef HeldBuffer _bytes_buffer(object obj, object owner, str field):
@@ -367,161 +370,63 @@ cdef int _set_extensions(ddpw_message *out, object msg, list keep) except -1:
     return 0
 
 
-cdef int _set_data(ddpw_message *out, object msg, list keep) except -1:
-    cdef HeldBuffer buf = _bytes_buffer(msg.data, msg, "data")
-    keep.append(buf)
-    out.data = <const uint8_t *>buf.view.buf
-    out.data_len = <uint64_t>buf.view.len
-    return 0
-
-
-cdef int _set_bad(ddpw_message *out, object msg) except -1:
-    out.bad_worker = <uint32_t>_uint(msg.bad_worker, 0xFFFFFFFF, msg, "bad_worker")
-    out.bad_index = _uint(msg.bad_index, 0xFFFFFFFFFFFFFFFF, msg, "bad_index")
-    out.bad_value = _f32(msg.bad_value, msg, "bad_value")
-    return 0
-
-
-cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
-    cdef object tag_obj = _TAGS.get(type(msg))
-    cdef uint8_t tag
-    if tag_obj is None:
+cdef _Layout _layout_of_message(object msg):
+    cdef object lay = _LAYOUT_OF_CLASS.get(type(msg))
+    if lay is None:
         for cls in type(msg).__mro__:  # a subclass of a message class
-            tag_obj = _TAGS.get(cls)
-            if tag_obj is not None:
+            lay = _LAYOUT_OF_CLASS.get(cls)
+            if lay is not None:
                 break
         else:
             raise TypeError(f"expected a ddpwire message, got {type(msg).__name__}")
+    return <_Layout>lay
+
+
+cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
+    """Every field of ``msg`` into ``out``, as its layout says; ``keep`` holds
+    what the pointers in ``out`` point into."""
+    cdef _Layout lay = _layout_of_message(msg)
+    cdef const ddpw_field *f
+    cdef char *at
+    cdef HeldBuffer buf
+    cdef uint8_t t
     memset(out, 0, sizeof(ddpw_message))
-    out.tag = <uint8_t>tag_obj
-    tag = out.tag
-    if tag == DDPW_JOIN_REQUEST:
-        node_id = msg.node_id
-        backend = msg.backend
-        keep.append(node_id)
-        keep.append(backend)
-        out.node_id = _utf8(node_id, msg, "node_id")
-        out.gpu_count = <uint32_t>_uint(msg.gpu_count, 0xFFFFFFFF, msg, "gpu_count")
-        out.backend = _utf8(backend, msg, "backend")
+    out.tag = lay.c.tag
+    for j in range(lay.c.field_count):
+        f = &lay.c.fields[j]
+        name = lay.names[j]
+        value = getattr(msg, name)
+        at = <char *>out + f.offset
+        t = f.type
+        if t == DDPW_WT_U8:
+            (<uint8_t *>at)[0] = <uint8_t>_uint(value, 0xFF, msg, name)
+        elif t == DDPW_WT_U16:
+            (<uint16_t *>at)[0] = <uint16_t>_uint(value, 0xFFFF, msg, name)
+        elif t == DDPW_WT_U32:
+            (<uint32_t *>at)[0] = <uint32_t>_uint(value, 0xFFFFFFFF, msg, name)
+        elif t == DDPW_WT_U64:
+            (<uint64_t *>at)[0] = _uint(value, 0xFFFFFFFFFFFFFFFF, msg, name)
+        elif t == DDPW_WT_F32:
+            (<float *>at)[0] = _f32(value, msg, name)
+        elif t == DDPW_WT_STRING:
+            keep.append(value)
+            (<ddpw_str *>at)[0] = _utf8(value, msg, name)
+        elif t == DDPW_WT_BYTES32:
+            (<const uint8_t **>at)[0] = _auth_bytes(value, msg, name, keep)
+        elif t == DDPW_WT_U32LIST:
+            (<ddpw_span *>at)[0] = _u32_span(value, msg, name, keep)
+        elif t == DDPW_WT_F32VEC:
+            buf = _float32_buffer(value, f"{type(msg).__name__}.{name}")
+            keep.append(buf)
+            (<ddpw_span *>at).data = buf.view.buf
+            (<ddpw_span *>at).count = <uint64_t>(buf.view.len // 4)
+        else:  # DDPW_WT_BYTES
+            buf = _bytes_buffer(value, msg, name)
+            keep.append(buf)
+            (<ddpw_span *>at).data = buf.view.buf
+            (<ddpw_span *>at).count = <uint64_t>buf.view.len
+    if lay.c.extensible:
         _set_extensions(out, msg, keep)
-    elif tag == DDPW_JOIN_ACCEPTED:
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        out.total_workers = <uint32_t>_uint(msg.total_workers, 0xFFFFFFFF, msg, "total_workers")
-        _set_extensions(out, msg, keep)
-    elif tag == DDPW_AUTH_CHALLENGE:
-        out.nonce = _auth_bytes(msg.nonce, msg, "nonce", keep)
-        out.proof = _auth_bytes(msg.proof, msg, "proof", keep)
-    elif tag == DDPW_AUTH_PROOF:
-        out.proof = _auth_bytes(msg.proof, msg, "proof", keep)
-    elif tag == DDPW_JOIN_REFUSED:
-        out.reason = <uint8_t>_uint(msg.reason, 0xFF, msg, "reason")
-        detail = msg.detail
-        keep.append(detail)
-        out.detail = _utf8(detail, msg, "detail")
-    elif tag == DDPW_COLLECTIVE_REQUEST:
-        out.seq = _uint(msg.seq, 0xFFFFFFFFFFFFFFFF, msg, "seq")
-        out.kind = <uint8_t>_uint(msg.kind, 0xFF, msg, "kind")
-        out.op = <uint8_t>_uint(msg.op, 0xFF, msg, "op")
-        out.dtype = <uint8_t>_uint(msg.dtype, 0xFF, msg, "dtype")
-        out.root = <uint32_t>_uint(msg.root, 0xFFFFFFFF, msg, "root")
-        out.count = _uint(msg.count, 0xFFFFFFFFFFFFFFFF, msg, "count")
-        _set_data(out, msg, keep)
-    elif tag == DDPW_COLLECTIVE_RESULT:
-        out.seq = _uint(msg.seq, 0xFFFFFFFFFFFFFFFF, msg, "seq")
-        out.kind = <uint8_t>_uint(msg.kind, 0xFF, msg, "kind")
-        out.dtype = <uint8_t>_uint(msg.dtype, 0xFF, msg, "dtype")
-        out.count = _uint(msg.count, 0xFFFFFFFFFFFFFFFF, msg, "count")
-        _set_data(out, msg, keep)
-    elif tag == DDPW_COLLECTIVE_ERROR:
-        out.seq = _uint(msg.seq, 0xFFFFFFFFFFFFFFFF, msg, "seq")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        detail = msg.detail
-        keep.append(detail)
-        out.detail = _utf8(detail, msg, "detail")
-    elif tag == DDPW_MESH_PEERS:
-        out.key = _auth_bytes(msg.key, msg, "key", keep)
-        out.codec = <uint8_t>_uint(msg.codec, 0xFF, msg, "codec")
-        out.shared_memory = <uint8_t>_uint(msg.shared_memory, 0xFF, msg, "shared_memory")
-        out.coordinator_share = <uint16_t>_uint(msg.coordinator_share, 0xFFFF, msg,
-                                                "coordinator_share")
-        peers = msg.peers
-        keep.append(peers)
-        out.peers = _utf8(peers, msg, "peers")
-    elif tag == DDPW_PEER_HELLO:
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        out.proof = _auth_bytes(msg.proof, msg, "proof", keep)
-    elif tag == DDPW_STEP_REPORT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        out.count = _uint(msg.count, 0xFFFFFFFFFFFFFFFF, msg, "count")
-        out.loss = _f32(msg.loss, msg, "loss")
-        out.correct = _uint(msg.correct, 0xFFFFFFFFFFFFFFFF, msg, "correct")
-        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, msg, "total")
-        _set_bad(out, msg)
-    elif tag == DDPW_STEP_COMMIT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.global_loss = _f32(msg.global_loss, msg, "global_loss")
-        _set_bad(out, msg)
-    elif tag == DDPW_STEP_TIMING:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.compute_us = _uint(msg.compute_us, 0xFFFFFFFFFFFFFFFF, msg, "compute_us")
-    elif tag == DDPW_SHARD_SCALE:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.scale = _f32(msg.scale, msg, "scale")
-    elif tag == DDPW_STATE_REQUEST:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-    elif tag == DDPW_MODEL_STATE:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, msg, "total")
-        out.digest = _auth_bytes(msg.digest, msg, "digest", keep)
-        _set_data(out, msg, keep)
-    elif tag == DDPW_STEP_ABORTED:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.worker_id = _uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        out.total_workers = _uint(msg.workers, 0xFFFFFFFF, msg, "workers")
-    elif tag == DDPW_SHARD_ASSIGNMENT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.shard_start = _uint(msg.shard_start, 0xFFFFFFFFFFFFFFFF, msg, "shard_start")
-        out.shard_end = _uint(msg.shard_end, 0xFFFFFFFFFFFFFFFF, msg, "shard_end")
-    elif tag == DDPW_GRADIENT_PAYLOAD:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        _set_gradients(out, msg, keep)
-        out.loss = _f32(msg.loss, msg, "loss")
-        out.correct = _uint(msg.correct, 0xFFFFFFFFFFFFFFFF, msg, "correct")
-        out.total = _uint(msg.total, 0xFFFFFFFFFFFFFFFF, msg, "total")
-    elif tag == DDPW_AVERAGED_GRADIENT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        _set_gradients(out, msg, keep)
-        out.global_loss = _f32(msg.global_loss, msg, "global_loss")
-    elif tag == DDPW_HEARTBEAT:
-        node_id = msg.node_id
-        keep.append(node_id)
-        out.node_id = _utf8(node_id, msg, "node_id")
-        out.timestamp_ms = _uint(msg.timestamp_ms, 0xFFFFFFFFFFFFFFFF, msg, "timestamp_ms")
-    elif tag == DDPW_SHUTDOWN:
-        pass
-    elif tag == DDPW_BLOCK_GRADIENT_PAYLOAD:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, msg, "block_idx")
-        out.num_blocks = <uint32_t>_uint(msg.num_blocks, 0xFFFFFFFF, msg, "num_blocks")
-        _set_component_sizes(out, msg, keep)
-        _set_gradients(out, msg, keep)
-    elif tag == DDPW_AVERAGED_BLOCK_GRADIENT:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.block_idx = <uint32_t>_uint(msg.block_idx, 0xFFFFFFFF, msg, "block_idx")
-        _set_component_sizes(out, msg, keep)
-        _set_gradients(out, msg, keep)
-    elif tag == DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.worker_id = <uint32_t>_uint(msg.worker_id, 0xFFFFFFFF, msg, "worker_id")
-        out.component = <uint8_t>_uint(msg.component, 0xFF, msg, "component")
-        _set_gradients(out, msg, keep)
-    else:  # DDPW_AVERAGED_NON_BLOCK_GRADIENT
-        out.step = _uint(msg.step, 0xFFFFFFFFFFFFFFFF, msg, "step")
-        out.component = <uint8_t>_uint(msg.component, 0xFF, msg, "component")
-        _set_gradients(out, msg, keep)
     return 0
 
 
@@ -537,16 +442,11 @@ cdef inline object _float(float f):
     return ddpw_f32_to_f64(f)
 
 
-cdef inline object _gradients(const ddpw_message *m, object owner, const uint8_t *base):
-    cdef Py_ssize_t offset = <const uint8_t *>m.gradients - base
-    return _frombuffer(owner, _F32, <Py_ssize_t>m.gradient_count, offset)
-
-
-cdef inline object _component_sizes(const ddpw_message *m, object owner, const uint8_t *base):
-    cdef Py_ssize_t offset = <const uint8_t *>m.component_sizes - base
-    if m.component_count == 0:
-        return np.empty(0, dtype=_NATIVE_U32)
-    return _frombuffer(owner, _U32, <Py_ssize_t>m.component_count, offset)
+cdef inline object _view(const ddpw_span *span, object dtype, uint64_t count, object owner,
+                        const uint8_t *base):
+    # count elements of dtype at span.data, a view into owner (no copy)
+    return _frombuffer(owner, dtype, <Py_ssize_t>count,
+                       <Py_ssize_t>(<const uint8_t *>span.data - base))
 
 
 cdef object _extensions(const ddpw_message *m):
@@ -561,11 +461,6 @@ cdef object _extensions(const ddpw_message *m):
     return out
 
 
-cdef inline object _data(const ddpw_message *m, object owner, const uint8_t *base):
-    cdef Py_ssize_t offset = m.data - base
-    return _frombuffer(owner, _U8, <Py_ssize_t>m.data_len, offset)
-
-
 cdef inline object _new(object cls):
     # Decoding skips the dataclass __init__ (which only stores the fields)
     # and stores them itself: it halves the cost of a small message.
@@ -573,153 +468,49 @@ cdef inline object _new(object cls):
 
 
 cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *base):
-    cdef uint8_t tag = m.tag
-    cdef object o
-    if tag == DDPW_JOIN_REQUEST:
-        o = _new(JoinRequest)
-        o.node_id = _text(m.node_id)
-        o.gpu_count = m.gpu_count
-        o.backend = _text(m.backend)
+    """The message in ``m`` as an object of its class; its arrays are views
+    into ``owner``, whose bytes start at ``base``."""
+    cdef object lay_obj = _LAYOUT_OF_TAG[m.tag]
+    cdef _Layout lay
+    cdef const ddpw_field *f
+    cdef const char *at
+    cdef uint8_t t
+    if lay_obj is None or (<_Layout>lay_obj).cls is None:
+        raise ProtocolError(f"unknown message tag: 0x{m.tag:02x}")
+    lay = <_Layout>lay_obj
+    o = _new(lay.cls)
+    for j in range(lay.c.field_count):
+        f = &lay.c.fields[j]
+        at = <const char *>m + f.offset
+        t = f.type
+        if t == DDPW_WT_U8:
+            value = (<const uint8_t *>at)[0]
+        elif t == DDPW_WT_U16:
+            value = (<const uint16_t *>at)[0]
+        elif t == DDPW_WT_U32:
+            value = (<const uint32_t *>at)[0]
+        elif t == DDPW_WT_U64:
+            value = (<const uint64_t *>at)[0]
+        elif t == DDPW_WT_F32:
+            value = _float((<const float *>at)[0])
+        elif t == DDPW_WT_STRING:
+            value = _text((<const ddpw_str *>at)[0])
+        elif t == DDPW_WT_BYTES32:
+            value = PyBytes_FromStringAndSize(<const char *>(<const uint8_t **>at)[0],
+                                              DDPW_AUTH_BYTES)
+        elif t == DDPW_WT_U32LIST:
+            if (<const ddpw_span *>at).count == 0:
+                value = np.empty(0, dtype=_NATIVE_U32)
+            else:
+                value = _view(<const ddpw_span *>at, _U32, (<const ddpw_span *>at).count, owner,
+                              base)
+        elif t == DDPW_WT_F32VEC:
+            value = _view(<const ddpw_span *>at, _F32, (<const ddpw_span *>at).count, owner, base)
+        else:  # DDPW_WT_BYTES
+            value = _view(<const ddpw_span *>at, _U8, (<const ddpw_span *>at).count, owner, base)
+        setattr(o, lay.names[j], value)
+    if lay.c.extensible:
         o.extensions = _extensions(m)
-    elif tag == DDPW_JOIN_ACCEPTED:
-        o = _new(JoinAccepted)
-        o.worker_id = m.worker_id
-        o.total_workers = m.total_workers
-        o.extensions = _extensions(m)
-    elif tag == DDPW_SHARD_ASSIGNMENT:
-        o = _new(ShardAssignment)
-        o.step = m.step
-        o.shard_start = m.shard_start
-        o.shard_end = m.shard_end
-    elif tag == DDPW_GRADIENT_PAYLOAD:
-        o = _new(GradientPayload)
-        o.step = m.step
-        o.worker_id = m.worker_id
-        o.gradients = _gradients(m, owner, base)
-        o.loss = _float(m.loss)
-        o.correct = m.correct
-        o.total = m.total
-    elif tag == DDPW_AVERAGED_GRADIENT:
-        o = _new(AveragedGradient)
-        o.step = m.step
-        o.gradients = _gradients(m, owner, base)
-        o.global_loss = _float(m.global_loss)
-    elif tag == DDPW_HEARTBEAT:
-        o = _new(Heartbeat)
-        o.node_id = _text(m.node_id)
-        o.timestamp_ms = m.timestamp_ms
-    elif tag == DDPW_SHUTDOWN:
-        o = _new(Shutdown)
-    elif tag == DDPW_BLOCK_GRADIENT_PAYLOAD:
-        o = _new(BlockGradientPayload)
-        o.step = m.step
-        o.worker_id = m.worker_id
-        o.block_idx = m.block_idx
-        o.num_blocks = m.num_blocks
-        o.component_sizes = _component_sizes(m, owner, base)
-        o.gradients = _gradients(m, owner, base)
-    elif tag == DDPW_AVERAGED_BLOCK_GRADIENT:
-        o = _new(AveragedBlockGradient)
-        o.step = m.step
-        o.block_idx = m.block_idx
-        o.component_sizes = _component_sizes(m, owner, base)
-        o.gradients = _gradients(m, owner, base)
-    elif tag == DDPW_NON_BLOCK_GRADIENT_PAYLOAD:
-        o = _new(NonBlockGradientPayload)
-        o.step = m.step
-        o.worker_id = m.worker_id
-        o.component = m.component
-        o.gradients = _gradients(m, owner, base)
-    elif tag == DDPW_AVERAGED_NON_BLOCK_GRADIENT:
-        o = _new(AveragedNonBlockGradient)
-        o.step = m.step
-        o.component = m.component
-        o.gradients = _gradients(m, owner, base)
-    elif tag == DDPW_AUTH_CHALLENGE:
-        o = _new(AuthChallenge)
-        o.nonce = PyBytes_FromStringAndSize(<const char *>m.nonce, DDPW_AUTH_BYTES)
-        o.proof = PyBytes_FromStringAndSize(<const char *>m.proof, DDPW_AUTH_BYTES)
-    elif tag == DDPW_AUTH_PROOF:
-        o = _new(AuthProof)
-        o.proof = PyBytes_FromStringAndSize(<const char *>m.proof, DDPW_AUTH_BYTES)
-    elif tag == DDPW_JOIN_REFUSED:
-        o = _new(JoinRefused)
-        o.reason = m.reason
-        o.detail = _text(m.detail)
-    elif tag == DDPW_COLLECTIVE_REQUEST:
-        o = _new(CollectiveRequest)
-        o.seq = m.seq
-        o.kind = m.kind
-        o.op = m.op
-        o.dtype = m.dtype
-        o.root = m.root
-        o.count = m.count
-        o.data = _data(m, owner, base)
-    elif tag == DDPW_COLLECTIVE_RESULT:
-        o = _new(CollectiveResult)
-        o.seq = m.seq
-        o.kind = m.kind
-        o.dtype = m.dtype
-        o.count = m.count
-        o.data = _data(m, owner, base)
-    elif tag == DDPW_COLLECTIVE_ERROR:
-        o = _new(CollectiveError)
-        o.seq = m.seq
-        o.worker_id = m.worker_id
-        o.detail = _text(m.detail)
-    elif tag == DDPW_MESH_PEERS:
-        o = _new(MeshPeers)
-        o.key = PyBytes_FromStringAndSize(<const char *>m.key, DDPW_AUTH_BYTES)
-        o.codec = m.codec
-        o.shared_memory = m.shared_memory
-        o.coordinator_share = m.coordinator_share
-        o.peers = _text(m.peers)
-    elif tag == DDPW_PEER_HELLO:
-        o = _new(PeerHello)
-        o.worker_id = m.worker_id
-        o.proof = PyBytes_FromStringAndSize(<const char *>m.proof, DDPW_AUTH_BYTES)
-    elif tag == DDPW_STEP_REPORT:
-        o = _new(StepReport)
-        o.step = m.step
-        o.worker_id = m.worker_id
-        o.count = m.count
-        o.loss = m.loss
-        o.correct = m.correct
-        o.total = m.total
-        o.bad_worker = m.bad_worker
-        o.bad_index = m.bad_index
-        o.bad_value = m.bad_value
-    elif tag == DDPW_STEP_COMMIT:
-        o = _new(StepCommit)
-        o.step = m.step
-        o.global_loss = m.global_loss
-        o.bad_worker = m.bad_worker
-        o.bad_index = m.bad_index
-        o.bad_value = m.bad_value
-    elif tag == DDPW_STEP_TIMING:
-        o = _new(StepTiming)
-        o.step = m.step
-        o.compute_us = m.compute_us
-    elif tag == DDPW_SHARD_SCALE:
-        o = _new(ShardScale)
-        o.step = m.step
-        o.scale = _float(m.scale)
-    elif tag == DDPW_STATE_REQUEST:
-        o = _new(StateRequest)
-        o.step = m.step
-    elif tag == DDPW_MODEL_STATE:
-        o = _new(ModelState)
-        o.step = m.step
-        o.total = m.total
-        o.digest = PyBytes_FromStringAndSize(<const char *>m.digest, DDPW_AUTH_BYTES)
-        o.data = _data(m, owner, base)
-    elif tag == DDPW_STEP_ABORTED:
-        o = _new(StepAborted)
-        o.step = m.step
-        o.worker_id = m.worker_id
-        o.workers = m.total_workers
-    else:
-        raise ProtocolError(f"unknown message tag: 0x{tag:02x}")
     return o
 
 
@@ -870,21 +661,25 @@ def encode_frame_parts(msg, *, max_frame=DEFAULT_MAX_FRAME):
     head = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>head_len)
     if ddpw_encode_head(&m, <uint8_t *>PyBytes_AS_STRING(head), head_len, &written, &err) != DDPW_OK:
         raise wire_error(&err)
-    if ddpw_has_bulk(m.tag) and not ddpw_has_gradients(m.tag):
-        # raw bytes in the sender's own order: the codes name the dtype, not
-        # its byte order, so nothing is swapped
-        return head, memoryview(msg.data).cast("B"), b""
-    if not ddpw_has_gradients(m.tag):
+    if not ddpw_has_bulk(m.tag):
         return head, None, b""
+    cdef _Layout lay = _layout_of_message(msg)
+    cdef Py_ssize_t j = 0
+    while lay.c.fields[j].type != DDPW_WT_F32VEC and lay.c.fields[j].type != DDPW_WT_BYTES:
+        j += 1
+    bulk = memoryview(getattr(msg, lay.names[j])).cast("B")
+    if lay.c.fields[j].type == DDPW_WT_F32VEC and not _LITTLE_HOST:
+        # the wire is little-endian: only here does sending need a copy (raw
+        # bytes go in the sender's own order: the codes name the dtype, not
+        # its byte order)
+        bulk = memoryview(np.frombuffer(bulk, np.float32).astype(_F32).tobytes())
     cdef size_t tail_len = ddpw_tail_len(m.tag)
+    if tail_len == 0:
+        return head, bulk, b""
     tail = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>tail_len)
     if ddpw_encode_tail(&m, <uint8_t *>PyBytes_AS_STRING(tail), tail_len, &written, &err) != DDPW_OK:
         raise wire_error(&err)
-    gradients = memoryview(msg.gradients).cast("B")
-    if not _LITTLE_HOST:
-        # the wire is little-endian: only here does sending need a copy
-        gradients = memoryview(np.frombuffer(gradients, np.float32).astype(_F32).tobytes())
-    return head, gradients, tail
+    return head, bulk, tail
 
 
 def float32_gradients(obj, str field="GradientPayload.gradients"):

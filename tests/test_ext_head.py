@@ -43,7 +43,7 @@ def run(probe: Path, payload: bytes, flags: int = 0) -> list:
 
 
 HEAD_FIELDS = ("avail", "tag", "has_gradients", "has_bulk", "seq", "kind", "op", "dtype", "root",
-               "count", "bulk_offset", "bulk_len", "tail_len", "trailing_len", "gradient_offset")
+               "count", "bulk_offset", "bulk_len", "tail_len", "trailing_len")
 
 
 def head_of(words: list) -> dict:
@@ -75,8 +75,9 @@ def test_gradient_elements_are_the_bulk(probe, vector):
     head = head_of(run(probe, payload))
     if payload[0] in GRADIENT_TAGS:
         msg = ddpwire.decode_payload(payload)
-        assert head["has_bulk"] == 1 and head["bulk_offset"] == head["gradient_offset"]
+        assert head["has_bulk"] == 1 and head["has_gradients"] == 1
         assert head["bulk_len"] == 4 * len(msg.gradients)
+        assert head["bulk_offset"] + head["bulk_len"] + head["tail_len"] == len(payload)
     else:
         assert head["has_bulk"] == 0 and head["avail"] == 1
 

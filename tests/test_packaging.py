@@ -50,7 +50,7 @@ def dist(tmp_path_factory) -> dict:
 def source_files() -> set:
     """Every file a build or the tests need, as found in this tree."""
     patterns = ["csrc/*.c", "csrc/*.h", "ddpwire/**/*.py", "ddpwire/*.pyx", "ddpwire/**/*.pxd",
-                "ddpwire/*.pxi", "ddpwire/*.pyi", "ddpwire/py.typed", "tests/**/*.py", "tests/c/*.c",
+                "ddpwire/*.pxi", "ddpwire/**/*.pyi", "ddpwire/py.typed", "csrc/*.def", "tests/**/*.py", "tests/c/*.c",
                 "tests/data/*.json", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md"]
     return {p.relative_to(ROOT).as_posix() for pat in patterns for p in ROOT.glob(pat)}
 
@@ -79,6 +79,9 @@ def test_wheel_holds_stripped_modules_and_no_sources(dist):
         # the Cython declarations, for code that cimports the core
         pxd = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ddpwire").glob("**/*.pxd")}
         assert pxd <= names, sorted(pxd - names)
+        # the stubs: the compiled module's and the message classes' (made at import)
+        pyi = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ddpwire").glob("**/*.pyi")}
+        assert "ddpwire/wire/messages.pyi" in pyi and pyi <= names, sorted(pyi - names)
         # one compiled module per .pyx
         ext = sysconfig.get_config_var("EXT_SUFFIX")
         for pyx in (ROOT / "ddpwire").glob("*.pyx"):

@@ -15,33 +15,49 @@ cdef extern from "wire.h" nogil:
     const unsigned int DDPW_AUTH_BYTES
     const unsigned int DDPW_SMALL_MAX_PAYLOAD
 
+    # The tags are messages.def's; Cython names only those it uses, and
+    # walks the layouts below for the rest.
     ctypedef enum ddpw_tag:
-        DDPW_JOIN_REQUEST
-        DDPW_JOIN_ACCEPTED
-        DDPW_SHARD_ASSIGNMENT
-        DDPW_GRADIENT_PAYLOAD
-        DDPW_AVERAGED_GRADIENT
         DDPW_HEARTBEAT
-        DDPW_SHUTDOWN
-        DDPW_BLOCK_GRADIENT_PAYLOAD
-        DDPW_AVERAGED_BLOCK_GRADIENT
-        DDPW_NON_BLOCK_GRADIENT_PAYLOAD
-        DDPW_AVERAGED_NON_BLOCK_GRADIENT
-        DDPW_AUTH_CHALLENGE
-        DDPW_AUTH_PROOF
-        DDPW_JOIN_REFUSED
-        DDPW_COLLECTIVE_REQUEST
-        DDPW_COLLECTIVE_RESULT
-        DDPW_COLLECTIVE_ERROR
-        DDPW_MESH_PEERS
-        DDPW_PEER_HELLO
-        DDPW_STEP_REPORT
-        DDPW_STEP_COMMIT
         DDPW_STEP_TIMING
-        DDPW_SHARD_SCALE
-        DDPW_STEP_ABORTED
-        DDPW_STATE_REQUEST
-        DDPW_MODEL_STATE
+
+    ctypedef enum ddpw_wire_type:
+        DDPW_WT_U8
+        DDPW_WT_U16
+        DDPW_WT_U32
+        DDPW_WT_U64
+        DDPW_WT_F32
+        DDPW_WT_STRING
+        DDPW_WT_BYTES32
+        DDPW_WT_U32LIST
+        DDPW_WT_F32VEC
+        DDPW_WT_BYTES
+
+    ctypedef enum ddpw_rule:
+        DDPW_RULE_NONE
+        DDPW_RULE_CODEC
+        DDPW_RULE_FLAG
+        DDPW_RULE_SCALE
+        DDPW_RULE_DTYPE
+        DDPW_RULE_COUNT_OF_DTYPE
+        DDPW_RULE_WITHIN_TOTAL
+        DDPW_RULE_LAST
+
+    ctypedef struct ddpw_field:
+        const char *name
+        const char *count_name
+        uint8_t type
+        uint8_t rule
+        uint16_t offset
+
+    ctypedef struct ddpw_layout:
+        uint8_t tag
+        uint8_t extensible
+        uint8_t field_count
+        const char *name
+        const char *direction
+        const char *doc
+        const ddpw_field *fields
 
     ctypedef enum ddpw_code_family:
         DDPW_CODES_EXTENSION
@@ -93,6 +109,10 @@ cdef extern from "wire.h" nogil:
         const uint8_t *data
         size_t len
 
+    ctypedef struct ddpw_span:
+        const void *data
+        uint64_t count
+
     ctypedef struct ddpw_ext_entry:
         uint16_t type
         uint32_t len
@@ -112,10 +132,8 @@ cdef extern from "wire.h" nogil:
         uint32_t block_idx
         uint32_t num_blocks
         uint8_t component
-        const void *component_sizes
-        uint32_t component_count
-        const void *gradients
-        uint64_t gradient_count
+        ddpw_span component_sizes
+        ddpw_span gradients
         float loss
         uint64_t correct
         uint64_t total
@@ -135,8 +153,7 @@ cdef extern from "wire.h" nogil:
         uint8_t dtype
         uint32_t root
         uint64_t count
-        const uint8_t *data
-        uint64_t data_len
+        ddpw_span data
         const uint8_t *digest
         const uint8_t *key
         uint8_t codec
@@ -150,37 +167,20 @@ cdef extern from "wire.h" nogil:
         float scale
 
     ctypedef struct ddpw_head:
-        uint8_t tag
+        ddpw_message msg
         int has_gradients
-        uint64_t step
-        uint32_t worker_id
-        uint32_t block_idx
-        uint32_t num_blocks
-        uint8_t component
-        const uint8_t *component_sizes
-        uint32_t component_count
-        uint64_t gradient_count
-        size_t gradient_offset
-        size_t tail_len
-        size_t trailing_len
-        size_t need
         int has_bulk
         size_t bulk_offset
         uint64_t bulk_len
-        uint64_t seq
-        uint8_t kind
-        uint8_t op
-        uint8_t dtype
-        uint32_t root
-        uint64_t count
-
-    ctypedef struct ddpw_tail:
-        float loss
-        uint64_t correct
-        uint64_t total
-        float global_loss
+        size_t tail_len
+        size_t trailing_len
+        size_t need
 
     const char *ddpw_message_type(uint8_t tag)
+    const ddpw_layout *ddpw_layout_of(uint8_t tag)
+    const ddpw_layout *ddpw_layout_at(size_t i)
+    const char *ddpw_wire_type_name(unsigned type)
+    const char *ddpw_rule_name(unsigned rule)
     int ddpw_has_gradients(uint8_t tag)
     int ddpw_has_bulk(uint8_t tag)
     size_t ddpw_dtype_size(uint8_t dtype)
@@ -195,7 +195,7 @@ cdef extern from "wire.h" nogil:
     ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len, int flags,
                                  ddpw_head *head, ddpw_error *err)
     ddpw_status ddpw_decode_tail(uint8_t tag, const uint8_t *p, size_t avail,
-                                 ddpw_tail *tail, ddpw_error *err)
+                                 ddpw_message *msg, ddpw_error *err)
     void ddpw_load_u32s(const uint8_t *src, size_t count, uint32_t *dst)
     ddpw_status ddpw_payload_size(const ddpw_message *msg, uint64_t *size, ddpw_error *err)
     size_t ddpw_head_size(const ddpw_message *msg)

@@ -1,13 +1,14 @@
 """The eleven messages of the DDP wire protocol and ddpwire's extension
 messages (docs/extensions.md), as plain Python objects.
 
-Field names and order follow the wire layout (see docs/protocol-notes.md),
-except MeshPeers.coordinator_share, which comes last so that it may be left out.
-Each class carries its wire ``TAG``. :data:`LAYOUTS` is the one description
-of every message's bytes (tag, fields in wire order, wire types); the
-compiled codec (:mod:`ddpwire._core`) implements it, and these classes only
-hold values; tests/test_message_table.py checks the codec, the classes and
-the docs against the table.
+Every class here is made at import from the one description of the
+messages, csrc/messages.def, as the compiled codec (:mod:`ddpwire._core`)
+holds it: name, tag, fields in wire order, docstring. :data:`LAYOUTS` is that
+description in Python. Field names and order follow the wire layout (see
+docs/protocol-notes.md), except MeshPeers.coordinator_share, which the class
+takes last, with a default of 0, so that it may be left out. Each class
+carries its wire ``TAG``; the classes only hold values.
+tests/test_message_table.py checks the docs against the table.
 
 Value types:
 
@@ -41,38 +42,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
-__all__ = [
+from .. import _core
+
+__all__ = [  # the message classes are added where they are made, below
     "Message",
-    "JoinRequest",
-    "JoinAccepted",
-    "ShardAssignment",
-    "GradientPayload",
-    "AveragedGradient",
-    "Heartbeat",
-    "Shutdown",
-    "BlockGradientPayload",
-    "AveragedBlockGradient",
-    "NonBlockGradientPayload",
-    "AveragedNonBlockGradient",
-    "AuthChallenge",
-    "AuthProof",
-    "JoinRefused",
-    "CollectiveRequest",
-    "CollectiveResult",
-    "CollectiveError",
-    "MeshPeers",
-    "PeerHello",
-    "StepReport",
-    "StepCommit",
-    "StepTiming",
-    "ShardScale",
-    "StepAborted",
-    "StateRequest",
-    "ModelState",
     "NO_WORKER",
     "NON_BLOCK_COMPONENTS",
     "MESSAGE_TYPES",
@@ -110,14 +87,12 @@ def _same_bytes(a: Any, b: Any) -> bool:
     return memoryview(a).cast("B") == memoryview(b).cast("B")
 
 
-_COMPARE = {
-    "data": _same_bytes,
-    "gradients": _same_gradients,
-    "component_sizes": _same_sizes,
-    "loss": _same_float,
-    "global_loss": _same_float,
-    "bad_value": _same_float,
-    "scale": _same_float,
+# how two values of a wire type compare (others with ==)
+_COMPARE: Dict[str, Callable[[Any, Any], bool]] = {
+    "bytes": _same_bytes,
+    "f32vec": _same_gradients,
+    "u32list": _same_sizes,
+    "f32": _same_float,
 }
 
 
@@ -126,6 +101,8 @@ class Message:
 
     __slots__ = ()
     TAG: ClassVar[int]
+    #: the wire type of each field, by name (set on each class)
+    _WIRE_TYPES: ClassVar[Dict[str, str]] = {}
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -133,7 +110,7 @@ class Message:
         for name in self.__slots__:
             a = getattr(self, name)
             b = getattr(other, name)
-            same = _COMPARE.get(name)
+            same = _COMPARE.get(self._WIRE_TYPES[name])
             if same is None:
                 if a != b:
                     return False
@@ -142,6 +119,10 @@ class Message:
         return True
 
     __hash__ = None  # type: ignore[assignment]  # mutable, and arrays are unhashable
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"{type(self).__name__}({fields})"
 
 
 Extensions = Optional[Dict[int, bytes]]
@@ -162,434 +143,16 @@ class _Extensible(Message):
         return self.extensions == other.extensions  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
-        return f"{type(self).__name__}({fields}, extensions={self.extensions!r})"
+        return f"{super().__repr__()[:-1]}, extensions={self.extensions!r})"
 
-
-@dataclass(eq=False, init=False, repr=False)
-class JoinRequest(_Extensible):
-    """Worker to coordinator: ask to join (tag 0x01), optionally offering
-    extensions."""
-
-    __slots__ = ("node_id", "gpu_count", "backend")
-    TAG: ClassVar[int] = 0x01
-    node_id: str
-    gpu_count: int
-    backend: str
-
-    def __init__(self, node_id: str, gpu_count: int, backend: str,
-                 extensions: Extensions = None) -> None:
-        self.node_id = node_id
-        self.gpu_count = gpu_count
-        self.backend = backend
-        self.extensions = extensions
-
-
-@dataclass(eq=False, init=False, repr=False)
-class JoinAccepted(_Extensible):
-    """Coordinator to worker: the worker's id and the number of workers (0x02),
-    optionally granting extensions."""
-
-    __slots__ = ("worker_id", "total_workers")
-    TAG: ClassVar[int] = 0x02
-    worker_id: int
-    total_workers: int
-
-    def __init__(self, worker_id: int, total_workers: int,
-                 extensions: Extensions = None) -> None:
-        self.worker_id = worker_id
-        self.total_workers = total_workers
-        self.extensions = extensions
-
-
-@dataclass(eq=False)
-class ShardAssignment(Message):
-    """Coordinator to worker: train samples [shard_start, shard_end) at ``step`` (0x03)."""
-
-    __slots__ = ("step", "shard_start", "shard_end")
-    TAG: ClassVar[int] = 0x03
-    step: int
-    shard_start: int
-    shard_end: int
-
-
-@dataclass(eq=False)
-class GradientPayload(Message):
-    """Worker to coordinator: a flat gradient and the shard's loss and accuracy (0x04)."""
-
-    __slots__ = ("step", "worker_id", "gradients", "loss", "correct", "total")
-    TAG: ClassVar[int] = 0x04
-    step: int
-    worker_id: int
-    gradients: Float32Buffer
-    loss: float
-    correct: int
-    total: int
-
-
-@dataclass(eq=False)
-class AveragedGradient(Message):
-    """Coordinator to worker: the averaged flat gradient and global loss (0x05)."""
-
-    __slots__ = ("step", "gradients", "global_loss")
-    TAG: ClassVar[int] = 0x05
-    step: int
-    gradients: Float32Buffer
-    global_loss: float
-
-
-@dataclass(eq=False)
-class Heartbeat(Message):
-    """Either direction: the sender is alive (0x06)."""
-
-    __slots__ = ("node_id", "timestamp_ms")
-    TAG: ClassVar[int] = 0x06
-    node_id: str
-    timestamp_ms: int
-
-
-@dataclass(eq=False)
-class Shutdown(Message):
-    """Coordinator to worker: training is over (0x07)."""
-
-    __slots__ = ()
-    TAG: ClassVar[int] = 0x07
-
-
-@dataclass(eq=False)
-class BlockGradientPayload(Message):
-    """Worker to coordinator: one transformer block's gradient (0x08).
-
-    ``gradients`` is the concatenation of the block's components;
-    ``component_sizes`` gives each one's element count.
-    """
-
-    __slots__ = ("step", "worker_id", "block_idx", "num_blocks", "component_sizes", "gradients")
-    TAG: ClassVar[int] = 0x08
-    step: int
-    worker_id: int
-    block_idx: int
-    num_blocks: int
-    component_sizes: Sequence[int]
-    gradients: Float32Buffer
-
-
-@dataclass(eq=False)
-class AveragedBlockGradient(Message):
-    """Coordinator to worker: one block's averaged gradient (0x09)."""
-
-    __slots__ = ("step", "block_idx", "component_sizes", "gradients")
-    TAG: ClassVar[int] = 0x09
-    step: int
-    block_idx: int
-    component_sizes: Sequence[int]
-    gradients: Float32Buffer
 
 
 #: NonBlockGradientPayload.component: the protocol's code for each non-block
 #: part of the model, by name (in code order)
 NON_BLOCK_COMPONENTS: Dict[str, int] = {"lm_head": 0, "final_norm": 1, "embedding": 2}
 
-
-@dataclass(eq=False)
-class NonBlockGradientPayload(Message):
-    """Worker to coordinator: a non-block component's gradient (0x0A).
-
-    ``component``: 0 = lm_head, 1 = final_norm, 2 = embedding
-    (:data:`NON_BLOCK_COMPONENTS`; any u8 is carried).
-    """
-
-    __slots__ = ("step", "worker_id", "component", "gradients")
-    TAG: ClassVar[int] = 0x0A
-    step: int
-    worker_id: int
-    component: int
-    gradients: Float32Buffer
-
-
-@dataclass(eq=False)
-class AveragedNonBlockGradient(Message):
-    """Coordinator to worker: a non-block component's averaged gradient (0x0B)."""
-
-    __slots__ = ("step", "component", "gradients")
-    TAG: ClassVar[int] = 0x0B
-    step: int
-    component: int
-    gradients: Float32Buffer
-
-
-@dataclass(eq=False)
-class AuthChallenge(Message):
-    """Coordinator to worker: the coordinator's nonce and its proof of the
-    token (0x40). Both are 32 bytes."""
-
-    __slots__ = ("nonce", "proof")
-    TAG: ClassVar[int] = 0x40
-    nonce: bytes
-    proof: bytes
-
-
-@dataclass(eq=False)
-class AuthProof(Message):
-    """Worker to coordinator: the worker's proof of the token (0x41), 32 bytes."""
-
-    __slots__ = ("proof",)
-    TAG: ClassVar[int] = 0x41
-    proof: bytes
-
-
-@dataclass(eq=False)
-class JoinRefused(Message):
-    """Coordinator to worker: why the join was refused (0x42); ``reason`` is a
-    :class:`ddpwire.wire.extensions.RefusalReason` code (any u8 is carried)."""
-
-    __slots__ = ("reason", "detail")
-    TAG: ClassVar[int] = 0x42
-    reason: int
-    detail: str
-
-
-@dataclass(eq=False)
-class CollectiveRequest(Message):
-    """One collective operation (0x43): worker to coordinator on the
-    collective service, and worker to worker on a mesh or rank link.
-
-    ``kind``, ``op`` and ``dtype`` are codes of
-    :mod:`ddpwire.wire.extensions`; ``data`` holds ``count`` elements of ``dtype``.
-    """
-
-    __slots__ = ("seq", "kind", "op", "dtype", "root", "count", "data")
-    TAG: ClassVar[int] = 0x43
-    seq: int
-    kind: int
-    op: int
-    dtype: int
-    root: int
-    count: int
-    data: Any
-
-
-@dataclass(eq=False)
-class CollectiveResult(Message):
-    """Coordinator to worker: the result of collective ``seq`` (0x44)."""
-
-    __slots__ = ("seq", "kind", "dtype", "count", "data")
-    TAG: ClassVar[int] = 0x44
-    seq: int
-    kind: int
-    dtype: int
-    count: int
-    data: Any
-
-
-@dataclass(eq=False)
-class CollectiveError(Message):
-    """Collective ``seq`` failed (0x45): coordinator to worker, and, in a
-    mesh step, worker to coordinator; ``worker_id`` is the worker at fault,
-    0xFFFFFFFF for none."""
-
-    __slots__ = ("seq", "worker_id", "detail")
-    TAG: ClassVar[int] = 0x45
-    seq: int
-    worker_id: int
-    detail: str
-
-
 #: StepReport.bad_worker / StepCommit.bad_worker when every value was finite
 NO_WORKER = 0xFFFFFFFF
-
-
-@dataclass(eq=False, init=False)
-class MeshPeers(Message):
-    """Coordinator to worker, once after the join: where the other workers
-    of a mesh session listen (0x46). ``peers`` is ``host:port`` per worker in
-    worker order, comma-separated (an IPv6 host in brackets); empty means the
-    session keeps the star. ``key`` (32 bytes) authenticates the links
-    between workers; ``codec`` is a :class:`ddpwire.wire.extensions.Codec` code;
-    ``shared_memory`` (0 or 1) says every worker offered the same host and
-    steps move through a shared segment rather than the links
-    (:mod:`ddpwire.plane.mesh`).
-
-    ``coordinator_share`` (u16) is the part of each linked step (shared_memory
-    0) the coordinator averages itself, as the star would: the last
-    ``count * coordinator_share >> 16`` elements of the ``count``-element
-    vector travel to it in a GradientPayload and come back in an
-    AveragedGradient; 0 leaves the whole vector to the workers. It is last
-    here so that older constructions keep working, but sits between
-    ``shared_memory`` and ``peers`` on the wire."""
-
-    __slots__ = ("key", "codec", "shared_memory", "peers", "coordinator_share")
-    TAG: ClassVar[int] = 0x46
-    key: bytes
-    codec: int
-    shared_memory: int
-    peers: str
-    coordinator_share: int
-
-    # A dataclass default would be a class attribute, which __slots__ forbids.
-    def __init__(self, key: bytes, codec: int, shared_memory: int, peers: str,
-                 coordinator_share: int = 0) -> None:
-        self.key = key
-        self.codec = codec
-        self.shared_memory = shared_memory
-        self.peers = peers
-        self.coordinator_share = coordinator_share
-
-
-@dataclass(eq=False)
-class PeerHello(Message):
-    """Worker to worker, first on a mesh link, both ways (0x47): the
-    sender's worker_id and its proof of the session's mesh key."""
-
-    __slots__ = ("worker_id", "proof")
-    TAG: ClassVar[int] = 0x47
-    worker_id: int
-    proof: bytes
-
-
-@dataclass(eq=False)
-class StepReport(Message):
-    """Worker to coordinator in a mesh step (0x48): the worker has averaged
-    its slice. ``count`` is its gradient length; loss, correct and total are
-    GradientPayload's; ``bad_worker`` (NO_WORKER when none) names the first
-    worker whose elements in this slice were NaN or +/-inf, ``bad_index``
-    the element in the whole vector, ``bad_value`` its value."""
-
-    __slots__ = ("step", "worker_id", "count", "loss", "correct", "total", "bad_worker",
-                 "bad_index", "bad_value")
-    TAG: ClassVar[int] = 0x48
-    step: int
-    worker_id: int
-    count: int
-    loss: float
-    correct: int
-    total: int
-    bad_worker: int
-    bad_index: int
-    bad_value: float
-
-
-@dataclass(eq=False)
-class StepCommit(Message):
-    """Coordinator to worker, ending a mesh step (0x49). With ``bad_worker``
-    NO_WORKER every slice was finite: exchange the averaged slices and apply
-    them. Otherwise the session halts: no worker applies any of it."""
-
-    __slots__ = ("step", "global_loss", "bad_worker", "bad_index", "bad_value")
-    TAG: ClassVar[int] = 0x49
-    step: int
-    global_loss: float
-    bad_worker: int
-    bad_index: int
-    bad_value: float
-
-
-@dataclass(eq=False)
-class StepTiming(Message):
-    """Worker to coordinator, with the balance extension (0x4A): how long
-    the worker computed step ``step``, in microseconds from receiving the
-    step's ShardAssignment to starting to send its gradients. Sent right
-    before the step's first gradient frame."""
-
-    __slots__ = ("step", "compute_us")
-    TAG: ClassVar[int] = 0x4A
-    step: int
-    compute_us: int
-
-
-@dataclass(eq=False)
-class ShardScale(Message):
-    """Coordinator to worker, with the balance extension (0x4B), right after
-    the step's ShardAssignment: the worker multiplies every gradient it
-    sends for ``step`` by ``scale`` (float32) before it leaves. ``scale`` is
-    finite and >= 0 (0.0 for an empty shard; 1.0 when shards are equal);
-    the codec refuses anything else both ways."""
-
-    __slots__ = ("step", "scale")
-    TAG: ClassVar[int] = 0x4B
-    step: int
-    scale: float
-
-
-@dataclass(eq=False)
-class StepAborted(Message):
-    """Coordinator to worker, with the elastic extension (0x4C), in place
-    of the step's average: worker ``worker_id`` was lost during ``step``,
-    nobody applies any of the step, and the ``workers`` left compute it
-    again on the shards that follow (a new ShardAssignment for the same
-    step). A ``worker_id`` that is the receiver's own says it was dropped
-    from the session (it stalled past its timeout): its connection closes
-    next."""
-
-    __slots__ = ("step", "worker_id", "workers")
-    TAG: ClassVar[int] = 0x4C
-    step: int
-    worker_id: int
-    workers: int
-
-
-@dataclass(eq=False)
-class StateRequest(Message):
-    """Coordinator to worker, with the elastic extension (0x4D), between two
-    steps (where a ShardAssignment could come): send the model's state as it
-    is before step ``step`` (a ModelState), for a worker joining there."""
-
-    __slots__ = ("step",)
-    TAG: ClassVar[int] = 0x4D
-    step: int
-
-
-@dataclass(eq=False)
-class ModelState(Message):
-    """Worker to coordinator in answer to a StateRequest, and coordinator to
-    a worker joining an elastic session before its first step (0x4E): a
-    piece of whatever the training code keeps of its state before step
-    ``step`` (weights, optimizer, anything else; opaque here). The state
-    is ``total`` bytes, sent as consecutive pieces in order (each frame
-    within the peer's frame limit); ``digest`` is the SHA-256 of the whole
-    state, the same in every piece, which the joiner checks before using
-    it."""
-
-    __slots__ = ("step", "total", "digest", "data")
-    TAG: ClassVar[int] = 0x4E
-    step: int
-    total: int
-    digest: bytes
-    data: Any
-
-
-#: tag -> message class, for every tag the protocol and its extensions define
-MESSAGE_TYPES = {
-    cls.TAG: cls
-    for cls in (
-        JoinRequest,
-        JoinAccepted,
-        ShardAssignment,
-        GradientPayload,
-        AveragedGradient,
-        Heartbeat,
-        Shutdown,
-        BlockGradientPayload,
-        AveragedBlockGradient,
-        NonBlockGradientPayload,
-        AveragedNonBlockGradient,
-        AuthChallenge,
-        AuthProof,
-        JoinRefused,
-        CollectiveRequest,
-        CollectiveResult,
-        CollectiveError,
-        MeshPeers,
-        PeerHello,
-        StepReport,
-        StepCommit,
-        StepTiming,
-        ShardScale,
-        StepAborted,
-        StateRequest,
-        ModelState,
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -599,68 +162,143 @@ class Layout:
     ``u64`` ``f32``; ``string``: u32 byte count and UTF-8; ``f32vec``: u64
     count and float32 elements; ``u32list``: u32 count and u32 elements;
     ``bytes32``: 32 raw bytes; ``bytes``: u64 byte count and the bytes).
-    ``extensible``: an extension block may follow the last field."""
+    ``extensible``: an extension block may follow the last field.
+    ``rules``: the fields with a rule (csrc/wire.h, ddpw_rule), by name:
+    what the codec refuses (``codec``, ``flag``, ``scale``, ``dtype``,
+    ``count_of_dtype``, ``within_total``), or ``last``, a field the class
+    takes last with a default of 0."""
 
     tag: int
     name: str
     direction: str
     fields: Tuple[Tuple[str, str], ...]
     extensible: bool = False
+    rules: Tuple[Tuple[str, str], ...] = ()
+    doc: str = ""
+
+    @property
+    def python_order(self) -> Tuple[str, ...]:
+        """The fields in the order the class takes them."""
+        last = {name for name, rule in self.rules if rule == "last"}
+        names = [name for name, _ in self.fields]
+        return tuple([n for n in names if n not in last] + [n for n in names if n in last])
 
 
-def _layout(tag: int, name: str, direction: str, body: str, extensible: bool = False) -> Layout:
-    fields = tuple(tuple(f.split(": ")) for f in body.split(", ")) if body else ()
-    return Layout(tag, name, direction, fields, extensible)  # type: ignore[arg-type]
+def _layouts() -> Tuple[Layout, ...]:
+    out = []
+    for tag, name, direction, extensible, doc, fields in _core.message_layouts():
+        out.append(Layout(tag, name, direction, tuple((f, t) for f, t, _ in fields), extensible,
+                          tuple((f, r) for f, _, r in fields if r != "none"), doc))
+    return tuple(out)
 
 
-#: The one description of every message's layout, in tag order. The C codec
-#: (csrc/wire.h, wire.c), the classes above and the tables of
-#: docs/extensions.md are checked against it, byte by byte where it counts,
-#: by tests/test_message_table.py: a message changed in one place and not
-#: another fails there.
-LAYOUTS: Tuple[Layout, ...] = (
-    _layout(0x01, "JoinRequest", "worker → coordinator",
-            "node_id: string, gpu_count: u32, backend: string", extensible=True),
-    _layout(0x02, "JoinAccepted", "coordinator → worker",
-            "worker_id: u32, total_workers: u32", extensible=True),
-    _layout(0x03, "ShardAssignment", "coordinator → worker",
-            "step: u64, shard_start: u64, shard_end: u64"),
-    _layout(0x04, "GradientPayload", "worker → coordinator",
-            "step: u64, worker_id: u32, gradients: f32vec, loss: f32, correct: u64, total: u64"),
-    _layout(0x05, "AveragedGradient", "coordinator → worker",
-            "step: u64, gradients: f32vec, global_loss: f32"),
-    _layout(0x06, "Heartbeat", "both", "node_id: string, timestamp_ms: u64"),
-    _layout(0x07, "Shutdown", "coordinator → worker", ""),
-    _layout(0x08, "BlockGradientPayload", "worker → coordinator",
-            "step: u64, worker_id: u32, block_idx: u32, num_blocks: u32, "
-            "component_sizes: u32list, gradients: f32vec"),
-    _layout(0x09, "AveragedBlockGradient", "coordinator → worker",
-            "step: u64, block_idx: u32, component_sizes: u32list, gradients: f32vec"),
-    _layout(0x0A, "NonBlockGradientPayload", "worker → coordinator",
-            "step: u64, worker_id: u32, component: u8, gradients: f32vec"),
-    _layout(0x0B, "AveragedNonBlockGradient", "coordinator → worker",
-            "step: u64, component: u8, gradients: f32vec"),
-    _layout(0x40, "AuthChallenge", "coordinator → worker", "nonce: bytes32, proof: bytes32"),
-    _layout(0x41, "AuthProof", "worker → coordinator", "proof: bytes32"),
-    _layout(0x42, "JoinRefused", "coordinator → worker", "reason: u8, detail: string"),
-    _layout(0x43, "CollectiveRequest", "worker → coordinator; worker → worker (mesh link)",
-            "seq: u64, kind: u8, op: u8, dtype: u8, root: u32, count: u64, data: bytes"),
-    _layout(0x44, "CollectiveResult", "coordinator → worker",
-            "seq: u64, kind: u8, dtype: u8, count: u64, data: bytes"),
-    _layout(0x45, "CollectiveError", "coordinator → worker; worker → coordinator in a mesh step",
-            "seq: u64, worker_id: u32, detail: string"),
-    _layout(0x46, "MeshPeers", "coordinator → worker",
-            "key: bytes32, codec: u8, shared_memory: u8, coordinator_share: u16, peers: string"),
-    _layout(0x47, "PeerHello", "worker → worker (mesh link)", "worker_id: u32, proof: bytes32"),
-    _layout(0x48, "StepReport", "worker → coordinator",
-            "step: u64, worker_id: u32, count: u64, loss: f32, correct: u64, total: u64, "
-            "bad_worker: u32, bad_index: u64, bad_value: f32"),
-    _layout(0x49, "StepCommit", "coordinator → worker",
-            "step: u64, global_loss: f32, bad_worker: u32, bad_index: u64, bad_value: f32"),
-    _layout(0x4A, "StepTiming", "worker → coordinator", "step: u64, compute_us: u64"),
-    _layout(0x4B, "ShardScale", "coordinator → worker", "step: u64, scale: f32"),
-    _layout(0x4C, "StepAborted", "coordinator → worker", "step: u64, worker_id: u32, workers: u32"),
-    _layout(0x4D, "StateRequest", "coordinator → worker", "step: u64"),
-    _layout(0x4E, "ModelState", "worker → coordinator; coordinator → worker",
-            "step: u64, total: u64, digest: bytes32, data: bytes"),
-)
+#: The one description of every message's layout, in tag order, as the
+#: compiled codec holds it (csrc/messages.def). The classes below are made
+#: from it, and tests/test_message_table.py checks the docs against it.
+LAYOUTS: Tuple[Layout, ...] = _layouts()
+
+# the Python type of a value of each wire type, as an annotation (a string,
+# as every annotation of this module is), and the names those strings use,
+# which typing.get_type_hints looks up in this module
+_PYTHON_TYPES: Dict[str, str] = {
+    "u8": "int", "u16": "int", "u32": "int", "u64": "int", "f32": "float", "string": "str",
+    "bytes32": "bytes", "u32list": "Sequence[int]", "f32vec": "Float32Buffer", "bytes": "Any",
+}
+_ANNOTATION_NAMES = {"Sequence": Sequence, "Float32Buffer": Float32Buffer, "Any": Any}
+
+
+def _message_class(layout: Layout) -> Type[Message]:
+    """The class of one message: slots for its fields, an ``__init__`` that
+    takes them in :attr:`Layout.python_order` (a ``last`` field defaults to
+    0; ``extensions`` to None where the message is extensible), its TAG and
+    its docstring."""
+    order = layout.python_order
+    last = {name for name, rule in layout.rules if rule == "last"}
+    params = [f"{n}=0" if n in last else n for n in order]
+    names = list(order)
+    if layout.extensible:
+        params.append("extensions=None")
+        names.append("extensions")
+    body = "".join(f"    self.{n} = {n}\n" for n in names) or "    pass\n"
+    # generated as source, as dataclasses and namedtuple do: a plain
+    # __init__ costs a small message no more than a hand-written one
+    scope: Dict[str, Any] = {}
+    exec(f"def __init__({', '.join(['self', *params])}):\n{body}", globals(), scope)
+    init = scope["__init__"]
+    wire = dict(layout.fields)
+    annotations = {n: _PYTHON_TYPES[wire[n]] for n in order}
+    init.__annotations__ = {**annotations,
+                            **({"extensions": "Extensions"} if layout.extensible else {}),
+                            "return": "None"}
+    init.__qualname__ = f"{layout.name}.__init__"
+    namespace = {
+        "__slots__": order,
+        "__doc__": layout.doc,
+        "__module__": __name__,
+        "__qualname__": layout.name,
+        "__annotations__": {"TAG": "ClassVar[int]", **annotations},
+        "__init__": init,
+        "TAG": layout.tag,
+        "_WIRE_TYPES": wire,
+    }
+    cls = type(layout.name, (_Extensible if layout.extensible else Message,), namespace)
+    # a dataclass, so that a user's @dataclass subclass takes the same fields
+    cls = dataclass(eq=False, init=False, repr=False)(cls)
+    _core.register_message_class(cls)
+    return cls
+
+
+#: tag -> message class, for every tag the protocol and its extensions define
+MESSAGE_TYPES: Dict[int, Type[Message]] = {lay.tag: _message_class(lay) for lay in LAYOUTS}
+
+# each class under its name here, as `from ddpwire.wire.messages import
+# StepCommit` expects
+globals().update({cls.__name__: cls for cls in MESSAGE_TYPES.values()})
+__all__ += [cls.__name__ for cls in MESSAGE_TYPES.values()]
+
+
+def stub() -> str:
+    """The text of messages.pyi, which gives type checkers the classes this
+    module makes at run time; tests/test_message_table.py checks that the
+    file is this text. Regenerate with ``python -c "from ddpwire.wire.messages
+    import stub; print(stub(), end='')" > ddpwire/wire/messages.pyi``."""
+    out = [
+        "# Made from csrc/messages.def by ddpwire.wire.messages.stub(): do not edit.",
+        "from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple, Type",
+        "",
+        "Float32Buffer = Any",
+        "Extensions = Optional[Dict[int, bytes]]",
+        "NO_WORKER: int",
+        "NON_BLOCK_COMPONENTS: Dict[str, int]",
+        "",
+        "class Message:",
+        "    TAG: ClassVar[int]",
+        "    def __eq__(self, other: object) -> bool: ...",
+        "",
+        "class Layout:",
+        "    tag: int",
+        "    name: str",
+        "    direction: str",
+        "    fields: Tuple[Tuple[str, str], ...]",
+        "    extensible: bool",
+        "    rules: Tuple[Tuple[str, str], ...]",
+        "    doc: str",
+        "    @property",
+        "    def python_order(self) -> Tuple[str, ...]: ...",
+        "",
+        "LAYOUTS: Tuple[Layout, ...]",
+        "MESSAGE_TYPES: Dict[int, Type[Message]]",
+    ]
+    for lay in LAYOUTS:
+        cls = MESSAGE_TYPES[lay.tag]
+        hints = {n: _PYTHON_TYPES[t] for n, t in lay.fields}
+        last = {n for n, rule in lay.rules if rule == "last"}
+        params = [f"{n}: {hints[n]}" + (" = ..." if n in last else "") for n in lay.python_order]
+        doc = lay.doc.replace("\n", "\n    ").replace("\n    \n", "\n\n")
+        out += ["", f"class {cls.__name__}(Message):", f'    """{doc}"""', ""]
+        out += [f"    {n}: {hints[n]}" for n in lay.python_order]
+        if lay.extensible:
+            out.append("    extensions: Extensions")
+            params.append("extensions: Extensions = ...")
+        out.append(f"    def __init__(self{''.join(', ' + p for p in params)}) -> None: ...")
+    return "\n".join(out) + "\n"

@@ -7,7 +7,7 @@
  * it answers something other than DDPW_NEED_MORE, and prints that answer:
  *   error STATUS TYPE FIELD HAVE NEED VALUE
  *   head AVAIL TAG HAS_GRADIENTS HAS_BULK SEQ KIND OP DTYPE ROOT COUNT
- *        BULK_OFFSET BULK_LEN TAIL_LEN TRAILING_LEN GRADIENT_OFFSET
+ *        BULK_OFFSET BULK_LEN TAIL_LEN TRAILING_LEN
  * Each offer is copied into a buffer of exactly that size, so a sanitizer
  * build catches a read past what has arrived.
  */
@@ -46,10 +46,10 @@ int main(int argc, char **argv)
             return 0;
         }
         printf("head %zu %u %d %d %" PRIu64 " %u %u %u %" PRIu32 " %" PRIu64 " %zu %" PRIu64
-               " %zu %zu %zu\n",
-               avail, (unsigned)h.tag, h.has_gradients, h.has_bulk, h.seq, (unsigned)h.kind,
-               (unsigned)h.op, (unsigned)h.dtype, h.root, h.count, h.bulk_offset, h.bulk_len,
-               h.tail_len, h.trailing_len, h.gradient_offset);
+               " %zu %zu\n",
+               avail, (unsigned)h.msg.tag, h.has_gradients, h.has_bulk, h.msg.seq,
+               (unsigned)h.msg.kind, (unsigned)h.msg.op, (unsigned)h.msg.dtype, h.msg.root,
+               h.msg.count, h.bulk_offset, h.bulk_len, h.tail_len, h.trailing_len);
         return 0;
     }
     return 4;

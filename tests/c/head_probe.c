@@ -9,6 +9,7 @@
  *   error STATUS TYPE FIELD HAVE NEED VALUE
  *   head AVAIL TAG HAS_GRADIENTS STEP WORKER_ID BLOCK_IDX NUM_BLOCKS COMPONENT
  *        COMPONENT_COUNT SIZES... GRADIENT_COUNT OFFSET TAIL_LEN TRAILING_LEN
+ *        (OFFSET: of the first gradient byte; 0 without gradients)
  *   tail LOSS_BITS CORRECT TOTAL GLOBAL_LOSS_BITS
  *   reencode same|different
  * Every buffer is malloc'ed at its exact size so that a sanitizer build
@@ -36,53 +37,40 @@ static void print_error(const ddpw_error *err)
 }
 
 /* Rebuild the frame from the decoded head and tail; compare with the input. */
-static void reencode(const uint8_t *payload, size_t len, const ddpw_head *h, const ddpw_tail *t)
+static void reencode(const uint8_t *payload, size_t len, const ddpw_head *h)
 {
-    ddpw_message m;
+    ddpw_message m = h->msg;
     ddpw_error err;
     uint32_t *sizes = NULL;
     uint8_t *out;
     size_t head_len, written = 0, tail_written = 0;
-    const size_t grad_bytes = (size_t)h->gradient_count * 4;
+    const uint64_t count = m.component_sizes.count;
     int same;
 
-    memset(&m, 0, sizeof m);
-    m.tag = h->tag;
-    m.step = h->step;
-    m.worker_id = h->worker_id;
-    m.block_idx = h->block_idx;
-    m.num_blocks = h->num_blocks;
-    m.component = h->component;
-    m.component_count = h->component_count;
-    if (h->component_count) {
-        sizes = malloc((size_t)h->component_count * 4);
+    if (count) {
+        sizes = malloc((size_t)count * 4);
         if (!sizes)
             exit(3);
-        ddpw_load_u32s(h->component_sizes, h->component_count, sizes);
+        ddpw_load_u32s(m.component_sizes.data, (size_t)count, sizes);
     }
-    m.component_sizes = sizes;
-    m.gradients = payload + h->gradient_offset; /* the host is little-endian in CI */
-    m.gradient_count = h->gradient_count;
-    m.loss = t->loss;
-    m.correct = t->correct;
-    m.total = t->total;
-    m.global_loss = t->global_loss;
+    m.component_sizes.data = sizes; /* the encoder takes host order */
+    m.gradients.data = payload + h->bulk_offset; /* the host is little-endian in CI */
 
     head_len = ddpw_head_size(&m);
-    out = malloc(head_len + grad_bytes + h->tail_len + 1);
+    out = malloc(head_len + h->bulk_len + h->tail_len + 1);
     if (!out)
         exit(3);
     if (ddpw_encode_head(&m, out, head_len, &written, &err) != DDPW_OK) {
         print_error(&err);
         exit(4);
     }
-    memcpy(out + written, payload + h->gradient_offset, grad_bytes);
-    if (ddpw_encode_tail(&m, out + written + grad_bytes, h->tail_len, &tail_written, &err) !=
+    memcpy(out + written, payload + h->bulk_offset, h->bulk_len);
+    if (ddpw_encode_tail(&m, out + written + h->bulk_len, h->tail_len, &tail_written, &err) !=
         DDPW_OK) {
         print_error(&err);
         exit(4);
     }
-    same = written == DDPW_PREFIX_LEN + h->gradient_offset && tail_written == h->tail_len &&
+    same = written == DDPW_PREFIX_LEN + h->bulk_offset && tail_written == h->tail_len &&
            ddpw_read_prefix(out) == len - h->trailing_len &&
            memcmp(out + DDPW_PREFIX_LEN, payload, len - h->trailing_len) == 0;
     printf("reencode %s\n", same ? "same" : "different");
@@ -136,26 +124,26 @@ int main(int argc, char **argv)
         }
         /* decode again over the whole payload: its pointers must stay valid */
         ddpw_decode_head(payload, len, len, flags, &h, &err);
-        printf("head %zu %u %d %" PRIu64 " %" PRIu32 " %" PRIu32 " %" PRIu32 " %u %" PRIu32, avail,
-               (unsigned)h.tag, h.has_gradients, h.step, h.worker_id, h.block_idx, h.num_blocks,
-               (unsigned)h.component, h.component_count);
-        for (i = 0; i < h.component_count; i++) {
+        printf("head %zu %u %d %" PRIu64 " %" PRIu32 " %" PRIu32 " %" PRIu32 " %u %" PRIu64, avail,
+               (unsigned)h.msg.tag, h.has_gradients, h.msg.step, h.msg.worker_id,
+               h.msg.block_idx, h.msg.num_blocks, (unsigned)h.msg.component,
+               h.msg.component_sizes.count);
+        for (i = 0; i < h.msg.component_sizes.count; i++) {
             uint32_t size;
-            ddpw_load_u32s(h.component_sizes + 4 * i, 1, &size);
+            ddpw_load_u32s((const uint8_t *)h.msg.component_sizes.data + 4 * i, 1, &size);
             printf(" %" PRIu32, size);
         }
-        printf(" %" PRIu64 " %zu %zu %zu\n", h.gradient_count, h.gradient_offset, h.tail_len,
-               h.trailing_len);
+        printf(" %" PRIu64 " %zu %zu %zu\n", h.msg.gradients.count,
+               h.has_gradients ? h.bulk_offset : 0, h.tail_len, h.trailing_len);
         if (h.has_gradients) {
-            ddpw_tail t;
-            const size_t at = h.gradient_offset + (size_t)h.gradient_count * 4;
-            if (ddpw_decode_tail(h.tag, payload + at, len - at, &t, &err) != DDPW_OK) {
+            const size_t at = h.bulk_offset + (size_t)h.bulk_len;
+            if (ddpw_decode_tail(h.msg.tag, payload + at, len - at, &h.msg, &err) != DDPW_OK) {
                 print_error(&err);
                 break;
             }
-            printf("tail %" PRIu32 " %" PRIu64 " %" PRIu64 " %" PRIu32 "\n", f32_bits(t.loss),
-                   t.correct, t.total, f32_bits(t.global_loss));
-            reencode(payload, len, &h, &t);
+            printf("tail %" PRIu32 " %" PRIu64 " %" PRIu64 " %" PRIu32 "\n", f32_bits(h.msg.loss),
+                   h.msg.correct, h.msg.total, f32_bits(h.msg.global_loss));
+            reencode(payload, len, &h);
         }
         break;
     }
