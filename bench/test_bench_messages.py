@@ -8,8 +8,9 @@ timed in both, and their frames are checked to be the same bytes first.
     python bench/report_messages.py bench/results/messages.json
 
 Each side runs in a spawned process of its own (two ddpwire packages cannot
-share one interpreter) and times a batch of BATCH round trips per call, so
-the pipe's few microseconds are under 1% of a call, and alike on both sides.
+share one interpreter), both on the same core, and times a batch of BATCH
+round trips per call, so the pipe's few microseconds are under 1% of a call,
+and alike on both sides.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 
 import allreduce_procs as procs
 
-BATCH = 2000
+BATCH = 5000
 _ctx = mp.get_context("spawn")
 
 
@@ -45,6 +46,10 @@ def messages(ddpwire: Any) -> Dict[str, Any]:
 
 
 def _serve(conn: Any, path: str) -> None:
+    # both sides on the same core, the last: a core's own speed is then no
+    # difference between them
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     procs.use_baseline(path)
     import ddpwire
 
@@ -105,4 +110,4 @@ def test_round_trip(benchmark, sides, name, side):
     benchmark.extra_info["batch"] = BATCH
     if side == "baseline":
         benchmark.extra_info["baseline"] = procs.baseline_commit(os.environ[procs.BASELINE_ENV])
-    benchmark.pedantic(sides[side].batch, args=(name,), rounds=15, warmup_rounds=2)
+    benchmark.pedantic(sides[side].batch, args=(name,), rounds=40, warmup_rounds=3)

@@ -390,6 +390,7 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
     cdef char *at
     cdef HeldBuffer buf
     cdef uint8_t t
+    cdef Py_ssize_t j
     memset(out, 0, sizeof(ddpw_message))
     out.tag = lay.c.tag
     for j in range(lay.c.field_count):
@@ -475,6 +476,7 @@ cdef object message_from_c(const ddpw_message *m, object owner, const uint8_t *b
     cdef const ddpw_field *f
     cdef const char *at
     cdef uint8_t t
+    cdef Py_ssize_t j
     if lay_obj is None or (<_Layout>lay_obj).cls is None:
         raise ProtocolError(f"unknown message tag: 0x{m.tag:02x}")
     lay = <_Layout>lay_obj
