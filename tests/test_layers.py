@@ -16,14 +16,19 @@ Lowest first:
   ``__main__.py``): what a user starts and imports.
 
 A module may import from its own layer and those below it, never above,
-at module level or inside a function alike. A new module goes in a folder
+at module level or inside a function alike. The compiled core's one import
+up is ``wire/errors.py``, whose exceptions it raises and which imports
+nothing of ddpwire. A new module goes in a folder
 (the test names any that sits elsewhere).
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Iterator, Set, Tuple
+
+import pytest
 
 import ddpwire
 
@@ -126,3 +131,28 @@ def test_the_check_sees_an_upward_import(tmp_path):
                       "def g():\n    import ddpwire\n")
     assert {"session.coordinator", ""} <= imports("wire.errors", module)
     assert layer_of("session.coordinator") == "session" and layer_of("wire.errors") == "wire"
+
+
+def _compiled_imports() -> Set[str]:
+    """The ddpwire modules the compiled core's sources import at run time
+    (`import` and `from ... import`, not `cimport`)."""
+    found: Set[str] = set()
+    for path in sorted(PACKAGE.glob("_core.pyx")) + sorted(PACKAGE.glob("_*.pxi")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            m = re.match(r"\s*from\s+(\.*)(ddpwire\.)?([\w.]*)\s+import\s+(?!.*\bcimport\b)", line)
+            if m and (m.group(1) or m.group(2)):
+                found.add(m.group(3))
+            m = re.match(r"\s*import\s+ddpwire\.([\w.]+)", line)
+            if m:
+                found.add(m.group(1))
+    return found
+
+
+def test_the_compiled_core_imports_only_the_error_classes():
+    # the core is the lowest layer, but it raises ddpwire's exceptions: the
+    # one edge up it may take is to wire.errors, which imports nothing of
+    # ddpwire (so no cycle and nothing above comes with it)
+    if not (PACKAGE / "_core.pyx").exists():
+        pytest.skip("the compiled core's sources are not in this tree (an installed wheel)")
+    assert _compiled_imports() == {"wire.errors"}
+    assert imports("wire.errors", PACKAGE / "wire" / "errors.py") == set()
