@@ -78,15 +78,6 @@ _FLOATS = {DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16}
 
 # ---- arithmetic ----
 
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return _reduce.from_half(np.ascontiguousarray(bits), codec="bf16")
-
-
-def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
-    # round to nearest even, as torch rounds float32 to bfloat16; NaN stays a quiet NaN
-    return _reduce.to_half(np.ascontiguousarray(values, dtype=np.float32), codec="bf16")
-
-
 def _half_mean(inputs: Sequence[np.ndarray], codec: str) -> np.ndarray:
     out = np.empty(len(inputs[0]), dtype=np.uint16)
     try:
