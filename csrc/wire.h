@@ -262,60 +262,56 @@ typedef struct ddpw_ext_entry {
  * same bytes. data's count is in bytes. */
 typedef struct ddpw_message {
     uint8_t tag;
-    ddpw_str node_id;          /* JoinRequest, Heartbeat */
-    uint32_t gpu_count;        /* JoinRequest */
-    ddpw_str backend;          /* JoinRequest */
-    uint32_t worker_id;        /* JoinAccepted, GradientPayload, Block-/NonBlockGradientPayload,
-                                  PeerHello, StepReport, StepAborted */
-    uint32_t total_workers;    /* JoinAccepted; StepAborted.workers */
-    uint64_t step;             /* ShardAssignment, every gradient message, Step*, ShardScale */
-    uint64_t shard_start;      /* ShardAssignment */
-    uint64_t shard_end;        /* ShardAssignment */
-    uint64_t timestamp_ms;     /* Heartbeat */
-    uint32_t block_idx;        /* BlockGradientPayload, AveragedBlockGradient */
-    uint32_t num_blocks;       /* BlockGradientPayload */
-    uint8_t component;         /* NonBlockGradientPayload, AveragedNonBlockGradient */
-    ddpw_span component_sizes; /* BlockGradientPayload, AveragedBlockGradient */
-    ddpw_span gradients;       /* the six gradient messages */
-    float loss;                /* GradientPayload, StepReport */
-    uint64_t correct;          /* GradientPayload, StepReport */
-    uint64_t total;            /* GradientPayload, StepReport; ModelState: the state's bytes */
-    float global_loss;         /* AveragedGradient, StepCommit */
-    /* Extension block (JoinRequest, JoinAccepted). has_ext == 0: no block.
-     * Decoded: ext_block points at the block's first entry, ext_block_len
-     * bytes of entries follow (walk them with ddpw_ext_next); ext_entries is
-     * NULL. Encoding: ext_entries holds ext_count entries. */
+    ddpw_str node_id;
+    uint32_t gpu_count;
+    ddpw_str backend;
+    uint32_t worker_id;
+    uint32_t total_workers;    /* also StepAborted.workers */
+    uint64_t step;
+    uint64_t shard_start;
+    uint64_t shard_end;
+    uint64_t timestamp_ms;
+    uint32_t block_idx;
+    uint32_t num_blocks;
+    uint8_t component;
+    ddpw_span component_sizes;
+    ddpw_span gradients;
+    float loss;
+    uint64_t correct;
+    uint64_t total;            /* ModelState: the whole state's bytes */
+    float global_loss;
+    /* Extension block (messages.def's extensible ones). has_ext == 0: no
+     * block. Decoded: ext_block points at the block's first entry,
+     * ext_block_len bytes of entries follow (walk them with ddpw_ext_next);
+     * ext_entries is NULL. Encoding: ext_entries holds ext_count entries. */
     int has_ext;
     uint16_t ext_count;
     const ddpw_ext_entry *ext_entries;
     const uint8_t *ext_block;
     size_t ext_block_len;
-    const uint8_t *nonce;      /* AuthChallenge: DDPW_AUTH_BYTES bytes */
-    const uint8_t *proof;      /* AuthChallenge, AuthProof, PeerHello: DDPW_AUTH_BYTES bytes */
-    uint8_t reason;            /* JoinRefused */
-    ddpw_str detail;           /* JoinRefused, CollectiveError */
-    uint64_t seq;              /* Collective* */
-    uint8_t kind;              /* CollectiveRequest, CollectiveResult */
-    uint8_t op;                /* CollectiveRequest */
-    uint8_t dtype;             /* CollectiveRequest, CollectiveResult */
-    uint32_t root;             /* CollectiveRequest */
-    uint64_t count;            /* CollectiveRequest, CollectiveResult, StepReport: elements */
-    ddpw_span data;            /* CollectiveRequest, CollectiveResult, ModelState: bytes;
-                                  count * ddpw_dtype_size(dtype) of them (collectives) */
-    const uint8_t *digest;     /* ModelState: DDPW_AUTH_BYTES bytes, SHA-256 of data */
-    const uint8_t *key;        /* MeshPeers: DDPW_AUTH_BYTES bytes */
-    uint8_t codec;             /* MeshPeers */
-    uint8_t shared_memory;     /* MeshPeers: 1 when the mesh's data plane is shared memory */
-    uint16_t coordinator_share; /* MeshPeers: the coordinator averages the last
-                                 * count * share >> 16 elements of a linked step
-                                 * (0: the workers average all of it) */
-    ddpw_str peers;            /* MeshPeers: "host:port" per worker, comma-separated */
-    uint32_t bad_worker;       /* StepReport, StepCommit: DDPW_NO_WORKER when none */
-    uint64_t bad_index;        /* StepReport, StepCommit: element of the whole vector */
-    float bad_value;           /* StepReport, StepCommit */
-    uint64_t compute_us;       /* StepTiming: microseconds from the step's ShardAssignment to
-                                  its first gradient byte */
-    float scale;               /* ShardScale: finite and >= 0 */
+    const uint8_t *nonce;      /* these five: DDPW_AUTH_BYTES bytes */
+    const uint8_t *proof;
+    const uint8_t *digest;     /* SHA-256 of the whole state */
+    const uint8_t *key;
+    uint8_t reason;
+    ddpw_str detail;
+    uint64_t seq;
+    uint8_t kind;
+    uint8_t op;
+    uint8_t dtype;
+    uint32_t root;
+    uint64_t count;            /* elements (data.count is bytes) */
+    ddpw_span data;
+    uint8_t codec;
+    uint8_t shared_memory;     /* 1 when the mesh's data plane is shared memory */
+    uint16_t coordinator_share; /* the coordinator averages the last count * share >> 16
+                                 * elements of a linked step (0: the workers all of it) */
+    ddpw_str peers;            /* "host:port" per worker, comma-separated */
+    uint32_t bad_worker;       /* DDPW_NO_WORKER when none */
+    uint64_t bad_index;        /* element of the whole vector */
+    float bad_value;
+    uint64_t compute_us;       /* from the step's ShardAssignment to its first gradient byte */
+    float scale;
 } ddpw_message;
 
 /* What precedes the bulk of a payload (gradient elements, a collective's

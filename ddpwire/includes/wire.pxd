@@ -145,6 +145,8 @@ cdef extern from "wire.h" nogil:
         size_t ext_block_len
         const uint8_t *nonce
         const uint8_t *proof
+        const uint8_t *digest
+        const uint8_t *key
         uint8_t reason
         ddpw_str detail
         uint64_t seq
@@ -154,8 +156,6 @@ cdef extern from "wire.h" nogil:
         uint32_t root
         uint64_t count
         ddpw_span data
-        const uint8_t *digest
-        const uint8_t *key
         uint8_t codec
         uint8_t shared_memory
         uint16_t coordinator_share
