@@ -54,9 +54,9 @@ extensions = [
         "ddpwire._core",
         ["ddpwire/_core.pyx", *C_SOURCES],
         include_dirs=["csrc", numpy.get_include()],
-        # the headers and the message table every unit includes: a change to
-        # one rebuilds the module
-        depends=sorted(glob.glob("csrc/*.h")) + ["csrc/messages.def"],
+        # the headers and the tables (messages.def, codes.def) every unit
+        # includes: a change to one rebuilds the module
+        depends=sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.def")),
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
         extra_link_args=extra_link_args,

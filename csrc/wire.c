@@ -213,21 +213,36 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
     return size;
 }
 
-
-/* Indexed by code; NULL marks a gap. One table per family keeps each code's
- * name next to nothing but its number, and its length is its bound. */
+/* codes.def's names, indexed by code (NULL marks a gap): one table a
+ * family, whose length is its bound. */
+#define DDPW_EXT(name, ENUM, value) [value] = #name,
+static const char *const EXT_NAMES[] = {
+#include "codes.def"
+};
+#define DDPW_REFUSAL(name, ENUM, value) [value] = #name,
 static const char *const REFUSAL_NAMES[] = {
-    NULL, "full", "training", "auth_required", "auth_failed", "mismatch", "protocol",
+#include "codes.def"
 };
+#define DDPW_KIND(name, ENUM, value) [value] = #name,
 static const char *const KIND_NAMES[] = {
-    NULL, "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send",
+#include "codes.def"
 };
-static const char *const OP_NAMES[] = {"sum", "avg", "min", "max", "product"};
+#define DDPW_OP(name, ENUM, value) [value] = #name,
+static const char *const OP_NAMES[] = {
+#include "codes.def"
+};
+#define DDPW_DTYPE(name, ENUM, value, size) [value] = #name,
 static const char *const DTYPE_NAMES[] = {
-    "float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "bool", "int8",
+#include "codes.def"
 };
-static const uint8_t DTYPE_SIZES[] = {4, 8, 2, 2, 4, 8, 1, 1, 1};
-static const char *const CODEC_NAMES[] = {"float32", "bf16", "fp16", "int8"};
+#define DDPW_DTYPE(name, ENUM, value, size) [value] = size,
+static const uint8_t DTYPE_SIZES[] = {
+#include "codes.def"
+};
+#define DDPW_CODEC(name, ENUM, value) [value] = #name,
+static const char *const CODEC_NAMES[] = {
+#include "codes.def"
+};
 
 size_t ddpw_dtype_size(uint8_t dtype)
 {
@@ -238,27 +253,7 @@ const char *ddpw_code_name(ddpw_code_family family, unsigned value)
 {
     switch (family) {
     case DDPW_CODES_EXTENSION:
-        if (value == DDPW_EXT_AUTH)
-            return "auth";
-        if (value == DDPW_EXT_SAMPLES)
-            return "samples";
-        if (value == DDPW_EXT_COLLECTIVES)
-            return "collectives";
-        if (value == DDPW_EXT_MESH)
-            return "mesh";
-        if (value == DDPW_EXT_PER_BLOCK)
-            return "per_block";
-        if (value == DDPW_EXT_GRADIENT_LENGTH)
-            return "gradient_length";
-        if (value == DDPW_EXT_STEPS)
-            return "steps";
-        if (value == DDPW_EXT_BALANCE)
-            return "balance";
-        if (value == DDPW_EXT_ELASTIC)
-            return "elastic";
-        if (value == DDPW_EXT_SEAL)
-            return "seal";
-        return NULL;
+        return value < COUNT(EXT_NAMES) ? EXT_NAMES[value] : NULL;
     case DDPW_CODES_REFUSAL:
         return value < COUNT(REFUSAL_NAMES) ? REFUSAL_NAMES[value] : NULL;
     case DDPW_CODES_COLLECTIVE_KIND:

@@ -102,72 +102,43 @@ typedef struct ddpw_layout {
 /* Limit for the payload of a small variable-size message (ddpw_tag_max_payload). */
 #define DDPW_SMALL_MAX_PAYLOAD 65536u
 
+/* The codes of codes.def, one enum a family. */
+#define DDPW_EXT(name, ENUM, value) DDPW_EXT_##ENUM = value,
 typedef enum ddpw_ext_type {
-    DDPW_EXT_AUTH = 0x0001,
-    DDPW_EXT_SAMPLES = 0x0002,
-    DDPW_EXT_COLLECTIVES = 0x0003,
-    DDPW_EXT_MESH = 0x0004,
-    DDPW_EXT_PER_BLOCK = 0x0005,
-    DDPW_EXT_GRADIENT_LENGTH = 0x0006,
-    DDPW_EXT_STEPS = 0x0007,
-    DDPW_EXT_BALANCE = 0x0008,
-    DDPW_EXT_ELASTIC = 0x0009,
-    DDPW_EXT_SEAL = 0x000A
+#include "codes.def"
 } ddpw_ext_type;
+
+#define DDPW_REFUSAL(name, ENUM, value) DDPW_REFUSED_##ENUM = value,
+typedef enum ddpw_refusal {
+#include "codes.def"
+} ddpw_refusal;
+
+#define DDPW_KIND(name, ENUM, value) DDPW_COLLECTIVE_##ENUM = value,
+typedef enum ddpw_collective_kind {
+#include "codes.def"
+} ddpw_collective_kind;
+
+#define DDPW_OP(name, ENUM, value) DDPW_OP_##ENUM = value,
+typedef enum ddpw_reduce_op {
+#include "codes.def"
+} ddpw_reduce_op;
+
+#define DDPW_DTYPE(name, ENUM, value, size) DDPW_DTYPE_##ENUM = value,
+typedef enum ddpw_dtype {
+#include "codes.def"
+} ddpw_dtype;
+
+/* MeshPeers.codec: how gradient slices travel between mesh peers. */
+#define DDPW_CODEC(name, ENUM, value) DDPW_CODEC_##ENUM = value,
+typedef enum ddpw_codec {
+#include "codes.def"
+} ddpw_codec;
 
 /* The SEAL entry's value both ways: an X25519 public key. */
 #define DDPW_SEAL_PUBLIC_BYTES 32u
 
-/* MeshPeers.codec: how gradient slices travel between mesh peers. */
-typedef enum ddpw_codec {
-    DDPW_CODEC_FLOAT32 = 0,
-    DDPW_CODEC_BF16 = 1,
-    DDPW_CODEC_FP16 = 2,
-    DDPW_CODEC_INT8 = 3   /* a byte an element, a float32 scale a block (int8.h) */
-} ddpw_codec;
-
 /* StepReport.bad_worker / StepCommit.bad_worker when nothing is wrong. */
 #define DDPW_NO_WORKER 0xFFFFFFFFu
-
-typedef enum ddpw_refusal {
-    DDPW_REFUSED_FULL = 1,
-    DDPW_REFUSED_TRAINING = 2,
-    DDPW_REFUSED_AUTH_REQUIRED = 3,
-    DDPW_REFUSED_AUTH_FAILED = 4,
-    DDPW_REFUSED_MISMATCH = 5,
-    DDPW_REFUSED_PROTOCOL = 6
-} ddpw_refusal;
-
-typedef enum ddpw_collective_kind {
-    DDPW_COLLECTIVE_ALLREDUCE = 1,
-    DDPW_COLLECTIVE_BROADCAST = 2,
-    DDPW_COLLECTIVE_ALLGATHER = 3,
-    DDPW_COLLECTIVE_REDUCE_SCATTER = 4,
-    DDPW_COLLECTIVE_BARRIER = 5,
-    /* point to point, not a collective: relayed from rank src to rank dst
-     * (request: root = dst, seq = tag; relayed result: seq = src << 32 | tag) */
-    DDPW_COLLECTIVE_SEND = 6
-} ddpw_collective_kind;
-
-typedef enum ddpw_reduce_op {
-    DDPW_OP_SUM = 0,
-    DDPW_OP_AVG = 1,
-    DDPW_OP_MIN = 2,
-    DDPW_OP_MAX = 3,
-    DDPW_OP_PRODUCT = 4
-} ddpw_reduce_op;
-
-typedef enum ddpw_dtype {
-    DDPW_DTYPE_FLOAT32 = 0,
-    DDPW_DTYPE_FLOAT64 = 1,
-    DDPW_DTYPE_FLOAT16 = 2,
-    DDPW_DTYPE_BFLOAT16 = 3,
-    DDPW_DTYPE_INT32 = 4,
-    DDPW_DTYPE_INT64 = 5,
-    DDPW_DTYPE_UINT8 = 6,
-    DDPW_DTYPE_BOOL = 7,
-    DDPW_DTYPE_INT8 = 8
-} ddpw_dtype;
 
 /* Families of codes, for ddpw_code_name. */
 typedef enum ddpw_code_family {

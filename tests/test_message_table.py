@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpwire import decode_frame, encode_frame
+from ddpwire import _core, decode_frame, encode_frame
 from ddpwire.wire.extensions import CollectiveKind, DType, ReduceOp
 from ddpwire.wire import messages
 from ddpwire.wire.messages import LAYOUTS, MESSAGE_TYPES
@@ -95,6 +95,26 @@ def test_the_compiled_tables_are_messages_def():
     for (tag, enum, cls, fields), lay in zip(described, LAYOUTS):
         assert enum == _snake(cls)
         assert fields == [(k, n) for n, k in lay.fields], cls
+
+
+def test_the_compiled_codes_are_codes_def():
+    # every code family of csrc/codes.def, names, values and dtype sizes, as
+    # the compiled module gives them to ddpwire.wire.extensions
+    text = re.sub(r"/\*.*?\*/", "", _read("csrc/codes.def"), flags=re.S)
+    families = {"EXT": "Extension", "REFUSAL": "RefusalReason", "KIND": "CollectiveKind",
+                "OP": "ReduceOp", "DTYPE": "DType", "CODEC": "Codec"}
+    described = {name: [] for name in families.values()}
+    sizes = {}
+    for macro, args in re.findall(r"^DDPW_(EXT|REFUSAL|KIND|OP|DTYPE|CODEC)\((.*)\)$", text, re.M):
+        name, enum, value, *size = [a.strip() for a in args.split(",")]
+        assert enum == name.upper()
+        described[families[macro]].append((name, int(value, 0)))
+        if size:
+            sizes[int(value, 0)] = int(size[0])
+    compiled, compiled_sizes = _core._codes()
+    assert {f: sorted(v, key=lambda c: c[1]) for f, v in compiled.items()} == \
+        {f: sorted(v, key=lambda c: c[1]) for f, v in described.items()}
+    assert compiled_sizes == sizes and len(sizes) == 9
 
 
 def test_the_cython_mirror_names_only_tags_messages_def_has():

@@ -23,8 +23,8 @@ collectives service and DiLoCo.
 
 A new codec is an entry here and its kernels: a C file in csrc/ (as
 csrc/int8.c) with its glue (ddpwire/_int8.pxi, included by _core.pyx, its
-source named in setup.py), and its code in csrc/wire.h and
-docs/extensions.md's MeshPeers table. A codec with blocks runs on the mesh
+source named in setup.py), and its code, one line of csrc/codes.def (and a
+row of docs/extensions.md's MeshPeers table). A codec with blocks runs on the mesh
 runner's blocked branch through its :class:`BlockKernels`; one encoded as
 its bytes move would need its kernels in csrc/net.c's exchange, as the
 16-bit ones have.

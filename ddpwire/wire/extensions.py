@@ -1,7 +1,8 @@
 """The codes of ddpwire's protocol extensions (docs/extensions.md) as IntEnums.
 
-Every value, name and dtype size is read from the compiled codec, where
-csrc/wire.h defines them once; nothing here restates a number.
+Every value, name and dtype size is read from the compiled codec, made
+from csrc/codes.def, where each is written once; nothing here restates a
+number.
 """
 from __future__ import annotations
 
