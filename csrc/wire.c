@@ -90,11 +90,6 @@ static const char *const RULE_NAMES[] = {
     "none", "codec", "flag", "scale", "dtype", "count_of_dtype", "within_total", "last",
 };
 
-const ddpw_layout *ddpw_layout_of(uint8_t tag)
-{
-    return BY_TAG[tag];
-}
-
 const ddpw_layout *ddpw_layout_at(size_t i)
 {
     return i < COUNT(LAYOUTS) ? LAYOUTS[i] : NULL;
@@ -140,8 +135,7 @@ static size_t fixed_size(uint8_t type)
     }
 }
 
-/* Index of the layout's bulk field, or field_count where it has none. */
-static unsigned bulk_of(const ddpw_layout *L)
+unsigned ddpw_layout_bulk(const ddpw_layout *L)
 {
     unsigned i;
     for (i = 0; i < L->field_count; i++)
@@ -150,7 +144,8 @@ static unsigned bulk_of(const ddpw_layout *L)
     return i;
 }
 
-/* Bytes of the fields after field `from` (all fixed-size: messages.def). */
+/* Bytes of the fields after field `from` (all fixed-size: messages.def); 0
+ * from field_count on. */
 static size_t fixed_after(const ddpw_layout *L, unsigned from)
 {
     size_t size = 0;
@@ -160,37 +155,11 @@ static size_t fixed_after(const ddpw_layout *L, unsigned from)
     return size;
 }
 
-/* The bulk field of the message with this tag (and its layout in *layout),
- * or NULL where it has none or the tag is unknown. */
-static const ddpw_field *bulk_field(uint8_t tag, const ddpw_layout **layout)
-{
-    const ddpw_layout *L = BY_TAG[tag];
-    unsigned bulk;
-    if (L == NULL)
-        return NULL;
-    bulk = bulk_of(L);
-    *layout = L;
-    return bulk < L->field_count ? &L->fields[bulk] : NULL;
-}
-
-int ddpw_has_bulk(uint8_t tag)
-{
-    const ddpw_layout *L;
-    return bulk_field(tag, &L) != NULL;
-}
-
-int ddpw_has_gradients(uint8_t tag)
-{
-    const ddpw_layout *L;
-    const ddpw_field *f = bulk_field(tag, &L);
-    return f != NULL && f->type == DDPW_WT_F32VEC;
-}
-
 size_t ddpw_tail_len(uint8_t tag)
 {
-    const ddpw_layout *L = NULL;
-    const ddpw_field *f = bulk_field(tag, &L);
-    return f != NULL ? fixed_after(L, (unsigned)(f - L->fields)) : 0;
+    const ddpw_layout *L = BY_TAG[tag];
+    /* without a bulk, nothing follows field_count */
+    return L != NULL ? fixed_after(L, ddpw_layout_bulk(L)) : 0;
 }
 
 uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
@@ -200,7 +169,7 @@ uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
     unsigned i;
     if (L == NULL)
         return 0;
-    if (bulk_of(L) < L->field_count)
+    if (ddpw_layout_bulk(L) < L->field_count)
         return max_frame;
     if (L->extensible)
         return DDPW_SMALL_MAX_PAYLOAD;
@@ -613,7 +582,6 @@ static ddpw_status check_end(const ddpw_reader *r, size_t end, int flags, const 
     return DDPW_OK;
 }
 
-
 /* ------------------------------------------------------------------ */
 /* Decoding                                                            */
 /* ------------------------------------------------------------------ */
@@ -788,7 +756,6 @@ static ddpw_status read_bulk_head(ddpw_reader *r, const ddpw_layout *L, unsigned
     return DDPW_OK;
 }
 
-
 static const uint8_t EXT_MAGIC[DDPW_EXT_MAGIC_LEN] = {0x44, 0x44, 0x50, 0x58}; /* "DDPX" */
 
 /* After the last field of JoinRequest / JoinAccepted: nothing, an extension
@@ -869,7 +836,6 @@ static ddpw_status read_tag(ddpw_reader *r, uint8_t *tag, const char **type, ddp
     return DDPW_OK;
 }
 
-
 ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len, int flags,
                              ddpw_head *head, ddpw_error *err)
 {
@@ -884,7 +850,7 @@ ddpw_status ddpw_decode_head(const uint8_t *p, size_t avail, size_t payload_len,
     st = read_tag(&r, &head->msg.tag, &type, err);
     if (st == DDPW_OK) {
         L = BY_TAG[head->msg.tag];
-        bulk = bulk_of(L);
+        bulk = ddpw_layout_bulk(L);
         if (bulk < L->field_count) {
             st = read_fields(&r, L, 0, bulk, &head->msg, err);
             if (st == DDPW_OK)
@@ -906,7 +872,7 @@ ddpw_status ddpw_decode_tail(uint8_t tag, const uint8_t *p, size_t avail, ddpw_m
         return fail(err, DDPW_ERR_UNKNOWN_TAG, NULL, "tag", 0, 0);
     }
     reader_init(&r, p, avail, avail);
-    return read_fields(&r, L, bulk_of(L) + 1, L->field_count, msg, err);
+    return read_fields(&r, L, ddpw_layout_bulk(L) + 1, L->field_count, msg, err);
 }
 
 ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_message *msg,
@@ -921,7 +887,7 @@ ddpw_status ddpw_decode_payload(const uint8_t *p, size_t len, int flags, ddpw_me
     reader_init(&r, p, len, len);
     TRY(read_tag(&r, &msg->tag, &type, err));
     L = BY_TAG[msg->tag];
-    bulk = bulk_of(L);
+    bulk = ddpw_layout_bulk(L);
     if (bulk < L->field_count) {
         ddpw_head h;
         memset(&h, 0, sizeof h);
@@ -1114,7 +1080,7 @@ static uint64_t field_size(const ddpw_field *f, const ddpw_message *m)
  * for a message without a bulk). */
 static uint64_t head_fields_size(const ddpw_layout *L, const ddpw_message *m)
 {
-    const unsigned bulk = bulk_of(L);
+    const unsigned bulk = ddpw_layout_bulk(L);
     uint64_t size = 1 + (L->extensible ? ext_block_size(m) : 0);
     unsigned i;
     for (i = 0; i < L->field_count && i <= bulk; i++)
@@ -1174,7 +1140,7 @@ ddpw_status ddpw_payload_size(const ddpw_message *m, uint64_t *size, ddpw_error 
     if (L->extensible)
         TRY(check_ext_entries(m, L->name, err));
     head = head_fields_size(L, m); /* each term < 2^35: no overflow */
-    bulk = bulk_of(L);
+    bulk = ddpw_layout_bulk(L);
     *size = head;
     if (bulk < L->field_count) {
         const ddpw_field *f = &L->fields[bulk];
@@ -1271,7 +1237,7 @@ static void write_field(ddpw_writer *w, const ddpw_field *f, const ddpw_message 
 static void write_head(ddpw_writer *w, const ddpw_layout *L, const ddpw_message *m,
                        uint32_t payload_size)
 {
-    const unsigned bulk = bulk_of(L);
+    const unsigned bulk = ddpw_layout_bulk(L);
     unsigned i;
     put_prefix(w, payload_size);
     put_u8(w, m->tag);
@@ -1284,7 +1250,7 @@ static void write_head(ddpw_writer *w, const ddpw_layout *L, const ddpw_message 
 static void write_tail(ddpw_writer *w, const ddpw_layout *L, const ddpw_message *m)
 {
     unsigned i;
-    for (i = bulk_of(L) + 1; i < L->field_count; i++)
+    for (i = ddpw_layout_bulk(L) + 1; i < L->field_count; i++)
         write_field(w, &L->fields[i], m);
 }
 
@@ -1322,7 +1288,7 @@ ddpw_status ddpw_encode_frame(const ddpw_message *m, uint8_t *out, size_t cap, s
     unsigned bulk;
     TRY(ddpw_payload_size(m, &size, err));
     L = BY_TAG[m->tag];
-    bulk = bulk_of(L);
+    bulk = ddpw_layout_bulk(L);
     writer_init(&w, out, cap);
     write_head(&w, L, m, (uint32_t)size);
     if (bulk < L->field_count) {

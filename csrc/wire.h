@@ -308,8 +308,9 @@ typedef struct ddpw_head {
 /* Name of a message type ("GradientPayload"), or NULL for an unknown tag. */
 const char *ddpw_message_type(uint8_t tag);
 
-/* The layout of the message with this tag, or NULL for an unknown tag. */
-const ddpw_layout *ddpw_layout_of(uint8_t tag);
+/* Index of the layout's bulk field (F32VEC or BYTES), or field_count where
+ * it has none. */
+unsigned ddpw_layout_bulk(const ddpw_layout *layout);
 
 /* The i-th layout of messages.def (tag order), or NULL past the last. */
 const ddpw_layout *ddpw_layout_at(size_t i);
@@ -318,13 +319,6 @@ const ddpw_layout *ddpw_layout_at(size_t i);
  * ("codec", "last"), or NULL for an unknown one. */
 const char *ddpw_wire_type_name(unsigned type);
 const char *ddpw_rule_name(unsigned rule);
-
-/* 1 for the six messages that carry an f32vec of gradients. */
-int ddpw_has_gradients(uint8_t tag);
-
-/* 1 for the messages with a bulk field (ddpw_head.has_bulk): the gradient
- * messages, CollectiveRequest and CollectiveResult. */
-int ddpw_has_bulk(uint8_t tag);
 
 /* Bytes per element of a collective dtype, 0 for an unknown code. */
 size_t ddpw_dtype_size(uint8_t dtype);

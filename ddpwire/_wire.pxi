@@ -53,6 +53,7 @@ cdef class _Layout:
     ddpwire.wire.messages has made it."""
     cdef const ddpw_layout *c
     cdef tuple names      # the fields' names, in wire order
+    cdef unsigned bulk    # the bulk field's index (field_count: none)
     cdef object cls
 
 
@@ -69,6 +70,7 @@ cdef _load_layouts():
     while c != NULL:
         lay = _Layout.__new__(_Layout)
         lay.c = c
+        lay.bulk = ddpw_layout_bulk(c)
         lay.names = tuple(sys.intern(c.fields[j].name.decode("ascii"))
                           for j in range(c.field_count))
         _LAYOUT_OF_TAG[c.tag] = lay
@@ -382,9 +384,9 @@ cdef _Layout _layout_of_message(object msg):
     return <_Layout>lay
 
 
-cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
-    """Every field of ``msg`` into ``out``, as its layout says; ``keep`` holds
-    what the pointers in ``out`` point into."""
+cdef _Layout message_to_c(object msg, ddpw_message *out, list keep):
+    """Every field of ``msg`` into ``out``, as its layout (returned) says;
+    ``keep`` holds what the pointers in ``out`` point into."""
     cdef _Layout lay = _layout_of_message(msg)
     cdef const ddpw_field *f
     cdef char *at
@@ -428,7 +430,7 @@ cdef int message_to_c(object msg, ddpw_message *out, list keep) except -1:
             (<ddpw_span *>at).count = <uint64_t>buf.view.len
     if lay.c.extensible:
         _set_extensions(out, msg, keep)
-    return 0
+    return lay
 
 
 # ---------------------------------------------------------------------------
@@ -657,20 +659,16 @@ def encode_frame_parts(msg, *, max_frame=DEFAULT_MAX_FRAME):
     cdef ddpw_error err
     cdef list keep = []
     cdef size_t written
-    message_to_c(msg, &m, keep)
+    cdef _Layout lay = message_to_c(msg, &m, keep)
     _checked_size(&m, max_frame)
     cdef size_t head_len = ddpw_head_size(&m)
     head = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>head_len)
     if ddpw_encode_head(&m, <uint8_t *>PyBytes_AS_STRING(head), head_len, &written, &err) != DDPW_OK:
         raise wire_error(&err)
-    if not ddpw_has_bulk(m.tag):
+    if lay.bulk == lay.c.field_count:
         return head, None, b""
-    cdef _Layout lay = _layout_of_message(msg)
-    cdef Py_ssize_t j = 0
-    while lay.c.fields[j].type != DDPW_WT_F32VEC and lay.c.fields[j].type != DDPW_WT_BYTES:
-        j += 1
-    bulk = memoryview(getattr(msg, lay.names[j])).cast("B")
-    if lay.c.fields[j].type == DDPW_WT_F32VEC and not _LITTLE_HOST:
+    bulk = memoryview(getattr(msg, lay.names[lay.bulk])).cast("B")
+    if lay.c.fields[lay.bulk].type == DDPW_WT_F32VEC and not _LITTLE_HOST:
         # the wire is little-endian: only here does sending need a copy (raw
         # bytes go in the sender's own order: the codes name the dtype, not
         # its byte order)

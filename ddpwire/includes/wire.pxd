@@ -177,12 +177,10 @@ cdef extern from "wire.h" nogil:
         size_t need
 
     const char *ddpw_message_type(uint8_t tag)
-    const ddpw_layout *ddpw_layout_of(uint8_t tag)
+    unsigned ddpw_layout_bulk(const ddpw_layout *layout)
     const ddpw_layout *ddpw_layout_at(size_t i)
     const char *ddpw_wire_type_name(unsigned type)
     const char *ddpw_rule_name(unsigned rule)
-    int ddpw_has_gradients(uint8_t tag)
-    int ddpw_has_bulk(uint8_t tag)
     size_t ddpw_dtype_size(uint8_t dtype)
     const char *ddpw_code_name(ddpw_code_family family, unsigned value)
     uint64_t ddpw_tag_max_payload(uint8_t tag, uint64_t max_frame)
