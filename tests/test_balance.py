@@ -276,7 +276,9 @@ def test_lost_trials_cost_at_most_their_budget():
                 b.stepped(self.step, self.times[-1])
                 self.step += 1
 
-    one = 2 * (BLOCK + 1) * 0.020  # a trial lost at its first look: two turns, 20 ms over
+    # a trial under way stops before the step that would overdraw the budget;
+    # a challenger turn's first two steps run before it shows any excess
+    one = 2 * 0.020
     for steps in (300, 3000):
         b = Balancer(2)
         Penalty([1e-3, 1e-3], [3e-6, 9e-6]).run(b, 256, steps)
@@ -284,6 +286,38 @@ def test_lost_trials_cost_at_most_their_budget():
         # of the run, or of GUARD_LAST steps while it is shorter
         allowed = TRIAL_BUDGET * max(b.guard.run, GUARD_LAST * b.guard.run / steps)
         assert b.guard.spent <= allowed + one, (steps, b.guard.spent, b.guard.run)
+        # the budget was what stopped them: spent to within a trial's first look
+        assert b.guard.spent > allowed - 2 * (BLOCK + 1) * 0.020
+    # a planned run shorter than GUARD_LAST steps pays for its own length's
+    # trials, not GUARD_LAST's
+    for planned in (100, 300):
+        b = Balancer(2, planned=planned)
+        Penalty([1e-3, 1e-3], [3e-6, 9e-6]).run(b, 256, planned)
+        assert b.guard.spent <= TRIAL_BUDGET * b.guard.run + one, (planned, b.guard.spent)
+    unplanned = Balancer(2)
+    Penalty([1e-3, 1e-3], [3e-6, 9e-6]).run(unplanned, 256, 300)
+    assert unplanned.guard.spent > TRIAL_BUDGET * unplanned.guard.run + one
+
+
+def test_a_trial_under_way_stops_where_it_would_overdraw_the_budget():
+    """A far challenger (three times the step) that would run its turns to
+    the trial's first look is stopped, lost, at the step whose excess would
+    take the lost trials past their budget; the split goes back to the
+    base's at once."""
+    from ddpwire.session.guard import Guard
+    g = Guard(planned=100)
+    equal, far = [128, 128], [2, 254]
+    g.spent = TRIAL_BUDGET * 100 * 0.010 - 0.045  # room for two of its steps' excess
+    for step in range(200):
+        split, arm = g.next(equal, equal, lambda: far)
+        if g.trial is not None and g.trial.arms[1][1] != far:
+            g.trial.arms[1] = ("model", far)  # the challenger under test
+        g.record(g.trial.ident if g.trial is not None and arm is not None else None,
+                 arm or 0, 0.010 if split == equal else 0.030)
+        if g.trials and g.trial is None:
+            break
+    assert g.trials == 1 and g.trial is None and split == equal
+    assert g.spent == pytest.approx(TRIAL_BUDGET * 100 * 0.010 - 0.045 + 2 * 0.020)
 
 
 def test_the_room_the_model_has_is_how_far_apart_the_parts_come_in():

@@ -275,6 +275,33 @@ def test_balance_auto_keeps_equal_shards_beside_a_reference_worker():
         coord.close()
 
 
+@pytest.mark.parametrize("steps,planned", [(None, None), (0, None), (500, 500)])
+def test_the_trials_budget_knows_the_run_s_planned_steps(steps, planned):
+    """The steps the coordinator grants (``--steps``) bound the trials'
+    budget (ddpwire.session.guard); a run of unknown length keeps the default."""
+    from ddpwire.wire.extensions import Extension, encode_u64
+    extensions = None if steps is None else {Extension.STEPS: encode_u64(steps)}
+    coord = Coordinator(ADDR, 2, timeout=TIMEOUT, join_timeout=TIMEOUT, balance="auto",
+                        samples_per_step=TOTAL, extensions=extensions)
+    try:
+        joins = [spawn(lambda: Worker.connect(coord.local_addr, timeout=TIMEOUT))
+                 for _ in range(2)]
+        coord.wait_for_workers()
+        assert coord.shards is not None and coord.shards.balancer.guard is not None
+        assert coord.shards.balancer.guard.planned == planned
+        for j in joins:
+            j.join_result().close()
+    finally:
+        coord.close()
+
+
+def test_a_steps_entry_that_is_no_u64_is_refused_before_listening():
+    from ddpwire.wire.errors import OptionError
+    from ddpwire.wire.extensions import Extension
+    with pytest.raises(OptionError, match="steps entry .* got 3 bytes"):
+        Coordinator(ADDR, 2, extensions={Extension.STEPS: b"abc"})
+
+
 def test_the_table_and_the_metrics_name_the_worker_held_back(tmp_path):
     run = Run([1e-4, 1e-4, 8e-4], 4, coordinator=dict(topology="star"))
     assert not run.errors, run.errors

@@ -130,11 +130,12 @@ class Balancer:
     its last worker's part came in, :meth:`stepped` a step's measured time
     end to end; :meth:`shards` returns a step's sizes. ``guard`` (``--balance
     auto``) tries other splits now and then and keeps the one the measured
-    step times say is faster (module docstring).
+    step times say is faster (module docstring); ``planned``, the steps the
+    run is planned to take (None: not known), bounds what the trials cost.
     """
 
     def __init__(self, workers: int, *, guard: bool = True,
-                 tolerance: float = TOLERANCE) -> None:
+                 tolerance: float = TOLERANCE, planned: Optional[int] = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if not 0.0 <= tolerance < 1.0:
@@ -160,7 +161,7 @@ class Balancer:
         # step -> (the trial it ran for, its arm, whether its split changed)
         self._planned: Dict[int, Tuple[Optional[int], int, bool]] = {}
         #: the trials of other splits (``guard``; None: the model alone)
-        self.guard: Optional[Guard] = Guard() if guard else None
+        self.guard: Optional[Guard] = Guard(planned) if guard else None
         self._jumps = 0        # the models' jumps seen (a jump is re-measured at equal shards)
         self._measure = 0      # equal steps left to measure after a jump
         self._quiet = 0        # steps the split stays before the model is asked again
@@ -462,7 +463,8 @@ class Shards:
     reference's and the timings still show where each step's time went.
     ``weighted`` scales the gradients by their shards even when they do not
     follow the speeds (an elastic session: a step redone by fewer workers
-    averages what the full set would have).
+    averages what the full set would have). ``planned``: the steps the run
+    is planned to take (None: not known; the trials' budget, ddpwire.session.guard).
 
     Workers are named by their ids throughout; :meth:`drop` takes one out
     of every later plan (it gets no samples), and the lists that follow the
@@ -472,13 +474,14 @@ class Shards:
 
     def __init__(self, timed: Sequence[bool], balance: Union[bool, str], *,
                  weighted: bool = False, tolerance: float = TOLERANCE,
-                 names: Optional[Sequence[str]] = None) -> None:
+                 names: Optional[Sequence[str]] = None, planned: Optional[int] = None) -> None:
         self.timed = list(timed)
         #: "auto" (shards by speed where they win: the guard), True or False
         self.mode = balance
         self.balance = balance is True or balance == "auto"
         self.weighted = weighted or self.balance
-        self.balancer = Balancer(len(self.timed), guard=balance == "auto", tolerance=tolerance)
+        self.balancer = Balancer(len(self.timed), guard=balance == "auto", tolerance=tolerance,
+                                 planned=planned)
         #: each worker's name as a user knows it (its node id and host)
         self.names: List[str] = list(names) if names is not None else [""] * len(self.timed)
         #: the ids of the workers that take part, in id order

@@ -220,7 +220,8 @@ class Coordinator(LifecycleOwner[CoordinatorState]):
         if late is not None:
             self._members.open(late)
         with self._roster.talking(None):
-            self._roster.start_shards(admitted, self.config.balance, weighted=self.config.elastic)
+            self._roster.start_shards(admitted, self.config.balance, weighted=self.config.elastic,
+                                      planned=self.config.planned_steps())
             self._mesh.announce(admitted, per_block=bool(self.options.per_block))
             limit_receive(admitted, self.config.receive_window, self._mesh.on)
         self._set_state(CoordinatorState.READY)

@@ -27,13 +27,19 @@ far as the clock bears it out:
   moment let win once costs every step after it, and each win sets the
   trials' pace back to every :data:`GUARD_FIRST` steps; going back to
   equal shards (the reference's split) takes one win;
-- a trial starts only while the trials that lost have cost at most
-  :data:`TRIAL_BUDGET` of the time run (each lost trial's challenger
-  steps, times how much slower they were), or of :data:`GUARD_LAST`
-  steps while the run is shorter (a run's first trials find the most: a
-  far challenger that loses first must not hold back the rest for
-  hundreds of steps): where nothing wins, the trials cost a bounded share
-  of the run, however long it is. Nothing a worker reports says when a
+- the trials that lost may cost at most :data:`TRIAL_BUDGET` of the time
+  run (each lost trial's challenger steps, times how much slower they
+  were), or of :data:`GUARD_LAST` steps while the run is shorter (a run's
+  first trials find the most: a far challenger that loses first must not
+  hold back the rest for hundreds of steps), or of the planned run where
+  that is shorter still (the coordinator's ``--steps``: a run of 400 steps
+  cannot pay for 640's trials). A trial starts only within that budget,
+  and one under way stops, lost, before the challenger's step whose
+  excess would take the budget past it. The budget is overdrawn by at
+  most the excess of a challenger turn's first two steps: the first
+  carries the change of split and is not timed, so the second is run
+  before the turn shows any excess. Where nothing wins, the trials cost a bounded
+  share of the run, however long or short it is. Nothing a worker reports says when a
   trial could win: a worker under a CPU quota whose
   compute fits in the quota's burst (its other threads' time spends the
   rest) computes as fast as the others and comes in with them, and stalls
@@ -80,7 +86,11 @@ BENCH_MOST = 64
 class Guard:
     """Trials of other splits, and the trust they leave in the model."""
 
-    def __init__(self) -> None:
+    def __init__(self, planned: Optional[int] = None) -> None:
+        if planned is not None and planned < 0:
+            raise ValueError(f"planned must be >= 0 steps, got {planned}")
+        #: the steps the run is planned to take (None or 0: not known)
+        self.planned = planned or None
         #: why the shards left the model's split, newest last (the caller logs them)
         self.notes: List[str] = []
         #: trials started (each one's id)
@@ -131,6 +141,14 @@ class Guard:
         """The mean step so far (0 before any)."""
         return self.run / self._recorded if self._recorded else 0.0
 
+    def budget(self) -> float:
+        """Seconds the lost trials may have cost by now (module docstring):
+        :data:`TRIAL_BUDGET` of the time run, or of :data:`GUARD_LAST`
+        steps (or the planned run's, where fewer) at the mean step while
+        the run is shorter."""
+        least = GUARD_LAST if self.planned is None else min(GUARD_LAST, self.planned)
+        return TRIAL_BUDGET * max(self.run, least * self._step())
+
     def record(self, trial: Optional[int], arm: int, seconds: float,
                changed: bool = False) -> None:
         """A step of ``trial``'s ``arm`` (as :meth:`next` planned it; None:
@@ -154,8 +172,7 @@ class Guard:
             self._again, self._confirming = None, True
         if self.trial is None:
             self._since += 1
-            if self._since <= self._interval or self.spent > TRIAL_BUDGET * max(
-                    self.run, GUARD_LAST * self._step()):
+            if self._since <= self._interval or self.spent > self.budget():
                 return current, None
             arms = self._arms(current, equal, model)
             if len(arms) < 2:
@@ -178,6 +195,8 @@ class Guard:
             challenger = (pick, kinds[pick])
             self.trials += 1
             self.trial = Trial(self.trials, [arms[0], challenger], GUARD_WIN)
+        elif self.trial.at == 1 and self.spent + self.trial.cost(ahead=1) > self.budget():
+            self.trial.stop()  # its next step would overdraw the budget: lost where it stands
         arm = self.trial.next_arm()
         if arm is not None:
             return self.trial.arms[arm][1], arm

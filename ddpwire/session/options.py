@@ -18,7 +18,7 @@ from ..plane import plan as _plan
 from ..wire.auth import normalize_token
 from ..wire.channel import DEFAULT_MAX_FRAME, check_timeout, heartbeat_limit
 from ..wire.errors import OptionError
-from ..wire.extensions import Extension
+from ..wire.extensions import Extension, decode_u64
 
 __all__ = ["CoordinatorOptions", "SessionOptions", "UNSET", "options_from"]
 
@@ -275,6 +275,12 @@ class CoordinatorOptions:
             grants[Extension.ELASTIC] = b""
         return grants
 
+    def planned_steps(self) -> Optional[int]:
+        """The run's steps, as its steps entry grants them (docs/extensions.md
+        "The run's length"); None where not known."""
+        granted = (self.extensions or {}).get(Extension.STEPS)
+        return decode_u64(bytes(granted)) or None if granted else None
+
     def check(self, expect_workers: int, per_block: Optional[bool]) -> None:
         """What these options need of the session's size and steps."""
         if expect_workers < 1:
@@ -286,6 +292,10 @@ class CoordinatorOptions:
         if per_block and self.elastic:
             raise OptionError("{elastic} runs flat steps: it cannot go with {per_block}",
                               elastic=True, per_block=True)
+        steps = (self.extensions or {}).get(Extension.STEPS)
+        if steps and len(steps) != 8:
+            raise OptionError(f"{{extensions}}: the steps entry is empty or the run's steps as "
+                              f"a u64 (encode_u64), got {len(steps)} bytes", extensions=None)
         least = self.min_workers
         if least is not None and not self.elastic:
             raise OptionError("{min_workers} ends an elastic run early: it needs {elastic}",

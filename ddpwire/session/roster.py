@@ -83,16 +83,17 @@ class Roster:
         return chan
 
     def start_shards(self, admitted: Sequence[Admitted], balance: Union[bool, str], *,
-                     weighted: bool) -> None:
+                     weighted: bool, planned: Optional[int]) -> None:
         """The shards, once the join completes: by measured speed when
         ``balance`` asks and every worker reports its compute time (True
-        asks always, "auto" only then); the reference's split otherwise."""
+        asks always, "auto" only then); the reference's split otherwise.
+        ``planned``: the run's steps, where known."""
         timed = [Extension.BALANCE in a.granted for a in admitted]
         # "auto" stays off beside a reference worker: its speed is only seen
         # from when its gradient arrives, its weight applied here
         mode = balance if balance is True or all(timed) else False
         self.shards = _balance.Shards(timed, mode, weighted=weighted,
-                                      names=[a.name() for a in admitted])
+                                      names=[a.name() for a in admitted], planned=planned)
         for chan, on in zip(self.channels, timed):
             if on:
                 self.watch_timing(chan)

@@ -105,6 +105,12 @@ class Trial:
         """Whether the last ``steps`` steps all ran the base, in this turn."""
         return self.at == 0 and self._steps >= steps
 
+    def stop(self) -> None:
+        """End the trial as lost where it stands (the guard's budget is
+        spent): the challenger is not shown faster."""
+        if self.verdict is None:
+            self.verdict = LOST
+
     def record(self, arm: int, seconds: float) -> None:
         """A step of ``arm``'s turn under way took ``seconds`` end to end."""
         if arm == self.at and self.verdict is None:
@@ -119,14 +125,14 @@ class Trial:
         means = self.means(arm)
         return sum(means) / len(means)
 
-    def cost(self) -> float:
+    def cost(self, ahead: int = 0) -> float:
         """Seconds the challenger's steps cost beyond the base's: its steps
-        (the untimed first of each turn too) times how much slower a step
-        of it was, the means of their turns (0 when it was not slower, or
-        either arm has no time)."""
+        (the untimed first of each turn too), and ``ahead`` more, times how
+        much slower a step of it was, the means of their turns (0 when it
+        was not slower, or either arm has no time)."""
         if not self.means(0) or not self.means(1):
             return 0.0
-        return max(0.0, self.mean(1) - self.mean(0)) * self.steps[1]
+        return max(0.0, self.mean(1) - self.mean(0)) * (self.steps[1] + ahead)
 
     def _judge(self) -> None:
         base, other = self.means(0), self.means(1)
