@@ -282,7 +282,7 @@ def test_lost_trials_cost_at_most_their_budget():
     for steps in (300, 3000):
         b = Balancer(2)
         Penalty([1e-3, 1e-3], [3e-6, 9e-6]).run(b, 256, steps)
-        assert b.guard.trials >= 3 and b.guard.spent > 0
+        assert b.guard.trials >= 2 and b.guard.spent > 0
         # of the run, or of GUARD_LAST steps while it is shorter
         allowed = TRIAL_BUDGET * max(b.guard.run, GUARD_LAST * b.guard.run / steps)
         assert b.guard.spent <= allowed + one, (steps, b.guard.spent, b.guard.run)
