@@ -305,6 +305,28 @@ def test_lost_trials_cost_at_most_their_budget():
     assert unplanned.guard.spent > TRIAL_BUDGET * unplanned.guard.run + one
 
 
+def test_once_the_budget_is_spent_the_model_leaves_equal_shards_no_more():
+    """A move off equal shards is checked by a trial within GUARD_FIRST
+    steps; with the lost trials' budget spent none could be, so the model
+    moves nothing off equal (it still would with budget left)."""
+    slow = Machines([1e-3, 1e-3], [3e-6, 9e-6])
+    b = Balancer(2)
+    history = slow.run(b, 256, 60)
+    assert history[-1] != [128, 128]  # the model moves with budget left
+    spent = Balancer(2)
+    spent.guard.spent = 1e9  # as if far challengers had lost already
+    history = Machines([1e-3, 1e-3], [3e-6, 9e-6]).run(spent, 256, 200)
+    assert all(split == [128, 128] for split in history)
+    assert not spent.guard.can_check() and spent.guard.trials == 0
+
+
+def test_a_planned_run_is_steps_or_none():
+    from ddpwire.session.guard import Guard
+    assert Guard(0).planned is None and Guard(None).planned is None and Guard(7).planned == 7
+    with pytest.raises(ValueError, match="planned must be >= 0 steps, got -1"):
+        Guard(-1)
+
+
 def test_a_trial_under_way_stops_where_it_would_overdraw_the_budget():
     """A far challenger (three times the step) that would run its turns to
     the trial's first look is stopped, lost, at the step whose excess would

@@ -43,6 +43,9 @@ The rules, and why:
 - The guard (``guard=True``, ``--balance auto``): trials of other splits
   now and then, on measured step times, their cost bounded, and the
   model trusted only as far as they bear it out (:mod:`ddpwire.session.guard`).
+  Once the lost trials' budget is spent the model leaves equal shards no
+  more: no trial could then check the move (identical workers on a busy
+  machine, whose fits' noise points anywhere, stay equal).
 - A worker's first measurement (its warm-up) is left out. Until every
   worker has been timed once, the split is the reference's (``T // n``,
   the rest to the last), which is also the split of a coordinator that
@@ -334,6 +337,10 @@ class Balancer:
                 return split, arm
             current = split
         if not self._trusted():
+            return current, None
+        if current == equal and self.guard is not None and not self.guard.can_check():
+            # the lost trials' budget is spent: no trial could check a move
+            # off equal shards, and a fit's noise alone must not make one
             return current, None
         if self._quiet > 0:
             # the model said stay: it is asked again after 1, 2, 4 ... 16

@@ -149,6 +149,12 @@ class Guard:
         least = GUARD_LAST if self.planned is None else min(GUARD_LAST, self.planned)
         return TRIAL_BUDGET * max(self.run, least * self._step())
 
+    def can_check(self) -> bool:
+        """Whether a trial may start within the budget: what a move of the
+        model's off equal shards needs (a trial checks it within
+        :data:`GUARD_FIRST` steps)."""
+        return self.spent <= self.budget()
+
     def record(self, trial: Optional[int], arm: int, seconds: float,
                changed: bool = False) -> None:
         """A step of ``trial``'s ``arm`` (as :meth:`next` planned it; None:
@@ -172,7 +178,7 @@ class Guard:
             self._again, self._confirming = None, True
         if self.trial is None:
             self._since += 1
-            if self._since <= self._interval or self.spent > self.budget():
+            if self._since <= self._interval or not self.can_check():
                 return current, None
             arms = self._arms(current, equal, model)
             if len(arms) < 2:
