@@ -38,11 +38,13 @@ far as the clock bears it out:
   excess would take the budget past it. The budget is overdrawn by at
   most the excess of a challenger turn's first two steps: the first
   carries the change of split and is not timed, so the second is run
-  before the turn shows any excess. Where nothing wins, the trials cost a bounded
-  share of the run, however long or short it is. Nothing a worker reports says when a
-  trial could win: a worker under a CPU quota whose
-  compute fits in the quota's burst (its other threads' time spends the
-  rest) computes as fast as the others and comes in with them, and stalls
+  before the turn shows any excess. Where nothing wins, the trials cost a
+  bounded share of the run, however long or short it is. Once the budget
+  is spent the model moves nothing off equal shards (:meth:`Guard.can_check`:
+  no trial could check the move). Nothing a worker reports says when a
+  trial could win: a worker under a CPU quota whose compute fits in the
+  quota's burst (its other threads' time spends the rest) computes as fast
+  as the others and comes in with them, and stalls
   inside the exchange (measured, 4096 samples, a quarter core: both
   workers' computes 1.5 ms, their parts in at 2.0 ms, the step 8.8 ms);
   only the step's time shows it;

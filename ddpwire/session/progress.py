@@ -6,7 +6,6 @@ import sys
 import time
 from typing import Callable, List, Optional, TextIO, Tuple
 
-from .._text import counted
 from .results import MEMBERSHIP_RECORD, StepReport
 
 __all__ = ["ProgressBar", "break_line", "duration", "time_left", "unit", "ShownByTheBar",
