@@ -73,7 +73,7 @@ GUARD_LAST = 640
 #: trial: a split a little faster on a machine whose workers share cores with
 #: the coordinator is contention, not a machine's speed
 GUARD_WIN = 0.05
-#: the most of the time run that lost trials may have cost before another starts
+#: the most of the time run that lost trials may cost (Guard.budget)
 TRIAL_BUDGET = 0.02
 #: a way's first nudge, a fraction of the smaller of the shards samples move
 #: between; halved after that way lost a trial, doubled after it won one,
