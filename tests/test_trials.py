@@ -11,12 +11,11 @@ from ddpwire.session.trials import BLOCK, LOST, MIN_PAIRS, TURN_MOST, WIN_PAIRS,
 def run(trial: Trial, time):
     """Each step as a caller runs it: the arm planned, its time
     (``time(arm, step)``) fed back, the first step of a turn (a change of
-    split) left out. Returns the arms in order."""
+    split) untimed. Returns the arms in order."""
     order, last, step = [], 0, 0  # (the split before the trial is the base)
     while (arm := trial.next_arm()) is not None:
         order.append(arm)
-        if arm == last:
-            trial.record(arm, time(arm, step))
+        trial.record(arm, time(arm, step), timed=arm == last)
         last, step = arm, step + 1
     return order
 
@@ -43,6 +42,26 @@ def test_a_clearly_slower_challenger_loses_at_the_first_look():
     assert t.verdict == LOST and len(t.turns[1]) == MIN_PAIRS
 
 
+def test_what_a_challenger_cost_counts_its_untimed_first_steps():
+    """A turn's first step carries the change of split: it is no evidence
+    of the challenger's speed, but it is paid for, and it shows the cost
+    before the turn has a timed step."""
+    t = trial()
+    for _ in range(BLOCK):
+        assert t.next_arm() == 0
+        t.record(0, 10.0)
+    assert t.next_arm() == 1
+    assert t.cost(ahead=1) == 0.0  # nothing of the challenger in yet
+    t.record(1, 40.0, timed=False)  # the change of split, and a far challenger
+    assert t.means(1) == []  # no evidence
+    assert t.cost() == pytest.approx(30.0)
+    assert t.cost(ahead=1) == pytest.approx(60.0)
+    assert t.next_arm() == 1
+    t.record(1, 20.0)
+    assert t.means(1) == [20.0]
+    assert t.cost() == pytest.approx(20.0 * 2)  # (40 + 20) / 2 - 10 a step, two steps
+
+
 def test_a_difference_inside_the_noise_never_wins():
     rng = random.Random(4)
     t = trial()
@@ -56,11 +75,11 @@ def test_identical_splits_win_rarely():
     nudges of a shrinking size, and the other way wins back)."""
     rng = random.Random(7)
     wins = 0
-    for _ in range(1000):
+    for _ in range(4000):  # (about 1.8% over many seeds: 72 expected, sd 8.5)
         t = trial()
         run(t, lambda arm, step: 10.0 * rng.uniform(0.85, 1.15))
         wins += t.verdict == WON
-    assert wins <= 25, wins
+    assert wins <= 100, wins
 
 
 def test_quota_bursts_and_stalls_sum_steady_over_a_turn():

@@ -43,9 +43,12 @@ The rules, and why:
 - The guard (``guard=True``, ``--balance auto``): trials of other splits
   now and then, on measured step times, their cost bounded, and the
   model trusted only as far as they bear it out (:mod:`ddpwire.session.guard`).
-  Once the lost trials' budget is spent the model leaves equal shards no
-  more: no trial could then check the move (identical workers on a busy
-  machine, whose fits' noise points anywhere, stay equal).
+  Once the lost trials' budget is spent the model leaves equal shards
+  only where the parts come in apart past :data:`SPENT_SIGMAS` standard
+  errors (:meth:`Balancer.room`): no trial could then check a move made on
+  the fit alone (identical workers on a busy machine, whose fits' noise
+  points anywhere, stay equal), while a worker that really is slower is
+  still followed.
 - A worker's first measurement (its warm-up) is left out. Until every
   worker has been timed once, the split is the reference's (``T // n``,
   the rest to the last), which is also the split of a coordinator that
@@ -71,8 +74,9 @@ from .guard import Guard
 from .splits import FLOOR, equal_shards, floor_shard, largest_remainder, shard_starts
 from .step_model import JUMP_STEPS, StepModel, median, spread
 
-__all__ = ["CHOICES", "FLOOR", "LAGS", "ROOM_LEAST", "ROOM_STEPS", "TOLERANCE", "Balancer",
-           "ShardClock", "Shards", "WorkerTiming", "equal_shards", "sample_scale", "shard_starts"]
+__all__ = ["CHOICES", "FLOOR", "LAGS", "ROOM_LEAST", "ROOM_STEPS", "SPENT_SIGMAS", "TOLERANCE",
+           "Balancer", "ShardClock", "Shards", "WorkerTiming", "equal_shards", "sample_scale",
+           "shard_starts"]
 
 #: ``--balance`` on the command line to ``Coordinator(balance=)``
 CHOICES: Dict[str, Union[bool, str]] = {"auto": "auto", "on": True, "off": False}
@@ -89,6 +93,10 @@ QUIET_MOST = 16
 #: split that do
 ROOM_STEPS = 31
 ROOM_LEAST = 9
+#: standard errors past which the parts must come in apart for the model to
+#: leave equal shards once no trial can check the move: the test is made at
+#: every step, and a move nothing checks stays
+SPENT_SIGMAS = 3.0
 
 #: the guard's states (Balancer.state)
 EQUAL, BALANCED, PROBE, HELD = "equal", "balanced", "probe", "held"
@@ -331,8 +339,10 @@ class Balancer:
             self._measure -= 1
             return equal, None
         if self.guard is not None:
-            split, arm = self.guard.next(current, equal, lambda: self._best(total, ids) if all(
-                self.models[i].ready for i in ids) else None)
+            split, arm = self.guard.next(
+                current, equal,
+                lambda: self._best(total, ids) if all(self.models[i].ready for i in ids) else None,
+                lambda: self._slowest(current, ids))
             if arm is not None:
                 return split, arm
             current = split
@@ -340,8 +350,11 @@ class Balancer:
             return current, None
         if current == equal and self.guard is not None and not self.guard.can_check():
             # the lost trials' budget is spent: no trial could check a move
-            # off equal shards, and a fit's noise alone must not make one
-            return current, None
+            # off equal shards, and a fit's noise alone must not make one;
+            # parts that come in apart past their noise still do
+            room = self.room(current, ids, sigmas=SPENT_SIGMAS)
+            if room is None or room <= self.tolerance:
+                return current, None
         if self._quiet > 0:
             # the model said stay: it is asked again after 1, 2, 4 ... 16
             # steps (a jump asks at once), so a settled step costs the
@@ -357,33 +370,48 @@ class Balancer:
                 self.guard.left_equal()
         return sub, None
 
-    def room(self, split: Sequence[int], ids: Sequence[int]) -> Optional[float]:
+    def room(self, split: Sequence[int], ids: Sequence[int],
+             sigmas: float = 2.0) -> Optional[float]:
         """How far apart the workers' parts came in at ``split`` (one count
         per id in ``ids``), each part's time to come in and the rest of the
         exchange after it when it was the last one in, the medians of their
-        recent steps at these shards, less two standard errors of the
+        recent steps at these shards, less ``sigmas`` standard errors of the
         difference (never below 0), a fraction of the median step: what
         the model's fit could save by moving samples, as far as the workers'
         own times show (a CPU quota's stall inside the exchange does not
-        show here: the trials see it). None until each worker has
-        :data:`ROOM_LEAST` steps at its shard and has been the last one in."""
+        show here: the trials see it). A worker never the last one in is
+        taken to have the longest rest measured (a faster worker's rest is
+        not known, and taking it for less would call the last one's rest
+        room). None until each worker has :data:`ROOM_LEAST` steps at its
+        shard and one of them has been the last one in."""
+        measured = [self._lags[i] for i in ids if self._after[i]]
+        if not measured:
+            return None
         ends = []  # (median, its standard error) per worker
         for i, count in zip(ids, split):
             times = [t for c, t in self._arrivals[i] if c == count]
-            if len(times) < ROOM_LEAST or not self._after[i]:
+            if len(times) < ROOM_LEAST:
                 return None
             # its part in, and the rest of the exchange when it is the last
             # one in; a median's standard error is about 1.25 the mean's
-            ends.append((median(times) + self._lags[i],
-                         1.25 * spread(times) / math.sqrt(len(times))))
+            rest = self._lags[i] if self._after[i] else max(measured)
+            ends.append((median(times) + rest, 1.25 * spread(times) / math.sqrt(len(times))))
         if len(self._steps) < ROOM_LEAST:
             return None
         first, last = min(ends), max(ends)
-        # less two standard errors of the difference: workers of one speed
+        # less standard errors of the difference: workers of one speed
         # come in apart by as much, by chance (and the noise that spread
         # them also misleads the model's fit)
-        apart = last[0] - first[0] - 2.0 * math.hypot(first[1], last[1])
+        apart = last[0] - first[0] - sigmas * math.hypot(first[1], last[1])
         return max(0.0, apart) / median(self._steps)
+
+    def _slowest(self, split: Sequence[int], ids: Sequence[int]) -> List[int]:
+        """The workers' positions in ``ids``, the one whose part the model
+        has coming in last at ``split`` first (one not measured yet last)."""
+        def end(k: int) -> float:
+            model = self.models[ids[k]]
+            return model.predict(split[k]) + self.lag(ids[k]) if model.measured else -1.0
+        return sorted(range(len(ids)), key=lambda k: (-end(k), k))
 
     def predict(self, split: Sequence[int], ids: Sequence[int]) -> float:
         """The step's predicted seconds under ``split`` (one count per id in

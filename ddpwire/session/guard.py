@@ -14,7 +14,9 @@ far as the clock bears it out:
   the model's own (once it lost: it comes back by winning), each worker
   at the floor (under a CPU quota the step is a staircase in the held
   worker's shard, flat until its part fits in the quota's burst: small
-  moves from equal show nothing there), and the current split nudged each
+  moves from equal show nothing there; the worker the model has coming
+  in last first: at the floor it is the soonest to win, and costs the
+  least where it loses), and the current split nudged each
   way (ddpwire.session.splits.nudged, :data:`NUDGE` of
   the smaller of the shards samples move between). A way that wins is
   tried again at once, twice as bold (at most :data:`NUDGE_MOST`); when it
@@ -165,14 +167,18 @@ class Guard:
         no trial's evidence."""
         self.run += seconds
         self._recorded += 1
-        if not changed and self.trial is not None and trial == self.trial.ident:
-            self.trial.record(arm, seconds)
+        if self.trial is not None and trial == self.trial.ident:
+            self.trial.record(arm, seconds, timed=not changed)
 
     def next(self, current: List[int], equal: List[int],
-             model: Callable[[], Optional[List[int]]]) -> Tuple[List[int], Optional[int]]:
+             model: Callable[[], Optional[List[int]]],
+             slowest: Optional[Callable[[], Sequence[int]]] = None,
+             ) -> Tuple[List[int], Optional[int]]:
         """The next step's split and the arm of the trial it runs for; or,
         with no arm (None), the split the step keeps (a verdict may have
-        changed it). ``model``: the model's best split (None: not known)."""
+        changed it). ``model``: the model's best split (None: not known);
+        ``slowest``: the workers (positions in ``current``), the one whose
+        part comes in last first (None: in their order)."""
         if self.trial is None and self._again is not None:
             # a win, tried again at once before it is kept
             self.trials += 1
@@ -194,8 +200,10 @@ class Guard:
                 # the kinds in a fixed order, whichever are here: a rotation
                 # over the arms here would pass over some kinds for good
                 # while others sit out
-                order = ["equal", "kept", "model"] + [
-                    f"{kind} {w}" for kind in ("floor", "nudge") for w in range(len(current))]
+                # (the floors by rank: the turn of the k-th slowest, whoever that is now)
+                ranks = list(slowest()) if slowest is not None else range(len(current))
+                order = ["equal", "kept", "model"] + [f"floor {w}" for w in ranks] + [
+                    f"nudge {w}" for w in range(len(current))]
                 at = next(k for k in range(len(order))
                           if order[(self._turn + k) % len(order)] in kinds)
                 pick = order[(self._turn + at) % len(order)]

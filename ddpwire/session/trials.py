@@ -78,6 +78,9 @@ class Trial:
         self._steps = 0      # steps planned in this turn
         #: steps planned for each arm, timed or not
         self.steps = [0, 0]
+        #: the challenger's steps as they came in, its turns' untimed first
+        #: steps too: what it cost (they are no evidence of its speed)
+        self._paid: List[float] = []
         self.verdict: Optional[str] = None
 
     def next_arm(self) -> Optional[int]:
@@ -111,9 +114,15 @@ class Trial:
         if self.verdict is None:
             self.verdict = LOST
 
-    def record(self, arm: int, seconds: float) -> None:
-        """A step of ``arm``'s turn under way took ``seconds`` end to end."""
-        if arm == self.at and self.verdict is None:
+    def record(self, arm: int, seconds: float, timed: bool = True) -> None:
+        """A step of ``arm``'s turn under way took ``seconds`` end to end;
+        ``timed`` False: it carried a change of split, which it pays for
+        (:meth:`cost`) but is no evidence of the arm's speed."""
+        if arm != self.at or self.verdict is not None:
+            return
+        if arm == 1:
+            self._paid.append(seconds)
+        if timed:
             self.turns[arm][-1].append(seconds)
 
     def means(self, arm: int) -> List[float]:
@@ -128,11 +137,14 @@ class Trial:
     def cost(self, ahead: int = 0) -> float:
         """Seconds the challenger's steps cost beyond the base's: its steps
         (the untimed first of each turn too), and ``ahead`` more, times how
-        much slower a step of it was, the means of their turns (0 when it
-        was not slower, or either arm has no time)."""
-        if not self.means(0) or not self.means(1):
+        much slower a step of it was than the base's mean (0 when it was
+        not slower, or either arm has no time). The untimed first steps
+        count: a far challenger shows its cost on its first step, before
+        its turn has a timed one."""
+        if not self.means(0) or not self._paid:
             return 0.0
-        return max(0.0, self.mean(1) - self.mean(0)) * (self.steps[1] + ahead)
+        excess = sum(self._paid) / len(self._paid) - self.mean(0)
+        return max(0.0, excess) * (self.steps[1] + ahead)
 
     def _judge(self) -> None:
         base, other = self.means(0), self.means(1)
