@@ -39,7 +39,29 @@ def test_a_faster_challenger_wins_at_the_planned_look():
 def test_a_clearly_slower_challenger_loses_at_the_first_look():
     t = trial()
     run(t, lambda arm, step: [10.0, 15.0][arm])
-    assert t.verdict == LOST and len(t.turns[1]) == MIN_PAIRS
+    # its turn's own steps (and the base's) leave no doubt: one turn
+    assert t.verdict == LOST and len(t.turns[1]) == 1
+    # steps too spread to tell at the first pair: later looks tell
+    rng = random.Random(3)
+    t = trial()
+    run(t, lambda arm, step: [10.0, 15.0][arm] * rng.choice([0.3, 1.7]))
+    assert t.verdict == LOST and len(t.turns[1]) >= MIN_PAIRS
+
+
+def test_a_quotas_bursts_and_stalls_do_not_lose_a_faster_challenger_at_once():
+    """Under a quota a step is a burst or a stall; a turn whose steps fall
+    on more stalls looks slower, and its own steps' spread says how far to
+    trust that: a challenger 15% faster is not lost on its first turn."""
+    t = trial()
+    for seconds in (3e-3, 15e-3, 3e-3, 15e-3, 3e-3):  # the base: two stalls in five
+        assert t.next_arm() == 0
+        t.record(0, seconds)
+    assert t.next_arm() == 1
+    t.record(1, 0.85 * 3e-3, timed=False)
+    for seconds in (15e-3, 3e-3, 15e-3, 3e-3, 15e-3):  # the challenger: three
+        assert t.next_arm() == 1
+        t.record(1, 0.85 * seconds)
+    assert t.next_arm() == 0 and t.verdict is None  # looks 11% slower, and is judged later
 
 
 def test_what_a_challenger_cost_counts_its_untimed_first_steps():

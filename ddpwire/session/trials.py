@@ -28,7 +28,11 @@ times after each pair of turns:
   side's spread, and so makes a win harder, never easier;
 - it loses as soon as it cannot win, from :data:`MIN_PAIRS` pairs on (even
   the noise's benefit of the doubt would not bring it to the margin): a
-  split far off the best costs a few turns, not a trial.
+  split far off the best costs a few turns, not a trial. After the first
+  pair, whose one difference has no spread, the noise is the spread of
+  the two turns' steps: a challenger that clearly cannot win loses there
+  (a floor's far split costs one turn, not two), while steps that come
+  as a quota's bursts and stalls spread too wide for a verdict that soon.
 
 A caller whose step times come some steps late gets up to :data:`TURN_MOST`
 steps for a turn's times to come in; a caller that times nothing runs no
@@ -149,6 +153,9 @@ class Trial:
     def _judge(self) -> None:
         base, other = self.means(0), self.means(1)
         pairs = len(other)
+        if pairs == 1 and len(base) == 1:
+            self._judge_first()
+            return
         if pairs < MIN_PAIRS or len(base) < pairs:
             return
         # each challenger turn against the base turns on either side of it
@@ -164,4 +171,15 @@ class Trial:
             # looked for at every pair would be found by noise at one of them)
             self.verdict = WON if gain > max(needed, noise) else LOST
         elif gain + noise < needed:
+            self.verdict = LOST
+
+    def _judge_first(self) -> None:
+        """After the first pair: lost where, past :data:`SIGMAS` standard
+        errors of the two turns' own steps, the challenger cannot win."""
+        turns = (self.turns[0][0], self.turns[1][0])
+        if any(len(t) < 3 for t in turns):
+            return
+        base, other = (sum(t) / len(t) for t in turns)
+        noise = SIGMAS * math.hypot(*(spread(t) / math.sqrt(len(t)) for t in turns))
+        if base - other + noise < self.margin * base:
             self.verdict = LOST
