@@ -16,8 +16,11 @@ in the same run.
   one each round. The ratios are of medians: auto over the best fixed
   split and auto over off.
 
-Throughput is the coordinator's own figure (``done: ... samples/s``: every
-sample over the run's wall time, as the user reads it). A run is
+Throughput is every sample over the sum of the steps' times in the
+coordinator's ``--metrics`` (start-up and the join left out: they are the
+same whatever the balance); the done line's figure over the wall time is
+kept beside it (``throughput_wall``), and so is each stretch of steps at
+one split (``trace``: what put the shards where they ended). A run is
 ``DDPWIRE_BALANCE_CLI_STEPS`` steps (default 3000), fewer where that would
 be more than the model's sample budget (12 M samples for the MLP, 2 M for
 the transformer), and never under 300.
@@ -124,17 +127,18 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
                     p.kill()
         if coord.returncode != 0 or any(p.returncode != 0 for p in procs):
             raise RuntimeError(f"run failed ({cmd}): {out[-2000:]} {[e[-500:] for e in errs]}")
-        # the done line is logged at INFO: read the throughput off the metrics' clock
-        # as well, and the wall clock from the bar's own line where it shows
         lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    done = re.search(r"done: .*?, ([0-9.]+) samples/s", out)
+    # the done line's figure (thousands separated) is over the wall time,
+    # start-up and the join included; the ratios are of the steps' own time
+    done = re.search(r"done: .*?, ([0-9][0-9,.]*) samples/s", out)
     step_s = sum(x["step_time_s"] for x in lines)
     last = lines[-1]["workers"]
     return {
         "balance": balance, "share": share, "steps": steps,
-        "throughput": float(done.group(1)) if done else
-        sum(x["samples"] for x in lines) / step_s,
-        "throughput_steps": sum(x["samples"] for x in lines) / step_s,
+        "throughput": sum(x["samples"] for x in lines) / step_s,
+        "throughput_wall": float(done.group(1).replace(",", "")) if done else None,
+        # each stretch of steps at one split and state: [first step, steps, state, shards]
+        "trace": _stretches(lines),
         "final_shards": [w["shard"] for w in last],
         "names": [w.get("name", "") for w in last],
         "states": {s: sum(1 for x in lines if x.get("balance") == s)
@@ -142,6 +146,19 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
         "fixed_s": [w.get("fixed_s") for w in last],
         "per_sample_s": [w.get("per_sample_s") for w in last],
     }
+
+
+def _stretches(lines: List[dict]) -> List[list]:
+    """The run's splits and the balancer's states, a stretch of steps each
+    (what put the shards where they ended: trials, the model or neither)."""
+    out: List[list] = []
+    for x in lines:
+        key = (x.get("balance"), [w["shard"] for w in x["workers"]])
+        if out and (out[-1][2], out[-1][3]) == key:
+            out[-1][1] += 1
+        else:
+            out.append([x.get("step"), 1, key[0], key[1]])
+    return out
 
 
 def _median(values: List[float]) -> float:
