@@ -31,7 +31,9 @@ the transformer), and never under 300.
 DDPWIRE_BALANCE_CLI_ROUNDS (default 2) sets the rounds of test_identical,
 DDPWIRE_BALANCE_CLI_SIZES (default 64,512,4096) the sizes,
 DDPWIRE_BALANCE_CLI_MODELS (default mlp,transformer) the models,
-DDPWIRE_BALANCE_CLI_SHARES the held worker's fixed shares swept.
+DDPWIRE_BALANCE_CLI_SHARES the held worker's fixed shares swept;
+DDPWIRE_BASELINE (a built checkout of an older commit) adds its ``auto`` to
+each round of test_identical, the order turned by one each round.
 test_held needs root (a writable /sys/fs/cgroup/cpu) and skips otherwise;
 both need torch.
 """
@@ -67,6 +69,9 @@ BUDGET = {"mlp": 12_000_000, "transformer": 2_000_000}
 #: the held worker's shares swept for the oracle
 SHARES = tuple(float(x) for x in os.environ.get(
     "DDPWIRE_BALANCE_CLI_SHARES", "0.35,0.3,0.25,0.2,0.15,0.1").split(","))
+#: a built checkout of an older commit: its ``auto`` runs beside this one's in each
+#: round of test_identical (baseline_ratios, over the same round's ``off``)
+BASELINE = Path(os.environ["DDPWIRE_BASELINE"]) if os.environ.get("DDPWIRE_BASELINE") else None
 #: rounds of test_held (each setting once a round; medians compared)
 HELD_ROUNDS = int(os.environ.get("DDPWIRE_BALANCE_CLI_HELD_ROUNDS", "3"))
 
@@ -84,18 +89,19 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> Dict[str, str]:
+def _env(root: Path) -> Dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
 def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
-            held: bool = False, share: Optional[float] = None) -> dict:
+            held: bool = False, share: Optional[float] = None, root: Path = ROOT) -> dict:
     """One run of ``ddpwire coordinator`` and ``workers`` ``ddpwire worker``
     processes on loopback; ``held``: the first worker joins as ``held``
     inside the quota's cgroup; ``share``: the coordinator pins that
-    worker's share (bench/fixed_split_coordinator.py)."""
+    worker's share (bench/fixed_split_coordinator.py); ``root``: the
+    checkout whose ddpwire every process runs."""
     port = _port()
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
@@ -104,7 +110,7 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
                 "--metrics", str(metrics), "--join-timeout", "120"]
         cmd = [sys.executable, str(FIXED), str(share)] + args if share is not None else \
             [sys.executable, "-m", "ddpwire"] + args
-        env = _env()
+        env = _env(root)
         coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env=env)
         procs = []
@@ -173,13 +179,22 @@ def test_identical(benchmark, workers, model, samples):
     steps = steps_for(model, samples)
     rounds = []
 
+    settings = ["auto", "off"] + (["baseline"] if BASELINE is not None else [])
+
     def run():
         for r in range(ROUNDS):
-            order = ("auto", "off") if r % 2 == 0 else ("off", "auto")
-            got = {b: run_cli(workers, model, samples, steps, b) for b in order}
+            order = settings[r % len(settings):] + settings[:r % len(settings)]
+            got = {b: run_cli(workers, model, samples, steps, "auto" if b == "baseline" else b,
+                              root=BASELINE if b == "baseline" else ROOT)  # type: ignore[arg-type]
+                   for b in order}
             rounds.append(got)
     benchmark.pedantic(run, rounds=1, iterations=1)
     ratios = [g["auto"]["throughput"] / g["off"]["throughput"] for g in rounds]
+    if BASELINE is not None:
+        benchmark.extra_info.update(
+            baseline=str(BASELINE),
+            baseline_ratios=[g["baseline"]["throughput"] / g["off"]["throughput"]
+                             for g in rounds])
     equal = samples / workers
     off_equal = [max(abs(c - equal) for c in g["auto"]["final_shards"]) / equal for g in rounds]
     print(f"\nidentical {workers} {model} {samples}: auto/off {ratios}, shards "

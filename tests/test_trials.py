@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from ddpwire.session.trials import BLOCK, LOST, MIN_PAIRS, TURN_MOST, WIN_PAIRS, WON, Trial
+from ddpwire.session.trials import (
+    BLOCK, EARLY_PAIRS, LOST, MIN_PAIRS, TURN_MOST, WIN_PAIRS, WON, Trial,
+)
 
 
 def run(trial: Trial, time):
@@ -26,14 +28,31 @@ def trial() -> Trial:
 
 def test_a_faster_challenger_wins_at_the_planned_look():
     t = trial()
-    order = run(t, lambda arm, step: [10.0, 8.0][arm] * (1 + 0.01 * (step % 3)))
+    order = run(t, lambda arm, step: [10.0, 9.5][arm] * (1 + 0.01 * (step % 3)))
     assert t.verdict == WON
     # alternating turns, each a change and BLOCK timed steps (the base's
     # first turn keeps the split before it: it is all timed)
     assert order[:BLOCK] == [0] * BLOCK
     assert order[BLOCK:2 * BLOCK + 1] == [1] * (BLOCK + 1)
-    assert len(t.turns[1]) == WIN_PAIRS  # a win is looked for once, there
-    assert t.mean(1) == pytest.approx(8.08, rel=0.01)
+    assert len(t.turns[1]) == WIN_PAIRS  # short of a clear win: looked for there
+    assert t.mean(1) == pytest.approx(9.595, rel=0.01)
+
+
+def test_a_challenger_faster_by_far_wins_halfway():
+    """Three margins and more faster, past the stricter boundary: the win
+    is taken at EARLY_PAIRS; a faster challenger short of that runs the
+    whole trial."""
+    rng = random.Random(5)
+    t = trial()
+    run(t, lambda arm, step: [10.0, 6.0][arm] * rng.uniform(0.9, 1.1))
+    assert t.verdict == WON and len(t.turns[1]) == EARLY_PAIRS
+    t = trial()
+    run(t, lambda arm, step: [10.0, 9.5][arm] * rng.uniform(0.99, 1.01))
+    assert t.verdict == WON and len(t.turns[1]) == WIN_PAIRS
+    # (a clear gain, but too noisy to be sure of halfway)
+    t = trial()
+    run(t, lambda arm, step: [10.0, 8.0][arm] * rng.choice([0.4, 1.6]))
+    assert len(t.turns[1]) != EARLY_PAIRS or t.verdict != WON
 
 
 def test_a_clearly_slower_challenger_loses_at_the_first_look():

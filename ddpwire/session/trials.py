@@ -21,11 +21,16 @@ times after each pair of turns:
   other would read as a difference;
 - the challenger wins when, after :data:`WIN_PAIRS` pairs, those
   differences show it faster by ``margin`` (a fraction of the base's step)
-  and by more than :data:`SIGMAS` standard errors of their mean. A win is looked
-  for that once, at a sample size fixed in advance (looked for after every
-  pair, the noise would find one at one of them); a difference too small
-  to see by then is not worth a move. An outlier (a collection) widens its
-  side's spread, and so makes a win harder, never easier;
+  and by more than :data:`SIGMAS` standard errors of their mean. A win is
+  looked for twice, at sample sizes fixed in advance (looked for after
+  every pair, the noise would find one at one of them): halfway, after
+  :data:`EARLY_PAIRS` pairs, only a clear one, :data:`EARLY_MARGIN` times
+  the margin and past O'Brien and Fleming's boundary (``SIGMAS *
+  sqrt(WIN_PAIRS / EARLY_PAIRS)`` standard errors), so a split that wins
+  by far (a held worker at the floor) runs half a trial, not a whole one;
+  a difference too small to see by the end is not worth a move. An
+  outlier (a collection) widens its side's spread, and so makes a win
+  harder, never easier;
 - it loses as soon as it cannot win, from :data:`MIN_PAIRS` pairs on (even
   the noise's benefit of the doubt would not bring it to the margin): a
   split far off the best costs a few turns, not a trial. After the first
@@ -45,7 +50,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from .step_model import spread
 
-__all__ = ["BLOCK", "LOST", "MIN_PAIRS", "SIGMAS", "TURN_MOST", "Trial", "WIN_PAIRS", "WON"]
+__all__ = ["BLOCK", "EARLY_MARGIN", "EARLY_PAIRS", "LOST", "MIN_PAIRS", "SIGMAS", "TURN_MOST",
+           "Trial", "WIN_PAIRS", "WON"]
 
 #: timed steps a turn
 BLOCK = 5
@@ -54,6 +60,9 @@ TURN_MOST = 4 * (BLOCK + 1)
 #: pairs of turns before a loss can be seen, and the pairs a win is judged on
 MIN_PAIRS = 2
 WIN_PAIRS = 8
+#: the pairs after which a clear win is looked for, and how many margins it must clear
+EARLY_PAIRS = 4
+EARLY_MARGIN = 3.0
 #: standard errors of the difference a win must clear
 SIGMAS = 3.0
 
@@ -167,9 +176,12 @@ class Trial:
         noise = SIGMAS * spread(gains) / math.sqrt(pairs)
         needed = self.margin * sum(base) / len(base)
         if pairs >= WIN_PAIRS:
-            # one look for a win, at a sample size fixed in advance (a win
-            # looked for at every pair would be found by noise at one of them)
+            # the last look for a win, at a sample size fixed in advance (a
+            # win looked for at every pair would be found by noise at one of them)
             self.verdict = WON if gain > max(needed, noise) else LOST
+        elif pairs == EARLY_PAIRS and \
+                gain > max(EARLY_MARGIN * needed, noise * math.sqrt(WIN_PAIRS / EARLY_PAIRS)):
+            self.verdict = WON  # a clear win, halfway
         elif gain + noise < needed:
             self.verdict = LOST
 
