@@ -145,6 +145,8 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
         "throughput_wall": float(done.group(1).replace(",", "")) if done else None,
         # each stretch of steps at one split and state: [first step, steps, state, shards]
         "trace": _stretches(lines),
+        # the mean step in each state, and the steps' time in it
+        "step_s_by_state": {s: [sum(t) / len(t), sum(t)] for s, t in _by_state(lines).items()},
         "final_shards": [w["shard"] for w in last],
         "names": [w.get("name", "") for w in last],
         "states": {s: sum(1 for x in lines if x.get("balance") == s)
@@ -164,6 +166,14 @@ def _stretches(lines: List[dict]) -> List[list]:
             out[-1][1] += 1
         else:
             out.append([x.get("step"), 1, key[0], key[1]])
+    return out
+
+
+def _by_state(lines: List[dict]) -> Dict[str, List[float]]:
+    """Each state's step times (a probe's cost against the held split's)."""
+    out: Dict[str, List[float]] = {}
+    for x in lines:
+        out.setdefault(x.get("balance"), []).append(x["step_time_s"])
     return out
 
 

@@ -348,13 +348,6 @@ class Balancer:
             current = split
         if not self._trusted():
             return current, None
-        if current == equal and self.guard is not None and not self.guard.can_check():
-            # the lost trials' budget is spent: no trial could check a move
-            # off equal shards, and a fit's noise alone must not make one;
-            # parts that come in apart past their noise still do
-            room = self.room(current, ids, sigmas=SPENT_SIGMAS)
-            if room is None or room <= self.tolerance:
-                return current, None
         if self._quiet > 0:
             # the model said stay: it is asked again after 1, 2, 4 ... 16
             # steps (a jump asks at once), so a settled step costs the
@@ -434,8 +427,12 @@ class Balancer:
         if not worth(equal):
             return equal  # not worth leaving equal shards
         if current == equal:
-            room = self.room(current, ids)
-            if room is not None and room <= self.tolerance:
+            # once the lost trials' budget is spent no trial could check a
+            # move off equal shards, and a fit's noise alone must not make
+            # one: the parts must be seen coming in apart, past more noise
+            spent = self.guard is not None and not self.guard.can_check()
+            room = self.room(current, ids, sigmas=SPENT_SIGMAS if spent else 2.0)
+            if (room is None and spent) or (room is not None and room <= self.tolerance):
                 # the parts come in together: the model's gain is its noise
                 # (the fewer sizes it has seen, the more it reads into it)
                 return equal
