@@ -143,7 +143,8 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
         "balance": balance, "share": share, "steps": steps,
         "throughput": sum(x["samples"] for x in lines) / step_s,
         "throughput_wall": float(done.group(1).replace(",", "")) if done else None,
-        # each stretch of steps at one split and state: [first step, steps, state, shards]
+        # each stretch of steps at one split and state:
+        # [first step, steps, state, shards, its mean step in seconds]
         "trace": _stretches(lines),
         # the mean step in each state, and the steps' time in it
         "step_s_by_state": {s: [sum(t) / len(t), sum(t)] for s, t in _by_state(lines).items()},
@@ -164,8 +165,11 @@ def _stretches(lines: List[dict]) -> List[list]:
         key = (x.get("balance"), [w["shard"] for w in x["workers"]])
         if out and (out[-1][2], out[-1][3]) == key:
             out[-1][1] += 1
+            out[-1][4] += x["step_time_s"]
         else:
-            out.append([x.get("step"), 1, key[0], key[1]])
+            out.append([x.get("step"), 1, key[0], key[1], x["step_time_s"]])
+    for stretch in out:
+        stretch[4] = round(stretch[4] / stretch[1], 6)  # its mean step
     return out
 
 
