@@ -554,18 +554,38 @@ def test_a_staircase_is_found_by_trying_each_worker_at_the_floor():
 @pytest.mark.parametrize("twice", [False, True])
 def test_a_worker_at_the_floor_is_kept_only_when_it_wins_twice(twice):
     """The guard alone, its step times made up: the first challenger (worker
-    0 at the floor) wins a trial; it is tried again at once and kept only
-    if it wins that one too."""
-    from ddpwire.session.guard import Guard
+    0 at the floor) wins a trial, 8% faster (short of a clear win); it is
+    tried again at once and kept only if it wins that one too."""
     from ddpwire.session.splits import at_floor
+
+    current, seen = _floor_trials(lambda trial: 0.92 if trial.ident == 1 or twice else 2.0)
+    floor = at_floor([512, 512], 0)
+    assert seen[:2] == [(1, ("floor 0", floor)), (2, ("floor 0", floor))], seen
+    assert current == (floor if twice else [512, 512]), current
+
+
+def test_a_clear_win_is_kept_at_once():
+    """Twice as fast, taken halfway through its trial: no second trial."""
+    from ddpwire.session.splits import at_floor
+
+    current, seen = _floor_trials(lambda trial: 0.5, trials=1)
+    assert seen == [(1, ("floor 0", at_floor([512, 512], 0)))], seen
+    assert current == at_floor([512, 512], 0)
+
+
+def _floor_trials(challenger, trials=2):
+    """The guard alone from equal shards (a step 1.0 s), until ``trials``
+    verdicts are in; a challenger step takes ``challenger(trial)``
+    seconds. Returns the split at the end and each trial's challenger."""
+    from ddpwire.session.guard import Guard
 
     g = Guard()
     equal = [512, 512]
     current = list(equal)
     seen = []
     for _ in range(GUARD_FIRST + 4 * 2 * WIN_PAIRS * BLOCK + 10):
-        if len(seen) == 2 and g.trial is None:
-            break  # the second trial's verdict is in
+        if len(seen) == trials and g.trial is None:
+            break  # the last trial's verdict is in
         split, arm = g.next(current, equal, lambda: None)
         if arm is None:
             current = split
@@ -574,11 +594,10 @@ def test_a_worker_at_the_floor_is_kept_only_when_it_wins_twice(twice):
         trial = g.trial
         if not seen or seen[-1] != (trial.ident, trial.arms[1]):
             seen.append((trial.ident, trial.arms[1]))
-        faster = trial.ident == 1 or twice
-        g.record(trial.ident, arm, 1.0 if arm == 0 else 0.5 if faster else 2.0)
-    floor = at_floor(equal, 0)
-    assert seen[:2] == [(1, ("floor 0", floor)), (2, ("floor 0", floor))], seen
-    assert current == (floor if twice else equal), current
+        g.record(trial.ident, arm, 1.0 if arm == 0 else challenger(trial))
+    # (the step after the last verdict runs the split it kept)
+    split, _ = g.next(current, equal, lambda: None)
+    return split, seen
 
 
 def test_the_first_floor_tried_is_the_slowest_workers():

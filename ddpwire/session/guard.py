@@ -26,9 +26,10 @@ far as the clock bears it out:
   trials: a split far off the best costs every step it runs. A split
   other than equal shards that wins is tried again at once, and kept only
   if it wins that trial too: a move that noise or a shared machine's
-  moment let win once costs every step after it, and each win sets the
-  trials' pace back to every :data:`GUARD_FIRST` steps; going back to
-  equal shards (the reference's split) takes one win;
+  moment let win once costs every step after it (a clear win, taken
+  halfway through its trial, is kept at once: ddpwire.session.trials),
+  and each win sets the trials' pace back to every :data:`GUARD_FIRST`
+  steps; going back to equal shards (the reference's split) takes one win;
 - the trials that lost may cost at most :data:`TRIAL_BUDGET` of the time
   run (each lost trial's challenger steps, times how much slower they
   were), or of :data:`GUARD_LAST` steps while the run is shorter (a run's
@@ -244,7 +245,7 @@ class Guard:
             self._bench[key] = (left - 1, length)
         giver = int(kind.split()[1]) if kind.startswith("nudge") else None
         confirmed, self._confirming = self._confirming, False
-        if trial.verdict == WON and split != list(equal) and not confirmed:
+        if trial.verdict == WON and split != list(equal) and not confirmed and not trial.clear:
             self._again = [trial.arms[0], trial.arms[1]]  # tried again before it is kept
             return base
         if trial.verdict != WON:

@@ -95,6 +95,9 @@ class Trial:
         #: steps too: what it cost (they are no evidence of its speed)
         self._paid: List[float] = []
         self.verdict: Optional[str] = None
+        #: the win was clear (taken halfway): noise or a moment of the
+        #: machine is not what made it
+        self.clear = False
 
     def next_arm(self) -> Optional[int]:
         """The arm the next step runs, or None once there is a verdict."""
@@ -181,7 +184,7 @@ class Trial:
             self.verdict = WON if gain > max(needed, noise) else LOST
         elif pairs == EARLY_PAIRS and \
                 gain > max(EARLY_MARGIN * needed, noise * math.sqrt(WIN_PAIRS / EARLY_PAIRS)):
-            self.verdict = WON  # a clear win, halfway
+            self.verdict, self.clear = WON, True  # a clear win, halfway
         elif gain + noise < needed:
             self.verdict = LOST
 
