@@ -381,6 +381,23 @@ def test_the_room_the_model_has_is_how_far_apart_the_parts_come_in():
     assert b.room([500, 500], [0, 1]) is None
 
 
+def test_a_worker_never_the_last_one_in_takes_the_longest_rest_measured():
+    """Where one worker is always the last one in, the other's rest is not
+    known: it is taken to be as long as the longest measured, so the room
+    is how far apart the parts come in, not that plus the last one's rest."""
+    b = Balancer(2)
+    for k in range(ROOM_LEAST + 1):
+        for w, t in enumerate([0.010, 0.015]):
+            b.observe(w, 500, t)
+        if k == 0:
+            assert b.room([500, 500], [0, 1]) is None  # no rest measured yet
+        b.ended(1, 0.003)  # worker 1 is always the last one in
+        b.shards(1000, step=0)
+        b.stepped(0, 0.018)
+    assert b.after[0] is None
+    assert b.room([500, 500], [0, 1]) == pytest.approx(0.005 / 0.018)
+
+
 def test_the_guard_keeps_a_split_that_wins_and_compares_ever_less_often():
     machines = Machines([2e-3, 2e-3], [10e-6, 40e-6], noise=0.05)
     b = Balancer(2)
