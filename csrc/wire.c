@@ -83,12 +83,11 @@ static const ddpw_layout *const BY_TAG[256] = {
 #undef DDPW_MESSAGE
 #undef DDPW_F
 
-static const char *const WIRE_TYPE_NAMES[] = {
-    "u8", "u16", "u32", "u64", "f32", "string", "bytes32", "u32list", "f32vec", "bytes",
-};
-static const char *const RULE_NAMES[] = {
-    "none", "codec", "flag", "scale", "dtype", "count_of_dtype", "within_total", "last",
-};
+/* The names of wire.h's lists, indexed by value. */
+#define DDPW_NAME_AT(ENUM, value, name) [value] = name,
+static const char *const WIRE_TYPE_NAMES[] = {DDPW_WIRE_TYPES(DDPW_NAME_AT)};
+static const char *const RULE_NAMES[] = {DDPW_RULES(DDPW_NAME_AT)};
+#undef DDPW_NAME_AT
 
 const ddpw_layout *ddpw_layout_at(size_t i)
 {

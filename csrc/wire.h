@@ -35,33 +35,56 @@ typedef enum ddpw_tag {
 #undef DDPW_F
 } ddpw_tag;
 
-/* A field's type on the wire (messages.def). Numbers and f32 are
- * little-endian. */
+/* A field's type on the wire (messages.def), and its name in errors and
+ * in messages.LAYOUTS: X(ENUM, value, name). Numbers and f32 are
+ * little-endian. One list, from which the enum and the names are made.
+ *   STRING:  u32 byte count, then UTF-8
+ *   BYTES32: DDPW_AUTH_BYTES raw bytes
+ *   U32LIST: u32 count, then u32 elements
+ *   F32VEC:  u64 count, then float32 elements: a bulk
+ *   BYTES:   u64 byte count, then the bytes: a bulk */
+#define DDPW_WIRE_TYPES(X)                                                     \
+    X(U8, 0, "u8")                                                             \
+    X(U16, 1, "u16")                                                           \
+    X(U32, 2, "u32")                                                           \
+    X(U64, 3, "u64")                                                           \
+    X(F32, 4, "f32")                                                           \
+    X(STRING, 5, "string")                                                     \
+    X(BYTES32, 6, "bytes32")                                                   \
+    X(U32LIST, 7, "u32list")                                                   \
+    X(F32VEC, 8, "f32vec")                                                     \
+    X(BYTES, 9, "bytes")
+
 typedef enum ddpw_wire_type {
-    DDPW_WT_U8 = 0,
-    DDPW_WT_U16 = 1,
-    DDPW_WT_U32 = 2,
-    DDPW_WT_U64 = 3,
-    DDPW_WT_F32 = 4,
-    DDPW_WT_STRING = 5,  /* u32 byte count, then UTF-8 */
-    DDPW_WT_BYTES32 = 6, /* DDPW_AUTH_BYTES raw bytes */
-    DDPW_WT_U32LIST = 7, /* u32 count, then u32 elements */
-    DDPW_WT_F32VEC = 8,  /* u64 count, then float32 elements: a bulk */
-    DDPW_WT_BYTES = 9    /* u64 byte count, then the bytes: a bulk */
+#define DDPW_WT_ENUM(ENUM, value, name) DDPW_WT_##ENUM = value,
+    DDPW_WIRE_TYPES(DDPW_WT_ENUM)
+#undef DDPW_WT_ENUM
 } ddpw_wire_type;
 
 /* What a field's value may be (messages.def): a decoder refuses, and an
- * encoder will not write, anything else. */
+ * encoder will not write, anything else. X(ENUM, value, name), as above.
+ *   CODEC:          a known ddpw_codec
+ *   FLAG:           0 or 1
+ *   SCALE:          f32, finite and >= 0
+ *   DTYPE:          a known ddpw_dtype
+ *   COUNT_OF_DTYPE: bytes: exactly `count` elements of `dtype`
+ *   WITHIN_TOTAL:   bytes: no more than `total`
+ *   LAST:           no rule on the wire; the Python class takes the field
+ *                   last, with a default of 0 */
+#define DDPW_RULES(X)                                                          \
+    X(NONE, 0, "none")                                                         \
+    X(CODEC, 1, "codec")                                                       \
+    X(FLAG, 2, "flag")                                                         \
+    X(SCALE, 3, "scale")                                                       \
+    X(DTYPE, 4, "dtype")                                                       \
+    X(COUNT_OF_DTYPE, 5, "count_of_dtype")                                     \
+    X(WITHIN_TOTAL, 6, "within_total")                                         \
+    X(LAST, 7, "last")
+
 typedef enum ddpw_rule {
-    DDPW_RULE_NONE = 0,
-    DDPW_RULE_CODEC = 1,          /* a known ddpw_codec */
-    DDPW_RULE_FLAG = 2,           /* 0 or 1 */
-    DDPW_RULE_SCALE = 3,          /* f32, finite and >= 0 */
-    DDPW_RULE_DTYPE = 4,          /* a known ddpw_dtype */
-    DDPW_RULE_COUNT_OF_DTYPE = 5, /* bytes: exactly `count` elements of `dtype` */
-    DDPW_RULE_WITHIN_TOTAL = 6,   /* bytes: no more than `total` */
-    DDPW_RULE_LAST = 7            /* no rule on the wire; the Python class takes it last,
-                                     with a default of 0 */
+#define DDPW_RULE_ENUM(ENUM, value, name) DDPW_RULE_##ENUM = value,
+    DDPW_RULES(DDPW_RULE_ENUM)
+#undef DDPW_RULE_ENUM
 } ddpw_rule;
 
 /* One field of a message: its name, the name its count or length goes by
