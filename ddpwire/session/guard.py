@@ -39,12 +39,14 @@ far as the clock bears it out:
   cannot pay for 640's trials). A trial starts only within that budget,
   and one under way stops, lost, before the challenger's step whose
   excess would take the budget past it. The budget is overdrawn by at
-  most the excess of a challenger turn's first two steps: the first
-  carries the change of split and is not timed, so the second is run
-  before the turn shows any excess. Where nothing wins, the trials cost a
-  bounded share of the run, however long or short it is. Once the budget
-  is spent the model moves nothing off equal shards (:meth:`Guard.can_check`:
-  no trial could check the move). Nothing a worker reports says when a
+  most the excess of a challenger's first step: it carries the change of
+  split and is no evidence of the challenger's speed, but it is paid for,
+  and its time is in before the next step is planned. Where nothing wins,
+  the trials cost a bounded share of the run, however long or short it
+  is. Once the budget is spent the model moves nothing off equal shards
+  on its fit alone (:meth:`Guard.can_check`: no trial could check the
+  move), only where the parts are seen coming in apart
+  (ddpwire.session.balance). Nothing a worker reports says when a
   trial could win: a worker under a CPU quota whose compute fits in the
   quota's burst (its other threads' time spends the rest) computes as fast
   as the others and comes in with them, and stalls
@@ -156,8 +158,8 @@ class Guard:
 
     def can_check(self) -> bool:
         """Whether a trial may start within the budget: what a move of the
-        model's off equal shards needs (a trial checks it within
-        :data:`GUARD_FIRST` steps)."""
+        model's off equal shards on its fit alone needs (a trial checks it
+        within :data:`GUARD_FIRST` steps)."""
         return self.spent <= self.budget()
 
     def record(self, trial: Optional[int], arm: int, seconds: float,
