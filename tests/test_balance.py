@@ -635,3 +635,33 @@ def test_the_first_floor_tried_is_the_slowest_workers():
     Machines([1e-3, 1e-3], [9e-6, 3e-6]).run(b, 256, 12)
     assert b._slowest([128, 128], [0, 1]) == [0, 1]
     assert b._slowest([16, 240], [0, 1]) == [1, 0]
+
+
+@pytest.mark.parametrize("benched", [False, True])
+def test_a_move_of_the_model_off_equal_is_tried_against_equal_first(benched):
+    """The model's fit may move the split off equal shards on noise, and
+    such a move costs every step until a trial undoes it: the first trial
+    after it runs equal shards against it, whatever the turn (floor 1's
+    here) and even where equal shards sit out a loss."""
+    from ddpwire.session.guard import Guard
+
+    g = Guard()
+    equal = [512, 512]
+    current = list(equal)
+    while g.trials < 1 or g.trial is not None:  # floor 0 tried first, and lost
+        split, arm = g.next(current, equal, lambda: None)
+        g.record(None if arm is None else g.trial.ident, arm or 0,
+                 1.0 if arm in (None, 0) else 2.0)
+        if arm is None:
+            current = split
+    assert current == equal and g.trials == 1
+    moved = [600, 424]
+    if benched:
+        g._bench[tuple(equal)] = (3, 4)
+    g.left_equal()
+    for _ in range(GUARD_FIRST + 1):
+        split, arm = g.next(moved, equal, lambda: None)
+        if arm is not None:
+            break
+        g.record(None, 0, 1.0)
+    assert g.trial is not None and g.trial.arms == [("current", moved), ("equal", equal)]

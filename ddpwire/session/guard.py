@@ -7,7 +7,9 @@ far as the clock bears it out:
 
 - now and then (after :data:`GUARD_FIRST` steps, then twice as long each
   time nothing wins, at most :data:`GUARD_LAST`; within GUARD_FIRST steps
-  of the model leaving equal shards) a :class:`ddpwire.session.trials.Trial` runs
+  of the model leaving equal shards, and then against equal shards
+  whatever the turn: a move the fit made on noise costs every step until
+  a trial undoes it) a :class:`ddpwire.session.trials.Trial` runs
   the current split against one challenger and keeps the challenger where
   its measured steps are faster past their noise by :data:`GUARD_WIN`;
 - the challengers take turns: equal shards, the split the last trial kept,
@@ -124,6 +126,7 @@ class Guard:
         self._since = 0                     # steps since the last trial ended
         self._again: Optional[List[Tuple[str, List[int]]]] = None  # a win to confirm
         self._confirming = False            # the trial under way is a confirmation
+        self._moved = False                 # the model left equal shards: equal is next
         self._interval = GUARD_FIRST
 
     def jumped(self, settle: int) -> bool:
@@ -141,8 +144,12 @@ class Guard:
 
     def left_equal(self) -> None:
         """The model moved the split off equal shards: a trial within
-        :data:`GUARD_FIRST` steps (the trials' pace kept)."""
+        :data:`GUARD_FIRST` steps (the trials' pace kept), against equal
+        shards whatever the turn (benched or not): a move the fit made on
+        noise costs every step until a trial undoes it, and only equal
+        shards undo it in one."""
         self._since = max(self._since, self._interval - GUARD_FIRST)
+        self._moved = True
 
     def _step(self) -> float:
         """The mean step so far (0 before any)."""
@@ -197,7 +204,9 @@ class Guard:
             # one challenger a trial, in turn: every split at once would cost
             # as much as it could find
             kinds = dict(arms[1:])
-            if self._push in kinds:
+            if self._moved and "equal" in kinds:
+                pick = "equal"
+            elif self._push in kinds:
                 pick = self._push
             else:
                 # the kinds in a fixed order, whichever are here: a rotation
@@ -212,6 +221,7 @@ class Guard:
                 pick = order[(self._turn + at) % len(order)]
                 self._turn += at + 1
             challenger = (pick, kinds[pick])
+            self._moved = False
             self.trials += 1
             self.trial = Trial(self.trials, [arms[0], challenger], GUARD_WIN)
         elif self.trial.at == 1 and self.spent + self.trial.cost(ahead=1) > self.budget():
@@ -227,7 +237,8 @@ class Guard:
 
         def add(kind: str, split: Optional[List[int]]) -> None:
             if split is not None and all(split != s for _, s in arms) and \
-                    (kind.startswith("nudge") or self._bench.get(tuple(split), (0, 1))[0] <= 0):
+                    (kind.startswith("nudge") or (kind == "equal" and self._moved)
+                     or self._bench.get(tuple(split), (0, 1))[0] <= 0):
                 arms.append((kind, split))
         add("equal", equal)
         add("kept", self._kept)
