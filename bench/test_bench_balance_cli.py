@@ -5,8 +5,11 @@ in the same run.
 - ``test_identical``: two and three identical workers, the demo MLP and
   the demo transformer, 64, 512 and 4096 samples a step. Each round runs
   ``--balance auto`` (the default) and ``--balance off`` back to back, in
-  alternating order; the ratio is auto's throughput over off's, and the
-  shards at the end are compared with equal ones.
+  alternating order; the ratio is auto's throughput over off's (over the
+  rounds: their geometric mean and its 95% interval, ``ratio_geometric``:
+  on this machine one run's ratio spreads ±15%, so a goal of 0.98x needs
+  the interval, not a run), and the shards at the end are compared with
+  equal ones.
 - ``test_held``: two workers, one (``--node-id held``) held to a quarter of
   a core by a cgroup v1 cpu quota with a 10 ms period, the same models and
   sizes: ``--balance auto``, ``off``, and a sweep of fixed splits (the held
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import socket
@@ -181,6 +185,25 @@ def _by_state(lines: List[dict]) -> Dict[str, List[float]]:
     return out
 
 
+#: Student's t at 97.5% by degrees of freedom (rounds - 1), for the intervals
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+        10: 2.23, 11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13}
+
+
+def geometric_interval(ratios: List[float]) -> List[float]:
+    """[geometric mean, low, high]: the mean of the ratios' logs and its 95%
+    interval (Student's t over the rounds), back on the ratios' scale. A
+    round's two runs are back to back, so the machine's slow drift falls on
+    both: the ratios are paired, and their spread is what is left."""
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return [math.exp(mean)] * 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = T975.get(len(logs) - 1, 2.0) * sd / math.sqrt(len(logs))
+    return [math.exp(mean), math.exp(mean - half), math.exp(mean + half)]
+
+
 def _median(values: List[float]) -> float:
     v = sorted(values)
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
@@ -211,11 +234,14 @@ def test_identical(benchmark, workers, model, samples):
                              for g in rounds])
     equal = samples / workers
     off_equal = [max(abs(c - equal) for c in g["auto"]["final_shards"]) / equal for g in rounds]
-    print(f"\nidentical {workers} {model} {samples}: auto/off {ratios}, shards "
+    geo = geometric_interval(ratios)
+    print(f"\nidentical {workers} {model} {samples}: auto/off {geo[0]:.3f} "
+          f"(95% {geo[1]:.3f}-{geo[2]:.3f}), rounds {[round(r, 3) for r in ratios]}, shards "
           f"{[g['auto']['final_shards'] for g in rounds]}", flush=True)
     benchmark.extra_info.update(
         workers=workers, model=model, samples=samples, steps=steps, ratios=ratios,
-        ratio_median=_median(ratios), final_off_equal=off_equal, rounds=rounds)
+        ratio_median=_median(ratios), ratio_geometric=geo, final_off_equal=off_equal,
+        rounds=rounds)
     assert all(g["auto"]["final_shards"] for g in rounds)
 
 

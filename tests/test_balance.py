@@ -665,3 +665,26 @@ def test_a_move_of_the_model_off_equal_is_tried_against_equal_first(benched):
             break
         g.record(None, 0, 1.0)
     assert g.trial is not None and g.trial.arms == [("current", moved), ("equal", equal)]
+
+
+def test_a_split_noise_let_win_goes_back_to_equal_shards_at_their_trial():
+    """Identical workers left at the floor (at 64 samples the MLP's step is
+    nearly all fixed part, and a floor won by noise): steps of one speed,
+    15% noise. Equal shards take over at their first trial, the burden of
+    proof being on the floor; it would have had to win by GUARD_WIN."""
+    from ddpwire.session.guard import Guard
+
+    rng = random.Random(7)
+    g = Guard()
+    equal, current = [32, 32], [4, 60]
+    before = current  # the split of the step before (a change is not timed)
+    for step in range(GUARD_FIRST + 4 * 2 * WIN_PAIRS * (BLOCK + 1)):
+        split, arm = g.next(current, equal, lambda: None)
+        g.record(None if arm is None else g.trial.ident, arm or 0,
+                 1e-3 * rng.uniform(0.85, 1.15), changed=split != before)
+        before = split
+        if arm is None:
+            current = split
+        if current == equal:
+            break
+    assert current == equal and g.trials == 1, (current, g.trials)

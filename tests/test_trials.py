@@ -151,3 +151,38 @@ def test_a_trial_takes_two_splits_and_a_margin():
         Trial(1, [("current", [2, 2])], 0.02)
     with pytest.raises(ValueError, match="margin"):
         Trial(1, [("current", [2, 2]), ("equal", [2, 2])], 1.5)
+
+
+def _reference() -> Trial:
+    return Trial(1, [("current", [3, 1]), ("equal", [2, 2])], 0.05, reference=True)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_equal_shards_take_over_where_the_split_is_not_shown_faster(seed):
+    """Against the reference (equal shards) the burden of proof is the
+    other way round: arms of one speed, noisy, give equal shards back;
+    the same trial with any other challenger keeps the base."""
+    rng = random.Random(seed)
+    noisy = lambda arm, step: 10.0 * rng.uniform(0.85, 1.15)  # noqa: E731
+    t = _reference()
+    run(t, noisy)
+    assert t.verdict == WON
+    t = Trial(1, [("current", [3, 1]), ("floor 1", [3, 1])], 0.05)
+    run(t, noisy)
+    assert t.verdict == LOST
+
+
+def test_a_split_shown_faster_than_equal_shards_keeps_its_place():
+    """The base (a held worker at the floor, say) faster by far: the
+    reference challenger loses, halfway; faster than the margin but by
+    less, at the planned look; by less than the margin, equal shards win."""
+    rng = random.Random(3)
+    t = _reference()
+    run(t, lambda arm, step: [6.0, 10.0][arm] * rng.uniform(0.9, 1.1))
+    assert t.verdict == LOST and t.clear and len(t.turns[1]) == EARLY_PAIRS
+    t = _reference()
+    run(t, lambda arm, step: [9.0, 10.0][arm] * rng.uniform(0.99, 1.01))
+    assert t.verdict == LOST and len(t.turns[1]) == WIN_PAIRS
+    t = _reference()
+    run(t, lambda arm, step: [9.8, 10.0][arm] * rng.uniform(0.99, 1.01))
+    assert t.verdict == WON and len(t.turns[1]) < WIN_PAIRS

@@ -31,7 +31,10 @@ far as the clock bears it out:
   moment let win once costs every step after it (a clear win, taken
   halfway through its trial, is kept at once: ddpwire.session.trials),
   and each win sets the trials' pace back to every :data:`GUARD_FIRST`
-  steps; going back to equal shards (the reference's split) takes one win;
+  steps; going back to equal shards (the reference's split) takes one
+  trial, which equal shards win unless the split they challenge is shown
+  faster than them by GUARD_WIN (the burden of proof is on every split
+  but equal shards: ddpwire.session.trials);
 - the trials that lost may cost at most :data:`TRIAL_BUDGET` of the time
   run (each lost trial's challenger steps, times how much slower they
   were), or of :data:`GUARD_LAST` steps while the run is shorter (a run's
@@ -223,7 +226,8 @@ class Guard:
             challenger = (pick, kinds[pick])
             self._moved = False
             self.trials += 1
-            self.trial = Trial(self.trials, [arms[0], challenger], GUARD_WIN)
+            self.trial = Trial(self.trials, [arms[0], challenger], GUARD_WIN,
+                               reference=challenger[1] == list(equal))
         elif self.trial.at == 1 and self.spent + self.trial.cost(ahead=1) > self.budget():
             self.trial.stop()  # its next step would overdraw the budget: lost where it stands
         arm = self.trial.next_arm()

@@ -39,6 +39,15 @@ times after each pair of turns:
   (a floor's far split costs one turn, not two), while steps that come
   as a quota's bursts and stalls spread too wide for a verdict that soon.
 
+The burden of proof is on the split that is not the reference (equal
+shards, what a coordinator that does not balance runs), whichever arm it
+is: against a ``reference`` challenger the rules above run the other way
+round, and equal shards take over unless the base is shown faster than
+them by the margin. Identical workers whose noise once let a split win
+(at 64 samples the MLP's step is nearly all fixed part: a floor costs
+about what equal shards do) go back to equal shards at their next trial
+of them, where a win that bar would keep the split for good.
+
 A caller whose step times come some steps late gets up to :data:`TURN_MOST`
 steps for a turn's times to come in; a caller that times nothing runs no
 challenger at all.
@@ -77,7 +86,7 @@ class Trial:
     :data:`LOST`."""
 
     def __init__(self, ident: int, arms: Sequence[Tuple[str, List[int]]],
-                 margin: float) -> None:
+                 margin: float, reference: bool = False) -> None:
         if len(arms) != 2:
             raise ValueError(f"a trial compares two splits, got {len(arms)}")
         if not 0.0 <= margin < 1.0:
@@ -85,6 +94,9 @@ class Trial:
         self.ident = ident
         self.arms: List[Tuple[str, List[int]]] = [(k, list(s)) for k, s in arms]
         self.margin = margin
+        #: the challenger is the reference split (equal shards): it takes
+        #: over unless the base is shown faster than it by the margin
+        self.reference = reference
         #: each arm's turns: the step times of each
         self.turns: List[List[List[float]]] = [[[]], []]
         self.at = 0          # the arm whose turn it is
@@ -178,23 +190,29 @@ class Trial:
         gain = sum(gains) / pairs
         noise = SIGMAS * spread(gains) / math.sqrt(pairs)
         needed = self.margin * sum(base) / len(base)
+        # the split that must show itself faster (the challenger, or the
+        # base against the reference), its gain, and the verdict if it does
+        shown, won = (-gain, LOST) if self.reference else (gain, WON)
+        lost = WON if self.reference else LOST
         if pairs >= WIN_PAIRS:
             # the last look for a win, at a sample size fixed in advance (a
             # win looked for at every pair would be found by noise at one of them)
-            self.verdict = WON if gain > max(needed, noise) else LOST
+            self.verdict = won if shown > max(needed, noise) else lost
         elif pairs == EARLY_PAIRS and \
-                gain > max(EARLY_MARGIN * needed, noise * math.sqrt(WIN_PAIRS / EARLY_PAIRS)):
-            self.verdict, self.clear = WON, True  # a clear win, halfway
-        elif gain + noise < needed:
-            self.verdict = LOST
+                shown > max(EARLY_MARGIN * needed, noise * math.sqrt(WIN_PAIRS / EARLY_PAIRS)):
+            self.verdict, self.clear = won, True  # a clear win, halfway
+        elif shown + noise < needed:
+            self.verdict = lost
 
     def _judge_first(self) -> None:
-        """After the first pair: lost where, past :data:`SIGMAS` standard
-        errors of the two turns' own steps, the challenger cannot win."""
+        """After the first pair: decided where, past :data:`SIGMAS`
+        standard errors of the two turns' own steps, the split that must
+        show itself faster cannot."""
         turns = (self.turns[0][0], self.turns[1][0])
         if any(len(t) < 3 for t in turns):
             return
         base, other = (sum(t) / len(t) for t in turns)
         noise = SIGMAS * math.hypot(*(spread(t) / math.sqrt(len(t)) for t in turns))
-        if base - other + noise < self.margin * base:
-            self.verdict = LOST
+        shown = other - base if self.reference else base - other
+        if shown + noise < self.margin * base:
+            self.verdict = WON if self.reference else LOST
