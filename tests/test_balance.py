@@ -688,3 +688,62 @@ def test_a_split_noise_let_win_goes_back_to_equal_shards_at_their_trial():
         if current == equal:
             break
     assert current == equal and g.trials == 1, (current, g.trials)
+
+
+def test_a_move_the_model_undoes_itself_brings_no_trial_forward():
+    """A move off equal shards brings a trial of it forward; the model
+    undoing it before the trial starts calls that trial off, and the
+    trials keep their pace (each one brought forward tried some other
+    split, dozens a run where the model moves on noise)."""
+    from ddpwire.session.guard import Guard
+
+    equal = [32, 32]
+    for undone in (False, True):
+        g = Guard()
+        for _ in range(GUARD_FIRST + 1):  # the first trial, a floor; it loses
+            split, arm = g.next(equal, equal, lambda: None)
+            g.record(None if arm is None else g.trial.ident, arm or 0, 1.0 if not arm else 3.0)
+        while g.trial is not None:
+            split, arm = g.next(equal, equal, lambda: None)
+            g.record(None if arm is None else g.trial.ident, arm or 0, 1.0 if not arm else 3.0)
+        g.left_equal()
+        if undone:
+            g.back_to_equal()
+        for step in range(GUARD_FIRST + 1):
+            g.next(equal, equal, lambda: None)
+            g.record(None, 0, 1.0)
+        assert (g.trial is None) == undone
+
+
+def test_the_model_keeps_equal_shards_a_while_after_undoing_a_move():
+    """A worker 12% slower (less than a jump) moves the split; back at one
+    speed the model returns to equal shards by itself, and then keeps them
+    for STAY_FIRST steps, twice that after its next return, whatever the
+    fits say meanwhile; a worker that jumps is followed at once."""
+    from ddpwire.session.balance import STAY_FIRST
+
+    def machines():
+        m = Machines([1e-3, 1e-3], [10e-6, 10e-6], noise=0.02, seed=1)
+        return m, Balancer(2, guard=False)
+
+    def phase(m, b, slow: float, steps: int):
+        m.fixed, m.per_sample = [1e-3 * slow, 1e-3], [10e-6 * slow, 10e-6]
+        return m.run(b, 512, steps)
+
+    def returned(m, b):
+        assert phase(m, b, 1.12, 150)[-1] != [256, 256]  # followed
+        for _ in range(150):
+            if phase(m, b, 1.0, 1)[-1] == [256, 256]:
+                return
+        raise AssertionError("the model did not come back to equal shards")
+    m, b = machines()
+    returned(m, b)
+    returned(m, b)
+    # slower again at once, after the second return: equal shards kept for
+    # twice STAY_FIRST steps (the model leaves them in about 30 otherwise), then followed
+    assert all(s == [256, 256] for s in phase(m, b, 1.12, 2 * STAY_FIRST - 1))
+    assert phase(m, b, 1.12, 150)[-1] != [256, 256]
+    # a jump (a worker twice as slow) is followed at once, whatever the stay
+    m, b = machines()
+    returned(m, b)
+    assert phase(m, b, 2.0, 12)[-1][0] < 200

@@ -39,7 +39,12 @@ The rules, and why:
 - The model leaves equal shards only where the workers' parts come in
   further apart than :data:`TOLERANCE` of the step past their noise
   (:meth:`Balancer.room`): with one shard size seen it cannot tell the
-  noise of a few steps from a slower worker.
+  noise of a few steps from a slower worker. A move off equal shards that
+  the model undoes by itself was the noise's (on a shared machine the
+  parts come in apart for a while, one worker's and then another's): the
+  model then keeps equal shards for :data:`STAY_FIRST` steps, twice that
+  after its next return, at most :data:`STAY_MOST`, unless a worker's
+  speed jumps; and the trial of the move, brought forward, is called off.
 - The guard (``guard=True``, ``--balance auto``): trials of other splits
   now and then, on measured step times, their cost bounded, and the
   model trusted only as far as they bear it out (:mod:`ddpwire.session.guard`).
@@ -88,6 +93,10 @@ TOLERANCE = 0.03
 MEASURE_STEPS = 4
 #: the most steps a split the model said to keep stays before it is asked again
 QUIET_MOST = 16
+#: steps the model keeps equal shards after it came back to them by itself
+#: (a move that the next fits undo was the noise's), doubled each time, at most
+STAY_FIRST = 32
+STAY_MOST = 256
 #: recent steps whose medians say how far apart the workers' parts come in
 #: (the room the model has to leave equal shards), and the fewest at one
 #: split that do
@@ -177,6 +186,8 @@ class Balancer:
         self._measure = 0      # equal steps left to measure after a jump
         self._quiet = 0        # steps the split stays before the model is asked again
         self._backoff = 1
+        self._stay = 0         # steps the model keeps equal shards yet
+        self._stay_next = STAY_FIRST  # ... after its next way back to them
 
     # ---- what is measured ----
 
@@ -318,10 +329,12 @@ class Balancer:
         if self.guard is not None:
             self.guard.restart()
         self._quiet, self._backoff, self._measure = 0, 1, 0
+        self._stay, self._stay_next = 0, STAY_FIRST
 
     def _decide(self, total: int, ids: List[int], equal: List[int],
                 current: List[int]) -> Tuple[List[int], Optional[int]]:
         """The split of the next step, and the arm of the trial it runs for (None: none)."""
+        self._stay = max(0, self._stay - 1)
         jumps = sum(m.jumps for m in self.models)
         if jumps != self._jumps:
             # a worker changed speed: one shard size cannot say whether its
@@ -333,6 +346,7 @@ class Balancer:
             if real:
                 for arrivals in self._arrivals:
                     arrivals.clear()  # how far apart they came in before says nothing now
+                self._stay, self._stay_next = 0, STAY_FIRST  # a real change is followed at once
             if real and current != equal and self._trusted():
                 self._measure = MEASURE_STEPS
         if self._measure:
@@ -361,6 +375,15 @@ class Balancer:
             self._quiet, self._backoff = 0, 1
             if current == equal and self.guard is not None:
                 self.guard.left_equal()
+            elif sub == equal:
+                # the model undid its own move off equal shards: the fits
+                # that made it were noise (on a shared machine the parts come
+                # in apart for a while, one worker then another: dozens of
+                # such moves a run, each a few steps at a worse split and a
+                # trial)
+                self._stay, self._stay_next = self._stay_next, min(2 * self._stay_next, STAY_MOST)
+                if self.guard is not None:
+                    self.guard.back_to_equal()
         return sub, None
 
     def room(self, split: Sequence[int], ids: Sequence[int],
@@ -427,6 +450,8 @@ class Balancer:
         if not worth(equal):
             return equal  # not worth leaving equal shards
         if current == equal:
+            if self._stay:
+                return equal  # it came back here by itself not long ago
             # once the lost trials' budget is spent no trial could check a
             # move off equal shards, and a fit's noise alone must not make
             # one: the parts must be seen coming in apart, past more noise

@@ -130,6 +130,7 @@ class Guard:
         self._again: Optional[List[Tuple[str, List[int]]]] = None  # a win to confirm
         self._confirming = False            # the trial under way is a confirmation
         self._moved = False                 # the model left equal shards: equal is next
+        self._since_before = 0              # _since before that brought the trial forward
         self._interval = GUARD_FIRST
 
     def jumped(self, settle: int) -> bool:
@@ -151,8 +152,19 @@ class Guard:
         shards whatever the turn (benched or not): a move the fit made on
         noise costs every step until a trial undoes it, and only equal
         shards undo it in one."""
+        if not self._moved:
+            self._since_before = self._since
         self._since = max(self._since, self._interval - GUARD_FIRST)
         self._moved = True
+
+    def back_to_equal(self) -> None:
+        """The model came back to equal shards by itself before the trial
+        of its move started: that trial is off (a trial brought forward for
+        a move that is gone would try some other split instead, and a
+        model that moves on noise brought dozens a run forward)."""
+        if self._moved and self.trial is None:
+            self._since = min(self._since, self._since_before)
+            self._moved = False
 
     def _step(self) -> float:
         """The mean step so far (0 before any)."""
