@@ -107,8 +107,9 @@ class Trial:
         #: steps too: what it cost (they are no evidence of its speed)
         self._paid: List[float] = []
         self.verdict: Optional[str] = None
-        #: the win was clear (taken halfway): noise or a moment of the
-        #: machine is not what made it
+        #: the verdict was clear (taken halfway, the split that had to show
+        #: itself faster shown so by far): noise or a moment of the machine
+        #: is not what made it
         self.clear = False
 
     def next_arm(self) -> Optional[int]:
