@@ -1,4 +1,5 @@
-"""Channel.send_last: the last frame a side sends, only between two frames."""
+"""Channel.send_last: the last frame a side sends, only between two frames;
+Channel.send_all: a step's frames in one write."""
 from __future__ import annotations
 
 import socket
@@ -7,7 +8,8 @@ import pytest
 
 from ddpwire import CoordinatorLost, WorkerLost
 from ddpwire.wire.channel import Channel
-from ddpwire.wire.messages import Shutdown, StepAborted
+from ddpwire import encode_frame
+from ddpwire.wire.messages import ShardAssignment, ShardScale, Shutdown, StepAborted
 
 
 @pytest.fixture
@@ -50,3 +52,29 @@ def test_a_closed_connection_is_not_written(pair):
     near, _ = pair
     near.close()
     assert not near.send_last(Shutdown(), lock_wait=1.0, timeout=1.0, what="stopping")
+
+
+def test_send_all_writes_the_frames_back_to_back_in_one_write(pair):
+    near, far = pair
+    msgs = [ShardAssignment(step=4, shard_start=0, shard_end=24), ShardScale(step=4, scale=0.75)]
+    writes = []
+    send_parts = near.conn.send_parts
+
+    class Counting:
+        """The connection, with its scatter-gather writes counted."""
+
+        def __getattr__(self, name):
+            return getattr(near.conn_real, name)
+
+        def send_parts(self, parts, *args, **kwargs):
+            writes.append(b"".join(bytes(p) for p in parts))
+            return send_parts(parts, *args, **kwargs)
+    near.conn_real, near.conn = near.conn, Counting()
+    try:
+        near.send_all(msgs, step=4)
+    finally:
+        near.conn = near.conn_real
+    assert writes == [encode_frame(msgs[0]) + encode_frame(msgs[1])]  # one write, both frames
+    assert far.expect([ShardAssignment], step=4) == msgs[0]
+    assert far.expect([ShardScale], step=4) == msgs[1]
+    assert not near.frame_open

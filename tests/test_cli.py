@@ -938,12 +938,12 @@ def test_a_stop_signal_waits_while_a_steps_shards_go_out():
         coord.wait_for_workers()
         seen = []
         for chan in coord._roster.channels:
-            send = chan.send
+            send_all = chan.send_all
 
-            def recording(msg, *, step=None, send=send):
-                seen.append((type(msg).__name__, coord.mid_frame))
-                return send(msg, step=step)
-            chan.send = recording
+            def recording(msgs, *, step=None, send_all=send_all):
+                seen.extend((type(msg).__name__, coord.mid_frame) for msg in msgs)
+                return send_all(msgs, step=step)
+            chan.send_all = recording
         coord.set_total_samples(8)
         assert not coord.mid_frame
         coord.send_shard_assignments(0)

@@ -117,8 +117,8 @@ def sample_scale(count: int, total: int, workers: int) -> float:
     ``workers`` (a sum divided by ``workers``) is the sample-weighted one:
     ``workers * count / total`` rounded once to float32; 1.0 when ``total``
     is 0 (nothing to weight)."""
-    if total <= 0:
-        return 1.0
+    if total <= 0 or workers * count == total:
+        return 1.0  # (an equal share: no numpy scalar on the coordinator's every step)
     return float(np.float32(workers * count / total))
 
 
@@ -173,7 +173,8 @@ class Balancer:
             [deque(maxlen=ROOM_STEPS) for _ in range(workers)]
         self._steps: Deque[float] = deque(maxlen=ROOM_STEPS)
         self._warm = [False] * workers  # a worker's first measurement is its warm-up
-        self._last: Optional[Tuple[List[int], List[int]]] = None  # (ids, their shards)
+        # (ids, their shards, the total, its equal split) of the step before
+        self._last: Optional[Tuple[List[int], List[int], int, List[int]]] = None
         #: where the shards stand: equal, balanced (the model's split), probe
         #: (a trial's steps, or equal ones measuring after a jump) or held
         #: (the model lost a trial: the split the trials found faster)
@@ -295,21 +296,24 @@ class Balancer:
         if not ids:
             raise ValueError("no active worker to give the samples to")
         last = self._last
-        current = last[1] if last is not None and last[0] == ids and sum(last[1]) == total \
-            else None
-        equal = equal_shards(total, len(ids))
-        if current is None:
-            self._restart()  # another set of workers or total: start over
-        if total < len(ids) or any(not self.models[i].measured for i in ids):
+        if last is not None and last[0] == ids and last[2] == total:
+            current: Optional[List[int]] = last[1]
+            equal = last[3]
+        else:
+            # another set of workers or total: start over
+            current, equal = None, equal_shards(total, len(ids))
+            self._restart()
+        if total < len(ids) or not all(self.models[i].measured for i in ids):
             sub, arm = equal, None
         else:
             sub, arm = self._decide(total, ids, equal, current if current is not None else equal)
         if step is not None:
-            trial = self.guard.trial.ident if arm is not None and self.guard is not None \
-                and self.guard.trial is not None else None
+            guard = self.guard
+            trial = guard.trial.ident if arm is not None and guard is not None \
+                and guard.trial is not None else None
             self._planned[step] = (trial, arm or 0, current is not None and sub != current)
             self._planned.pop(step - 64, None)  # a step never timed
-        self._last = (ids, sub)
+        self._last = (ids, sub, total, equal)
         self.state = PROBE if arm is not None or self._measure else \
             HELD if not self._trusted() else EQUAL if sub == equal else BALANCED
         split = [0] * self.workers

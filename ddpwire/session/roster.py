@@ -182,12 +182,11 @@ class Roster:
         try:
             for chan in list(self.channels):
                 start, end = self.shards.bounds(chan.peer_id)
+                msgs: List[object] = [ShardAssignment(step=step, shard_start=start, shard_end=end)]
+                if chan.on_timing is not None:
+                    msgs.append(ShardScale(step=step, scale=self.shards.scale(chan.peer_id)))
                 try:
-                    chan.send(ShardAssignment(step=step, shard_start=start, shard_end=end),
-                              step=step)
-                    if chan.on_timing is not None:
-                        chan.send(ShardScale(step=step, scale=self.shards.scale(chan.peer_id)),
-                                  step=step)
+                    chan.send_all(msgs, step=step)
                 except WorkerLost as exc:
                     if not elastic:
                         raise

@@ -123,7 +123,7 @@ class StepModel:
     @property
     def measured(self) -> bool:
         """Whether any step was measured."""
-        return self.per_sample is not None
+        return bool(self._sizes)
 
     def predict(self, samples: int) -> float:
         """Seconds of compute for a shard of ``samples`` (0 before any
@@ -137,10 +137,14 @@ class StepModel:
         if samples <= 0 or not seconds > 0.0:
             return
         # what the size showed before the streak a jump would be made of
-        seen = list(self._times.get(samples, ()))[:-(JUMP_STEPS - 1) or None]
-        novel = len(seen) < MIN_POINT or not min(seen) <= seconds <= max(seen)
+        times = self._times.get(samples)
+        if times is None or len(times) < MIN_POINT + JUMP_STEPS - 1:
+            novel = True
+        else:
+            seen = list(times)[:len(times) - (JUMP_STEPS - 1)]
+            novel = not min(seen) <= seconds <= max(seen)
         self._recent.append((samples, seconds, novel))
-        if self.measured and self._jumped():
+        if novel and self._sizes and self._jumped():
             ratio = median(t / self.predict(s) for s, t, _ in self._recent)
             assert self.fixed is not None and self.per_sample is not None
             self.jumps += 1
@@ -150,10 +154,11 @@ class StepModel:
             self._sizes.clear()
             for s, t, _ in self._recent:
                 self._keep(s, t)
-            self._fit()
-            return
         else:
             self._keep(samples, seconds)
+        # the fit is made here, when a worker's StepTiming comes in, while
+        # the others still compute: the step's report reads it at its end,
+        # when every worker waits for the next shards (issue 38)
         self._fit()
 
     def _jumped(self) -> bool:
@@ -176,20 +181,22 @@ class StepModel:
         self._times[samples].append(seconds)
         self._means[samples] = trimmed_mean(self._times[samples])
 
-    def _points(self) -> List[Tuple[int, float]]:
-        return [(s, self._means[s]) for s in self._sizes if len(self._times[s]) >= MIN_POINT]
-
     def _fit(self) -> None:
-        points = self._points()
-        slopes = [(t2 - t1) / (s2 - s1) for i, (s1, t1) in enumerate(points)
-                  for s2, t2 in points[i + 1:] if abs(s2 - s1) >= SPREAD * max(s1, s2)]
+        times, means = self._times, self._means
+        sizes = [s for s in self._sizes if len(times[s]) >= MIN_POINT]
+        slopes = []
+        for i, s1 in enumerate(sizes):
+            t1 = means[s1]
+            for s2 in sizes[i + 1:]:
+                if abs(s2 - s1) >= SPREAD * (s1 if s1 > s2 else s2):
+                    slopes.append((means[s2] - t1) / (s2 - s1))
         if slopes:
             per_sample = max(median(slopes), 0.0)
-            fixed = median(t - per_sample * s for s, t in points)
+            fixed = median([means[s] - per_sample * s for s in sizes])
             if fixed < 0.0:
                 # a negative fixed part is noise around none: all per sample
                 fixed = 0.0
-                per_sample = median(t / s for s, t in points)
+                per_sample = median([means[s] / s for s in sizes])
             self.fixed, self.per_sample, self.provisional = fixed, per_sample, False
         elif self._prior is not None:
             # one size since a jump: the fit before it, scaled by the jump
@@ -197,4 +204,4 @@ class StepModel:
             self.provisional = False
         else:
             s = self._sizes[-1]
-            self.fixed, self.per_sample, self.provisional = 0.0, self._means[s] / s, True
+            self.fixed, self.per_sample, self.provisional = 0.0, means[s] / s, True

@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -148,6 +148,21 @@ class Channel:
             self.frame_open = True
             self.conn.send_parts(parts, self.timeout, deadline=deadline, step=step,
                                  what=f"sending {type(msg).__name__}")
+            self.frame_open = False
+
+    def send_all(self, msgs: Sequence[Any], *, step: Optional[int] = None) -> None:
+        """Encode ``msgs`` (no gradient buffer among them) and send them back
+        to back in one write: a step's shard and its scale wake the peer
+        once, not once a frame (issue 38: on a busy machine each wake-up
+        is a scheduling round on the step's critical path)."""
+        parts: List[Any] = []
+        for msg in msgs:
+            # a message without a bulk field is (head, None, b""): only its head goes
+            parts.extend(p for p in encode_frame_parts(msg, max_frame=self.max_frame) if p)
+        with self.send_lock:
+            self.frame_open = True
+            self.conn.send_parts(parts, self.timeout, step=step,
+                                 what="sending " + " and ".join(type(m).__name__ for m in msgs))
             self.frame_open = False
 
     def try_send_heartbeat(self, node_id: str) -> None:
