@@ -115,8 +115,11 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
         cmd = [sys.executable, str(FIXED), str(share)] + args if share is not None else \
             [sys.executable, "-m", "ddpwire"] + args
         env = _env(root)
+        # every process starts in ``root``: ``python -m`` puts its working
+        # directory first on the path, ahead of PYTHONPATH, and a baseline
+        # started from this checkout would run this checkout's ddpwire
         coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, env=env)
+                                 text=True, env=env, cwd=str(root))
         procs = []
         for i in range(workers):
             w = [sys.executable, "-m", "ddpwire", "worker", "--connect", f"127.0.0.1:{port}",
@@ -126,8 +129,8 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
                 w += ["--node-id", "held"]
                 # the quota holds the worker from its first instruction on
                 w = ["sh", "-c", f'echo $$ > {CGROUP}/tasks && exec "$@"', "sh"] + w
-            procs.append(subprocess.Popen(w, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(subprocess.Popen(w, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          text=True, env=env, cwd=str(root)))
         try:
             out, _ = coord.communicate(timeout=1800)
             errs = [p.communicate(timeout=120)[1] for p in procs]

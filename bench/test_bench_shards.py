@@ -1,12 +1,15 @@
 """What ``--balance auto`` costs the coordinator a step, beside ``off``, in the
 same run (issue 38, stop 55): the shards' bookkeeping of one step as the
-coordinator does it (``Shards.plan``, each worker's arrival and StepTiming,
-the progress table's timings), on synthetic times of identical workers, no
+coordinator does it (``Shards.plan``, each worker's bounds and scale, its
+arrival and StepTiming, the progress table's timings), on synthetic times of identical workers, no
 sockets. ``plan`` is on the step's critical path (the shards go out after
 it); the StepTimings come in while the workers compute.
 
     PYTHONPATH=$PWD python -m pytest -q bench/test_bench_shards.py \\
         --benchmark-json=bench/results/shards-step-<commit>.json
+
+(PYTHONPATH at an older commit's built checkout measures that commit with
+this file: the bookkeeping's API is the same.)
 
 The ratio auto/off is printed and kept in each benchmark's extra_info.
 """
@@ -32,6 +35,9 @@ def steps(mode, workers: int) -> float:
     for step in range(STEPS):
         now += STEP_S
         shards.plan(step, TOTAL, now)
+        for w in range(workers):  # what the ShardAssignment and ShardScale carry
+            shards.bounds(w)
+            shards.scale(w)
         for w in range(workers):
             shards.arrived(w, now + 0.001 + rng.random() * 1e-4)
             shards.observe(w, step, int((0.0009 + rng.random() * 1e-4) * 1e6), now + 0.0011)
