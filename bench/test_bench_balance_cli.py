@@ -9,7 +9,8 @@ in the same run.
   rounds: their geometric mean and its 95% interval, ``ratio_geometric``:
   on this machine one run's ratio spreads ±15%, so a goal of 0.98x needs
   the interval, not a run), and the shards at the end are compared with
-  equal ones.
+  equal ones: the last step's (``final_shards``) and the split the run
+  kept (``kept_shards``: a run may end inside a trial).
 - ``test_held``: two workers, one (``--node-id held``) held to a quarter of
   a core by a cgroup v1 cpu quota with a 10 ms period, the same models and
   sizes: ``--balance auto``, ``off``, and a sweep of fixed splits (the held
@@ -156,6 +157,10 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
         # the mean step in each state, and the steps' time in it
         "step_s_by_state": {s: [sum(t) / len(t), sum(t)] for s, t in _by_state(lines).items()},
         "final_shards": [w["shard"] for w in last],
+        # the split the run kept at its end: a run may end inside a trial,
+        # its last step a challenger's
+        "kept_shards": next((s[3] for s in reversed(_stretches(lines)) if s[2] != "probe"),
+                            [w["shard"] for w in last]),
         "names": [w.get("name", "") for w in last],
         "states": {s: sum(1 for x in lines if x.get("balance") == s)
                    for s in {x.get("balance") for x in lines}},
@@ -237,13 +242,17 @@ def test_identical(benchmark, workers, model, samples):
                              for g in rounds])
     equal = samples / workers
     off_equal = [max(abs(c - equal) for c in g["auto"]["final_shards"]) / equal for g in rounds]
+    kept_off_equal = [max(abs(c - equal) for c in g["auto"]["kept_shards"]) / equal
+                      for g in rounds]
     geo = geometric_interval(ratios)
     print(f"\nidentical {workers} {model} {samples}: auto/off {geo[0]:.3f} "
           f"(95% {geo[1]:.3f}-{geo[2]:.3f}), rounds {[round(r, 3) for r in ratios]}, shards "
-          f"{[g['auto']['final_shards'] for g in rounds]}", flush=True)
+          f"{[g['auto']['final_shards'] for g in rounds]}, kept "
+          f"{[g['auto']['kept_shards'] for g in rounds]}", flush=True)
     benchmark.extra_info.update(
         workers=workers, model=model, samples=samples, steps=steps, ratios=ratios,
         ratio_median=_median(ratios), ratio_geometric=geo, final_off_equal=off_equal,
+        kept_off_equal=kept_off_equal,
         rounds=rounds)
     assert all(g["auto"]["final_shards"] for g in rounds)
 
