@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterable, Optional, Sequence, Tuple
 
 __all__ = ["JUMP", "JUMP_STEPS", "MIN_POINT", "PER_SIZE", "SIZES",
            "SPREAD", "StepModel", "median", "spread", "trimmed_mean"]
