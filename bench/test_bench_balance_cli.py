@@ -147,19 +147,20 @@ def run_cli(workers: int, model: str, samples: int, steps: int, balance: str, *,
     done = re.search(r"done: .*?, ([0-9][0-9,.]*) samples/s", out)
     step_s = sum(x["step_time_s"] for x in lines)
     last = lines[-1]["workers"]
+    trace = _stretches(lines)
     return {
         "balance": balance, "share": share, "steps": steps,
         "throughput": sum(x["samples"] for x in lines) / step_s,
         "throughput_wall": float(done.group(1).replace(",", "")) if done else None,
         # each stretch of steps at one split and state:
         # [first step, steps, state, shards, its mean step in seconds]
-        "trace": _stretches(lines),
+        "trace": trace,
         # the mean step in each state, and the steps' time in it
         "step_s_by_state": {s: [sum(t) / len(t), sum(t)] for s, t in _by_state(lines).items()},
         "final_shards": [w["shard"] for w in last],
         # the split the run kept at its end: a run may end inside a trial,
         # its last step a challenger's
-        "kept_shards": next((s[3] for s in reversed(_stretches(lines)) if s[2] != "probe"),
+        "kept_shards": next((s[3] for s in reversed(trace) if s[2] != "probe"),
                             [w["shard"] for w in last]),
         "names": [w.get("name", "") for w in last],
         "states": {s: sum(1 for x in lines if x.get("balance") == s)
@@ -241,9 +242,10 @@ def test_identical(benchmark, workers, model, samples):
             baseline_ratios=[g["baseline"]["throughput"] / g["off"]["throughput"]
                              for g in rounds])
     equal = samples / workers
-    off_equal = [max(abs(c - equal) for c in g["auto"]["final_shards"]) / equal for g in rounds]
-    kept_off_equal = [max(abs(c - equal) for c in g["auto"]["kept_shards"]) / equal
-                      for g in rounds]
+
+    def off_equal(which: str) -> List[float]:
+        """How far each round's ``which`` split is from equal shards, a fraction of one."""
+        return [max(abs(c - equal) for c in g["auto"][which]) / equal for g in rounds]
     geo = geometric_interval(ratios)
     print(f"\nidentical {workers} {model} {samples}: auto/off {geo[0]:.3f} "
           f"(95% {geo[1]:.3f}-{geo[2]:.3f}), rounds {[round(r, 3) for r in ratios]}, shards "
@@ -251,8 +253,8 @@ def test_identical(benchmark, workers, model, samples):
           f"{[g['auto']['kept_shards'] for g in rounds]}", flush=True)
     benchmark.extra_info.update(
         workers=workers, model=model, samples=samples, steps=steps, ratios=ratios,
-        ratio_median=_median(ratios), ratio_geometric=geo, final_off_equal=off_equal,
-        kept_off_equal=kept_off_equal,
+        ratio_median=_median(ratios), ratio_geometric=geo,
+        final_off_equal=off_equal("final_shards"), kept_off_equal=off_equal("kept_shards"),
         rounds=rounds)
     assert all(g["auto"]["final_shards"] for g in rounds)
 

@@ -1,15 +1,17 @@
 """What ``--balance auto`` costs the coordinator a step, beside ``off``, in the
 same run (issue 38, stop 55): the shards' bookkeeping of one step as the
 coordinator does it (``Shards.plan``, each worker's bounds and scale, its
-arrival and StepTiming, the progress table's timings), on synthetic times of identical workers, no
-sockets. ``plan`` is on the step's critical path (the shards go out after
+arrival and StepTiming, the progress table's timings), on synthetic times
+of identical workers, no sockets. ``plan`` is on the step's critical path (the shards go out after
 it); the StepTimings come in while the workers compute.
 
     PYTHONPATH=$PWD python -m pytest -q bench/test_bench_shards.py \\
         --benchmark-json=bench/results/shards-step-<commit>.json
 
-(PYTHONPATH at an older commit's built checkout measures that commit with
-this file: the bookkeeping's API is the same.)
+To measure an older commit with this file (the bookkeeping's API is the
+same), run it from outside both checkouts with PYTHONPATH at the older
+one's built tree: ``python -m`` puts the working directory ahead of
+PYTHONPATH (the command in bench/results/README.md, stop 57).
 
 The ratio auto/off is printed and kept in each benchmark's extra_info.
 """
